@@ -1,0 +1,352 @@
+"""The one place that touches private torch internals.
+
+Everything autoshard needs from torch that is not public API goes through this module, so that a torch
+upgrade (2.11 on the GPU machines, 2.13 on CPU) is mended in one file:
+
+- joint forward+backward capture (``aot_export_joint_with_descriptors``) and its input/output descriptors;
+- DTensor's sharding-strategy registries (the candidate source of the planner);
+- the forward/backward partitioner and Inductor's graph compiler;
+- ``LocalTensorMode`` detection (several simulated ranks in one process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+from torch.distributed.tensor.placement_types import Placement
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+log = logging.getLogger(__name__)
+
+Placements = tuple[Placement, ...]
+
+
+# ----------------------------------------------------------------------------------------------- capture
+
+
+@dataclass(frozen=True)
+class InputRole:
+    """What a joint-graph placeholder is: a parameter, a buffer, a user input or a tangent."""
+
+    kind: str  # "parameter" | "buffer" | "input" | "tangent"
+    name: str  # parameter/buffer FQN, "input[i]" or "tangent[i]"
+    index: int  # position among placeholders of that kind
+
+
+@dataclass(frozen=True)
+class OutputRole:
+    kind: str  # "loss" | "output" | "grad" | "none"
+    name: str  # "output[i]" or the parameter FQN whose gradient this is
+
+
+def new_fake_mode() -> FakeTensorMode:
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def export_joint(
+    stack: contextlib.ExitStack,
+    module: torch.nn.Module,
+    args: tuple[Any, ...],
+    fake_mode: FakeTensorMode,
+    decompositions: dict | None = None,
+) -> fx.GraphModule:
+    """Trace ``module(*args)`` into one joint forward+backward ATen graph with fake tensors."""
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+    with fake_mode:
+        jd = aot_export_joint_with_descriptors(
+            stack, module, args, decompositions=decompositions, _record_nn_module_stack=True
+        )
+    return jd.graph_module
+
+
+def placeholder_role(node: fx.Node) -> InputRole:
+    desc = node.meta.get("desc")
+    cls = type(desc).__name__
+    if cls == "ParamAOTInput":
+        return InputRole("parameter", desc.target, -1)
+    if cls == "BufferAOTInput":
+        return InputRole("buffer", desc.target, -1)
+    if cls == "PlainAOTInput":
+        return InputRole("input", f"input[{desc.idx}]", desc.idx)
+    if cls == "TangentAOTInput":
+        out = desc.output
+        idx = getattr(out, "idx", 0)
+        return InputRole("tangent", f"tangent[{idx}]", idx)
+    raise NotImplementedError(
+        f"autoshard cannot place graph input {node.name} with descriptor {desc!r}: only parameters, buffers, "
+        "plain tensor inputs and tangents are supported"
+    )
+
+
+def output_roles(output_node: fx.Node) -> list[OutputRole]:
+    descs = output_node.meta.get("desc") or []
+    roles = []
+    for i, d in enumerate(descs):
+        cls = type(d).__name__
+        if cls == "PlainAOTOutput":
+            roles.append(OutputRole("output", f"output[{d.idx}]"))
+        elif cls == "GradAOTOutput":
+            target = getattr(d.grad_of, "target", None)
+            if target is None:
+                roles.append(OutputRole("none", f"grad[{i}]"))
+            else:
+                roles.append(OutputRole("grad", target))
+        elif d is None:
+            roles.append(OutputRole("none", f"none[{i}]"))
+        else:
+            raise NotImplementedError(f"autoshard does not support graph output descriptor {d!r}")
+    return roles
+
+
+def is_fake(t: object) -> bool:
+    return isinstance(t, FakeTensor)
+
+
+# ------------------------------------------------------------------------------------- DTensor strategies
+
+
+def _prop():
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def tensor_meta(t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(shape=t.shape, stride=t.stride(), dtype=t.dtype)
+
+
+def make_spec(mesh: DeviceMesh, placements: Sequence[Placement], meta: TensorMeta | None) -> DTensorSpec:
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
+
+
+def _schema(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> OpSchema:
+    prop = _prop()
+    info = prop.op_to_schema_info.get(op) or prop.op_to_schema_info_for_single_dim_strategy.get(op)
+    return OpSchema(op, args, kwargs, schema_info=info)
+
+
+def _specs_of(x: object) -> list[DTensorSpec | None]:
+    """Flatten an OpSpec.output_specs/input_specs value into a list."""
+    if x is None:
+        return [None]
+    if isinstance(x, DTensorSpec):
+        return [x]
+    return list(x)
+
+
+@dataclass(frozen=True)
+class RawStrategy:
+    """One candidate of an op: placements required of its tensor inputs and produced for its outputs."""
+
+    inputs: tuple[Placements | None, ...]
+    outputs: tuple[Placements | None, ...]
+
+
+def _collect(strategy: object, n_inputs: int) -> list[RawStrategy]:
+    out: list[RawStrategy] = []
+    if isinstance(strategy, TupleStrategy):
+        # foreach-like ops: not used by the planner (joint graphs are functional, single output lists)
+        return out
+    if not isinstance(strategy, OpStrategy):
+        return out
+    for spec in strategy.strategies:
+        outs = tuple(None if s is None else tuple(s.placements) for s in _specs_of(spec.output_specs))
+        if spec.input_specs is None:
+            ins = tuple(outs[0] for _ in range(n_inputs))
+        else:
+            ins = tuple(None if s is None else tuple(s.placements) for s in spec.input_specs)
+        out.append(RawStrategy(ins, outs))
+    return out
+
+
+def op_strategies(
+    op: torch._ops.OpOverload,
+    args: tuple,
+    kwargs: dict,
+    mesh: DeviceMesh,
+    first_input: Placements,
+    other_inputs: Sequence[Placements] | None = None,
+) -> list[RawStrategy]:
+    """DTensor's candidate strategies for ``op`` when its first tensor input is placed ``first_input``.
+
+    ``args``/``kwargs`` carry ``TensorMeta`` where the op takes a tensor. Strategy functions that enumerate
+    every candidate (einsum-like ops) ignore the input placement; the ones that follow their input (views,
+    pointwise, reductions) return the strategies compatible with it. Raises whatever DTensor raises when the
+    op cannot take that placement; the caller skips such combinations.
+    """
+    prop = _prop()
+    n_tensor = [0]
+    others = list(other_inputs or [])
+
+    def to_spec(a: object) -> object:
+        if isinstance(a, TensorMeta):
+            i = n_tensor[0]
+            n_tensor[0] += 1
+            if i == 0:
+                pl = first_input
+            elif i - 1 < len(others) and others[i - 1] is not None:
+                pl = others[i - 1]
+            else:
+                pl = tuple(Replicate() for _ in range(mesh.ndim))
+            return make_spec(mesh, pl, a)
+        if isinstance(a, (list, tuple)) and any(isinstance(x, TensorMeta) for x in a):
+            return type(a)(to_spec(x) for x in a)
+        return a
+
+    sargs = tuple(to_spec(a) for a in args)
+    skw = {k: to_spec(v) for k, v in kwargs.items()}
+    n_inputs = n_tensor[0]
+    schema = _schema(op, sargs, skw)
+    single = prop.op_single_dim_strategy_funcs.get(op)
+    func = prop.op_strategy_funcs.get(op)
+    if single is not None or func is not None:
+        out_meta = prop._propagate_tensor_meta_non_cached(schema)
+        wrapped = prop._wrap_with_op_strategy(schema)
+        if single is not None:
+            from torch.distributed.tensor._sharding_prop import _expand_single_dim_strategy_to_mesh
+
+            fn = _expand_single_dim_strategy_to_mesh(mesh, wrapped, single, out_meta)
+            strat = fn(op, wrapped.args_meta, wrapped.kwargs_meta)
+        else:
+            strat = func(wrapped)
+        return _collect(strat, n_inputs)
+    # decomposition path / legacy rules: only the min-cost choice for this input placement is available
+    sharding = prop.propagate_op_sharding_non_cached(schema)
+    out_spec = sharding.output_spec
+    outs = tuple(None if s is None else tuple(s.placements) for s in _specs_of(out_spec))
+    red = sharding.redistribute_schema
+    in_specs = red.args_spec if red is not None else schema.args_spec
+    ins = tuple(tuple(s.placements) for s in in_specs)
+    return [RawStrategy(ins, outs)]
+
+
+def propagate(
+    op: torch._ops.OpOverload, args: tuple, kwargs: dict, mesh: DeviceMesh, placed: dict[int, Placements]
+) -> RawStrategy:
+    """What DTensor itself would run for ``op`` given its tensor inputs' placements (unlisted ones Replicate):
+    the placements it redistributes the inputs to and the placements of the outputs."""
+    prop = _prop()
+    counter = [0]
+    rep = tuple(Replicate() for _ in range(mesh.ndim))
+
+    def to_spec(a: object) -> object:
+        if isinstance(a, TensorMeta):
+            i = counter[0]
+            counter[0] += 1
+            return make_spec(mesh, placed.get(i, rep), a)
+        if isinstance(a, (list, tuple)) and any(isinstance(x, TensorMeta) for x in a):
+            return type(a)(to_spec(x) for x in a)
+        return a
+
+    schema = _schema(op, tuple(to_spec(a) for a in args), {k: to_spec(v) for k, v in kwargs.items()})
+    sharding = prop.propagate_op_sharding_non_cached(schema)
+    outs = tuple(None if s is None else tuple(s.placements) for s in _specs_of(sharding.output_spec))
+    red = sharding.redistribute_schema
+    in_specs = red.args_spec if red is not None else schema.args_spec
+    return RawStrategy(tuple(tuple(s.placements) for s in in_specs), outs)
+
+
+def has_sharding_rule(op: torch._ops.OpOverload) -> bool:
+    prop = _prop()
+    if op in prop.op_single_dim_strategy_funcs or op in prop.op_strategy_funcs or op in prop.op_to_rules:
+        return True
+    from torch.distributed.tensor._sharding_prop import DecompShardingStrategy
+
+    return DecompShardingStrategy.has_decomp(op)
+
+
+def redistribute(t: DTensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> DTensor:
+    """``DTensor.redistribute`` that also makes Partial targets (R -> P), which the public API refuses but
+    DTensor's own dispatch does when an op wants a Partial input (a zeroed copy on all but one rank)."""
+    placements = tuple(placements)
+    if not any(isinstance(p, Partial) and not isinstance(q, Partial) for p, q in zip(placements, t.placements)):
+        return t.redistribute(mesh, placements)
+    from torch.distributed.tensor._redistribute import redistribute_local_tensor
+
+    target = DTensorSpec(mesh, placements, tensor_meta=t._spec.tensor_meta)
+    local = redistribute_local_tensor(t.to_local(), t._spec, target)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
+
+
+# ------------------------------------------------------------------------------- partition and compile
+
+
+def partition_joint(gm: fx.GraphModule, num_fwd_outputs: int) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Split a joint graph (placeholders ``primals_*``/``tangents_*``) into forward and backward graphs.
+
+    The forward returns its ``num_fwd_outputs`` outputs followed by the tensors saved for backward; the
+    backward takes the saved tensors followed by the tangents.
+    """
+    from torch._functorch.partitioners import default_partition
+
+    primals = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("primals")]
+    tangents = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")]
+    return default_partition(gm, [primals, tangents], num_fwd_outputs=num_fwd_outputs)
+
+
+def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Callable[..., Any]:
+    """Compile an ATen graph (already functional, no autograd) with Inductor; returns f(list) -> outputs."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    compiled = compile_fx_inner(gm, list(example_inputs))
+
+    def run(args: list[torch.Tensor]) -> Any:
+        return compiled(list(args))
+
+    return run
+
+
+def decomposition_table() -> dict:
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+# ------------------------------------------------------------------------------------- local tensor mode
+
+
+def in_local_tensor_mode() -> bool:
+    """True inside ``LocalTensorMode`` (several ranks simulated in this process)."""
+    try:
+        from torch.distributed._local_tensor import local_tensor_mode
+    except ImportError:  # pragma: no cover - older torch
+        return False
+    return local_tensor_mode() is not None
+
+
+def outside_local_tensor_mode() -> contextlib.AbstractContextManager:
+    """Planning traces plain fake tensors even when the caller simulates ranks with ``LocalTensorMode``."""
+    if not in_local_tensor_mode():
+        return contextlib.nullcontext()
+    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(maybe_disable_local_tensor_mode())
+    stack.enter_context(_disable_current_modes())
+    return stack
+
+
+def detach_from_fake_modes() -> contextlib.AbstractContextManager:
+    """Leave any active fake/proxy dispatch modes (used when tracing the lowered program)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+def all_placements(mesh_ndim: int, tensor_ndim: int, partial: bool = False) -> Iterator[Placements]:
+    """Every combination of R / S(d) (and P) over the mesh axes."""
+    choices: list[Placement] = [Replicate()] + [Shard(d) for d in range(tensor_ndim)]
+    if partial:
+        choices.append(Partial())
+    return itertools.product(choices, repeat=mesh_ndim)

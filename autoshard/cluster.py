@@ -1,0 +1,383 @@
+"""Hardware and cluster profiles as plain data, every number with its source.
+
+The planner never talks to hardware: it prices compute with a roofline over a :class:`DeviceSpec` and prices
+collectives with ring formulas over the :class:`Link` a mesh axis runs on (DESIGN §5). Keeping those numbers in
+one frozen, JSON-able value (instead of constants scattered through the cost model) is what lets
+``autoshard plan --cluster h100-sxm:128x8`` run on a laptop, lets a user drop in a ``my_cluster.json`` they
+measured themselves, and lets a reader check each number against the document it came from (``sources``).
+
+Spec strings accepted by :func:`get_cluster`::
+
+    "h100-sxm"          one node of the preset's default size (8 devices)
+    "h100-sxm:4x8"      4 nodes x 8 devices per node = 32 devices
+    "/path/to/x.json"   ClusterProfile.to_dict() output, written by hand or by a measuring script
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Link", "DeviceSpec", "ClusterProfile", "get_cluster", "known_clusters"]
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of interconnect, as a ring collective sees it.
+
+    ``bandwidth`` is bytes/s per direction per device: the rate at which one device can push bytes to its ring
+    neighbour, which is what the ring formulas divide by. ``latency`` is the fixed cost of one ring step.
+    """
+
+    name: str
+    bandwidth: float
+    latency: float
+    source: str
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth > 0:
+            raise ValueError(f"Link {self.name!r}: bandwidth must be > 0 bytes/s, got {self.bandwidth}")
+        if not self.latency >= 0:
+            raise ValueError(f"Link {self.name!r}: latency must be >= 0 s, got {self.latency}")
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator (or one CPU rank) for the roofline model.
+
+    ``peak_flops`` maps a dtype name (``"float32"``, ``"bfloat16"``, ...) to dense FLOP/s; ``"float32"`` is
+    required because it is the fallback for dtypes that are not listed. The two mappings are copied on
+    construction and excluded from the hash, so a DeviceSpec stays hashable (usable as a cache key) and the
+    caller's dict can't change it afterwards; treat them as read-only.
+    """
+
+    name: str
+    peak_flops: Mapping[str, float] = field(hash=False)
+    memory_bytes: int
+    memory_bandwidth: float
+    flops_efficiency: float
+    memory_efficiency: float
+    kernel_overhead: float
+    sources: Mapping[str, str] = field(hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "peak_flops", {str(k): float(v) for k, v in self.peak_flops.items()})
+        object.__setattr__(self, "sources", {str(k): str(v) for k, v in self.sources.items()})
+        if "float32" not in self.peak_flops:
+            raise ValueError(
+                f"DeviceSpec {self.name!r}: peak_flops needs a 'float32' entry (the fallback for unlisted "
+                f"dtypes); got keys {sorted(self.peak_flops)}"
+            )
+        for key in ("flops_efficiency", "memory_efficiency"):
+            value = getattr(self, key)
+            if not 0 < value <= 1:
+                raise ValueError(f"DeviceSpec {self.name!r}: {key} must be in (0, 1], got {value}")
+        if self.memory_bytes <= 0 or self.memory_bandwidth <= 0:
+            raise ValueError(f"DeviceSpec {self.name!r}: memory_bytes and memory_bandwidth must be > 0")
+
+
+@dataclass(frozen=True)
+class ClusterProfile:
+    """``nodes`` x ``devices_per_node`` identical devices; one link inside a node, another between nodes."""
+
+    name: str
+    device: DeviceSpec
+    devices_per_node: int
+    nodes: int
+    intra_node: Link
+    inter_node: Link
+
+    def __post_init__(self) -> None:
+        if self.devices_per_node < 1 or self.nodes < 1:
+            raise ValueError(
+                f"ClusterProfile {self.name!r}: need nodes >= 1 and devices_per_node >= 1, "
+                f"got {self.nodes}x{self.devices_per_node}"
+            )
+
+    def num_devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def axis_link(self, mesh_shape: Sequence[int], axis: int) -> Link:
+        """The link a collective over mesh axis ``axis`` runs on.
+
+        Devices are numbered node-major and the mesh is laid out row-major over them, so trailing (inner) axes
+        vary fastest and stay inside a node: axis ``i`` is intra-node iff ``prod(mesh_shape[i:])`` fits in one
+        node. That is why tensor parallelism goes on the last axis: ``dp=4 x tp=8`` on 4x8 puts tp on NVLink.
+        """
+        ndim = len(mesh_shape)
+        if not -ndim <= axis < ndim:
+            raise ValueError(f"axis {axis} is out of range for mesh shape {tuple(mesh_shape)}")
+        span = math.prod(mesh_shape[axis % ndim:])
+        return self.intra_node if span <= self.devices_per_node else self.inter_node
+
+    def with_size(self, nodes: int, per_node: int) -> ClusterProfile:
+        """The same hardware with a different device count, named ``"<preset>:<nodes>x<per_node>"``."""
+        base = self.name.split(":", 1)[0]
+        return replace(self, name=f"{base}:{nodes}x{per_node}", nodes=nodes, devices_per_node=per_node)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form; ``ClusterProfile.from_dict(p.to_dict()) == p``."""
+        dev = self.device
+        return {
+            "name": self.name,
+            "device": {
+                "name": dev.name,
+                "peak_flops": dict(dev.peak_flops),
+                "memory_bytes": dev.memory_bytes,
+                "memory_bandwidth": dev.memory_bandwidth,
+                "flops_efficiency": dev.flops_efficiency,
+                "memory_efficiency": dev.memory_efficiency,
+                "kernel_overhead": dev.kernel_overhead,
+                "sources": dict(dev.sources),
+            },
+            "devices_per_node": self.devices_per_node,
+            "nodes": self.nodes,
+            "intra_node": _link_to_dict(self.intra_node),
+            "inter_node": _link_to_dict(self.inter_node),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ClusterProfile:
+        try:
+            dev = data["device"]
+            device = DeviceSpec(
+                name=dev["name"],
+                peak_flops=dev["peak_flops"],
+                memory_bytes=int(dev["memory_bytes"]),
+                memory_bandwidth=float(dev["memory_bandwidth"]),
+                flops_efficiency=float(dev["flops_efficiency"]),
+                memory_efficiency=float(dev["memory_efficiency"]),
+                kernel_overhead=float(dev["kernel_overhead"]),
+                sources=dev.get("sources", {}),
+            )
+            return cls(
+                name=data["name"],
+                device=device,
+                devices_per_node=int(data["devices_per_node"]),
+                nodes=int(data["nodes"]),
+                intra_node=Link(**data["intra_node"]),
+                inter_node=Link(**data["inter_node"]),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(
+                f"invalid cluster profile dict ({exc!r}); expected the layout written by ClusterProfile.to_dict(): "
+                f"keys name, device{{name, peak_flops, memory_bytes, memory_bandwidth, flops_efficiency, "
+                f"memory_efficiency, kernel_overhead, sources}}, devices_per_node, nodes, "
+                f"intra_node{{name, bandwidth, latency, source}}, inter_node{{...}}"
+            ) from exc
+
+
+def _link_to_dict(link: Link) -> dict[str, Any]:
+    return {"name": link.name, "bandwidth": link.bandwidth, "latency": link.latency, "source": link.source}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Presets. Datasheet numbers are dense (no 2:4 sparsity). Efficiencies are assumptions, stated as such.
+# ---------------------------------------------------------------------------------------------------------------
+
+_CPU_MEASURED = "measured on this 2-core CI machine, torch 2.13, 2026-11-22"
+_GPU_EFF = (
+    "assumption: large bf16 GEMMs reach ~0.7 of datasheet dense peak (MLPerf / Megatron-LM MFU on the GEMMs); "
+    "HBM streaming kernels reach ~0.8 of peak bandwidth; ~5 us per kernel (CUDA launch + PyTorch dispatch)"
+)
+
+
+def _cpu() -> ClusterProfile:
+    # One "device" = one process pinned to one thread (torch.set_num_threads(1)), as in the gloo tests.
+    mem_total = 24_684_084 * 1024  # /proc/meminfo MemTotal, shared by the 8 ranks of the one node
+    device = DeviceSpec(
+        name="cpu-1thread (AMD EPYC Zen 4, AVX-512)",
+        peak_flops={"float32": 1.0e11, "bfloat16": 2.1e11, "float16": 1.0e9},
+        memory_bytes=mem_total // 8,
+        memory_bandwidth=2.7e10,
+        flops_efficiency=0.9,
+        memory_efficiency=0.95,
+        kernel_overhead=1.2e-6,
+        sources={
+            "peak_flops": f"{_CPU_MEASURED}: 1024x1024 torch.mm on 1 thread, best of 10 after warm-up: fp32 "
+            "83-102 GFLOP/s over 4 runs, bf16 (avx512_bf16) 210-217 GFLOP/s; fp16 ~1.0 GFLOP/s (no native "
+            "fp16 GEMM path on this CPU)",
+            "flops_efficiency": f"{_CPU_MEASURED}: median / best of the fp32 mm timings ~0.9",
+            "memory_bytes": f"{_CPU_MEASURED}: /proc/meminfo MemTotal 24,684,084 kB divided by the 8 ranks per node",
+            "memory_bandwidth": f"{_CPU_MEASURED}: Tensor.copy_ of 256 MiB fp32, 1 thread, best 27.1-27.8 GB/s "
+            "counting bytes read + written",
+            "memory_efficiency": f"{_CPU_MEASURED}: median / best of the copy timings ~0.95",
+            "kernel_overhead": f"{_CPU_MEASURED}: eager torch.add of 8 floats, 1.1-1.4 us per call",
+        },
+    )
+    loopback = Link(
+        name="gloo-loopback",
+        bandwidth=1.1e9,
+        latency=8.5e-5,
+        source=f"{_CPU_MEASURED}: gloo all_reduce between 2 forked 1-thread processes (FileStore), medians; "
+        "fit t = 2*alpha + b/beta (ring, n=2): 4-byte all_reduce 111-247 us -> alpha ~85 us per step; "
+        "16-64 MiB all_reduce -> beta 0.97-1.31 GB/s",
+    )
+    network = replace(
+        loopback,
+        name="gloo-tcp (assumed)",
+        source="assumption: no multi-machine CPU measurement; taken equal to the measured loopback link",
+    )
+    return ClusterProfile(
+        name="cpu", device=device, devices_per_node=8, nodes=1, intra_node=loopback, inter_node=network
+    )
+
+
+def _hopper(name: str, memory_bytes: int, memory_bandwidth: float, memory_source: str) -> ClusterProfile:
+    datasheet = "NVIDIA H100 Tensor Core GPU datasheet (SXM5 column, dense = half the sparsity figure)"
+    device = DeviceSpec(
+        name=name,
+        peak_flops={
+            "float32": 67e12,
+            "tfloat32": 494.5e12,
+            "bfloat16": 989e12,
+            "float16": 989e12,
+            "float8_e4m3fn": 1979e12,
+            "float64": 67e12,
+        },
+        memory_bytes=memory_bytes,
+        memory_bandwidth=memory_bandwidth,
+        flops_efficiency=0.7,
+        memory_efficiency=0.8,
+        kernel_overhead=5e-6,
+        sources={
+            "peak_flops": f"{datasheet}: FP32 67 TF, TF32 989 TF sparse, BF16/FP16 1,979 TF sparse, FP8 3,958 TF "
+            "sparse, FP64 tensor core 67 TF; 'float32' is the non-tensor-core rate because PyTorch keeps TF32 "
+            "matmuls off by default",
+            "memory_bytes": memory_source,
+            "memory_bandwidth": memory_source,
+            "flops_efficiency": _GPU_EFF,
+            "memory_efficiency": _GPU_EFF,
+            "kernel_overhead": _GPU_EFF,
+        },
+    )
+    nvlink = Link(
+        name="nvlink4",
+        bandwidth=450e9,
+        latency=3e-6,
+        source="NVIDIA H100 datasheet / NVLink4: 18 links, 900 GB/s bidirectional = 450 GB/s per direction per "
+        "GPU through NVSwitch (peak; NCCL all_reduce bus bandwidth measures ~360 GB/s); latency: assumption, "
+        "a few us per ring step for NCCL over NVSwitch",
+    )
+    infiniband = Link(
+        name="ndr-infiniband",
+        bandwidth=50e9,
+        latency=5e-6,
+        source="DGX H100 / ConnectX-7: 8 x 400 Gb/s NDR InfiniBand per node, one per GPU = 50 GB/s per direction "
+        "per GPU; latency: assumption, ~5 us per ring step across the IB fabric",
+    )
+    return ClusterProfile(
+        name=name, device=device, devices_per_node=8, nodes=1, intra_node=nvlink, inter_node=infiniband
+    )
+
+
+def _a100() -> ClusterProfile:
+    datasheet = "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM column, dense)"
+    device = DeviceSpec(
+        name="a100-80gb",
+        peak_flops={"float32": 19.5e12, "tfloat32": 156e12, "bfloat16": 312e12, "float16": 312e12,
+                    "float64": 19.5e12},
+        memory_bytes=80 * 2**30,
+        memory_bandwidth=2.039e12,
+        flops_efficiency=0.7,
+        memory_efficiency=0.8,
+        kernel_overhead=5e-6,
+        sources={
+            "peak_flops": f"{datasheet}: FP32 19.5 TF, TF32 156 TF, BF16/FP16 312 TF, FP64 tensor core 19.5 TF",
+            "memory_bytes": f"{datasheet}: 80 GB HBM2e (nvidia-smi reports 81,920 MiB)",
+            "memory_bandwidth": f"{datasheet}: 2,039 GB/s",
+            "flops_efficiency": _GPU_EFF,
+            "memory_efficiency": _GPU_EFF,
+            "kernel_overhead": _GPU_EFF,
+        },
+    )
+    nvlink = Link(
+        name="nvlink3",
+        bandwidth=300e9,
+        latency=3e-6,
+        source=f"{datasheet} / NVLink3: 12 links, 600 GB/s bidirectional = 300 GB/s per direction per GPU "
+        "through NVSwitch; latency: assumption, a few us per ring step",
+    )
+    infiniband = Link(
+        name="hdr-infiniband",
+        bandwidth=25e9,
+        latency=5e-6,
+        source="Narayanan et al., 'Efficient Large-Scale Language Model Training on GPU Clusters Using "
+        "Megatron-LM', SC21 (Selene, DGX A100 nodes): 8 x 200 Gb/s HDR InfiniBand per node, one per GPU = "
+        "25 GB/s per direction per GPU; latency: assumption, ~5 us per ring step",
+    )
+    return ClusterProfile(
+        name="a100-80gb", device=device, devices_per_node=8, nodes=1, intra_node=nvlink, inter_node=infiniband
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _presets() -> Mapping[str, ClusterProfile]:
+    """Built once, on first use, and handed out read-only: presets are data, not state."""
+    h100 = _hopper(
+        "h100-sxm",
+        80 * 2**30,
+        3.35e12,
+        "NVIDIA H100 datasheet (SXM5): 80 GB HBM3 (nominal GB taken as GiB; nvidia-smi reports 81,559 MiB), "
+        "3.35 TB/s",
+    )
+    h200 = _hopper(
+        "h200",
+        141 * 2**30,
+        4.8e12,
+        "NVIDIA H200 datasheet (SXM): 141 GB HBM3e (nominal GB taken as GiB; nvidia-smi reports 143,771 MiB), "
+        "4.8 TB/s; compute, NVLink and networking as H100 SXM (DGX H200: 8 x ConnectX-7 400 Gb/s)",
+    )
+    profiles = (_cpu(), h100, _a100(), h200)
+    return MappingProxyType({p.name: p for p in profiles})
+
+
+def known_clusters() -> tuple[str, ...]:
+    return tuple(_presets())
+
+
+_SIZE = re.compile(r"^(\d+)x(\d+)$")
+
+
+def get_cluster(spec: str | Path | ClusterProfile | None) -> ClusterProfile:
+    """Resolve a cluster spec: ``None`` (the local ``"cpu"``), a preset name with an optional
+    ``":<nodes>x<per_node>"`` size, a path to a ``.json`` profile, or a ready ClusterProfile."""
+    if spec is None:
+        return _presets()["cpu"]
+    if isinstance(spec, ClusterProfile):
+        return spec
+    text = str(spec).strip()
+    if text.lower().endswith(".json"):
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise ValueError(f"cluster profile file {text!r} does not exist")
+        profile = ClusterProfile.from_dict(json.loads(path.read_text()))
+        logger.debug("loaded cluster profile %s from %s", profile.name, path)
+        return profile
+    name, _, size = text.lower().partition(":")
+    presets = _presets()
+    if name not in presets:
+        raise ValueError(
+            f"unknown cluster {name!r}; known clusters: {', '.join(known_clusters())} "
+            f"(optionally with a size, e.g. 'h100-sxm:4x8', or a path to a .json profile)"
+        )
+    profile = presets[name]
+    if not size:
+        return profile
+    match = _SIZE.match(size)
+    if match is None:
+        raise ValueError(
+            f"cannot parse cluster size {size!r} in {text!r}; write '<nodes>x<devices_per_node>', "
+            f"e.g. '{name}:4x8' for 4 nodes of 8 devices"
+        )
+    return profile.with_size(int(match.group(1)), int(match.group(2)))

@@ -1,0 +1,101 @@
+"""Planner and compiler options: one keyword-only, validated, frozen dataclass."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed.tensor.placement_types import Placement, Replicate
+
+from autoshard.notation import parse_bytes, parse_placement, parse_placements
+
+OPTIMIZER_STATE_FACTOR = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
+
+# A constraint value: either a full placement list (one per mesh axis: "[S(0), R]", ("S(0)", "R"),
+# [Shard(0), Replicate()]) or a partial mapping {axis name: placement} that leaves other axes free.
+ConstraintValue = Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanConfig:
+    """What the planner optimizes under.
+
+    ``constraints`` pins placements. Keys are ``"inputs"`` (every input), ``"input[i]"`` (one input),
+    ``"params"`` (every parameter) or a glob over parameter names (``"layers.*.mlp.fc1.weight"``); values are a
+    full placement list or ``{mesh axis name: placement}``, e.g. ``{"inputs": {"dp": Shard(0)}}`` shards the batch
+    over ``dp`` and leaves the other axes to the solver.
+    """
+
+    memory_budget: int | None = None
+    constraints: Mapping[str, ConstraintValue] = field(default_factory=dict)
+    optimizer: str = "adamw"
+    time_limit_s: float = 30.0
+    share_layers: bool = True
+    disable_passes: tuple[str, ...] = ()
+    num_workers: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.memory_budget is not None:
+            object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))
+        if self.optimizer not in OPTIMIZER_STATE_FACTOR:
+            raise ValueError(
+                f"optimizer={self.optimizer!r} is not known; use one of {sorted(OPTIMIZER_STATE_FACTOR)} "
+                "(it sets how many optimizer-state bytes each parameter byte costs)"
+            )
+        if self.time_limit_s <= 0:
+            raise ValueError(f"time_limit_s must be positive, got {self.time_limit_s}")
+
+    @property
+    def optimizer_factor(self) -> int:
+        return OPTIMIZER_STATE_FACTOR[self.optimizer]
+
+    def constraint_for(
+        self, name: str, role: str, mesh_names: Sequence[str]
+    ) -> tuple[Placement | None, ...] | None:
+        """Pinned placement per mesh axis (None = free) for a parameter/input, or None when unconstrained."""
+        keys: list[str] = []
+        if role == "input":
+            keys = ["inputs", name]
+        elif role in ("parameter", "buffer"):
+            keys = ["params"] + [k for k in self.constraints if k not in ("inputs", "params") and fnmatch.fnmatchcase(name, k)]
+        found: list[Placement | None] | None = None
+        for key in keys:
+            if key not in self.constraints:
+                continue
+            value = self.constraints[key]
+            pinned = _to_axis_list(value, mesh_names, key)
+            if found is None:
+                found = [None] * len(mesh_names)
+            for i, p in enumerate(pinned):
+                if p is not None:
+                    found[i] = p
+        return None if found is None else tuple(found)
+
+
+def _to_axis_list(value: ConstraintValue, mesh_names: Sequence[str], key: str) -> list[Placement | None]:
+    if isinstance(value, Mapping):
+        out: list[Placement | None] = [None] * len(mesh_names)
+        for axis, p in value.items():
+            if axis not in mesh_names:
+                raise ValueError(
+                    f"constraint {key!r} names mesh axis {axis!r}, but the mesh axes are {tuple(mesh_names)}"
+                )
+            out[list(mesh_names).index(axis)] = p if isinstance(p, Placement) else parse_placement(str(p))
+        return out
+    if isinstance(value, str):
+        pls = list(parse_placements(value))
+    else:
+        pls = [p if isinstance(p, Placement) else parse_placement(str(p)) for p in value]
+    if len(pls) != len(mesh_names):
+        raise ValueError(
+            f"constraint {key!r} gives {len(pls)} placements but the mesh has {len(mesh_names)} axes "
+            f"{tuple(mesh_names)}; give one placement per axis, or a mapping {{axis: placement}}"
+        )
+    return pls
+
+
+def replicate_all(ndim: int) -> tuple[Placement, ...]:
+    return tuple(Replicate() for _ in range(ndim))

@@ -1,0 +1,476 @@
+"""The Plan: what autoshard decided, as a frozen, serializable value.
+
+Why a value type of its own: planning runs on a laptop for any device count (``autoshard plan``), execution runs
+on the cluster later, and a user reviews the decision in between. So the plan must survive JSON exactly
+(``Plan.from_json(p.to_json()) == p``), hold no torch objects (placements are notation strings such as
+``"S(0)"``, dtypes are names such as ``"float32"``), and read as a table (:meth:`Plan.report`).
+
+A plan is a tuple of stages. Today the solver emits one stage that spans the whole mesh; pipeline parallelism
+(DESIGN.md §4) emits several, each on a sub-mesh with its own ranks, layers and intra-op decisions. Nothing
+here assumes one stage except :attr:`Plan.only_stage`, which says so and raises otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import re
+from collections import Counter, defaultdict
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from autoshard.notation import dtype_name, fold_layers, format_bytes, format_seconds, local_shape, mesh_str
+from autoshard.notation import op_str, placement_str, placements_str, tensor_str
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+TENSOR_ROLES = ("parameter", "buffer", "input")
+PHASES = ("forward", "backward", "optimizer")
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "send_recv")
+
+
+def _set(obj: object, **values: Any) -> None:
+    """Normalize fields of a frozen dataclass in ``__post_init__`` (lists from JSON become tuples, etc.)."""
+    for k, v in values.items():
+        object.__setattr__(obj, k, v)
+
+
+def _check(value: str, allowed: Sequence[str], what: str, owner: str) -> None:
+    if value not in allowed:
+        raise ValueError(f"{owner}: {what} {value!r} is not one of {', '.join(allowed)}")
+
+
+def _placements(ps: Iterable[Any]) -> tuple[str, ...]:
+    # canonical notation, so that "Shard(0)" and "S(0)" make equal plans
+    return tuple(placement_str(p) for p in ps)
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """A device mesh by shape and axis names, outer axis first (inner axes map to the faster links)."""
+
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        _set(self, shape=tuple(int(n) for n in self.shape), names=tuple(str(n) for n in self.names))
+        if len(self.shape) != len(self.names):
+            raise ValueError(f"mesh shape {self.shape} and names {self.names} differ in length; name every axis")
+        if any(n < 1 for n in self.shape) or len(set(self.names)) != len(self.names):
+            raise ValueError(f"mesh {self.shape} {self.names}: sizes must be ≥ 1 and axis names unique")
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def __str__(self) -> str:
+        return mesh_str(self.shape, self.names)
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """Where one parameter, buffer or program input lives: global shape plus one placement per mesh axis."""
+
+    name: str
+    role: str
+    shape: tuple[int, ...]
+    dtype: str
+    placements: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        _check(self.role, TENSOR_ROLES, "role", f"tensor {self.name!r}")
+        _set(self, shape=tuple(int(d) for d in self.shape), dtype=dtype_name(self.dtype))
+        _set(self, placements=_placements(self.placements))
+
+    def local_shape(self, mesh: MeshSpec) -> tuple[int, ...]:
+        """Per-device shape on ``mesh``; raises ValueError (naming the tensor) if a shard is uneven."""
+        try:
+            return local_shape(self.shape, self.placements, mesh.shape)
+        except ValueError as e:
+            raise ValueError(f"tensor {self.name!r}: {e}") from None
+
+
+@dataclass(frozen=True)
+class OpDecision:
+    """One decision group's choice, reported at its anchor op (the matmul/norm/... the group follows).
+
+    ``dtype`` (the anchor output's, e.g. ``"float32"``) is optional so decisions print as ``f32[8, 256]``.
+    """
+
+    node: str
+    op: str
+    module: str
+    phase: str
+    shape: tuple[int, ...]
+    output: tuple[str, ...]
+    inputs: tuple[tuple[str, ...], ...]
+    compute_s: float
+    group_size: int
+    dtype: str = ""
+
+    def __post_init__(self) -> None:
+        _check(self.phase, PHASES, "phase", f"decision {self.node!r}")
+        _set(self, shape=tuple(int(d) for d in self.shape), output=_placements(self.output))
+        _set(self, inputs=tuple(_placements(ps) for ps in self.inputs), compute_s=float(self.compute_s))
+        _set(self, group_size=int(self.group_size), dtype=dtype_name(self.dtype) if self.dtype else "")
+
+
+@dataclass(frozen=True)
+class CollectiveStat:
+    """One collective the program runs per step: what, on which mesh axis, how big, how long, and why."""
+
+    kind: str
+    axis: str
+    nbytes: int
+    time_s: float
+    tensor: str
+    consumer: str
+    phase: str
+
+    def __post_init__(self) -> None:
+        _check(self.kind, COLLECTIVE_KINDS, "kind", f"collective on {self.tensor!r}")
+        _check(self.phase, PHASES, "phase", f"collective on {self.tensor!r}")
+        _set(self, nbytes=int(self.nbytes), time_s=float(self.time_s))
+
+
+class CollectiveRow(NamedTuple):
+    """One row of :meth:`Plan.collective_summary`; a tuple, so ``kind, axis, n, b, t = row`` works."""
+
+    kind: str
+    axis: str
+    count: int
+    nbytes: int
+    time_s: float
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per device at the step's peak, split the way users act on it (shard params? offload optimizer?)."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+
+    def __post_init__(self) -> None:
+        _set(self, **{f.name: int(getattr(self, f.name)) for f in dataclasses.fields(self)})
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.activations
+
+
+@dataclass(frozen=True)
+class SolverStats:
+    """How the solver got there: a plan whose gap is large is a plan worth re-solving with more time."""
+
+    status: str
+    objective_s: float
+    bound_s: float
+    wall_s: float
+    groups: int
+    variables: int
+    shared_layers: int
+
+    def __post_init__(self) -> None:
+        _set(self, objective_s=float(self.objective_s), bound_s=float(self.bound_s), wall_s=float(self.wall_s))
+
+    @property
+    def gap(self) -> float:
+        return (self.objective_s - self.bound_s) / self.objective_s if self.objective_s else 0.0
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: a sub-mesh, its global ranks, its layers and its intra-op plan."""
+
+    index: int
+    mesh: MeshSpec
+    ranks: tuple[int, ...]
+    layers: tuple[str, ...]
+    tensors: tuple[TensorLayout, ...]
+    ops: tuple[OpDecision, ...]
+    collectives: tuple[CollectiveStat, ...]
+    memory: MemoryBreakdown
+    compute_s: float
+    comm_s: float
+
+    def __post_init__(self) -> None:
+        _set(self, ranks=tuple(int(r) for r in self.ranks), layers=tuple(self.layers), tensors=tuple(self.tensors))
+        _set(self, ops=tuple(self.ops), collectives=tuple(self.collectives))
+        _set(self, compute_s=float(self.compute_s), comm_s=float(self.comm_s))
+        if self.ranks and len(self.ranks) != self.mesh.size:
+            raise ValueError(f"stage {self.index}: {len(self.ranks)} ranks for mesh {self.mesh} of {self.mesh.size}")
+        ndim = len(self.mesh.shape)
+        for t in self.tensors:
+            if len(t.placements) != ndim:
+                raise ValueError(
+                    f"stage {self.index}: tensor {t.name!r} has placements {placements_str(t.placements)} "
+                    f"for a {ndim}-axis mesh {self.mesh}; give one placement per mesh axis"
+                )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The whole decision: stages, predicted step time and memory, and how the solver fared."""
+
+    mesh: MeshSpec
+    cluster: str
+    stages: tuple[StagePlan, ...]
+    step_time_s: float
+    solver: SolverStats
+    schedule: str | None = None
+    microbatches: int = 1
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        _set(self, stages=tuple(self.stages), step_time_s=float(self.step_time_s), microbatches=int(self.microbatches))
+        if [s.index for s in self.stages] != list(range(len(self.stages))):
+            raise ValueError(f"stage indices {[s.index for s in self.stages]} must be 0, 1, ... in order")
+
+    @property
+    def only_stage(self) -> StagePlan:
+        """The single stage of a plan without pipelining; raises for pipelined plans (use ``stages``)."""
+        if len(self.stages) != 1:
+            raise ValueError(f"plan has {len(self.stages)} stages; iterate plan.stages instead of only_stage")
+        return self.stages[0]
+
+    def parameter_placements(self) -> dict[str, tuple[str, ...]]:
+        """Parameter name -> placements, over all stages (a name in two stages keeps its first stage's)."""
+        out: dict[str, tuple[str, ...]] = {}
+        for stage in self.stages:
+            for t in stage.tensors:
+                if t.role == "parameter":
+                    out.setdefault(t.name, t.placements)
+        return out
+
+    def input_placements(self) -> tuple[tuple[str, ...], ...]:
+        """Placements of the program inputs ``input[0], input[1], ...`` in index order, over all stages."""
+        found: dict[int, tuple[str, ...]] = {}
+        for stage in self.stages:
+            for t in stage.tensors:
+                m = re.fullmatch(r"input\[(\d+)\]", t.name)
+                if t.role == "input" and m:
+                    found.setdefault(int(m.group(1)), t.placements)
+        missing = sorted(set(range(len(found))) - set(found))
+        if missing:
+            raise ValueError(f"plan lists inputs {sorted(found)} but not input[{missing[0]}]; inputs must be dense")
+        return tuple(found[i] for i in range(len(found)))
+
+    @property
+    def peak_memory(self) -> MemoryBreakdown:
+        """Memory of the stage whose devices hold the most: the number that decides whether the plan fits."""
+        if not self.stages:
+            return MemoryBreakdown(0, 0, 0, 0)
+        return max((s.memory for s in self.stages), key=lambda m: m.total)
+
+    def collective_summary(self) -> list[CollectiveRow]:
+        """Collectives per step over all stages by (kind, axis), most expensive first."""
+        return _summarize(c for s in self.stages for c in s.collectives)
+
+    def report(self, *, collapse: bool = True, max_rows: int = 400) -> str:
+        """A plain-text table of the plan; ``collapse`` folds repeated layers with identical placements."""
+        return "\n".join(_report_lines(self, collapse=collapse, max_rows=max_rows)) + "\n"
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, s: str) -> Plan:
+        d = json.loads(s)
+        version = d.get("format_version") if isinstance(d, dict) else None
+        if version != FORMAT_VERSION:
+            raise ValueError(f"plan format_version {version!r} is not {FORMAT_VERSION}; re-plan with this autoshard")
+        plan = _build(cls, d, "plan")
+        logger.debug("loaded plan: mesh %s, %d stage(s)", plan.mesh, len(plan.stages))
+        return plan
+
+
+def _nested(key: str) -> tuple[type, bool] | None:
+    """The value type stored under a JSON key, and whether it is a list of them (field names are unique)."""
+    one = {"mesh": MeshSpec, "solver": SolverStats, "memory": MemoryBreakdown}
+    many = {"stages": StagePlan, "tensors": TensorLayout, "ops": OpDecision, "collectives": CollectiveStat}
+    return (one[key], False) if key in one else (many[key], True) if key in many else None
+
+
+def _build(cls: type, d: Any, path: str) -> Any:
+    """Construct ``cls`` from a JSON object, naming the path of any missing or unknown key."""
+    if not isinstance(d, dict):
+        raise ValueError(f"plan JSON at {path}: expected an object for {cls.__name__}, got {type(d).__name__}")
+    unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise ValueError(f"plan JSON at {path}: unknown keys {unknown} for {cls.__name__}")
+    kwargs = dict(d)
+    for k, v in d.items():
+        if (nested := _nested(k)) is not None:
+            sub, many = nested
+            at = f"{path}.{k}"
+            kwargs[k] = [_build(sub, x, f"{at}[{j}]") for j, x in enumerate(v)] if many else _build(sub, v, at)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise ValueError(f"plan JSON at {path}: {e}") from None
+
+
+def _summarize(collectives: Iterable[CollectiveStat]) -> list[CollectiveRow]:
+    acc: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])
+    for c in collectives:
+        row = acc[(c.kind, c.axis)]
+        row[0] += 1
+        row[1] += c.nbytes
+        row[2] += c.time_s
+    rows = [CollectiveRow(k, a, int(n), int(b), t) for (k, a), (n, b, t) in acc.items()]
+    return sorted(rows, key=lambda r: (-r.time_s, r.kind, r.axis))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# report
+
+
+class _Row(NamedTuple):
+    """One report row: ``key`` finds its layer, ``header`` groups it, ``label`` and ``cells`` print."""
+
+    key: str
+    header: str
+    label: str
+    sig: Hashable
+    cells: tuple[str, ...]
+
+
+def _split(name: str) -> tuple[str, str]:
+    """``layers.0.attn.wq.weight`` -> (``layers.0.attn``, ``wq.weight``): header the module's parent, so one
+    block holds a whole attention or MLP rather than one Linear; short names (``embed.weight``) get no header."""
+    parts = name.split(".")
+    return (".".join(parts[:-2]), ".".join(parts[-2:])) if len(parts) > 2 else ("", name)
+
+
+def _table(title: str, columns: str, rows: Sequence[_Row], collapse: bool, max_rows: int) -> list[str]:
+    """Rows grouped under headers (each header once, first-seen order) with repeated layers folded."""
+    if not rows:
+        return []
+    entries = fold_layers([(r.key, r.sig) for r in rows]) if collapse else list(range(len(rows)))
+    blocks: dict[str, list[_Row]] = {}
+    order: list[str | tuple[str]] = []  # a header, or a 1-tuple holding a collapse line
+    for e in entries:
+        if isinstance(e, str):
+            order.append((e,))
+        elif rows[e].header in blocks:
+            blocks[rows[e].header].append(rows[e])
+        else:
+            blocks[rows[e].header] = [rows[e]]
+            order.append(rows[e].header)
+    shown_rows = [r for b in blocks.values() for r in b]
+    name_w = max([36] + [len(r.label) + 2 for r in shown_rows])
+    col = [max(len(r.cells[j]) for r in shown_rows if j < len(r.cells)) + 2 for j in range(len(rows[0].cells))]
+    lines, shown = [f"{title:<{name_w + 2}}{columns}"], 0
+    for item in order:
+        if isinstance(item, tuple):
+            lines.append(item[0])
+            continue
+        if item:
+            lines.append(item)
+        for r in blocks[item]:
+            if shown == max_rows:
+                lines.append(f"  ... {len(shown_rows) - shown} more rows (Plan.to_json() has all)")
+                return lines
+            shown += 1
+            lines.append(f"  {r.label.ljust(name_w)}" + "".join(c.ljust(w) for c, w in zip(r.cells, col)).rstrip())
+    return lines
+
+
+def _tensor_rows(stage: StagePlan, role: str) -> list[_Row]:
+    rows = []
+    for t in stage.tensors:
+        if t.role != role:
+            continue
+        try:
+            local = tensor_str(t.dtype, t.local_shape(stage.mesh))
+        except ValueError:
+            local = "(uneven shard)"
+        header, label = _split(t.name)
+        cells = (tensor_str(t.dtype, t.shape), placements_str(t.placements), local)
+        rows.append(_Row(t.name, header, label, (t.shape, t.dtype, t.placements), cells))
+    return rows
+
+
+def _decision_rows(stage: StagePlan) -> list[_Row]:
+    rows = []
+    for d in stage.ops:
+        if d.phase != "forward":
+            continue
+        out = tensor_str(d.dtype, d.shape) if d.dtype else f"[{', '.join(map(str, d.shape))}]"
+        ins = ", ".join(placements_str(p) for p in d.inputs)
+        cells = (op_str(d.op), out, placements_str(d.output), f"<- {ins}", format_seconds(d.compute_s), d.node)
+        header, _, label = d.module.rpartition(".")
+        # layers fold by module and choice, not by node name (mm_3 in layer 0 is mm_17 in layer 1)
+        sig = (d.op, d.shape, d.dtype, d.output, d.inputs)
+        rows.append(_Row(d.module, header, label or d.node, sig, cells))
+    return rows
+
+
+def _backward_summary(stage: StagePlan) -> list[str]:
+    ops = Counter(op_str(d.op) for d in stage.ops if d.phase == "backward")
+    if not ops:
+        return []
+    kinds = ", ".join(f"{op} {n}" for op, n in sorted(ops.items(), key=lambda kv: (-kv[1], kv[0])))
+    return [f"decisions (backward): {sum(ops.values())} anchors  ({kinds})"]
+
+
+def _collective_rows(collectives: Sequence[CollectiveStat]) -> list[_Row]:
+    return [
+        _Row("", "", r.kind, None, (r.axis, str(r.count), format_bytes(r.nbytes), format_seconds(r.time_s)))
+        for r in _summarize(collectives)
+    ]
+
+
+def _memory_line(m: MemoryBreakdown, label: str) -> str:
+    unit = format_bytes(m.total).split()[-1]
+    f = lambda n: format_bytes(n, unit)  # noqa: E731 - one unit for all terms so the sum reads at a glance
+    return (
+        f"{label} {f(m.total)} = params {f(m.parameters)} + grads {f(m.gradients)} + "
+        f"optimizer {f(m.optimizer)} + activations {f(m.activations)}"
+    )
+
+
+def _report_lines(plan: Plan, *, collapse: bool, max_rows: int) -> list[str]:
+    compute = sum(s.compute_s for s in plan.stages)
+    comm = sum(s.comm_s for s in plan.stages)
+    head = (
+        f"autoshard plan  mesh {plan.mesh}  cluster {plan.cluster}  predicted step {format_seconds(plan.step_time_s)}"
+        f"  (compute {format_seconds(compute)}, comm {format_seconds(comm)})"
+    )
+    if len(plan.stages) > 1 or plan.schedule:
+        head += f"  pipeline {len(plan.stages)} stages, {plan.schedule or 'no schedule'} × {plan.microbatches} mb"
+    sv = plan.solver
+    lines = [
+        head,
+        _memory_line(plan.peak_memory, "peak memory / device"),
+        f"solver {sv.status}  objective {format_seconds(sv.objective_s)}  bound {format_seconds(sv.bound_s)}  "
+        f"gap {sv.gap:.1%}  groups {sv.groups}  variables {sv.variables}  shared layers {sv.shared_layers}  "
+        f"({format_seconds(sv.wall_s)})",
+    ]
+    for stage in plan.stages:
+        lines.append("")
+        if len(plan.stages) > 1:
+            r = stage.ranks
+            ranks = f"{r[0]}–{r[-1]}" if r and list(r) == list(range(r[0], r[-1] + 1)) else ",".join(map(str, r))
+            layers = f"{stage.layers[0]} … {stage.layers[-1]}" if len(stage.layers) > 1 else ", ".join(stage.layers)
+            lines.append(
+                f"== stage {stage.index}  mesh {stage.mesh}  ranks {ranks}  layers {layers or '-'}  "
+                f"compute {format_seconds(stage.compute_s)}  comm {format_seconds(stage.comm_s)}"
+            )
+            lines.append(_memory_line(stage.memory, "memory / device"))
+        for role, title in (("parameter", "parameters"), ("buffer", "buffers"), ("input", "inputs")):
+            lines += _table(title, "global / placements / local", _tensor_rows(stage, role), collapse, max_rows)
+        cols = "op / output / placements / inputs / compute / node"
+        lines += _table("decisions (forward)", cols, _decision_rows(stage), collapse, max_rows)
+        lines += _backward_summary(stage)
+        rows = _collective_rows(stage.collectives)
+        lines += _table("collectives per step", "axis / count / bytes / time", rows, False, max_rows) or [
+            "collectives per step: none"
+        ]
+    return lines

@@ -1,0 +1,150 @@
+"""ShardedModule: the user-facing result of ``autoshard.compile``.
+
+It takes over the model's parameters in place (as ``fully_shard`` does): every parameter becomes an
+``nn.Parameter`` holding a DTensor with the solved placements, under the model's own names, so any
+``torch.optim`` optimizer works (its state is sharded like the parameters) and ``state_dict()`` is a DTensor
+state dict that ``torch.distributed.checkpoint`` saves. Calling it runs this rank's program: forward now,
+backward when autograd reaches the loss.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+from autoshard.notation import local_shape, parse_placements, placements_str, tensor_str
+from autoshard.plan import Plan
+
+log = logging.getLogger(__name__)
+
+
+class _RunProgram(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, program: Any, grad_slots: tuple[int, ...], *flat: torch.Tensor) -> torch.Tensor:
+        loss, saved = program.forward(flat)
+        ctx.program = program
+        ctx.saved = saved
+        ctx.grad_slots = grad_slots
+        ctx.n_flat = len(flat)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple:
+        grads = ctx.program.backward(ctx.saved, grad_loss)
+        ctx.saved = None
+        full: list[torch.Tensor | None] = [None] * ctx.n_flat
+        for slot, g in zip(ctx.grad_slots, grads):
+            full[slot] = g
+        return (None, None, *full)
+
+
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, leaf = name.rpartition(".")
+    return (module.get_submodule(path) if path else module), leaf
+
+
+class ShardedModule(nn.Module):
+    """A model sharded by a Plan. ``forward(*local_inputs)`` returns the loss, equal on every rank."""
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, plan: Plan, program: Any, grad_names: Sequence[str]) -> None:
+        super().__init__()
+        self.plan = plan
+        self.mesh = mesh
+        self._program = program
+        self.module = model
+        placements = plan.parameter_placements()
+        self._param_names = [t.name for t in plan.stages[0].tensors if t.role == "parameter"]
+        self._grad_slots = tuple(self._param_names.index(n) for n in grad_names)
+        # buffers stay replicated plain tensors on every rank
+        self._buffer_names = [t.name for t in plan.stages[0].tensors if t.role == "buffer"]
+        self._inputs = [t for t in plan.stages[0].tensors if t.role == "input"]
+        self._inputs.sort(key=lambda t: int(t.name[len("input[") : -1]))
+        seen: set[int] = set()
+        for name, p in list(model.named_parameters(remove_duplicate=False)):
+            if id(p) in seen or name not in placements:
+                continue
+            seen.add(id(p))
+            if p.device.type == "meta":
+                raise ValueError(
+                    f"parameter {name} is on the meta device; autoshard.compile needs real values. Materialize the "
+                    "model (to_empty + init) first, or use autoshard.plan for planning only."
+                )
+            pl = parse_placements(placements[name])
+            dt = distribute_tensor(p.detach().to(mesh.device_type), mesh, pl)
+            new = nn.Parameter(dt, requires_grad=p.requires_grad)
+            # tied parameters: every alias of p gets the same new parameter
+            for alias, q in model.named_parameters(remove_duplicate=False):
+                if q is p:
+                    owner, leaf = _owner(model, alias)
+                    setattr(owner, leaf, new)
+
+    def _flat_params(self) -> list[torch.Tensor]:
+        params = dict(self.module.named_parameters())
+        out = []
+        for name in self._param_names:
+            p = params[name]
+            out.append(p.to_local() if isinstance(p, DTensor) else p)
+        return out
+
+    def _buffers_local(self) -> list[torch.Tensor]:
+        bufs = dict(self.module.named_buffers())
+        return [bufs[n] for n in self._buffer_names]
+
+    def expected_local_shapes(self) -> list[tuple[int, ...]]:
+        return [local_shape(t.shape, t.placements, self.plan.mesh.shape) for t in self._inputs]
+
+    def shard_inputs(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's pieces of global-shaped inputs, as the plan's input placements say."""
+        if len(tensors) != len(self._inputs):
+            raise ValueError(f"shard_inputs takes {len(self._inputs)} global tensors, got {len(tensors)}")
+        out = []
+        rep = [Replicate()] * self.mesh.ndim
+        for t, layout in zip(tensors, self._inputs):
+            if tuple(t.shape) != tuple(layout.shape):
+                raise ValueError(
+                    f"{layout.name}: expected global shape {tensor_str(layout.dtype, layout.shape)}, got {tuple(t.shape)}"
+                )
+            pl = parse_placements(layout.placements)
+            d = DTensor.from_local(t.to(self.mesh.device_type), self.mesh, rep, run_check=False)
+            out.append(d.redistribute(self.mesh, pl).to_local())
+        return tuple(out)
+
+    def _check_inputs(self, args: Sequence[Any]) -> None:
+        if len(args) != len(self._inputs):
+            raise TypeError(
+                f"the sharded module takes {len(self._inputs)} local input tensors (as the plan was traced), got "
+                f"{len(args)}"
+            )
+        for a, layout, shape in zip(args, self._inputs, self.expected_local_shapes()):
+            if not isinstance(a, torch.Tensor):
+                raise TypeError(f"{layout.name}: expected a tensor, got {type(a).__name__}")
+            if isinstance(a, DTensor):
+                raise TypeError(f"{layout.name}: pass this rank's local tensor (use sharded.shard_inputs), not a DTensor")
+            if tuple(a.shape) != tuple(shape) or str(a.dtype).replace("torch.", "") != layout.dtype:
+                raise ValueError(
+                    f"{layout.name}: expected this rank's local piece {tensor_str(layout.dtype, shape)} (global "
+                    f"{tensor_str(layout.dtype, layout.shape)} placed {placements_str(layout.placements)} on mesh "
+                    f"{self.plan.mesh}), got {tensor_str(a.dtype, tuple(a.shape))}. sharded.shard_inputs(*global) "
+                    "returns the right pieces."
+                )
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        self._check_inputs(args)
+        params = self._flat_params()
+        flat = params + self._buffers_local() + list(args)
+        return _RunProgram.apply(self._program, self._grad_slots, *flat)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):  # type: ignore[override]
+        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)

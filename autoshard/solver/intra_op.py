@@ -1,0 +1,238 @@
+"""The intra-op integer program (Alpa's formulation, solved with OR-Tools CP-SAT).
+
+Variables. For every canonical decision group c (identical repeated layers share one c, with multiplicity
+m_c) and candidate i: a boolean x[c,i], with AddExactlyOne over i. A group with one candidate has no variable.
+
+Edges. A tensor produced in group u and read by group v costs R[i,j] = the time to redistribute the producer's
+layout under u's candidate i to the layout v's candidate j requires (``cost.comm.redistribute_time``).
+Candidates are bucketed by the layout that matters to the edge (src layouts P, dst layouts Q), so the edge
+has |P|·|Q| booleans e[p,q] in the tight "marginal" form:
+    Σ_q e[p,q] = Σ_{i in p} x[u,i]      Σ_p e[p,q] = Σ_{j in q} x[v,j]
+An edge with |P| = 1 or |Q| = 1 is a unary cost on the other side; one whose two ends map to the same
+canonical group (a self edge, or the same position in two shared layers) is the diagonal R[i,i].
+Graph outputs are edges too: the loss must end Replicate (an all-reduce of a Partial loss) and every gradient
+must end in its parameter's layout (parameter <-> gradient consistency: an all-reduce for a replicated
+parameter, a reduce-scatter for a sharded one).
+
+Objective. min Σ m_c (compute + internal comm)[c,i] x[c,i] + Σ_edges m_e R[p,q] e[p,q], in integer
+nanoseconds: the predicted step time of a program that does not overlap communication with compute.
+
+Memory. With a per-device budget B: Σ m_c (state + saved activations)[c,i] x[c,i] <= B (KiB units), where
+state = parameter + gradient + optimizer bytes. Memory is separable over groups, so the smallest budget any
+plan needs is Σ m_c min_i mem[c,i]; a budget below it is reported with that number before solving.
+
+Determinism: fixed seed, fixed worker count, candidates and edges in graph order.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from ortools.sat.python import cp_model
+from torch.distributed.tensor import Replicate
+
+from autoshard.cluster import ClusterProfile
+from autoshard.cost.reshard import reshard_time as redistribute_time
+from autoshard.ir import Edge, Group, GroupStrategy, Placements
+from autoshard.notation import format_bytes
+from autoshard.passes.coarsen import tensor_args
+
+log = logging.getLogger(__name__)
+
+NS = 1e9
+KIB = 1024
+
+
+@dataclass(frozen=True)
+class Solution:
+    choice: dict[int, int]  # group id -> strategy index
+    status: str
+    objective_s: float
+    bound_s: float
+    wall_s: float
+    variables: int
+    memory_bytes: int
+
+
+class InfeasibleBudget(ValueError):
+    pass
+
+
+def collect_edges(gm: fx.GraphModule, groups: Sequence[Group], output_roles: Sequence) -> tuple[list[Edge], list]:
+    """Data edges between groups (and within one), plus output sinks (loss, gradients)."""
+    pos = {}
+    for g in groups:
+        for i, name in enumerate(g.members):
+            pos[name] = (g.id, i)
+    edges: list[Edge] = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        gid, m = pos[node.name]
+        follow = node.meta.get("autoshard_follow", -1)
+        for k, src in enumerate(tensor_args(node)):
+            sg, _ = pos[src.name]
+            if sg == gid and k == follow:
+                continue  # the followed input: costed inside the group
+            edges.append(Edge(sg, src.name, gid, m, k))
+    out = gm.graph.find_nodes(op="output")[0]
+    params = {n.meta["autoshard_role"].name: n for n in gm.graph.find_nodes(op="placeholder")}
+    sinks = []
+    for src, role in zip(out.args[0], output_roles):
+        if not isinstance(src, fx.Node):
+            continue
+        if role.kind in ("loss", "output"):
+            sinks.append((src.name, None))
+        elif role.kind == "grad":
+            sinks.append((src.name, params[role.name].name))
+    return edges, sinks
+
+
+def solve(
+    gm: fx.GraphModule,
+    groups: Sequence[Group],
+    strategies: dict[int, list[GroupStrategy]],
+    canon: dict[int, int],
+    output_roles: Sequence,
+    mesh_shape: tuple[int, ...],
+    cluster: ClusterProfile,
+    memory_budget: int | None,
+    time_limit_s: float,
+    num_workers: int = 1,
+    seed: int = 0,
+) -> Solution:
+    t0 = time.perf_counter()
+    nodes = {n.name: n for n in gm.graph.nodes}
+    pos = {name: (g.id, i) for g in groups for i, name in enumerate(g.members)}
+    mult: dict[int, int] = defaultdict(int)
+    for g in groups:
+        mult[canon[g.id]] += 1
+    canon_ids = [g.id for g in groups if canon[g.id] == g.id]
+    unary: dict[int, list[float]] = {
+        c: [mult[c] * (s.compute_s + s.comm_s) for s in strategies[c]] for c in canon_ids
+    }
+    edges, sinks = collect_edges(gm, groups, output_roles)
+    rep = tuple(Replicate() for _ in mesh_shape)
+
+    def out_pl(gid: int, i: int, name: str) -> Placements:
+        return strategies[gid][i].outputs[pos[name][1]][0]
+
+    def rcost(node_name: str, a: Placements, b: Placements) -> float:
+        v = nodes[node_name].meta["val"]
+        return redistribute_time(a, b, tuple(v.shape), v.element_size(), mesh_shape, cluster)
+
+    # (src canon, src node pos, dst canon, dst member, dst arg) -> multiplicity; and sinks the same way
+    pair_edges: dict[tuple, int] = defaultdict(int)
+    for e in edges:
+        src_member = pos[e.src_node][1]
+        pair_edges[(canon[e.src_group], src_member, e.src_node, canon[e.dst_group], ("in", e.dst_member, e.dst_arg))] += 1
+    for src_name, param in sinks:
+        sg, sm = pos[src_name]
+        if param is None:
+            pair_edges[(canon[sg], sm, src_name, None, ("rep",))] += 1
+        else:
+            pg = pos[param][0]
+            pair_edges[(canon[sg], sm, src_name, canon[pg], ("param",))] += 1
+
+    model = cp_model.CpModel()
+    x: dict[int, list] = {}
+    n_vars = 0
+    for c in canon_ids:
+        k = len(strategies[c])
+        if k > 1:
+            x[c] = [model.NewBoolVar(f"x{c}_{i}") for i in range(k)]
+            model.AddExactlyOne(x[c])
+            n_vars += k
+    obj_terms: list = []
+    const = 0.0
+    seen_names: dict[tuple, str] = {}
+    for (cu, sm, src_name, cv, dst), m in pair_edges.items():
+        su = strategies[cu]
+        src_layouts = [s.outputs[sm][0] for s in su]
+        if cv is None:  # loss sink
+            for i, a in enumerate(src_layouts):
+                unary[cu][i] += m * rcost(src_name, a, rep)
+            continue
+        sv = strategies[cv]
+        if dst[0] == "param":
+            dst_layouts = [s.outputs[0][0] for s in sv]
+        else:
+            dst_layouts = [s.inputs[dst[1]][dst[2]] for s in sv]
+        if cu == cv:
+            for i in range(len(su)):
+                unary[cu][i] += m * rcost(src_name, src_layouts[i], dst_layouts[i])
+            continue
+        P = sorted(set(src_layouts), key=src_layouts.index)
+        Q = sorted(set(dst_layouts), key=dst_layouts.index)
+        R = [[m * rcost(src_name, p, q) for q in Q] for p in P]
+        if all(r == 0 for row in R for r in row):
+            continue
+        if len(P) == 1:
+            for j, q in enumerate(dst_layouts):
+                unary[cv][j] += R[0][Q.index(q)]
+            continue
+        if len(Q) == 1:
+            for i, p in enumerate(src_layouts):
+                unary[cu][i] += R[P.index(p)][0]
+            continue
+        e = [[model.NewBoolVar("") for _ in Q] for _ in P]
+        n_vars += len(P) * len(Q)
+        for pi, p in enumerate(P):
+            model.Add(sum(e[pi]) == sum(x[cu][i] for i, a in enumerate(src_layouts) if a == p))
+        for qi, q in enumerate(Q):
+            model.Add(sum(e[pi][qi] for pi in range(len(P))) == sum(x[cv][j] for j, b in enumerate(dst_layouts) if b == q))
+        for pi in range(len(P)):
+            for qi in range(len(Q)):
+                if R[pi][qi] > 0:
+                    obj_terms.append((e[pi][qi], R[pi][qi]))
+    for c in canon_ids:
+        if c in x:
+            for i, v in enumerate(x[c]):
+                if unary[c][i] > 0:
+                    obj_terms.append((v, unary[c][i]))
+        else:
+            const += unary[c][0]
+
+    mem = {c: [mult[c] * (s.state_bytes + s.activation_bytes) for s in strategies[c]] for c in canon_ids}
+    min_mem = sum(min(v) for v in mem.values())
+    if memory_budget is not None:
+        if min_mem > memory_budget:
+            raise InfeasibleBudget(
+                f"memory_budget={format_bytes(memory_budget)} per device is below what any plan needs: the smallest "
+                f"is {format_bytes(min_mem)} (parameters, gradients, optimizer state and saved activations all "
+                f"sharded as far as mesh {mesh_shape} allows). Raise the budget to at least "
+                f"{format_bytes(min_mem)}, use more devices, or a smaller batch."
+            )
+        fixed = sum(mem[c][0] for c in canon_ids if c not in x)
+        model.Add(
+            sum(int(mem[c][i] // KIB) * v for c in x for i, v in enumerate(x[c])) <= int((memory_budget - fixed) // KIB)
+        )
+    model.Minimize(sum(int(round(w * NS)) * v for v, w in obj_terms))
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = float(time_limit_s)
+    solver.parameters.num_workers = max(1, int(num_workers))
+    solver.parameters.random_seed = int(seed)
+    solver.parameters.linearization_level = 2
+    status = solver.Solve(model)
+    name = solver.StatusName(status)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise InfeasibleBudget(
+            f"the solver found no plan ({name}) within {time_limit_s} s"
+            + (f" under memory_budget={format_bytes(memory_budget)}" if memory_budget else "")
+            + "; raise time_limit_s or the budget"
+        )
+    choice_c = {c: (next(i for i, v in enumerate(x[c]) if solver.Value(v)) if c in x else 0) for c in canon_ids}
+    choice = {g.id: choice_c[canon[g.id]] for g in groups}
+    used = sum(mem[c][choice_c[c]] for c in canon_ids)
+    wall = time.perf_counter() - t0
+    objective = solver.ObjectiveValue() / NS + const
+    bound = solver.BestObjectiveBound() / NS + const
+    log.info("solve: %s objective %.6f s bound %.6f s, %d variables, %.2f s", name, objective, bound, n_vars, wall)
+    return Solution(choice, name, objective, bound, wall, n_vars, used)

@@ -1,0 +1,59 @@
+"""The state one compiler run threads through its passes.
+
+A ``PassContext`` is made per ``autoshard.plan``/``compile`` call and is the only mutable object the passes
+share; nothing is kept at module level. Per-node facts live on the nodes themselves
+(``node.meta["autoshard_*"]``), per-run products (groups, strategies, the solution) live here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from autoshard.cluster import ClusterProfile
+from autoshard.config import PlanConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PassContext:
+    mesh: DeviceMesh
+    cluster: ClusterProfile
+    config: PlanConfig
+    timings: dict[str, float] = field(default_factory=dict)
+    # filled in by the passes, in pipeline order
+    output_roles: list[Any] = field(default_factory=list)
+    groups: list[Any] = field(default_factory=list)
+    strategies: dict[int, list[Any]] = field(default_factory=dict)
+    layer_of_group: dict[int, Any] = field(default_factory=dict)
+    solution: Any = None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(self.mesh.shape)
+
+    @property
+    def mesh_names(self) -> tuple[str, ...]:
+        names = self.mesh.mesh_dim_names
+        return tuple(names) if names else tuple(f"d{i}" for i in range(self.mesh.ndim))
+
+    @contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        yield
+        dt = time.perf_counter() - t0
+        self.timings[name] = self.timings.get(name, 0.0) + dt
+        log.info("autoshard pass %-12s %.3f s", name, dt)
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("AUTOSHARD_DEBUG", "") not in ("", "0")

@@ -1,0 +1,68 @@
+"""share_layers: identical repeated layers share one set of decision variables.
+
+Needs: ``coarsen`` (groups with module paths).
+
+Guarantees on exit: ``ctx.layer_of_group`` maps every group id to its canonical group id (itself when not
+shared). Layers are the numbered children of a container (``layers.0``, ``layers.1`` ... found from module
+paths); a group belongs to the layer of its anchor's module. Two layers are identical when their groups, in
+order, have the same kind, phase, module path relative to the layer, member ops and member shapes; then the
+i-th group of every such layer maps to the i-th group of the first one. A container whose layers differ (e.g.
+a different width) is left unshared and logged. ``ctx.stats["shared_layers"]`` counts layers folded away.
+
+The solver gives shared groups one set of variables and multiplies their costs; strategies are computed
+once per canonical group.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+import torch.fx as fx
+
+from autoshard.passes.coarsen import layer_key
+from autoshard.passes.context import PassContext
+
+log = logging.getLogger(__name__)
+
+
+def _signature(group, nodes: dict[str, fx.Node], prefix: str) -> tuple:
+    rel = group.module[len(prefix) :]
+    members = []
+    for name in group.members:
+        n = nodes[name]
+        v = n.meta.get("val")
+        shape = tuple(v.shape) if hasattr(v, "shape") else tuple(tuple(x.shape) if hasattr(x, "shape") else None for x in (v or ()))
+        members.append((str(n.target), shape, n.meta.get("autoshard_follow")))
+    return (group.kind, group.phase, rel, tuple(members))
+
+
+def share_layers(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    canon = {g.id: g.id for g in ctx.groups}
+    shared = 0
+    if ctx.config.share_layers and "share_layers" not in ctx.config.disable_passes:
+        nodes = {n.name: n for n in gm.graph.nodes}
+        layers: dict[str, dict[int, list]] = defaultdict(lambda: defaultdict(list))
+        for g in ctx.groups:
+            key = layer_key(g.module)
+            if key is not None:
+                layers[key[0]][key[1]].append(g)
+        for container, by_index in layers.items():
+            indices = sorted(by_index)
+            if len(indices) < 2:
+                continue
+            first = indices[0]
+            ref = [_signature(g, nodes, f"{container}.{first}") for g in by_index[first]]
+            for idx in indices[1:]:
+                groups = by_index[idx]
+                sig = [_signature(g, nodes, f"{container}.{idx}") for g in groups]
+                if sig != ref:
+                    log.info("share_layers: %s.%d differs from %s.%d; not shared", container, idx, container, first)
+                    continue
+                for g, r in zip(groups, by_index[first]):
+                    canon[g.id] = r.id
+                shared += 1
+    ctx.layer_of_group = canon
+    ctx.stats["shared_layers"] = shared
+    log.info("share_layers: %d layers share variables with an earlier identical layer", shared)
+    return gm

@@ -1,0 +1,44 @@
+"""solve: choose one candidate per decision group (CP-SAT, see ``autoshard.solver.intra_op``) and write
+the choice onto the nodes.
+
+Needs: ``strategies`` (``ctx.strategies``) and ``share_layers`` (``ctx.layer_of_group``).
+
+Guarantees on exit: ``ctx.solution`` is a ``Solution``; every placeholder and call node has
+``meta["autoshard"]`` = ``NodeSharding`` (its group, output placements, required input placements), taken
+from its group's chosen candidate. Same graph and options -> same plan.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from autoshard.ir import NodeSharding
+from autoshard.passes.context import PassContext
+from autoshard.solver.intra_op import solve as solve_ilp
+
+
+def solve(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    canon = ctx.layer_of_group or {g.id: g.id for g in ctx.groups}
+    ctx.solution = solve_ilp(
+        gm,
+        ctx.groups,
+        ctx.strategies,
+        canon,
+        ctx.output_roles,
+        ctx.mesh_shape,
+        ctx.cluster,
+        ctx.config.memory_budget,
+        ctx.config.time_limit_s,
+        num_workers=ctx.config.num_workers,
+        seed=ctx.config.seed,
+    )
+    annotate(gm, ctx)
+    return gm
+
+
+def annotate(gm: fx.GraphModule, ctx: PassContext) -> None:
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for g in ctx.groups:
+        s = ctx.strategies[g.id][ctx.solution.choice[g.id]]
+        for i, name in enumerate(g.members):
+            nodes[name].meta["autoshard"] = NodeSharding(g.id, s.outputs[i], s.inputs[i])

@@ -1,0 +1,333 @@
+"""strategies: candidate placements for every decision group, with their per-device costs.
+
+Needs: ``coarsen`` (groups, ``autoshard_follow``) and ``share_layers`` (``ctx.layer_of_group``).
+
+Guarantees on exit: ``ctx.strategies[g]`` is a non-empty list of ``GroupStrategy`` for every group g, where
+- the anchor's candidates come from DTensor's op-strategy registries (queried through ``_torch_compat``) for
+  ops, from every even R/S(d) layout for parameters and inputs (filtered by ``config.constraints``), Replicate
+  for buffers, tangents and factory ops, and from our own rules where DTensor has none (CPU flash attention
+  forward and backward: batch or head sharded). An op with no rule at all gets Replicate with a warning;
+- followers take the layout DTensor itself would produce from their producer's layout; when DTensor must
+  first reshard the producer (a view of a sharded dim, a non-linear op of a Partial), that reshard is costed
+  in ``comm_s`` — the lowering does exactly that reshard;
+- candidates that need uneven shards or non-sum Partial inputs are pruned; duplicates are merged;
+- identical repeated layers share the canonical layer's list (same object).
+
+Costs per candidate (one device): compute = roofline over local FLOPs and bytes; activation bytes = outputs of
+forward nodes that the backward reads; state bytes = parameter + gradient + optimizer state.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Sequence
+from functools import lru_cache
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from autoshard import _torch_compat as tc
+from autoshard.cost.reshard import reshard_time as redistribute_time
+from autoshard.cost.compute import compute_time, op_bytes, op_flops
+from autoshard.ir import Group, GroupStrategy, NodeOut, Placements
+from autoshard.passes.coarsen import tensor_args
+from autoshard.passes.context import PassContext
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+SDPA_CPU = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+}
+
+
+def shard_factor(placements: Placements | None, mesh_shape: Sequence[int]) -> int:
+    if placements is None:
+        return 1
+    f = 1
+    for p, n in zip(placements, mesh_shape):
+        if isinstance(p, Shard):
+            f *= n
+    return f
+
+
+def evenly_divisible(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> bool:
+    sizes = list(shape)
+    for p, n in zip(placements, mesh_shape):
+        if isinstance(p, Shard):
+            if p.dim >= len(sizes) or sizes[p.dim] % n != 0:
+                return False
+            sizes[p.dim] //= n
+    return True
+
+
+def _vals(node: fx.Node) -> list[torch.Tensor | None]:
+    v = node.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [x if isinstance(x, torch.Tensor) else None for x in v]
+    return [None]
+
+
+def _meta_args(node: fx.Node) -> tuple[tuple, dict]:
+    def conv(a: object) -> object:
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            return tc.tensor_meta(v) if isinstance(v, torch.Tensor) else v
+        if isinstance(a, (list, tuple)):
+            return type(a)(conv(x) for x in a)
+        return a
+
+    return tuple(conv(a) for a in node.args), {k: conv(v) for k, v in node.kwargs.items()}
+
+
+def _valid(raw: tc.RawStrategy, ins: list[fx.Node], node: fx.Node, mesh_shape: Sequence[int]) -> bool:
+    for pl, src in zip(raw.inputs, ins):
+        if pl is None:
+            continue
+        if any(isinstance(p, Partial) and p.reduce_op != "sum" for p in pl):
+            return False
+        if not evenly_divisible(src.meta["val"].shape, pl, mesh_shape):
+            return False
+    for pl, v in zip(raw.outputs, _vals(node)):
+        if pl is not None and v is not None and not evenly_divisible(v.shape, pl, mesh_shape):
+            return False
+    return True
+
+
+def _sdpa_cpu_rules(node: fx.Node, mesh_ndim: int) -> list[tc.RawStrategy]:
+    """Our rule for CPU flash attention (DTensor has none): every tensor sharded on batch, or on heads."""
+    n_in = len(tensor_args(node))
+    outs = _vals(node)
+    per_axis: list[Placement] = [Replicate(), Shard(0), Shard(1)]
+    result = []
+    import itertools
+
+    for combo in itertools.product(per_axis, repeat=mesh_ndim):
+        pl = tuple(combo)
+        result.append(tc.RawStrategy(tuple(pl for _ in range(n_in)), tuple(pl if o is not None else None for o in outs)))
+    return result
+
+
+class _Enumerator:
+    """Queries DTensor once per distinct (op, shapes, args, layout) and remembers it for this run."""
+
+    def __init__(self, ctx: PassContext) -> None:
+        self.ctx = ctx
+        self.mesh = ctx.mesh
+        self.mesh_shape = ctx.mesh_shape
+        self._anchor = lru_cache(maxsize=None)(self._anchor_uncached)
+        self._follow = lru_cache(maxsize=None)(self._follow_uncached)
+        self.warned: set[str] = set()
+
+    @staticmethod
+    def key(node: fx.Node) -> tuple:
+        def conv(a: object) -> object:
+            if isinstance(a, fx.Node):
+                v = a.meta.get("val")
+                if isinstance(v, torch.Tensor):
+                    return ("T", tuple(v.shape), tuple(v.stride()), v.dtype)
+                return ("V", repr(v))
+            if isinstance(a, (list, tuple)):
+                return tuple(conv(x) for x in a)
+            return repr(a)
+
+        return (node.target, tuple(conv(a) for a in node.args), tuple((k, conv(v)) for k, v in node.kwargs.items()))
+
+    def anchor(self, node: fx.Node) -> list[tc.RawStrategy]:
+        self._cur = node
+        return self._anchor(self.key(node))
+
+    def _anchor_uncached(self, _key: tuple) -> list[tc.RawStrategy]:
+        node = self._cur
+        op = node.target
+        ins = tensor_args(node)
+        if op in SDPA_CPU:
+            return _sdpa_cpu_rules(node, len(self.mesh_shape))
+        args, kwargs = _meta_args(node)
+        found: dict[tuple, tc.RawStrategy] = {}
+        errors: list[str] = []
+        if tc.has_sharding_rule(op):
+            for first in tc.all_placements(len(self.mesh_shape), ins[0].meta["val"].ndim):
+                try:
+                    cands = tc.op_strategies(op, args, kwargs, self.mesh, tuple(first))
+                except Exception as e:  # DTensor rejects this input layout for this op: skip it
+                    errors.append(f"{type(e).__name__}: {e}")
+                    continue
+                for c in cands:
+                    if _valid(c, ins, node, self.mesh_shape):
+                        found.setdefault((c.inputs, c.outputs), c)
+        if not found:
+            if op not in self.warned:
+                self.warned.add(str(op))
+                why = errors[0] if errors else "DTensor has no sharding rule for it"
+                log.warning(
+                    "autoshard: no sharding strategy for %s (%s); it runs replicated (every input gathered to "
+                    "[R, ...]). Register a rule with torch.distributed.tensor.experimental.register_sharding to "
+                    "shard it.",
+                    op,
+                    why[:200],
+                )
+            rep = tuple(Replicate() for _ in self.mesh_shape)
+            return [tc.RawStrategy(tuple(rep for _ in ins), tuple(rep if v is not None else None for v in _vals(node)))]
+        return list(found.values())
+
+    def follow(self, node: fx.Node, k: int, placement: Placements) -> tc.RawStrategy | None:
+        self._cur = node
+        return self._follow(self.key(node), k, placement)
+
+    def _follow_uncached(self, _key: tuple, k: int, placement: Placements) -> tc.RawStrategy | None:
+        node = self._cur
+        args, kwargs = _meta_args(node)
+        try:
+            raw = tc.propagate(node.target, args, kwargs, self.mesh, {k: placement})
+        except Exception as e:
+            log.debug("no propagation of %s for %s through %s: %s", placement, node.name, node.target, e)
+            return None
+        return raw if _valid(raw, tensor_args(node), node, self.mesh_shape) else None
+
+
+def _placeholder_candidates(node: fx.Node, ctx: PassContext) -> list[tc.RawStrategy]:
+    role = node.meta["autoshard_role"]
+    val = node.meta["val"]
+    nd = len(ctx.mesh_shape)
+    rep = tuple(Replicate() for _ in range(nd))
+    if role.kind in ("buffer", "tangent") or val.ndim == 0:
+        cands = [rep]
+    else:
+        cands = [tuple(p) for p in tc.all_placements(nd, val.ndim) if evenly_divisible(val.shape, tuple(p), ctx.mesh_shape)]
+    pinned = ctx.config.constraint_for(role.name, role.kind, ctx.mesh_names)
+    if pinned is not None:
+        cands = [c for c in cands if all(q is None or q == p for p, q in zip(c, pinned))]
+        if not cands:
+            raise ValueError(
+                f"constraint on {role.name} {tuple(val.shape)} asks for placements {pinned} on mesh "
+                f"{dict(zip(ctx.mesh_names, ctx.mesh_shape))}, which does not divide evenly; pin a dim whose size "
+                "is a multiple of the axis size"
+            )
+    return [tc.RawStrategy((), (c,)) for c in cands]
+
+
+def _cost(
+    group: Group, nodes: dict[str, fx.Node], outs: list[NodeOut], ins: list[tuple], comm: float, ctx: PassContext
+) -> GroupStrategy:
+    ms = ctx.mesh_shape
+    compute = 0.0
+    act = 0
+    for name, o, i in zip(group.members, outs, ins):
+        node = nodes[name]
+        if node.op == "placeholder" or node.target is operator.getitem:
+            continue
+        vals = _vals(node)
+        local_bytes = sum(v.numel() * v.element_size() // shard_factor(p, ms) for v, p in zip(vals, o) if v is not None)
+        in_nodes = tensor_args(node)
+        in_bytes = sum(
+            a.meta["val"].numel() * a.meta["val"].element_size() // shard_factor(p, ms) for a, p in zip(in_nodes, i)
+        )
+        split = 1
+        for axis, n in enumerate(ms):
+            if any(p is not None and isinstance(p[axis], Shard) for p in list(i) + list(o)):
+                split *= n
+        flops = op_flops(node.target, *_real_args(node)) / split
+        dtype = str(vals[0].dtype).replace("torch.", "") if vals and vals[0] is not None else "float32"
+        compute += compute_time(flops, local_bytes + in_bytes, ctx.cluster.device, dtype)
+        if node.meta.get("autoshard_phase") == "forward" and any(
+            u.meta.get("autoshard_phase") == "backward" for u in node.users
+        ):
+            act += local_bytes
+    state = param = grad = opt = 0
+    if group.kind == "parameter":
+        v = nodes[group.anchor].meta["val"]
+        param = v.numel() * v.element_size() // shard_factor(outs[0][0], ms)
+        grad = param
+        opt = param * ctx.config.optimizer_factor
+        state = param + grad + opt
+    elif group.kind == "buffer":
+        v = nodes[group.anchor].meta["val"]
+        param = v.numel() * v.element_size()
+        state = param
+    return GroupStrategy(tuple(outs), tuple(ins), compute, comm, act, state, param, grad, opt)
+
+
+def _real_args(node: fx.Node) -> tuple[tuple, dict, object]:
+    def conv(a: object) -> object:
+        if isinstance(a, fx.Node):
+            return a.meta.get("val")
+        if isinstance(a, (list, tuple)):
+            return type(a)(conv(x) for x in a)
+        return a
+
+    return tuple(conv(a) for a in node.args), {k: conv(v) for k, v in node.kwargs.items()}, node.meta.get("val")
+
+
+def group_strategies(group: Group, nodes: dict[str, fx.Node], ctx: PassContext, en: _Enumerator) -> list[GroupStrategy]:
+    anchor = nodes[group.anchor]
+    ms = ctx.mesh_shape
+    rep = tuple(Replicate() for _ in ms)
+    if anchor.op == "placeholder":
+        cands = _placeholder_candidates(anchor, ctx)
+    elif group.kind == "factory":
+        cands = [tc.RawStrategy((), tuple(rep if v is not None else None for v in _vals(anchor)))]
+    else:
+        cands = en.anchor(anchor)
+    pos = {name: i for i, name in enumerate(group.members)}
+    result: dict[tuple, GroupStrategy] = {}
+    for cand in cands:
+        outs: list[NodeOut] = [cand.outputs]
+        ins: list[tuple] = [cand.inputs]
+        comm = 0.0
+        ok = True
+        for name in group.members[1:]:
+            node = nodes[name]
+            if node.target is operator.getitem:
+                src = pos[node.args[0].name]
+                outs.append((outs[src][node.args[1]],))
+                ins.append(())
+                continue
+            k = node.meta["autoshard_follow"]
+            tin = tensor_args(node)
+            producer = tin[k]
+            have = outs[pos[producer.name]][0]
+            raw = en.follow(node, k, have)
+            if raw is None:
+                ok = False
+                break
+            need = raw.inputs[k]
+            if need != have:
+                v = producer.meta["val"]
+                comm += redistribute_time(have, need, tuple(v.shape), v.element_size(), ms, ctx.cluster)
+            outs.append(raw.outputs)
+            ins.append(raw.inputs)
+        if not ok:
+            continue
+        s = _cost(group, nodes, outs, ins, comm, ctx)
+        key = (s.outputs, s.inputs)
+        if key not in result:
+            result[key] = s
+    if not result:
+        # all-Replicate always propagates; reaching here means the group's own ops reject replication
+        raise RuntimeError(
+            f"autoshard found no valid layout for group {group.anchor} ({anchor.target}) on mesh "
+            f"{dict(zip(ctx.mesh_names, ms))}; please report this graph"
+        )
+    return list(result.values())
+
+
+def strategies(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    nodes = {n.name: n for n in gm.graph.nodes}
+    en = _Enumerator(ctx)
+    canon = ctx.layer_of_group or {g.id: g.id for g in ctx.groups}
+    for g in ctx.groups:
+        if canon[g.id] == g.id:
+            ctx.strategies[g.id] = group_strategies(g, nodes, ctx, en)
+    for g in ctx.groups:
+        if canon[g.id] != g.id:
+            ctx.strategies[g.id] = ctx.strategies[canon[g.id]]
+    ctx.stats["strategies"] = sum(len(ctx.strategies[g.id]) for g in ctx.groups if canon[g.id] == g.id)
+    log.info("strategies: %d candidates over %d groups", ctx.stats["strategies"], len(ctx.groups))
+    return gm

@@ -1,0 +1,215 @@
+"""Fast checks of the example models and of the multi-rank test harness."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
+from autoshard.models.mlp import MLP, mlp_example_inputs
+
+try:
+    from harness import (
+        Reference,
+        WorkerError,
+        assert_close_to_reference,
+        fake_world,
+        local_ranks,
+        run_gloo,
+        single_device_reference,
+    )
+except ImportError:  # tests/ imported as a package
+    from tests.harness import (
+        Reference,
+        WorkerError,
+        assert_close_to_reference,
+        fake_world,
+        local_ranks,
+        run_gloo,
+        single_device_reference,
+    )
+
+SMALL_GPT = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab=128, seq_len=32)
+
+
+# --------------------------------------------------------------------------- gloo workers
+# (these tests run first in the file: they fork before the parent does heavy torch work)
+
+
+def _all_reduce_rank(rank: int, world_size: int, arg: object) -> torch.Tensor:
+    t = torch.tensor([float(rank + 1), 10.0 * rank])
+    dist.all_reduce(t)
+    return t
+
+
+def _raise_on_rank_1(rank: int, world_size: int, arg: object) -> None:
+    if rank == 1:
+        raise ValueError(f"boom {arg}")
+    dist.barrier()  # rank 0 blocks here until the harness terminates it
+
+
+def test_run_gloo_all_reduce() -> None:
+    out = run_gloo(2, _all_reduce_rank)
+    assert len(out) == 2
+    for t in out:
+        torch.testing.assert_close(t, torch.tensor([3.0, 10.0]))
+
+
+def test_run_gloo_surfaces_worker_error() -> None:
+    with pytest.raises(WorkerError) as info:
+        run_gloo(2, _raise_on_rank_1, arg="xyz", timeout=60)
+    assert info.value.rank == 1
+    msg = str(info.value)
+    assert "rank 1" in msg and "ValueError" in msg and "boom xyz" in msg
+    assert "_raise_on_rank_1" in msg  # the worker's traceback text is included
+
+
+# --------------------------------------------------------------------------- one process, many ranks
+
+
+def test_local_ranks_all_reduce() -> None:
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with local_ranks(4) as ltm:
+        mesh = init_device_mesh("cpu", (4,))
+        t = ltm.rank_map(lambda r: torch.full((3,), float(r)))
+        out = funcol.all_reduce(t, "sum", mesh).wait()
+        torch.testing.assert_close(out.reconcile(), torch.full((3,), 6.0))
+
+        mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        t = ltm.rank_map(lambda r: torch.full((2,), float(r)))
+        out = funcol.all_reduce(t, "sum", (mesh2, 1)).wait()  # groups {0,1} and {2,3}
+        got = {r: v[0].item() for r, v in out._local_tensors.items()}
+        assert got == {0: 1.0, 1: 1.0, 2: 5.0, 3: 5.0}
+    assert not dist.is_initialized()
+
+
+def test_fake_world_is_destroyed() -> None:
+    with fake_world(8):
+        assert dist.get_world_size() == 8
+    assert not dist.is_initialized()
+
+
+# --------------------------------------------------------------------------- models
+
+
+def test_gpt_loss_grads_and_tied_head() -> None:
+    torch.manual_seed(0)
+    model = GPT(SMALL_GPT)
+    tokens, targets = gpt_example_inputs(SMALL_GPT, batch=2, seq=16)
+    assert tokens.shape == targets.shape == (2, 16) and tokens.dtype == torch.long
+    loss = model(tokens, targets)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    assert abs(loss.item() - math.log(SMALL_GPT.vocab)) < 0.5  # near-uniform logits at init
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().sum() > 0, name
+    big = [n for n, p in model.named_parameters() if p.shape == (SMALL_GPT.vocab, SMALL_GPT.d_model)]
+    assert big == ["wte.weight"]  # LM head is tied: no separate output matrix
+    names = {n for n, _ in model.named_parameters()}
+    assert {"layers.0.attn.wq.weight", "layers.1.mlp.fc2.bias", "ln_f.weight", "wpe.weight"} <= names
+
+
+def test_gpt_init_is_deterministic() -> None:
+    torch.manual_seed(3)
+    a = GPT(SMALL_GPT)
+    torch.manual_seed(3)
+    b = GPT(SMALL_GPT)
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), n
+    assert torch.equal(gpt_example_inputs(SMALL_GPT, 2, seed=1)[0], gpt_example_inputs(SMALL_GPT, 2, seed=1)[0])
+
+
+@pytest.mark.parametrize("depth,activation", [(0, "relu"), (2, "gelu")])
+def test_mlp_loss_and_grads(depth: int, activation: str) -> None:
+    torch.manual_seed(0)
+    model = MLP(16, 32, 8, depth=depth, activation=activation)
+    assert len(model.layers) == depth
+    x, y = mlp_example_inputs(4, 16, 8)
+    loss = model(x, y)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def _check_hf_loss_convention(wrapper: torch.nn.Module, vocab: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (2, 12), generator=g)
+    labels = torch.randint(0, vocab, (2, 12), generator=g)
+    loss = wrapper(ids, labels)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    logits = wrapper.model(input_ids=ids, use_cache=False).logits
+    # Hugging Face convention: labels are shifted inside the model (position t predicts labels[t+1]).
+    manual = F.cross_entropy(logits[:, :-1].reshape(-1, vocab), labels[:, 1:].reshape(-1))
+    torch.testing.assert_close(loss, manual)
+    loss.backward()
+    missing = [n for n, p in wrapper.named_parameters() if p.grad is None]
+    assert not missing, missing
+
+
+def test_hf_gpt2_loss_is_shifted_cross_entropy() -> None:
+    pytest.importorskip("transformers")
+    from autoshard.models.hf import hf_gpt2
+
+    model = hf_gpt2(n_layer=2, d_model=32, n_head=4, vocab=64, n_positions=16)
+    _check_hf_loss_convention(model, 64)
+    # tied LM head: one (vocab, d) matrix
+    assert sum(p.shape == (64, 32) for p in model.parameters()) == 1
+
+
+def test_hf_llama_loss_is_shifted_cross_entropy() -> None:
+    pytest.importorskip("transformers")
+    from autoshard.models.hf import hf_llama, init_rotary_buffers
+
+    model = hf_llama(n_layer=2, d_model=32, n_head=4, n_kv_head=2, ffn=64, vocab=64, max_pos=16)
+    _check_hf_loss_convention(model, 64)
+
+    # meta -> to_empty leaves the non-persistent rotary buffers garbage until re-initialised
+    with torch.device("meta"):
+        lazy = hf_llama(n_layer=2, d_model=32, n_head=4, n_kv_head=2, ffn=64, vocab=64, max_pos=16)
+    lazy.to_empty(device="cpu")
+    lazy.load_state_dict(model.state_dict())
+    assert init_rotary_buffers(lazy) == 1
+    ids = torch.randint(0, 64, (2, 12))
+    torch.testing.assert_close(lazy(ids, ids), model(ids, ids))
+
+
+def test_hf_models_are_seeded() -> None:
+    pytest.importorskip("transformers")
+    from autoshard.models.hf import hf_gpt2
+
+    a, b, c = hf_gpt2(seed=1), hf_gpt2(seed=1), hf_gpt2(seed=2)
+    pa, pb, pc = (dict(m.named_parameters()) for m in (a, b, c))
+    assert all(torch.equal(pa[n], pb[n]) for n in pa)
+    assert not all(torch.equal(pa[n], pc[n]) for n in pa)
+
+
+# --------------------------------------------------------------------------- references
+
+
+def test_single_device_reference_is_reproducible() -> None:
+    def make() -> GPT:
+        return GPT(SMALL_GPT)
+
+    inputs = gpt_example_inputs(SMALL_GPT, batch=2, seq=16)
+    a = single_device_reference(make, inputs, steps=3)
+    b = single_device_reference(make, inputs, steps=3)
+    assert isinstance(a, Reference) and len(a.losses) == 3
+    assert a.losses == b.losses
+    assert a.losses[-1] < a.losses[0]
+    assert set(a.grads) == set(a.params) == {n for n, _ in make().named_parameters()}
+    for n in a.params:
+        assert torch.equal(a.params[n], b.params[n]) and torch.equal(a.grads[n], b.grads[n])
+    assert_close_to_reference(a, b.losses, b.grads, b.params)
+
+    bad = dict(b.params)
+    bad["ln_f.weight"] = bad["ln_f.weight"] + 1e-2
+    with pytest.raises(AssertionError, match=r"param ln_f\.weight: max abs diff 1\.000e-02"):
+        assert_close_to_reference(a, b.losses, b.grads, bad)
