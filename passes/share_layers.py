@@ -33,7 +33,7 @@ def _signature(group, nodes: dict[str, fx.Node], prefix: str) -> tuple:
         n = nodes[name]
         v = n.meta.get("val")
         shape = tuple(v.shape) if hasattr(v, "shape") else tuple(tuple(x.shape) if hasattr(x, "shape") else None for x in (v or ()))
-        members.append((str(n.target), shape, n.meta.get("autoshard_follow")))
+        members.append((n.op if n.op == "placeholder" else str(n.target), shape, n.meta.get("autoshard_follow")))
     return (group.kind, group.phase, rel, tuple(members))
 
 
@@ -51,17 +51,19 @@ def share_layers(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             indices = sorted(by_index)
             if len(indices) < 2:
                 continue
-            first = indices[0]
-            ref = [_signature(g, nodes, f"{container}.{first}") for g in by_index[first]]
-            for idx in indices[1:]:
-                groups = by_index[idx]
-                sig = [_signature(g, nodes, f"{container}.{idx}") for g in groups]
-                if sig != ref:
-                    log.info("share_layers: %s.%d differs from %s.%d; not shared", container, idx, container, first)
+            # layers fall into classes of identical structure (the first layer often differs: its input
+            # needs no gradient); each class shares the variables of its first layer
+            classes: dict[tuple, int] = {}
+            for idx in indices:
+                sig = tuple(_signature(g, nodes, f"{container}.{idx}") for g in by_index[idx])
+                ref = classes.setdefault(sig, idx)
+                if ref == idx:
                     continue
-                for g, r in zip(groups, by_index[first]):
+                for g, r in zip(by_index[idx], by_index[ref]):
                     canon[g.id] = r.id
                 shared += 1
+            if len(classes) > 1:
+                log.info("share_layers: %s has %d distinct layer structures", container, len(classes))
     ctx.layer_of_group = canon
     ctx.stats["shared_layers"] = shared
     log.info("share_layers: %d layers share variables with an earlier identical layer", shared)

@@ -90,7 +90,9 @@ def _valid(raw: tc.RawStrategy, ins: list[fx.Node], node: fx.Node, mesh_shape: S
     for pl, src in zip(raw.inputs, ins):
         if pl is None:
             continue
-        if any(isinstance(p, Partial) and p.reduce_op != "sum" for p in pl):
+        # a Partial input only pays off when its producer is Partial already; DTensor lists many such
+        # variants (every linear op), which multiply the search space for little gain: prune them
+        if any(isinstance(p, Partial) for p in pl):
             return False
         if not evenly_divisible(src.meta["val"].shape, pl, mesh_shape):
             return False
@@ -309,6 +311,7 @@ def group_strategies(group: Group, nodes: dict[str, fx.Node], ctx: PassContext, 
         key = (s.outputs, s.inputs)
         if key not in result:
             result[key] = s
+    result = _prune_dominated(group, nodes, result)
     if not result:
         # all-Replicate always propagates; reaching here means the group's own ops reject replication
         raise RuntimeError(
@@ -316,6 +319,46 @@ def group_strategies(group: Group, nodes: dict[str, fx.Node], ctx: PassContext, 
             f"{dict(zip(ctx.mesh_names, ms))}; please report this graph"
         )
     return list(result.values())
+
+
+def _interface(group: Group, nodes: dict[str, fx.Node]) -> tuple[list[int], list[tuple[int, int]]]:
+    """Member outputs read outside the group, and (member, arg) inputs produced outside it (or not followed)."""
+    members = set(group.members)
+    outs, ins = [], []
+    for m, name in enumerate(group.members):
+        node = nodes[name]
+        if any(u.name not in members or u.op == "output" for u in node.users):
+            outs.append(m)
+        if node.op == "placeholder" or node.target is operator.getitem:
+            continue
+        follow = node.meta.get("autoshard_follow", -1)
+        for k, src in enumerate(tensor_args(node)):
+            if src.name not in members or k != follow:
+                ins.append((m, k))
+    if group.kind in ("parameter", "input") and 0 not in outs:
+        outs.append(0)
+    return outs, ins
+
+
+def _prune_dominated(group: Group, nodes: dict[str, fx.Node], found: dict[tuple, GroupStrategy]) -> dict[tuple, GroupStrategy]:
+    """Of candidates that look the same from outside the group (same layouts on every tensor crossing its
+    boundary), keep the one with the least time, then memory: the others can never be better."""
+    outs, ins = _interface(group, nodes)
+    faces: dict[tuple, list[tuple]] = {}
+    for key, s in found.items():
+        face = (tuple(s.outputs[m] for m in outs), tuple(s.inputs[m][k] for m, k in ins))
+        faces.setdefault(face, []).append(((s.compute_s + s.comm_s, s.state_bytes + s.activation_bytes), key, s))
+    kept: dict[tuple, GroupStrategy] = {}
+    for cands in faces.values():
+        for score, key, s in cands:
+            dominated = any(
+                o[0] <= score[0] and o[1] <= score[1] and (o[0], o[1], k2) < (score[0], score[1], key)
+                for o, k2, _ in cands
+                if k2 != key
+            )
+            if not dominated:
+                kept[key] = s
+    return kept
 
 
 def strategies(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

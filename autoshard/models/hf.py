@@ -46,9 +46,8 @@ class CausalLMWithLoss(nn.Module):
         self.model = model
 
     def forward(self, input_ids: Tensor, labels: Tensor) -> Tensor:
-        # No attention_mask / position_ids: an explicit position_ids makes transformers
-        # probe for packed sequences with a data-dependent branch that fails under
-        # FakeTensorMode tracing; without them the causal mask path is static.
+        # No attention_mask (plain causal LM); see _register_attention for why the mask
+        # machinery is bypassed so that the module traces under FakeTensorMode.
         out = self.model(input_ids=input_ids, labels=labels, use_cache=False, return_dict=True)
         return out.loss
 
