@@ -306,6 +306,15 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor])
     return run
 
 
+def planning_decompositions() -> dict:
+    """Ops decomposed at capture because DTensor can only replicate them whole but shards their parts
+    (mse_loss with a sharded batch would otherwise force gathering predictions and targets)."""
+    from torch._decomp import get_decompositions
+
+    aten = torch.ops.aten
+    return get_decompositions([aten.mse_loss, aten.mse_loss_backward])
+
+
 def decomposition_table() -> dict:
     from torch._inductor.decomposition import select_decomp_table
 

@@ -131,7 +131,7 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], ctx: PassContext) -
     wrapper = _LossOnly(traced)
     with contextlib.ExitStack() as stack:
         stack.enter_context(_annotate_modules(traced))
-        gm = tc.export_joint(stack, wrapper, args, fake_mode)
+        gm = tc.export_joint(stack, wrapper, args, fake_mode, decompositions=tc.planning_decompositions())
     out_node = gm.graph.find_nodes(op="output")[0]
     roles = tc.output_roles(out_node)
     loss_val = out_node.args[0][0].meta.get("val") if out_node.args[0] else None

@@ -86,13 +86,18 @@ def _meta_args(node: fx.Node) -> tuple[tuple, dict]:
     return tuple(conv(a) for a in node.args), {k: conv(v) for k, v in node.kwargs.items()}
 
 
-def _valid(raw: tc.RawStrategy, ins: list[fx.Node], node: fx.Node, mesh_shape: Sequence[int]) -> bool:
+def _valid(
+    raw: tc.RawStrategy, ins: list[fx.Node], node: fx.Node, mesh_shape: Sequence[int], partial_inputs: bool = True
+) -> bool:
     for pl, src in zip(raw.inputs, ins):
         if pl is None:
             continue
-        # a Partial input only pays off when its producer is Partial already; DTensor lists many such
-        # variants (every linear op), which multiply the search space for little gain: prune them
-        if any(isinstance(p, Partial) for p in pl):
+        # an anchor candidate that asks for a Partial input only pays off when its producer is Partial
+        # already; DTensor lists many such variants (every linear op), which multiply the search space for
+        # little gain: prune them there (followers keep whatever DTensor does with a Partial producer)
+        if not partial_inputs and any(isinstance(p, Partial) for p in pl):
+            return False
+        if any(isinstance(p, Partial) and p.reduce_op != "sum" for p in pl):
             return False
         if not evenly_divisible(src.meta["val"].shape, pl, mesh_shape):
             return False
@@ -162,7 +167,7 @@ class _Enumerator:
                     errors.append(f"{type(e).__name__}: {e}")
                     continue
                 for c in cands:
-                    if _valid(c, ins, node, self.mesh_shape):
+                    if _valid(c, ins, node, self.mesh_shape, partial_inputs=False):
                         found.setdefault((c.inputs, c.outputs), c)
         if not found:
             if op not in self.warned:

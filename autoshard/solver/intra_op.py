@@ -48,6 +48,12 @@ log = logging.getLogger(__name__)
 
 NS = 1e9
 KIB = 1024
+# The reduction that brings a gradient to its parameter's layout runs after the op that produced it, while
+# the rest of the backward still computes (DDP's bucketed all-reduce, FSDP's reduce-scatter); an all-gather
+# that feeds an op sits in front of it. We credit that fraction of a gradient reduction as hidden. Without
+# it, equal-volume alternatives (all-reduce the weight gradient vs gather activations and gather the
+# result) tie and the choice is arbitrary; with it, the plan reduces gradients as every practical recipe does.
+GRAD_SINK_CREDIT = 0.3
 
 
 @dataclass(frozen=True)
@@ -171,7 +177,8 @@ def solve(
             continue
         P = sorted(set(src_layouts), key=src_layouts.index)
         Q = sorted(set(dst_layouts), key=dst_layouts.index)
-        R = [[m * rcost(src_name, p, q) for q in Q] for p in P]
+        w = m * (1.0 - GRAD_SINK_CREDIT) if dst[0] == "param" else m
+        R = [[w * rcost(src_name, p, q) for q in Q] for p in P]
         if all(r == 0 for row in R for r in row):
             continue
         if len(P) == 1:
