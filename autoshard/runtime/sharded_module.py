@@ -85,7 +85,7 @@ class ShardedModule(nn.Module):
                     setattr(owner, leaf, new)
 
     def _flat_params(self) -> list[torch.Tensor]:
-        params = dict(self.module.named_parameters())
+        params = dict(self.module.named_parameters(remove_duplicate=False))
         out = []
         for name in self._param_names:
             p = params[name]

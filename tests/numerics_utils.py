@@ -1,0 +1,59 @@
+"""Train a model with autoshard for a few AdamW steps and collect what the single-device run is compared on."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import autoshard
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    full = t.full_tensor() if hasattr(t, "full_tensor") else t
+    lt = getattr(full, "_local_tensors", None)  # LocalTensorMode: every rank holds the same full value
+    if lt is not None:
+        ranks = sorted(lt)
+        for r in ranks[1:]:
+            assert torch.equal(lt[r], lt[ranks[0]]), "ranks disagree on a replicated value"
+        return lt[ranks[0]].detach().clone()
+    return full.detach().clone()
+
+
+def _scalar(t: torch.Tensor) -> float:
+    lt = getattr(t, "_local_tensors", None)
+    if lt is not None:
+        vals = {float(v) for v in lt.values()}
+        assert len(vals) == 1, f"the loss differs across ranks: {vals}"
+        return vals.pop()
+    return float(t)
+
+
+def train_sharded(
+    make_model: Callable[[], nn.Module],
+    inputs: tuple[torch.Tensor, ...],
+    mesh_shape: tuple[int, ...],
+    names: tuple[str, ...],
+    *,
+    steps: int = 3,
+    lr: float = 1e-2,
+    **compile_kw: Any,
+) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    model = make_model()
+    sharded = autoshard.compile(model, mesh, inputs, **compile_kw)
+    opt = torch.optim.AdamW(sharded.parameters(), lr=lr)
+    losses, grads = [], {}
+    for step in range(steps):
+        loss = sharded(*sharded.shard_inputs(*inputs))
+        loss.backward()
+        if step == 0:
+            grads = {n: _full(p.grad) for n, p in sharded.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(_scalar(loss))
+    params = {n: _full(p.data) for n, p in sharded.named_parameters()}
+    return {"losses": losses, "grads": grads, "params": params, "plan": sharded.plan.to_json()}
