@@ -6,6 +6,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -68,7 +69,10 @@ def compile(  # noqa: A001 - the one-line API the project promises
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not known; use one of {BACKENDS}")
     inputs = _check_inputs(example_inputs)
-    p, gm, ctx = plan_graph(model, inputs, mesh, get_cluster(cluster), _config(memory_budget, constraints, **options))
+    real_group = dist.is_initialized() and dist.get_world_size() > 1 and not tc.in_local_tensor_mode()
+    p, gm, ctx = plan_graph(
+        model, inputs, mesh, get_cluster(cluster), _config(memory_budget, constraints, **options), real_group
+    )
     if tc.in_local_tensor_mode():
         log.info("compile: LocalTensorMode: running the plan with the DTensor interpreter (no per-rank graph)")
         program: Any = InterpretedProgram(gm, ctx)

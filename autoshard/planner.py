@@ -58,9 +58,14 @@ PLANNING_PASSES: tuple[tuple[str, Pass], ...] = (
 
 
 def run_planning(
-    model: nn.Module, example_inputs: Sequence[Any], mesh: DeviceMesh, cluster: ClusterProfile, config: PlanConfig
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    mesh: DeviceMesh,
+    cluster: ClusterProfile,
+    config: PlanConfig,
+    broadcast_solution: bool = False,
 ) -> tuple[fx.GraphModule, PassContext]:
-    ctx = PassContext(mesh=mesh, cluster=cluster, config=config)
+    ctx = PassContext(mesh=mesh, cluster=cluster, config=config, broadcast_solution=broadcast_solution)
     with tc.outside_local_tensor_mode():
         with ctx.timed("capture"):
             gm = capture(model, example_inputs, ctx)
@@ -193,10 +198,15 @@ def _out_index(src: fx.Node) -> int:
 
 
 def plan_graph(
-    model: nn.Module, example_inputs: Sequence[Any], mesh: DeviceMesh, cluster: ClusterProfile, config: PlanConfig
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    mesh: DeviceMesh,
+    cluster: ClusterProfile,
+    config: PlanConfig,
+    broadcast_solution: bool = False,
 ) -> tuple[Plan, fx.GraphModule, PassContext]:
     t0 = time.perf_counter()
-    gm, ctx = run_planning(model, example_inputs, mesh, cluster, config)
+    gm, ctx = run_planning(model, example_inputs, mesh, cluster, config, broadcast_solution)
     plan = build_plan(gm, ctx)
     ctx.timings["total"] = time.perf_counter() - t0
     log.info("plan: predicted step %.6f s, %s", plan.step_time_s, ", ".join(f"{k} {v:.2f}s" for k, v in ctx.timings.items()))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import logging
 import math
@@ -71,8 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
     try:
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))  # outside any FakeTensorMode
-        cfg = LlamaConfig.llama3_8b(seq_len=a.seq)
-        cfg = LlamaConfig(**{**cfg.__dict__, "n_layer": a.layers})
+        cfg = dataclasses.replace(LlamaConfig.llama3_8b(seq_len=a.seq), n_layer=a.layers)
         t0 = time.perf_counter()
         with torch.device("meta"):
             model = Llama(cfg).to(getattr(torch, a.dtype))

@@ -28,6 +28,7 @@ class PassContext:
     mesh: DeviceMesh
     cluster: ClusterProfile
     config: PlanConfig
+    broadcast_solution: bool = False  # rank 0 solves, the others receive (compile on a real process group)
     timings: dict[str, float] = field(default_factory=dict)
     # filled in by the passes, in pipeline order
     output_roles: list[Any] = field(default_factory=list)

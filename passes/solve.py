@@ -10,6 +10,7 @@ from its group's chosen candidate. Same graph and options -> same plan.
 
 from __future__ import annotations
 
+import torch.distributed as dist
 import torch.fx as fx
 
 from autoshard.ir import NodeSharding
@@ -19,7 +20,29 @@ from autoshard.solver.intra_op import solve as solve_ilp
 
 def solve(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     canon = ctx.layer_of_group or {g.id: g.id for g in ctx.groups}
-    ctx.solution = solve_ilp(
+    if ctx.broadcast_solution and dist.get_rank() != 0:
+        # rank 0 solves and sends its choice: every rank must run the same plan, whatever the time limit
+        box: list = [None]
+        dist.broadcast_object_list(box, src=0)
+        ctx.solution = box[0]
+        if isinstance(ctx.solution, BaseException):
+            raise RuntimeError(f"rank 0 could not plan: {ctx.solution}")
+        annotate(gm, ctx)
+        return gm
+    try:
+        ctx.solution = _solve(gm, ctx, canon)
+    except Exception as e:
+        if ctx.broadcast_solution:
+            dist.broadcast_object_list([e], src=0)
+        raise
+    if ctx.broadcast_solution:
+        dist.broadcast_object_list([ctx.solution], src=0)
+    annotate(gm, ctx)
+    return gm
+
+
+def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
+    return solve_ilp(
         gm,
         ctx.groups,
         ctx.strategies,
@@ -32,8 +55,6 @@ def solve(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         num_workers=ctx.config.num_workers,
         seed=ctx.config.seed,
     )
-    annotate(gm, ctx)
-    return gm
 
 
 def annotate(gm: fx.GraphModule, ctx: PassContext) -> None:
