@@ -123,6 +123,19 @@ class _LossOnly(nn.Module):
         return loss
 
 
+def _inherit_modules(gm: fx.GraphModule) -> None:
+    """Autograd's own nodes (gradient accumulation of a tensor used twice) ran in no module: give them the
+    module of their most recently computed input, so each stays inside one layer (the one the backward is
+    working on) and identical layers stay identical."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.meta.get("autoshard_module"):
+            continue
+        ins = [a for a in node.all_input_nodes if a.op == "call_function" and a.meta.get("autoshard_module")]
+        if ins:
+            node.meta["autoshard_module"] = max(ins, key=order.__getitem__).meta["autoshard_module"]
+
+
 def capture(model: nn.Module, example_inputs: Sequence[Any], ctx: PassContext) -> fx.GraphModule:
     device = torch.device(ctx.mesh.device_type)
     fake_mode = tc.new_fake_mode()
@@ -160,6 +173,7 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], ctx: PassContext) -
             node.meta["autoshard_module"] = custom.get("autoshard_module", "")
             tag = node.meta.get("partitioner_tag", "is_forward")
             node.meta["autoshard_phase"] = "backward" if tag == "is_backward" else "forward"
+    _inherit_modules(gm)
     ctx.output_roles = [
         tc.OutputRole(r.kind, r.name[len("inner.") :]) if r.kind == "grad" and r.name.startswith("inner.") else r
         for r in ctx.output_roles

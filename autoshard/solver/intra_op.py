@@ -135,17 +135,25 @@ def solve(
         return redistribute_time(a, b, tuple(v.shape), v.element_size(), mesh_shape, cluster)
 
     # (src canon, src node pos, dst canon, dst member, dst arg) -> multiplicity; and sinks the same way
+    # Edges of identical layers connect the same variables: key them by the canonical group's member (same
+    # shape) so they merge into one edge with a multiplicity instead of one set of edge variables per layer.
+    by_id = {g.id: g for g in groups}
+
+    def canon_node(gid: int, member: int) -> str:
+        return by_id[canon[gid]].members[member]
+
     pair_edges: dict[tuple, int] = defaultdict(int)
     for e in edges:
         src_member = pos[e.src_node][1]
-        pair_edges[(canon[e.src_group], src_member, e.src_node, canon[e.dst_group], ("in", e.dst_member, e.dst_arg))] += 1
+        key = (canon[e.src_group], src_member, canon_node(e.src_group, src_member), canon[e.dst_group], ("in", e.dst_member, e.dst_arg))
+        pair_edges[key] += 1
     for src_name, param in sinks:
         sg, sm = pos[src_name]
         if param is None:
-            pair_edges[(canon[sg], sm, src_name, None, ("rep",))] += 1
+            pair_edges[(canon[sg], sm, canon_node(sg, sm), None, ("rep",))] += 1
         else:
             pg = pos[param][0]
-            pair_edges[(canon[sg], sm, src_name, canon[pg], ("param",))] += 1
+            pair_edges[(canon[sg], sm, canon_node(sg, sm), canon[pg], ("param",))] += 1
 
     model = cp_model.CpModel()
     x: dict[int, list] = {}
