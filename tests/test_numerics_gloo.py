@@ -91,3 +91,34 @@ def _bad_input_worker(rank: int, world: int, arg: None) -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def test_state_dict_is_dtensor_and_saves_with_dcp(tmp_path):
+    results = run_gloo(2, _dcp_worker, str(tmp_path / "ckpt"))
+    assert results[0] == results[1] == "ok"
+
+
+def _dcp_worker(rank: int, world: int, path: str) -> str:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    import autoshard
+
+    x, y = mlp_example_inputs(16, 32, 32)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    sharded = autoshard.compile(_mlp(), mesh, (x, y), constraints=BATCH, memory_budget="48KiB", backend="eager")
+    sd = sharded.state_dict()
+    assert set(sd) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+    assert all(isinstance(v, DTensor) for v in sd.values())
+    assert any(v.placements != (torch.distributed.tensor.Replicate(),) for v in sd.values())
+    dcp.save(sd, checkpoint_id=path)
+    saved = {k: v.full_tensor().clone() for k, v in sd.items()}
+    with torch.no_grad():
+        for p in sharded.parameters():
+            p.zero_()
+    target = sharded.state_dict()
+    dcp.load(target, checkpoint_id=path)
+    for k, v in target.items():
+        assert torch.equal(v.full_tensor(), saved[k]), k
+    return "ok"
