@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 log = logging.getLogger(__name__)
 
 Placements = tuple[Placement, ...]
+OpOverload = torch._ops.OpOverload
 
 
 # ----------------------------------------------------------------------------------------------- capture

@@ -25,6 +25,7 @@ import re
 import torch
 import torch.fx as fx
 
+from autoshard import _torch_compat as tc
 from autoshard.ir import Group
 from autoshard.passes.context import PassContext
 
@@ -63,7 +64,7 @@ def tensor_args(node: fx.Node) -> list[fx.Node]:
 def is_follower(node: fx.Node) -> bool:
     if node.target is operator.getitem:
         return True
-    if not isinstance(node.target, torch._ops.OpOverload):
+    if not isinstance(node.target, tc.OpOverload):
         return False
     if node.target in VIEW_LIKE:
         return True

@@ -208,7 +208,7 @@ def collective_counts(gm: fx.GraphModule) -> dict[str, int]:
     """How many of each ``_c10d_functional`` collective a lowered graph runs (wait_tensor excluded)."""
     counts: dict[str, int] = {}
     for n in gm.graph.nodes:
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+        if n.op == "call_function" and isinstance(n.target, tc.OpOverload):
             if n.target.namespace == "_c10d_functional" and n.target._opname != "wait_tensor":
                 counts[n.target._opname] = counts.get(n.target._opname, 0) + 1
     return counts
