@@ -43,7 +43,6 @@ from autoshard.plan import (
     StagePlan,
     TensorLayout,
 )
-from autoshard.solver.intra_op import collect_edges
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +159,6 @@ def build_plan(gm: fx.GraphModule, ctx: PassContext) -> Plan:
 
 def _collectives(gm: fx.GraphModule, ctx: PassContext) -> list[CollectiveStat]:
     """Every placement change the chosen plan makes, as the collectives DTensor runs for it."""
-    nodes = {n.name: n for n in gm.graph.nodes}
     names = ctx.mesh_names
     out: list[CollectiveStat] = []
 
@@ -177,7 +175,7 @@ def _collectives(gm: fx.GraphModule, ctx: PassContext) -> list[CollectiveStat]:
         sh = node.meta["autoshard"]
         phase = node.meta.get("autoshard_phase", "forward")
         for k, src in enumerate(tensor_args(node)):
-            add(src, src.meta["autoshard"].outputs[_out_index(src)], sh.inputs[k], node.name, phase)
+            add(src, src.meta["autoshard"].outputs[0], sh.inputs[k], node.name, phase)
     out_node = gm.graph.find_nodes(op="output")[0]
     rep = tuple(Replicate() for _ in ctx.mesh_shape)
     params = {n.meta["autoshard_role"].name: n for n in gm.graph.find_nodes(op="placeholder")}
@@ -189,12 +187,7 @@ def _collectives(gm: fx.GraphModule, ctx: PassContext) -> list[CollectiveStat]:
             add(src, have, rep, "output", "forward")
         elif role.kind == "grad":
             add(src, have, params[role.name].meta["autoshard"].outputs[0], role.name, "backward")
-    del nodes
     return out
-
-
-def _out_index(src: fx.Node) -> int:
-    return 0
 
 
 def plan_graph(
@@ -213,4 +206,4 @@ def plan_graph(
     return plan, gm, ctx
 
 
-__all__ = ["PLANNING_PASSES", "build_plan", "plan_graph", "run_planning", "collect_edges"]
+__all__ = ["PLANNING_PASSES", "build_plan", "plan_graph", "run_planning"]
