@@ -10,6 +10,31 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
+from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
+from autoshard.models.mlp import MLP, mlp_example_inputs
+
+# The small models both numerics layers train: name -> (make model, make global inputs).
+GPT_CFG = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab=128, seq_len=16, bias=False)
+# AdamW turns last-bit differences in near-zero gradient elements (another summation order) into steps of up
+# to lr, so parameters after the optimizer are compared at atol = lr / 5; loss and gradients stay at 1e-5.
+LR = 1e-3
+PARAM_ATOL = 2e-4
+
+
+def make_gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPT_CFG)
+
+
+def make_mlp() -> MLP:
+    torch.manual_seed(0)
+    return MLP(32, 64, 32)
+
+
+MODELS = {
+    "mlp": (make_mlp, lambda: mlp_example_inputs(16, 32, 32)),
+    "gpt": (make_gpt, lambda: gpt_example_inputs(GPT_CFG, 8)),
+}
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -9,28 +9,9 @@ import pytest
 import torch
 from torch.distributed.tensor import Shard
 
-from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
-from autoshard.models.mlp import MLP, mlp_example_inputs
+from autoshard.models.mlp import mlp_example_inputs
 from harness import assert_close_to_reference, run_gloo, single_device_reference
-from numerics_utils import train_sharded
-
-LR = 1e-3
-PARAM_ATOL = 2e-4  # see test_numerics_local
-GPT_CFG = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab=128, seq_len=16, bias=False)
-
-
-def _gpt():
-    torch.manual_seed(0)
-    return GPT(GPT_CFG)
-
-
-def _mlp():
-    torch.manual_seed(0)
-    return MLP(32, 64, 32)
-
-
-MODELS = {"mlp": (_mlp, lambda: mlp_example_inputs(16, 32, 32)), "gpt": (_gpt, lambda: gpt_example_inputs(GPT_CFG, 8))}
-
+from numerics_utils import LR, MODELS, PARAM_ATOL, make_mlp, train_sharded
 
 def _worker(rank: int, world: int, arg: tuple) -> dict:
     name, shape, names, kw = arg
@@ -85,7 +66,7 @@ def _bad_input_worker(rank: int, world: int, arg: None) -> str:
 
     x, y = mlp_example_inputs(16, 32, 32)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    sharded = autoshard.compile(_mlp(), mesh, (x, y), constraints=BATCH, backend="eager")
+    sharded = autoshard.compile(make_mlp(), mesh, (x, y), constraints=BATCH, backend="eager")
     try:
         sharded(x, y)  # global tensors instead of this rank's pieces
     except ValueError as e:
@@ -107,7 +88,7 @@ def _dcp_worker(rank: int, world: int, path: str) -> str:
 
     x, y = mlp_example_inputs(16, 32, 32)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    sharded = autoshard.compile(_mlp(), mesh, (x, y), constraints=BATCH, memory_budget="48KiB", backend="eager")
+    sharded = autoshard.compile(make_mlp(), mesh, (x, y), constraints=BATCH, memory_budget="48KiB", backend="eager")
     sd = sharded.state_dict()
     assert set(sd) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
     assert all(isinstance(v, DTensor) for v in sd.values())

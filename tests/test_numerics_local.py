@@ -8,44 +8,18 @@ import pytest
 import torch
 from torch.distributed.tensor import Shard
 
-from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
-from autoshard.models.mlp import MLP, mlp_example_inputs
 from harness import assert_close_to_reference, local_ranks, single_device_reference
-from numerics_utils import train_sharded
-
-GPT_CFG = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab=128, seq_len=16, bias=False)
-
-
-def _gpt():
-    torch.manual_seed(0)
-    return GPT(GPT_CFG)
-
-
-def _mlp():
-    torch.manual_seed(0)
-    return MLP(32, 64, 32)
-
-
-CASES = {
-    "mlp": (_mlp, lambda: mlp_example_inputs(16, 32, 32)),
-    "gpt": (_gpt, lambda: gpt_example_inputs(GPT_CFG, 8)),
-}
-
-
-# AdamW turns last-bit differences in near-zero gradient elements (another summation order) into steps of up
-# to lr, so parameters after the optimizer are compared at atol = lr / 5; loss and gradients stay at 1e-5.
-PARAM_ATOL = 2e-4
-
+from numerics_utils import LR, MODELS, PARAM_ATOL, train_sharded
 
 def _check(name: str, shape: tuple[int, ...], names: tuple[str, ...], **kw) -> dict:
-    make, inputs_fn = CASES[name]
+    make, inputs_fn = MODELS[name]
     inputs = inputs_fn()
-    ref = single_device_reference(make, inputs, steps=3, lr=1e-3)
+    ref = single_device_reference(make, inputs, steps=3, lr=LR)
     n = 1
     for s in shape:
         n *= s
     with local_ranks(n):
-        got = train_sharded(make, inputs, shape, names, lr=1e-3, **kw)
+        got = train_sharded(make, inputs, shape, names, lr=LR, **kw)
     assert_close_to_reference(ref, got["losses"], got["grads"], got["params"], param_atol=PARAM_ATOL)
     return got
 
@@ -70,7 +44,7 @@ def test_hf_gpt2_and_llama_2x2():
 
     ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
     for make in (lambda: hf_gpt2(n_layer=2, d_model=64, n_head=4, vocab=256, n_positions=16), lambda: hf_llama(n_layer=2, d_model=64, n_head=4, n_kv_head=2, ffn=128, vocab=256, max_pos=16)):
-        ref = single_device_reference(make, (ids, ids), steps=3, lr=1e-3)
+        ref = single_device_reference(make, (ids, ids), steps=3, lr=LR)
         with local_ranks(4):
-            got = train_sharded(make, (ids, ids), (2, 2), ("dp", "tp"), lr=1e-3, constraints={"inputs": {"dp": Shard(0)}})
+            got = train_sharded(make, (ids, ids), (2, 2), ("dp", "tp"), lr=LR, constraints={"inputs": {"dp": Shard(0)}})
         assert_close_to_reference(ref, got["losses"], got["grads"], got["params"], atol=2e-5, param_atol=PARAM_ATOL)

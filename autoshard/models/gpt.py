@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from autoshard.models.tokens import next_token_batch
+
 __all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "FeedForward", "gpt_example_inputs"]
 
 
@@ -147,13 +149,5 @@ class GPT(nn.Module):
 def gpt_example_inputs(
     cfg: GPTConfig, batch: int, seq: int | None = None, *, seed: int = 0
 ) -> tuple[Tensor, Tensor]:
-    """Random ``(tokens, targets)`` of shape (batch, seq), int64, drawn from a private generator.
-
-    ``targets`` is ``tokens`` shifted left by one, with a fresh random last column.
-    """
-    t = cfg.seq_len if seq is None else seq
-    if t > cfg.seq_len:
-        raise ValueError(f"seq={t} exceeds cfg.seq_len={cfg.seq_len}")
-    g = torch.Generator().manual_seed(seed)
-    stream = torch.randint(0, cfg.vocab, (batch, t + 1), generator=g, dtype=torch.long)
-    return stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
+    """Random ``(tokens, targets)`` for this config (see ``next_token_batch``)."""
+    return next_token_batch(cfg.vocab, cfg.seq_len, batch, seq, seed)
