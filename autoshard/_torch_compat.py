@@ -231,6 +231,63 @@ def op_strategies(
     return [RawStrategy(ins, outs)]
 
 
+@dataclass(frozen=True)
+class AxisRules:
+    """The placements an op accepts on ONE mesh axis (DTensor's "single-dim strategy"), placeholders filled.
+
+    Each rule is ``outputs + inputs`` (one placement per tensor output, then per flattened tensor input; None
+    for a masked-off output). DTensor combines them independently per mesh axis, so the candidates on a mesh
+    of ``k`` axes are the ``k``-fold product of the rules — enumerating that product directly is what keeps
+    planning fast on 3-D meshes, where DTensor's own expansion also prices every combination.
+    """
+
+    num_outputs: int
+    rules: tuple[tuple[Placement | None, ...], ...]
+
+
+def single_dim_rules(op: torch._ops.OpOverload, args: tuple, kwargs: dict, mesh: DeviceMesh) -> AxisRules | None:
+    """Per-axis rules of ``op`` at these argument shapes, or None when the op has no single-dim strategy (or
+    this torch lays the registry out differently: callers then use :func:`op_strategies`/:func:`propagate`)."""
+    prop = _prop()
+    info = getattr(prop, "op_single_dim_strategy_funcs", {}).get(op)
+    if info is None:
+        return None
+    try:
+        from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
+
+        rep = tuple(Replicate() for _ in range(mesh.ndim))
+
+        def to_spec(a: object) -> object:
+            if isinstance(a, TensorMeta):
+                return make_spec(mesh, rep, a)
+            if isinstance(a, (list, tuple)) and any(isinstance(x, TensorMeta) for x in a):
+                return type(a)(to_spec(x) for x in a)
+            return a
+
+        schema = _schema(op, tuple(to_spec(a) for a in args), {k: to_spec(v) for k, v in kwargs.items()})
+        out_meta = prop._propagate_tensor_meta_non_cached(schema)
+        wrapped = prop._wrap_with_op_strategy(schema)
+        func = getattr(info, "func", info)
+        raw = func(op, wrapped.args_meta, wrapped.kwargs_meta)
+        n_out = sum(1 for r in op._schema.returns if "Tensor" in str(r.type))
+        metas = [out_meta] if isinstance(out_meta, TensorMeta) or out_meta is None else list(out_meta)
+        rules: list[tuple[Placement | None, ...]] = []
+        for rule in raw:
+            filled = tuple(Shard(p.dim) if isinstance(p, _ShardingPlaceholder) else p for p in rule)
+            if filled not in rules:
+                rules.append(filled)
+        width = len(rules[0]) if rules else None
+        if width is None:
+            return None
+        replicate = tuple(None if i < n_out and i < len(metas) and metas[i] is None else Replicate() for i in range(width))
+        if not any(all(p is None or isinstance(p, Replicate) for p in r) for r in rules):
+            rules.insert(0, replicate)
+        return AxisRules(n_out, tuple(rules))
+    except Exception as e:  # a registry layout this adapter does not know: let the caller use the slow path
+        log.debug("single-dim rules of %s unavailable: %s", op, e)
+        return None
+
+
 def propagate(
     op: torch._ops.OpOverload, args: tuple, kwargs: dict, mesh: DeviceMesh, placed: dict[int, Placements]
 ) -> RawStrategy:

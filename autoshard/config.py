@@ -26,6 +26,12 @@ class PlanConfig:
     ``"params"`` (every parameter) or a glob over parameter names (``"layers.*.mlp.fc1.weight"``); values are a
     full placement list or ``{mesh axis name: placement}``, e.g. ``{"inputs": {"dp": Shard(0)}}`` shards the batch
     over ``dp`` and leaves the other axes to the solver.
+
+    ``warm_start`` solves each manual recipe that applies (``autoshard.baselines``) and starts the search from
+    the fastest that fits, so the plan is never slower than it. ``recipe`` ("ddp", "fsdp", "tp", "fsdp+tp")
+    makes the plan that recipe instead of a free choice. ``sample_layers`` captures only that many of a
+    model's identical repeated layers and lets them stand for all of them (planning only: the plan's costs and
+    memory count every layer; ``compile`` needs every layer).
     """
 
     memory_budget: int | None = None
@@ -36,6 +42,9 @@ class PlanConfig:
     disable_passes: tuple[str, ...] = ()
     num_workers: int = 1
     seed: int = 0
+    warm_start: bool = True
+    recipe: str | None = None
+    sample_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None:
@@ -45,6 +54,12 @@ class PlanConfig:
                 f"optimizer={self.optimizer!r} is not known; use one of {sorted(OPTIMIZER_STATE_FACTOR)} "
                 "(it sets how many optimizer-state bytes each parameter byte costs)"
             )
+        if self.recipe is not None:
+            from autoshard.baselines import normalize
+
+            object.__setattr__(self, "recipe", normalize(self.recipe))
+        if self.sample_layers is not None and self.sample_layers < 2:
+            raise ValueError(f"sample_layers must be >= 2 (or None to capture every layer), got {self.sample_layers}")
         if self.time_limit_s <= 0:
             raise ValueError(f"time_limit_s must be positive, got {self.time_limit_s}")
 

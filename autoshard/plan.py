@@ -130,11 +130,12 @@ class CollectiveStat:
     tensor: str
     consumer: str
     phase: str
+    repeat: float = 1.0  # how many times per step (> 1 when a captured layer stands for uncaptured ones)
 
     def __post_init__(self) -> None:
         _check(self.kind, COLLECTIVE_KINDS, "kind", f"collective on {self.tensor!r}")
         _check(self.phase, PHASES, "phase", f"collective on {self.tensor!r}")
-        _set(self, nbytes=int(self.nbytes), time_s=float(self.time_s))
+        _set(self, nbytes=int(self.nbytes), time_s=float(self.time_s), repeat=float(self.repeat))
 
 
 class CollectiveRow(NamedTuple):
@@ -215,6 +216,24 @@ class StagePlan:
 
 
 @dataclass(frozen=True)
+class BaselineSummary:
+    """A manual recipe costed in the same model as the plan (``autoshard.baselines``)."""
+
+    name: str
+    step_time_s: float  # inf when the recipe does not apply
+    peak_memory_bytes: int
+    fits: bool  # within the memory budget
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        _set(self, step_time_s=float(self.step_time_s), peak_memory_bytes=int(self.peak_memory_bytes))
+
+    @property
+    def applies(self) -> bool:
+        return math.isfinite(self.step_time_s)
+
+
+@dataclass(frozen=True)
 class Plan:
     """The whole decision: stages, predicted step time and memory, and how the solver fared."""
 
@@ -225,12 +244,37 @@ class Plan:
     solver: SolverStats
     schedule: str | None = None
     microbatches: int = 1
+    model: str = ""  # what was planned (a zoo name, a config file, or the module's class)
+    recipe: str = ""  # "" for a solved plan, else the manual recipe it realises ("fsdp", ...)
+    tokens_per_step: int = 0  # global tokens (or samples' patches) one step trains on; 0 when unknown
+    model_flops_per_step: float = 0.0  # model FLOPs of one step (6 N T + attention), for MFU; 0 when unknown
+    peak_flops_per_device: float = 0.0  # the device's dense peak for the model's dtype
+    hidden_comm_s: float = 0.0  # communication the cost model assumes overlapped (already out of step_time_s)
+    memory_budget_bytes: int = 0  # 0 = none given
+    sampled_layers: str = ""  # e.g. "layers: 3 of 80 captured" when identical layers were extrapolated
+    baselines: tuple[BaselineSummary, ...] = ()
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
         _set(self, stages=tuple(self.stages), step_time_s=float(self.step_time_s), microbatches=int(self.microbatches))
+        _set(self, baselines=tuple(self.baselines), tokens_per_step=int(self.tokens_per_step))
         if [s.index for s in self.stages] != list(range(len(self.stages))):
             raise ValueError(f"stage indices {[s.index for s in self.stages]} must be 0, 1, ... in order")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_time_s if self.tokens_per_step and self.step_time_s > 0 else 0.0
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation: model FLOPs per second over the peak of every device."""
+        peak = self.peak_flops_per_device * self.mesh.size
+        return self.model_flops_per_step / self.step_time_s / peak if peak and self.step_time_s > 0 else 0.0
+
+    def best_baseline(self) -> BaselineSummary | None:
+        """The fastest recipe that applies and fits the budget (None if none does)."""
+        ok = [b for b in self.baselines if b.applies and b.fits]
+        return min(ok, key=lambda b: b.step_time_s) if ok else None
 
     @property
     def only_stage(self) -> StagePlan:
@@ -293,7 +337,8 @@ class Plan:
 def _nested(key: str) -> tuple[type, bool] | None:
     """The value type stored under a JSON key, and whether it is a list of them (field names are unique)."""
     one = {"mesh": MeshSpec, "solver": SolverStats, "memory": MemoryBreakdown}
-    many = {"stages": StagePlan, "tensors": TensorLayout, "ops": OpDecision, "collectives": CollectiveStat}
+    many = {"stages": StagePlan, "tensors": TensorLayout, "ops": OpDecision, "collectives": CollectiveStat,
+            "baselines": BaselineSummary}
     return (one[key], False) if key in one else (many[key], True) if key in many else None
 
 
@@ -320,10 +365,10 @@ def _summarize(collectives: Iterable[CollectiveStat]) -> list[CollectiveRow]:
     acc: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])
     for c in collectives:
         row = acc[(c.kind, c.axis)]
-        row[0] += 1
-        row[1] += c.nbytes
-        row[2] += c.time_s
-    rows = [CollectiveRow(k, a, int(n), int(b), t) for (k, a), (n, b, t) in acc.items()]
+        row[0] += c.repeat
+        row[1] += c.nbytes * c.repeat
+        row[2] += c.time_s * c.repeat
+    rows = [CollectiveRow(k, a, int(round(n)), int(b), t) for (k, a), (n, b, t) in acc.items()]
     return sorted(rows, key=lambda r: (-r.time_s, r.kind, r.axis))
 
 
@@ -436,6 +481,31 @@ def _memory_line(m: MemoryBreakdown, label: str) -> str:
     )
 
 
+def _baseline_lines(plan: Plan) -> list[str]:
+    """The plan next to every manual recipe, in the same cost model; ratio = recipe time / plan time."""
+    if not plan.baselines:
+        return []
+    budget = plan.memory_budget_bytes
+    rows = [("autoshard" if not plan.recipe else plan.recipe, plan.step_time_s, plan.peak_memory.total, True, "")]
+    rows += [(b.name, b.step_time_s, b.peak_memory_bytes, b.fits, b.note) for b in plan.baselines]
+    w = max(len(r[0]) for r in rows) + 2
+    lines = ["", f"{'vs manual recipes':<{w}}{'step':>12}{'x plan':>9}{'memory/device':>16}  fits  note"]
+    for name, t, mem, fits, note in rows:
+        if not math.isfinite(t):
+            lines.append(f"  {name:<{w - 2}}{'-':>12}{'-':>9}{'-':>16}  -     {note}")
+            continue
+        fit = "yes" if fits else "OOM"
+        if not budget and fits:
+            fit = "-"
+        ratio = t / plan.step_time_s if plan.step_time_s > 0 else math.nan
+        lines.append(f"  {name:<{w - 2}}{format_seconds(t):>12}{ratio:>8.2f}x{format_bytes(mem):>16}  {fit:<5} {note}".rstrip())
+    best = plan.best_baseline()
+    if best is not None and not plan.recipe:
+        gain = best.step_time_s / plan.step_time_s if plan.step_time_s > 0 else math.nan
+        lines.append(f"best recipe that fits: {best.name}; the plan is {gain:.2f}x as fast")
+    return lines
+
+
 def _report_lines(plan: Plan, *, collapse: bool, max_rows: int) -> list[str]:
     compute = sum(s.compute_s for s in plan.stages)
     comm = sum(s.comm_s for s in plan.stages)
@@ -453,6 +523,16 @@ def _report_lines(plan: Plan, *, collapse: bool, max_rows: int) -> list[str]:
         f"gap {sv.gap:.1%}  groups {sv.groups}  variables {sv.variables}  shared layers {sv.shared_layers}  "
         f"({format_seconds(sv.wall_s)})",
     ]
+    if plan.recipe:
+        lines.append(f"manual recipe: {plan.recipe} (parameter and batch layouts pinned, the rest solved)")
+    if plan.tokens_per_step and plan.step_time_s > 0:
+        mfu = f"  MFU {plan.mfu:.1%}" if plan.peak_flops_per_device and plan.model_flops_per_step else ""
+        lines.append(f"throughput {plan.tokens_per_s:,.0f} tokens/s ({plan.tokens_per_step:,} tokens per step){mfu}")
+    if plan.hidden_comm_s:
+        lines.append(f"overlap: {format_seconds(plan.hidden_comm_s)} of gradient reductions hidden behind backward")
+    if plan.sampled_layers:
+        lines.append(f"repeated layers: {plan.sampled_layers}")
+    lines += _baseline_lines(plan)
     for stage in plan.stages:
         lines.append("")
         if len(plan.stages) > 1:

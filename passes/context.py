@@ -35,6 +35,13 @@ class PassContext:
     groups: list[Any] = field(default_factory=list)
     strategies: dict[int, list[Any]] = field(default_factory=dict)
     layer_of_group: dict[int, Any] = field(default_factory=dict)
+    # group id -> how many real groups it stands for (1 unless layers were sampled; see share_layers)
+    group_weight: dict[int, float] = field(default_factory=dict)
+    # (container path, layers captured, layers in the model) when only some repeated layers were captured
+    sampled_layers: tuple[str, int, int] | None = None
+    param_modules: dict[str, str] = field(default_factory=dict)  # parameter name -> its module's class name
+    baselines: list[Any] = field(default_factory=list)  # BaselineResult per manual recipe (autoshard.baselines)
+    problem: Any = None  # the IntraOpProblem solve built (baselines re-solve it with layouts pinned)
     solution: Any = None
     stats: dict[str, Any] = field(default_factory=dict)
 

@@ -10,7 +10,8 @@ i-th group of every such layer maps to the i-th group of the first one. A contai
 a different width) is left unshared and logged. ``ctx.stats["shared_layers"]`` counts layers folded away.
 
 The solver gives shared groups one set of variables and multiplies their costs; strategies are computed
-once per canonical group.
+once per canonical group. When the planner captured only some of a container's layers
+(``ctx.sampled_layers``), ``ctx.group_weight`` makes the captured middle layers stand for the missing ones.
 """
 
 from __future__ import annotations
@@ -37,6 +38,23 @@ def _signature(group, nodes: dict[str, fx.Node], prefix: str) -> tuple:
     return (group.kind, group.phase, rel, tuple(members))
 
 
+def _weigh_sampled(ctx: PassContext, container: str, members: dict[int, list[int]], by_index: dict) -> None:
+    """When only ``k`` of ``L`` identical layers were captured, the largest class of captured layers (the
+    middle ones; the first and last may differ at their edges) stands for the ``L - k`` missing ones: each of
+    its layers' groups weighs ``(n + L - k) / n``."""
+    if ctx.sampled_layers is None or ctx.sampled_layers[0] != container:
+        return
+    _, k, total = ctx.sampled_layers
+    ref = max(members, key=lambda r: (len(members[r]), -abs(r - 1)))
+    n = len(members[ref])
+    w = (n + total - k) / n
+    for idx in members[ref]:
+        for g in by_index[idx]:
+            ctx.group_weight[g.id] = w
+    log.info("share_layers: %s: %d captured layers like layer %d stand for %d (weight %.2f each)", container, n, ref,
+             n + total - k, w)
+
+
 def share_layers(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     canon = {g.id: g.id for g in ctx.groups}
     shared = 0
@@ -54,9 +72,11 @@ def share_layers(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             # layers fall into classes of identical structure (the first layer often differs: its input
             # needs no gradient); each class shares the variables of its first layer
             classes: dict[tuple, int] = {}
+            members: dict[int, list[int]] = defaultdict(list)
             for idx in indices:
                 sig = tuple(_signature(g, nodes, f"{container}.{idx}") for g in by_index[idx])
                 ref = classes.setdefault(sig, idx)
+                members[ref].append(idx)
                 if ref == idx:
                     continue
                 for g, r in zip(by_index[idx], by_index[ref]):
@@ -64,6 +84,7 @@ def share_layers(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 shared += 1
             if len(classes) > 1:
                 log.info("share_layers: %s has %d distinct layer structures", container, len(classes))
+            _weigh_sampled(ctx, container, members, by_index)
     ctx.layer_of_group = canon
     ctx.stats["shared_layers"] = shared
     log.info("share_layers: %d layers share variables with an earlier identical layer", shared)

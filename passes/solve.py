@@ -10,12 +10,16 @@ from its group's chosen candidate. Same graph and options -> same plan.
 
 from __future__ import annotations
 
+import logging
+
 import torch.distributed as dist
 import torch.fx as fx
 
 from autoshard.ir import NodeSharding
 from autoshard.passes.context import PassContext
-from autoshard.solver.intra_op import solve as solve_ilp
+from autoshard.solver.intra_op import IntraOpProblem
+
+log = logging.getLogger(__name__)
 
 
 def solve(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -42,24 +46,34 @@ def solve(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
-    return solve_ilp(
-        gm,
-        ctx.groups,
-        ctx.strategies,
-        canon,
-        ctx.output_roles,
-        ctx.mesh_shape,
-        ctx.cluster,
-        ctx.config.memory_budget,
-        ctx.config.time_limit_s,
+    ctx.problem = IntraOpProblem(
+        gm, ctx.groups, ctx.strategies, canon, ctx.output_roles, ctx.mesh_shape, ctx.cluster, ctx.group_weight
+    )
+    from autoshard.baselines import best_baseline_hint, recipe_pins
+
+    hint = pins = None
+    if ctx.config.recipe is not None:
+        pins, notes = recipe_pins(ctx.config.recipe, gm, ctx)
+        for note in notes:
+            log.warning("recipe %s: %s", ctx.config.recipe, note)
+    elif ctx.config.warm_start:
+        hint = best_baseline_hint(gm, ctx)
+    return ctx.problem.solve(
+        memory_budget=ctx.config.memory_budget,
+        time_limit_s=ctx.config.time_limit_s,
+        hint=hint,
+        pins=pins,
         num_workers=ctx.config.num_workers,
         seed=ctx.config.seed,
+        what=ctx.config.recipe or "plan",
     )
 
 
-def annotate(gm: fx.GraphModule, ctx: PassContext) -> None:
+def annotate(gm: fx.GraphModule, ctx: PassContext, solution=None) -> None:
+    """Write a solution's layouts onto the nodes (default: ``ctx.solution``)."""
+    sol = solution if solution is not None else ctx.solution
     nodes = {n.name: n for n in gm.graph.nodes}
     for g in ctx.groups:
-        s = ctx.strategies[g.id][ctx.solution.choice[g.id]]
+        s = ctx.strategies[g.id][sol.choice[g.id]]
         for i, name in enumerate(g.members):
             nodes[name].meta["autoshard"] = NodeSharding(g.id, s.outputs[i], s.inputs[i])

@@ -19,7 +19,9 @@ forward nodes that the backward reads; state bytes = parameter + gradient + opti
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import operator
 from collections.abc import Sequence
 from functools import lru_cache
@@ -113,7 +115,6 @@ def _sdpa_cpu_rules(node: fx.Node, mesh_ndim: int) -> list[tc.RawStrategy]:
     outs = _vals(node)
     per_axis: list[Placement] = [Replicate(), Shard(0), Shard(1)]
     result = []
-    import itertools
 
     for combo in itertools.product(per_axis, repeat=mesh_ndim):
         pl = tuple(combo)
@@ -159,7 +160,19 @@ class _Enumerator:
         args, kwargs = _meta_args(node)
         found: dict[tuple, tc.RawStrategy] = {}
         errors: list[str] = []
-        if tc.has_sharding_rule(op):
+        rules = self._rules(node, args, kwargs)
+        if rules is not None:
+            # the product of DTensor's per-axis rules: the same candidates DTensor's own expansion yields, without
+            # pricing each one for every possible input layout
+            nout = rules.num_outputs
+            axes = range(len(self.mesh_shape))
+            for combo in itertools.product(rules.rules, repeat=len(self.mesh_shape)):
+                outs = tuple(None if combo[0][o] is None else tuple(combo[a][o] for a in axes) for o in range(nout))
+                cins = tuple(tuple(combo[a][nout + i] for a in axes) for i in range(len(ins)))
+                c = tc.RawStrategy(cins, outs)
+                if _valid(c, ins, node, self.mesh_shape, partial_inputs=False):
+                    found.setdefault((c.inputs, c.outputs), c)
+        elif tc.has_sharding_rule(op):
             for first in tc.all_placements(len(self.mesh_shape), ins[0].meta["val"].ndim):
                 try:
                     cands = tc.op_strategies(op, args, kwargs, self.mesh, tuple(first))
@@ -188,15 +201,62 @@ class _Enumerator:
         self._cur = node
         return self._follow(self.key(node), k, placement)
 
+    def _rules(self, node: fx.Node, args: tuple, kwargs: dict) -> tc.AxisRules | None:
+        rules = tc.single_dim_rules(node.target, args, kwargs, self.mesh)
+        if rules is None or not rules.rules or len(rules.rules[0]) != rules.num_outputs + len(tensor_args(node)):
+            return None
+        return rules
+
     def _follow_uncached(self, _key: tuple, k: int, placement: Placements) -> tc.RawStrategy | None:
         node = self._cur
         args, kwargs = _meta_args(node)
+        rules = self._rules(node, args, kwargs)
+        if rules is not None:
+            raw = _follow_rules(rules, k, placement, len(tensor_args(node)))
+            if raw is not None and _valid(raw, tensor_args(node), node, self.mesh_shape):
+                return raw
         try:
             raw = tc.propagate(node.target, args, kwargs, self.mesh, {k: placement})
         except Exception as e:
             log.debug("no propagation of %s for %s through %s: %s", placement, node.name, node.target, e)
             return None
         return raw if _valid(raw, tensor_args(node), node, self.mesh_shape) else None
+
+
+def _move_cost(have: Placement, need: Placement | None) -> float:
+    """Rough price of turning ``have`` into ``need`` on one axis, to rank per-axis rules the way DTensor's
+    min-cost selection does (free local chunking < reduce-scatter = all-gather < all-to-all < all-reduce)."""
+    if need is None or have == need:
+        return 0.0
+    if isinstance(have, Replicate):
+        return 0.01 if isinstance(need, Shard) else (0.05 if isinstance(need, Partial) else math.inf)
+    if isinstance(have, Partial):
+        return 2.0 if isinstance(need, Replicate) else (1.0 if isinstance(need, Shard) else math.inf)
+    if isinstance(have, Shard):
+        return 1.0 if isinstance(need, Replicate) else (1.5 if isinstance(need, Shard) else math.inf)
+    return math.inf
+
+
+def _follow_rules(rules: tc.AxisRules, k: int, placement: Placements, n_in: int) -> tc.RawStrategy | None:
+    """What a follower does given its producer's layout on input ``k`` (other inputs as if Replicate): on each
+    axis independently, the cheapest rule to reach from there."""
+    nout = rules.num_outputs
+    rep = Replicate()
+    chosen = []
+    for have in placement:
+        best, best_cost = None, math.inf
+        for rule in rules.rules:
+            cost = _move_cost(have, rule[nout + k])
+            cost += sum(_move_cost(rep, rule[nout + i]) for i in range(n_in) if i != k)
+            if cost < best_cost:
+                best, best_cost = rule, cost
+        if best is None:
+            return None
+        chosen.append(best)
+    axes = range(len(placement))
+    outs = tuple(None if chosen[0][o] is None else tuple(r[o] for r in chosen) for o in range(nout))
+    ins = tuple(tuple(r[nout + i] for r in chosen) for i in range(n_in))
+    return tc.RawStrategy(ins, outs) if all(len(x) == len(axes) for x in ins) else None
 
 
 def _placeholder_candidates(node: fx.Node, ctx: PassContext) -> list[tc.RawStrategy]:

@@ -1,7 +1,8 @@
 """Collective costs on one mesh axis, and the cost of changing a tensor's placements (DESIGN §5).
 
-Ring model, on an axis of ``n`` devices joined by a link of latency ``alpha`` (s per step) and bandwidth
-``beta`` (bytes/s per direction per device), for a message whose FULL size along that axis is ``b`` bytes::
+Ring model on a single link, over an axis of ``n`` devices joined by a link of latency ``alpha`` (s per step)
+and bandwidth ``beta`` (bytes/s per direction per device), for a message whose FULL size along that axis is
+``b`` bytes (:func:`collective_time`)::
 
     all_gather, reduce_scatter   alpha*(n-1) + b*(n-1)/n/beta     each device sends (n-1) chunks of b/n
     all_reduce                   reduce_scatter + all_gather
@@ -12,9 +13,16 @@ is ``n`` times that. It is kept pessimistic on purpose, as DESIGN §5 and the sp
 ``redistribute_cost`` penalizes shard->shard moves and Alpa adds a penalty factor: measured all-to-alls on
 real fabrics fall short of their byte count. Revisit once a measurement says otherwise.
 
+A mesh axis of a real cluster may span nodes, partly inside each (``m`` devices per node on ``k`` nodes,
+:meth:`ClusterProfile.axis_layout`). :func:`axis_collective` prices it per algorithm (``ring``, ``tree``,
+``hierarchical``, formulas in :mod:`autoshard.cost.collectives`) and, with ``algorithm="auto"``, picks the
+cheapest, as NCCL's tuner does. On an axis inside one node ``ring`` equals :func:`collective_time` on the
+intra-node link; on one with ``m == 1`` it equals :func:`collective_time` on the network link.
+
 :func:`redistribute_steps` turns ``src -> dst`` placements into those collectives, one mesh axis at a time, the
 way DTensor's ``redistribute`` does, with the byte size each step sees given the sharding of the other axes at
-that moment. The order of the steps (why it is the cheapest per-axis order) is in its docstring.
+that moment, each step priced by :func:`axis_collective` (``auto``). The order of the steps (why it is the
+cheapest per-axis order) is in its docstring.
 
 Everything here is plain Python arithmetic behind an ``lru_cache``: the planner prices O(10^5) edges.
 """
@@ -29,10 +37,19 @@ from dataclasses import dataclass
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from autoshard.cluster import ClusterProfile, Link
+from autoshard.cost.collectives import (
+    ALGORITHMS,
+    COLLECTIVES,
+    algorithm_time,
+    best_algorithm,
+    ring_bandwidth,
+    ring_pass,
+)
 
-__all__ = ["COLLECTIVES", "CollectiveStep", "collective_time", "redistribute_steps", "redistribute_time"]
-
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+__all__ = [
+    "ALGORITHMS", "COLLECTIVES", "CollectiveStep", "axis_collective", "axis_collective_time", "collective_time",
+    "redistribute_steps", "redistribute_time",
+]
 
 
 def collective_time(kind: str, nbytes: int, n: int, link: Link) -> float:
@@ -41,21 +58,50 @@ def collective_time(kind: str, nbytes: int, n: int, link: Link) -> float:
         raise ValueError(f"unknown collective kind {kind!r}; known kinds: {', '.join(COLLECTIVES)}")
     if n < 1:
         raise ValueError(f"{kind} over {n} devices: a mesh axis has at least 1 device")
-    if n == 1:
-        return 0.0
-    one_pass = link.latency * (n - 1) + nbytes * (n - 1) / n / link.bandwidth
+    one_pass = ring_pass(nbytes, n, link.latency, link.bandwidth)
     return 2.0 * one_pass if kind == "all_reduce" else one_pass
+
+
+def axis_collective(
+    kind: str,
+    nbytes: int,
+    mesh_shape: Sequence[int],
+    axis: int,
+    cluster: ClusterProfile,
+    algorithm: str = "auto",
+) -> tuple[str, float]:
+    """``(algorithm, seconds)`` for collective ``kind`` of full size ``nbytes`` over mesh axis ``axis``, laid
+    over ``cluster`` by :meth:`ClusterProfile.axis_layout`. ``algorithm`` is one of :data:`ALGORITHMS` or
+    ``"auto"`` (the cheapest applicable one); an algorithm that does not apply raises ValueError."""
+    layout, intra, inter = cluster.axis_layout(mesh_shape, axis), cluster.intra_node, cluster.inter_node
+    if algorithm == "auto":
+        return best_algorithm(kind, nbytes, layout, intra, inter)
+    return algorithm, algorithm_time(kind, nbytes, layout, intra, inter, algorithm)
+
+
+def axis_collective_time(
+    kind: str,
+    nbytes: int,
+    mesh_shape: Sequence[int],
+    axis: int,
+    cluster: ClusterProfile,
+    algorithm: str = "auto",
+) -> float:
+    """Seconds of :func:`axis_collective`."""
+    return axis_collective(kind, nbytes, mesh_shape, axis, cluster, algorithm)[1]
 
 
 @dataclass(frozen=True)
 class CollectiveStep:
     """One collective on mesh axis ``axis``; ``nbytes`` is the size gathered over that axis (still sharded
-    along the other axes at that moment), ``time`` its predicted seconds."""
+    along the other axes at that moment), ``time`` its predicted seconds with ``algorithm`` (one of
+    :data:`ALGORITHMS`, the cheapest for this axis and size)."""
 
     kind: str
     axis: int
     nbytes: int
     time: float
+    algorithm: str = "ring"
 
 
 def redistribute_steps(
@@ -91,7 +137,9 @@ def redistribute_steps(
 
     With equal links the order inside phases 2 and 5 does not change the total (``b*(n_a*n_b-1)/(n_a*n_b)``
     either way); it matters across nodes, e.g. ``[S(0), S(1)] -> [R, R]`` on dp=4 (IB) x tp=8 (NVLink)
-    gathers over IB at 1/8 size instead of over NVLink at 1/4 size, about 8x less time.
+    gathers over IB at 1/8 size instead of over NVLink at 1/4 size, about 8x less time. An axis's link speed
+    here is its flat-ring bandwidth (:func:`autoshard.cost.collectives.ring_bandwidth`); each step is then
+    priced with the cheapest algorithm for its axis and size (:func:`axis_collective`, ``auto``).
 
     Sizes: the local size divides the global one by the mesh size of every axis that currently holds a
     ``Shard`` (two axes sharding the same tensor dim divide by both); ``Partial`` does not shrink it. This is a
@@ -104,8 +152,7 @@ def redistribute_steps(
             f"need one placement per mesh axis"
         )
     mesh = tuple(int(s) for s in mesh_shape)
-    links = tuple(cluster.axis_link(mesh, i) for i in range(len(mesh)))
-    return _plan(tuple(src), tuple(dst), tuple(int(s) for s in global_shape), int(itemsize), mesh, links)
+    return _plan(tuple(src), tuple(dst), tuple(int(s) for s in global_shape), int(itemsize), mesh, cluster)
 
 
 def redistribute_time(
@@ -133,7 +180,7 @@ def _plan(
     shape: tuple[int, ...],
     itemsize: int,
     mesh: tuple[int, ...],
-    links: tuple[Link, ...],
+    cluster: ClusterProfile,
 ) -> tuple[CollectiveStep, ...]:
     ndim = len(shape)
     phases: list[tuple[int, int]] = []  # (phase, axis)
@@ -150,9 +197,12 @@ def _plan(
         if phase:
             phases.append((phase, axis))
 
+    intra, inter = cluster.intra_node, cluster.inter_node
+    layouts = [cluster.axis_layout(mesh, axis) for axis in range(len(mesh))]
+
     def order(item: tuple[int, int]) -> tuple[float, ...]:
         phase, axis = item
-        bw = links[axis].bandwidth
+        bw = ring_bandwidth(layouts[axis], intra, inter)
         if phase == _REDUCE_SCATTER:
             return (phase, -bw, -axis)
         if phase == _ALL_GATHER:
@@ -172,7 +222,8 @@ def _plan(
                 divisor *= mesh[other]
         nbytes = -(-total // divisor)  # ceil: uneven shards are padded to the largest one
         kind = _KIND[phase]
-        steps.append(CollectiveStep(kind, axis, nbytes, collective_time(kind, nbytes, mesh[axis], links[axis])))
+        algorithm, seconds = best_algorithm(kind, nbytes, layouts[axis], intra, inter)
+        steps.append(CollectiveStep(kind, axis, nbytes, seconds, algorithm))
         sharded[axis] = phase in (_REDUCE_SCATTER, _ALL_TO_ALL)
     return tuple(steps)
 

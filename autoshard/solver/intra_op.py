@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import os
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -68,7 +69,11 @@ class Solution:
 
 
 class InfeasibleBudget(ValueError):
-    pass
+    """No plan fits; ``least_bytes`` is the smallest per-device memory any plan needs (None when unknown)."""
+
+    def __init__(self, message: str, least_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.least_bytes = least_bytes
 
 
 def collect_edges(gm: fx.GraphModule, groups: Sequence[Group], output_roles: Sequence) -> tuple[list[Edge], list]:
@@ -101,6 +106,237 @@ def collect_edges(gm: fx.GraphModule, groups: Sequence[Group], output_roles: Seq
     return edges, sinks
 
 
+class IntraOpProblem:
+    """The integer program of one captured graph, built once and solved under different side conditions.
+
+    ``solve`` may be called several times (the solved plan, then each manual baseline as the same program with
+    parameter and input layouts pinned); ``evaluate`` prices any complete choice exactly as the objective does,
+    which is how a baseline's predicted time and the "never worse than the best baseline" check are computed.
+    ``weights`` scales a group's costs (a captured layer standing in for several identical uncaptured ones).
+    """
+
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        groups: Sequence[Group],
+        strategies: dict[int, list[GroupStrategy]],
+        canon: dict[int, int],
+        output_roles: Sequence,
+        mesh_shape: tuple[int, ...],
+        cluster: ClusterProfile,
+        weights: dict[int, float] | None = None,
+    ) -> None:
+        t0 = time.perf_counter()
+        self.groups = list(groups)
+        self.strategies = strategies
+        self.canon = canon
+        self.mesh_shape = mesh_shape
+        nodes = {n.name: n for n in gm.graph.nodes}
+        pos = {name: (g.id, i) for g in groups for i, name in enumerate(g.members)}
+        weight = {g.id: (weights or {}).get(g.id, 1.0) for g in groups}
+        mult: dict[int, float] = defaultdict(float)
+        for g in groups:
+            mult[canon[g.id]] += weight[g.id]
+        self.canon_ids = [g.id for g in groups if canon[g.id] == g.id]
+        canon_ids = self.canon_ids
+        unary: dict[int, list[float]] = {
+            c: [mult[c] * (s.compute_s + s.comm_s) for s in strategies[c]] for c in canon_ids
+        }
+        edges, sinks = collect_edges(gm, groups, output_roles)
+        rep = tuple(Replicate() for _ in mesh_shape)
+
+        def rcost(node_name: str, a: Placements, b: Placements) -> float:
+            v = nodes[node_name].meta["val"]
+            return redistribute_time(a, b, tuple(v.shape), v.element_size(), mesh_shape, cluster)
+
+        # Edges of identical layers connect the same variables: key them by the canonical group's member (same
+        # shape) so they merge into one edge with a multiplicity instead of one set of edge variables per layer.
+        by_id = {g.id: g for g in groups}
+
+        def canon_node(gid: int, member: int) -> str:
+            return by_id[canon[gid]].members[member]
+
+        pair_edges: dict[tuple, float] = defaultdict(float)
+        for e in edges:
+            src_member = pos[e.src_node][1]
+            key = (canon[e.src_group], src_member, canon_node(e.src_group, src_member), canon[e.dst_group],
+                   ("in", e.dst_member, e.dst_arg))
+            pair_edges[key] += weight[e.dst_group]
+        for src_name, param in sinks:
+            sg, sm = pos[src_name]
+            if param is None:
+                pair_edges[(canon[sg], sm, canon_node(sg, sm), None, ("rep",))] += weight[sg]
+            else:
+                pg = pos[param][0]
+                pair_edges[(canon[sg], sm, canon_node(sg, sm), canon[pg], ("param",))] += weight[sg]
+
+        model = cp_model.CpModel()
+        x: dict[int, list] = {}
+        n_vars = 0
+        for c in canon_ids:
+            k = len(strategies[c])
+            if k > 1:
+                x[c] = [model.NewBoolVar(f"x{c}_{i}") for i in range(k)]
+                model.AddExactlyOne(x[c])
+                n_vars += k
+        obj_terms: list = []
+        # (src canon, dst canon, index of src layout per src candidate, of dst layout per dst candidate, R)
+        self.pair_costs: list[tuple[int, int, list[int], list[int], list[list[float]]]] = []
+        for (cu, sm, src_name, cv, dst), m in pair_edges.items():
+            su = strategies[cu]
+            src_layouts = [s.outputs[sm][0] for s in su]
+            if cv is None:  # loss sink
+                for i, a in enumerate(src_layouts):
+                    unary[cu][i] += m * rcost(src_name, a, rep)
+                continue
+            sv = strategies[cv]
+            if dst[0] == "param":
+                dst_layouts = [s.outputs[0][0] for s in sv]
+            else:
+                dst_layouts = [s.inputs[dst[1]][dst[2]] for s in sv]
+            if cu == cv:
+                for i in range(len(su)):
+                    unary[cu][i] += m * rcost(src_name, src_layouts[i], dst_layouts[i])
+                continue
+            P = sorted(set(src_layouts), key=src_layouts.index)
+            Q = sorted(set(dst_layouts), key=dst_layouts.index)
+            w = m * (1.0 - GRAD_SINK_CREDIT) if dst[0] == "param" else m
+            R = [[w * rcost(src_name, p, q) for q in Q] for p in P]
+            if all(r == 0 for row in R for r in row):
+                continue
+            if len(P) == 1:
+                for j, q in enumerate(dst_layouts):
+                    unary[cv][j] += R[0][Q.index(q)]
+                continue
+            if len(Q) == 1:
+                for i, p in enumerate(src_layouts):
+                    unary[cu][i] += R[P.index(p)][0]
+                continue
+            self.pair_costs.append((cu, cv, [P.index(a) for a in src_layouts], [Q.index(b) for b in dst_layouts], R))
+            e = [[model.NewBoolVar("") for _ in Q] for _ in P]
+            n_vars += len(P) * len(Q)
+            for pi, p in enumerate(P):
+                model.Add(sum(e[pi]) == sum(x[cu][i] for i, a in enumerate(src_layouts) if a == p))
+            for qi, q in enumerate(Q):
+                model.Add(sum(e[pi][qi] for pi in range(len(P))) == sum(x[cv][j] for j, b in enumerate(dst_layouts) if b == q))
+            for pi in range(len(P)):
+                for qi in range(len(Q)):
+                    if R[pi][qi] > 0:
+                        obj_terms.append((e[pi][qi], R[pi][qi]))
+        self.const = 0.0
+        for c in canon_ids:
+            if c in x:
+                for i, v in enumerate(x[c]):
+                    if unary[c][i] > 0:
+                        obj_terms.append((v, unary[c][i]))
+            else:
+                self.const += unary[c][0]
+        model.Minimize(sum(int(round(w * NS)) * v for v, w in obj_terms))
+        self.unary = unary
+        self.mem = {c: [mult[c] * (s.state_bytes + s.activation_bytes) for s in strategies[c]] for c in canon_ids}
+        self.model = model
+        self.x = x
+        self.variables = n_vars
+        self.build_s = time.perf_counter() - t0
+
+    def min_memory(self) -> float:
+        """The least memory per device any choice needs (memory is separable over groups)."""
+        return sum(min(v) for v in self.mem.values())
+
+    def evaluate(self, choice: dict[int, int]) -> float:
+        """Objective (seconds) of a choice given per canonical group, exactly as the program prices it."""
+        total = sum(self.unary[c][choice[c]] for c in self.canon_ids)
+        for cu, cv, pu, qv, R in self.pair_costs:
+            total += R[pu[choice[cu]]][qv[choice[cv]]]
+        return total
+
+    def memory(self, choice: dict[int, int]) -> float:
+        return sum(self.mem[c][choice[c]] for c in self.canon_ids)
+
+    def solve(
+        self,
+        *,
+        memory_budget: int | None,
+        time_limit_s: float,
+        pins: dict[int, set[int]] | None = None,
+        hint: dict[int, int] | None = None,
+        num_workers: int = 1,
+        seed: int = 0,
+        what: str = "plan",
+    ) -> Solution:
+        """Minimize the step time under ``memory_budget``; ``pins`` restricts canonical groups to candidate
+        subsets (a manual recipe), ``hint`` is a complete choice to start from (the best recipe)."""
+        t0 = time.perf_counter()
+        canon_ids, x = self.canon_ids, self.x
+        allowed = {c: set(range(len(self.strategies[c]))) for c in canon_ids}
+        for c, keep in (pins or {}).items():
+            allowed[c] &= set(keep)
+            if not allowed[c]:
+                raise ValueError(f"{what}: group {c} has no candidate left after pinning")
+        if memory_budget is not None:
+            least = sum(min(self.mem[c][i] for i in allowed[c]) for c in canon_ids)
+            if least > memory_budget:
+                raise InfeasibleBudget(
+                    f"memory_budget={format_bytes(memory_budget)} per device is below what any {what} needs: the "
+                    f"smallest is {format_bytes(int(least))} (parameters, gradients, optimizer state and saved "
+                    f"activations all sharded as far as mesh {self.mesh_shape} allows). Raise the budget to at "
+                    f"least {format_bytes(int(least))}, use more devices, or a smaller batch.",
+                    int(least),
+                )
+        model = self.model.Clone()
+
+        def var(v):  # the clone's copy of a variable of the base model
+            return model.GetBoolVarFromProtoIndex(v.Index())
+
+        for c in canon_ids:
+            if c in x and len(allowed[c]) < len(x[c]):
+                for i, v in enumerate(x[c]):
+                    if i not in allowed[c]:
+                        model.Add(var(v) == 0)
+        if memory_budget is not None:
+            fixed = sum(self.mem[c][0] for c in canon_ids if c not in x)
+            model.Add(
+                sum(int(self.mem[c][i] // KIB) * var(v) for c in x for i, v in enumerate(x[c]))
+                <= int((memory_budget - fixed) // KIB)
+            )
+        if hint:
+            for c in x:
+                for i, v in enumerate(x[c]):
+                    model.AddHint(var(v), i == hint[c])
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = float(time_limit_s)
+        solver.parameters.num_workers = max(1, int(num_workers))
+        solver.parameters.random_seed = int(seed)
+        solver.parameters.linearization_level = 2
+        # probing in presolve costs ~1 s per round on these models and proves nothing the LP relaxation does not
+        solver.parameters.cp_model_probing_level = 0
+        solver.parameters.log_search_progress = os.environ.get("AUTOSHARD_SOLVER_LOG", "") == "1"
+        status = solver.Solve(model)
+        name = solver.StatusName(status)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            raise InfeasibleBudget(
+                f"the solver found no {what} ({name}) within {time_limit_s} s"
+                + (f" under memory_budget={format_bytes(memory_budget)}" if memory_budget else "")
+                + "; raise time_limit_s or the budget",
+                None,
+            )
+        choice_c = {c: (next(i for i, v in enumerate(x[c]) if solver.Value(var(v))) if c in x else 0) for c in canon_ids}
+        objective = solver.ObjectiveValue() / NS + self.const
+        bound = min(solver.BestObjectiveBound() / NS + self.const, objective)
+        if hint and self.evaluate(hint) < self.evaluate(choice_c) and (
+            memory_budget is None or self.memory(hint) <= memory_budget
+        ):
+            # the time limit ran out before the search got back to the hinted plan: keep the better one
+            log.info("solve: keeping the hinted plan (%.6f s) over the search's (%.6f s)", self.evaluate(hint), objective)
+            choice_c = dict(hint)
+            objective = self.evaluate(hint)
+        wall = time.perf_counter() - t0
+        log.info("solve %s: %s objective %.6f s bound %.6f s, %d variables, %.2f s", what, name, objective, bound,
+                 self.variables, wall)
+        choice = {g.id: choice_c[self.canon[g.id]] for g in self.groups}
+        return Solution(choice, name, objective, bound, wall + self.build_s, self.variables, int(self.memory(choice_c)))
+
+
 def solve(
     gm: fx.GraphModule,
     groups: Sequence[Group],
@@ -114,140 +350,6 @@ def solve(
     num_workers: int = 1,
     seed: int = 0,
 ) -> Solution:
-    t0 = time.perf_counter()
-    nodes = {n.name: n for n in gm.graph.nodes}
-    pos = {name: (g.id, i) for g in groups for i, name in enumerate(g.members)}
-    mult: dict[int, int] = defaultdict(int)
-    for g in groups:
-        mult[canon[g.id]] += 1
-    canon_ids = [g.id for g in groups if canon[g.id] == g.id]
-    unary: dict[int, list[float]] = {
-        c: [mult[c] * (s.compute_s + s.comm_s) for s in strategies[c]] for c in canon_ids
-    }
-    edges, sinks = collect_edges(gm, groups, output_roles)
-    rep = tuple(Replicate() for _ in mesh_shape)
-
-    def out_pl(gid: int, i: int, name: str) -> Placements:
-        return strategies[gid][i].outputs[pos[name][1]][0]
-
-    def rcost(node_name: str, a: Placements, b: Placements) -> float:
-        v = nodes[node_name].meta["val"]
-        return redistribute_time(a, b, tuple(v.shape), v.element_size(), mesh_shape, cluster)
-
-    # (src canon, src node pos, dst canon, dst member, dst arg) -> multiplicity; and sinks the same way
-    # Edges of identical layers connect the same variables: key them by the canonical group's member (same
-    # shape) so they merge into one edge with a multiplicity instead of one set of edge variables per layer.
-    by_id = {g.id: g for g in groups}
-
-    def canon_node(gid: int, member: int) -> str:
-        return by_id[canon[gid]].members[member]
-
-    pair_edges: dict[tuple, int] = defaultdict(int)
-    for e in edges:
-        src_member = pos[e.src_node][1]
-        key = (canon[e.src_group], src_member, canon_node(e.src_group, src_member), canon[e.dst_group], ("in", e.dst_member, e.dst_arg))
-        pair_edges[key] += 1
-    for src_name, param in sinks:
-        sg, sm = pos[src_name]
-        if param is None:
-            pair_edges[(canon[sg], sm, canon_node(sg, sm), None, ("rep",))] += 1
-        else:
-            pg = pos[param][0]
-            pair_edges[(canon[sg], sm, canon_node(sg, sm), canon[pg], ("param",))] += 1
-
-    model = cp_model.CpModel()
-    x: dict[int, list] = {}
-    n_vars = 0
-    for c in canon_ids:
-        k = len(strategies[c])
-        if k > 1:
-            x[c] = [model.NewBoolVar(f"x{c}_{i}") for i in range(k)]
-            model.AddExactlyOne(x[c])
-            n_vars += k
-    obj_terms: list = []
-    const = 0.0
-    seen_names: dict[tuple, str] = {}
-    for (cu, sm, src_name, cv, dst), m in pair_edges.items():
-        su = strategies[cu]
-        src_layouts = [s.outputs[sm][0] for s in su]
-        if cv is None:  # loss sink
-            for i, a in enumerate(src_layouts):
-                unary[cu][i] += m * rcost(src_name, a, rep)
-            continue
-        sv = strategies[cv]
-        if dst[0] == "param":
-            dst_layouts = [s.outputs[0][0] for s in sv]
-        else:
-            dst_layouts = [s.inputs[dst[1]][dst[2]] for s in sv]
-        if cu == cv:
-            for i in range(len(su)):
-                unary[cu][i] += m * rcost(src_name, src_layouts[i], dst_layouts[i])
-            continue
-        P = sorted(set(src_layouts), key=src_layouts.index)
-        Q = sorted(set(dst_layouts), key=dst_layouts.index)
-        w = m * (1.0 - GRAD_SINK_CREDIT) if dst[0] == "param" else m
-        R = [[w * rcost(src_name, p, q) for q in Q] for p in P]
-        if all(r == 0 for row in R for r in row):
-            continue
-        if len(P) == 1:
-            for j, q in enumerate(dst_layouts):
-                unary[cv][j] += R[0][Q.index(q)]
-            continue
-        if len(Q) == 1:
-            for i, p in enumerate(src_layouts):
-                unary[cu][i] += R[P.index(p)][0]
-            continue
-        e = [[model.NewBoolVar("") for _ in Q] for _ in P]
-        n_vars += len(P) * len(Q)
-        for pi, p in enumerate(P):
-            model.Add(sum(e[pi]) == sum(x[cu][i] for i, a in enumerate(src_layouts) if a == p))
-        for qi, q in enumerate(Q):
-            model.Add(sum(e[pi][qi] for pi in range(len(P))) == sum(x[cv][j] for j, b in enumerate(dst_layouts) if b == q))
-        for pi in range(len(P)):
-            for qi in range(len(Q)):
-                if R[pi][qi] > 0:
-                    obj_terms.append((e[pi][qi], R[pi][qi]))
-    for c in canon_ids:
-        if c in x:
-            for i, v in enumerate(x[c]):
-                if unary[c][i] > 0:
-                    obj_terms.append((v, unary[c][i]))
-        else:
-            const += unary[c][0]
-
-    mem = {c: [mult[c] * (s.state_bytes + s.activation_bytes) for s in strategies[c]] for c in canon_ids}
-    min_mem = sum(min(v) for v in mem.values())
-    if memory_budget is not None:
-        if min_mem > memory_budget:
-            raise InfeasibleBudget(
-                f"memory_budget={format_bytes(memory_budget)} per device is below what any plan needs: the smallest "
-                f"is {format_bytes(min_mem)} (parameters, gradients, optimizer state and saved activations all "
-                f"sharded as far as mesh {mesh_shape} allows). Raise the budget to at least "
-                f"{format_bytes(min_mem)}, use more devices, or a smaller batch."
-            )
-        fixed = sum(mem[c][0] for c in canon_ids if c not in x)
-        model.Add(
-            sum(int(mem[c][i] // KIB) * v for c in x for i, v in enumerate(x[c])) <= int((memory_budget - fixed) // KIB)
-        )
-    model.Minimize(sum(int(round(w * NS)) * v for v, w in obj_terms))
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = float(time_limit_s)
-    solver.parameters.num_workers = max(1, int(num_workers))
-    solver.parameters.random_seed = int(seed)
-    solver.parameters.linearization_level = 2
-    status = solver.Solve(model)
-    name = solver.StatusName(status)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        raise InfeasibleBudget(
-            f"the solver found no plan ({name}) within {time_limit_s} s"
-            + (f" under memory_budget={format_bytes(memory_budget)}" if memory_budget else "")
-            + "; raise time_limit_s or the budget"
-        )
-    choice_c = {c: (next(i for i, v in enumerate(x[c]) if solver.Value(v)) if c in x else 0) for c in canon_ids}
-    choice = {g.id: choice_c[canon[g.id]] for g in groups}
-    used = sum(mem[c][choice_c[c]] for c in canon_ids)
-    wall = time.perf_counter() - t0
-    objective = solver.ObjectiveValue() / NS + const
-    bound = solver.BestObjectiveBound() / NS + const
-    log.info("solve: %s objective %.6f s bound %.6f s, %d variables, %.2f s", name, objective, bound, n_vars, wall)
-    return Solution(choice, name, objective, bound, wall, n_vars, used)
+    """Build and solve in one call (see :class:`IntraOpProblem`)."""
+    problem = IntraOpProblem(gm, groups, strategies, canon, output_roles, mesh_shape, cluster)
+    return problem.solve(memory_budget=memory_budget, time_limit_s=time_limit_s, num_workers=num_workers, seed=seed)

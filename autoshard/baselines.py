@@ -1,0 +1,237 @@
+"""The hand-made recipes (DDP, FSDP, Megatron TP, FSDP + TP) as plans in the solver's own machinery.
+
+A recipe fixes what an engineer fixes by hand: the placement of every parameter and of the batch. Everything
+else (the layout of each activation, where the collectives go) is then chosen by the same integer program with
+those placements pinned, so a baseline is costed by exactly the model that costs autoshard's plan, and is the
+*best* program that recipe allows in that model — an honest bar: the solved plan must beat the recipe done
+well, not a straw man. For Megatron TP that freedom is what turns the row-parallel output's all-reduce into
+Megatron's sequence-parallel reduce-scatter + all-gather when that is cheaper.
+
+=========  ==========================================================================================
+recipe     parameters (mesh axes: ``dp`` = every axis but the last, ``tp`` = the last; 1-D: the one axis)
+=========  ==========================================================================================
+ddp        Replicate everywhere; the batch is Shard(0) over every axis
+fsdp       Shard(0) over every axis (ZeRO-3: FSDP2's ``fully_shard`` on the flattened mesh); batch as DDP
+tp         Megatron inside the last axis: column-parallel Linear weights Shard(0) (its bias Shard(0)),
+           row-parallel Shard(1), the token embedding and LM head vocab-parallel Shard(0), the rest
+           Replicate; Replicate on ``dp``, where the batch is Shard(0) (Megatron TP + SP x DP)
+fsdp+tp    tp's layouts on ``tp``, plus Shard(0) of every parameter on ``dp`` (torchtitan's 2-D recipe)
+=========  ==========================================================================================
+
+Column/row roles come from module names, as in torchtitan's and Megatron's plans (q/k/v, gate/up, fc1 ...
+are column-parallel; o/out/down/fc2/w2 ... row-parallel); a Linear the names do not cover stays replicated on
+``tp`` and is counted in the baseline's note. A layout the mesh cannot hold evenly (e.g. a bias of odd length)
+falls back to Replicate on that axis, also noted.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from autoshard.passes.context import PassContext
+from autoshard.solver.intra_op import InfeasibleBudget, Solution
+
+log = logging.getLogger(__name__)
+
+RECIPES = ("ddp", "fsdp", "tp", "fsdp+tp")
+ALIASES = {"megatron": "tp", "megatron-tp": "tp", "zero3": "fsdp", "2d": "fsdp+tp", "fsdp+megatron": "fsdp+tp"}
+
+_COLUMN = re.compile(
+    r"(^|\.)(wq|wk|wv|wqkv|qkv|q_proj|k_proj|v_proj|query|key|value|c_attn|in_proj|w1|w3|fc1|c_fc|gate_proj|up_proj|"
+    r"gate_up_proj|fc_in|intermediate\.dense|lm_head|output|head)\.(weight|bias)$"
+)
+_ROW = re.compile(r"(^|\.)(wo|o_proj|out_proj|c_proj|w2|fc2|down_proj|fc_out|output\.dense|proj)\.weight$")
+_TRANSPOSED = ("Conv1D",)  # Hugging Face GPT-2 stores Linear weights as [in, out]
+
+
+@dataclass(frozen=True)
+class BaselineResult:
+    """How one recipe fared on this graph: its solution (None when it does not apply) and why."""
+
+    name: str
+    solution: Solution | None
+    fits: bool
+    objective_s: float
+    memory_bytes: int
+    note: str
+
+
+def normalize(name: str) -> str:
+    key = name.strip().lower()
+    key = ALIASES.get(key, key)
+    if key not in RECIPES:
+        raise ValueError(
+            f"unknown baseline recipe {name!r}; known recipes: {', '.join(RECIPES)} "
+            f"(aliases: {', '.join(f'{a}={b}' for a, b in ALIASES.items())})"
+        )
+    return key
+
+
+def applicable(mesh_shape: Sequence[int]) -> tuple[str, ...]:
+    """Recipes that mean something on this mesh (2-D recipes need two axes; TP needs a tp axis > 1)."""
+    out = ["ddp", "fsdp"]
+    if mesh_shape[-1] > 1:
+        out.append("tp")
+        if len(mesh_shape) >= 2 and any(n > 1 for n in mesh_shape[:-1]):
+            out.append("fsdp+tp")
+    return tuple(out)
+
+
+def tp_role(name: str, module_type: str, shape: Sequence[int]) -> tuple[str, int | None]:
+    """(role, tensor dim to shard on tp) of one parameter under Megatron TP."""
+    nd = len(shape)
+    transposed = module_type in _TRANSPOSED
+    if module_type == "Embedding" and nd == 2:
+        return "vocab", 0
+    if _COLUMN.search(name):
+        if nd == 1:
+            return "column-bias", 0
+        # [out, in] (or [experts, in, out] for stacked experts, [in, out] for Conv1D): shard the output features
+        return "column", (nd - 1 if transposed or nd == 3 else 0)
+    if _ROW.search(name) and nd >= 2:
+        return "row", (nd - 2 if transposed or nd == 3 else 1)
+    if nd >= 2 and module_type in ("Linear", "Conv1D"):
+        return "unmatched", None
+    return "replicated", None
+
+
+def recipe_placements(
+    recipe: str, name: str, role: str, module_type: str, shape: Sequence[int], mesh_shape: Sequence[int]
+) -> tuple[tuple[Placement, ...], str | None]:
+    """Target placements of one graph input under ``recipe``, and a note when the recipe had to bend."""
+    nd = len(mesh_shape)
+    rep = [Replicate() for _ in range(nd)]
+    note = None
+    if role == "input":
+        if not shape:
+            return tuple(rep), None
+        dp_axes = range(nd) if recipe in ("ddp", "fsdp") else range(nd - 1)
+        return tuple(Shard(0) if i in dp_axes else Replicate() for i in range(nd)), None
+    if role != "parameter" or not shape:
+        return tuple(rep), None
+    want = list(rep)
+    if recipe in ("tp", "fsdp+tp"):
+        kind, dim = tp_role(name, module_type, shape)
+        if dim is not None:
+            want[nd - 1] = Shard(dim)
+        elif kind == "unmatched":
+            note = "unmatched"
+    if recipe == "fsdp":
+        want = [Shard(0) for _ in range(nd)]
+    elif recipe == "fsdp+tp":
+        for i in range(nd - 1):
+            want[i] = Shard(0)
+    return tuple(want), note
+
+
+def _even_prefix(target: tuple[Placement, ...], shape: Sequence[int], mesh_shape: Sequence[int]) -> tuple[Placement, ...]:
+    """``target`` with every Shard the tensor cannot hold evenly turned to Replicate (tp axis kept first)."""
+    sizes = list(shape)
+    out = list(target)
+    for axis in sorted(range(len(out)), key=lambda a: -a):
+        p = out[axis]
+        if isinstance(p, Shard):
+            if p.dim < len(sizes) and sizes[p.dim] % mesh_shape[axis] == 0:
+                sizes[p.dim] //= mesh_shape[axis]
+            else:
+                out[axis] = Replicate()
+    return tuple(out)
+
+
+def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext) -> tuple[dict[int, set[int]], list[str]]:
+    """Candidate subsets per canonical group that realise ``recipe``; raises ValueError when it cannot apply."""
+    recipe = normalize(recipe)
+    canon = ctx.layer_of_group or {g.id: g.id for g in ctx.groups}
+    nodes = {n.name: n for n in gm.graph.nodes}
+    ms = ctx.mesh_shape
+    pins: dict[int, set[int]] = {}
+    bent = unmatched = 0
+    for g in ctx.groups:
+        if g.kind not in ("parameter", "input") or canon[g.id] != g.id:
+            continue
+        node = nodes[g.anchor]
+        role = node.meta["autoshard_role"]
+        val = node.meta["val"]
+        shape = tuple(val.shape)
+        target, note = recipe_placements(recipe, role.name, role.kind, ctx.param_modules.get(role.name, ""), shape, ms)
+        unmatched += note == "unmatched"
+        cands = ctx.strategies[g.id]
+        layouts = [s.outputs[0][0] for s in cands]
+        keep = {i for i, pl in enumerate(layouts) if tuple(pl) == target}
+        if not keep and role.kind == "parameter":
+            relaxed = _even_prefix(target, shape, ms)
+            keep = {i for i, pl in enumerate(layouts) if tuple(pl) == relaxed}
+            bent += bool(keep)
+        if not keep:
+            names = ctx.mesh_names
+            want = ", ".join(f"{a}: {_fmt(p)}" for a, p in zip(names, target))
+            if role.kind == "input":
+                dp = [n for n, p in zip(ms, target) if isinstance(p, Shard)]
+                raise ValueError(
+                    f"recipe {recipe!r} shards {role.name} of shape {list(shape)} as {{{want}}}, but dim 0 ({shape[0]}) "
+                    f"is not divisible by the data-parallel degree {int(torch.tensor(dp).prod()) if dp else 1} of mesh "
+                    f"{dict(zip(names, ms))} (or a constraint forbids it); use a global batch that is a multiple of it"
+                )
+            raise ValueError(
+                f"recipe {recipe!r} needs {role.name} {list(shape)} placed {{{want}}}, which its candidates do not "
+                f"include (a constraint in PlanConfig.constraints may forbid it)"
+            )
+        pins[g.id] = keep
+    notes = []
+    if unmatched:
+        notes.append(f"{unmatched} Linear weights not recognised as column/row-parallel stay replicated on tp")
+    if bent:
+        notes.append(f"{bent} parameters replicated where the shard would be uneven")
+    return pins, notes
+
+
+def _fmt(p: Placement) -> str:
+    return f"S({p.dim})" if isinstance(p, Shard) else "R" if isinstance(p, Replicate) else str(p)
+
+
+def solve_recipe(recipe: str, gm: fx.GraphModule, ctx: PassContext, time_limit_s: float | None = None) -> BaselineResult:
+    """Solve ``ctx.problem`` with the recipe's layouts pinned; over the budget it is solved without one and
+    marked as not fitting (OOM), so its time is still known."""
+    recipe = normalize(recipe)
+    try:
+        pins, notes = recipe_pins(recipe, gm, ctx)
+    except ValueError as e:
+        return BaselineResult(recipe, None, False, float("inf"), 0, f"n/a: {e}")
+    limit = float(time_limit_s if time_limit_s is not None else min(ctx.config.time_limit_s, 10.0))
+    budget = ctx.config.memory_budget
+    kw = dict(time_limit_s=limit, pins=pins, num_workers=ctx.config.num_workers, seed=ctx.config.seed, what=recipe)
+    fits = True
+    try:
+        sol = ctx.problem.solve(memory_budget=budget, **kw)
+    except InfeasibleBudget:
+        fits = False
+        sol = ctx.problem.solve(memory_budget=None, **kw)
+    choice = {c: sol.choice[c] for c in ctx.problem.canon_ids}
+    return BaselineResult(recipe, sol, fits, ctx.problem.evaluate(choice), sol.memory_bytes, "; ".join(notes))
+
+
+def run_baselines(gm: fx.GraphModule, ctx: PassContext) -> list[BaselineResult]:
+    """Every recipe that applies to this mesh, solved; kept on ``ctx.baselines``."""
+    results = [solve_recipe(r, gm, ctx) for r in applicable(ctx.mesh_shape)]
+    ctx.baselines = results
+    for r in results:
+        log.info("baseline %-8s %s", r.name, f"{r.objective_s:.6f} s" + ("" if r.fits else " (over budget)") if r.solution else r.note)
+    return results
+
+
+def best_baseline_hint(gm: fx.GraphModule, ctx: PassContext) -> dict[int, int] | None:
+    """The choice of the fastest recipe that fits, per canonical group: the solver's starting point, which makes
+    the solved plan never slower than it."""
+    feasible = [r for r in run_baselines(gm, ctx) if r.solution is not None and r.fits]
+    if not feasible:
+        return None
+    best = min(feasible, key=lambda r: r.objective_s)
+    return {c: best.solution.choice[c] for c in ctx.problem.canon_ids}
