@@ -45,6 +45,7 @@ class PlanConfig:
     warm_start: bool = True
     recipe: str | None = None
     sample_layers: int | None = None
+    tie_axes: bool = True
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None:

@@ -67,6 +67,31 @@ def evenly_divisible(shape: Sequence[int], placements: Placements, mesh_shape: S
     return True
 
 
+def axis_ties(ctx: PassContext) -> tuple[int, ...]:
+    """For each mesh axis, the axis whose activation placements it must copy (itself when free).
+
+    On a mesh of three or more axes, neighbouring axes that both span nodes (each hop on the network) are tied
+    for activations: a tensor computed in the program takes the same placement on all of them, as if they were
+    one axis of their product size. Parameters and graph inputs stay free per axis, so DDP, FSDP and HSDP
+    (replicate over one outer axis, shard over the other) remain expressible. This keeps a 3-D mesh's search
+    the size of a 2-D one's; it gives up activation layouts that differ between two network axes (e.g. context
+    parallelism on one outer axis and data parallelism on the other). ``PlanConfig(tie_axes=False)`` turns it
+    off."""
+    ms = ctx.mesh_shape
+    ties = list(range(len(ms)))
+    if len(ms) < 3 or not ctx.config.tie_axes:
+        return tuple(ties)
+    for axis in range(1, len(ms)):
+        a, b = ctx.cluster.axis_layout(ms, axis - 1), ctx.cluster.axis_layout(ms, axis)
+        if a.per_node == 1 and b.per_node == 1:
+            ties[axis] = ties[axis - 1]
+    return tuple(ties)
+
+
+def _tied(placements: Placements | None, ties: Sequence[int]) -> bool:
+    return placements is None or all(placements[a] == placements[t] for a, t in enumerate(ties))
+
+
 def _vals(node: fx.Node) -> list[torch.Tensor | None]:
     v = node.meta.get("val")
     if isinstance(v, torch.Tensor):
@@ -89,8 +114,15 @@ def _meta_args(node: fx.Node) -> tuple[tuple, dict]:
 
 
 def _valid(
-    raw: tc.RawStrategy, ins: list[fx.Node], node: fx.Node, mesh_shape: Sequence[int], partial_inputs: bool = True
+    raw: tc.RawStrategy,
+    ins: list[fx.Node],
+    node: fx.Node,
+    mesh_shape: Sequence[int],
+    partial_inputs: bool = True,
+    ties: Sequence[int] = (),
 ) -> bool:
+    if ties and not all(_tied(p, ties) for p in list(raw.outputs) + list(raw.inputs)):
+        return False
     for pl, src in zip(raw.inputs, ins):
         if pl is None:
             continue
@@ -109,15 +141,16 @@ def _valid(
     return True
 
 
-def _sdpa_cpu_rules(node: fx.Node, mesh_ndim: int) -> list[tc.RawStrategy]:
+def _sdpa_cpu_rules(node: fx.Node, ties: Sequence[int]) -> list[tc.RawStrategy]:
     """Our rule for CPU flash attention (DTensor has none): every tensor sharded on batch, or on heads."""
     n_in = len(tensor_args(node))
     outs = _vals(node)
     per_axis: list[Placement] = [Replicate(), Shard(0), Shard(1)]
     result = []
-
-    for combo in itertools.product(per_axis, repeat=mesh_ndim):
-        pl = tuple(combo)
+    free = sorted(set(ties))
+    for sub in itertools.product(per_axis, repeat=len(free)):
+        pick = dict(zip(free, sub))
+        pl = tuple(pick[t] for t in ties)
         result.append(tc.RawStrategy(tuple(pl for _ in range(n_in)), tuple(pl if o is not None else None for o in outs)))
     return result
 
@@ -129,6 +162,7 @@ class _Enumerator:
         self.ctx = ctx
         self.mesh = ctx.mesh
         self.mesh_shape = ctx.mesh_shape
+        self.ties = axis_ties(ctx)
         self._anchor = lru_cache(maxsize=None)(self._anchor_uncached)
         self._follow = lru_cache(maxsize=None)(self._follow_uncached)
         self.warned: set[str] = set()
@@ -156,7 +190,7 @@ class _Enumerator:
         op = node.target
         ins = tensor_args(node)
         if op in SDPA_CPU:
-            return _sdpa_cpu_rules(node, len(self.mesh_shape))
+            return _sdpa_cpu_rules(node, self.ties)
         args, kwargs = _meta_args(node)
         found: dict[tuple, tc.RawStrategy] = {}
         errors: list[str] = []
@@ -166,11 +200,14 @@ class _Enumerator:
             # pricing each one for every possible input layout
             nout = rules.num_outputs
             axes = range(len(self.mesh_shape))
-            for combo in itertools.product(rules.rules, repeat=len(self.mesh_shape)):
+            free = sorted(set(self.ties))
+            for sub in itertools.product(rules.rules, repeat=len(free)):
+                pick = dict(zip(free, sub))
+                combo = [pick[t] for t in self.ties]
                 outs = tuple(None if combo[0][o] is None else tuple(combo[a][o] for a in axes) for o in range(nout))
                 cins = tuple(tuple(combo[a][nout + i] for a in axes) for i in range(len(ins)))
                 c = tc.RawStrategy(cins, outs)
-                if _valid(c, ins, node, self.mesh_shape, partial_inputs=False):
+                if _valid(c, ins, node, self.mesh_shape, partial_inputs=False, ties=self.ties):
                     found.setdefault((c.inputs, c.outputs), c)
         elif tc.has_sharding_rule(op):
             for first in tc.all_placements(len(self.mesh_shape), ins[0].meta["val"].ndim):
@@ -180,7 +217,7 @@ class _Enumerator:
                     errors.append(f"{type(e).__name__}: {e}")
                     continue
                 for c in cands:
-                    if _valid(c, ins, node, self.mesh_shape, partial_inputs=False):
+                    if _valid(c, ins, node, self.mesh_shape, partial_inputs=False, ties=self.ties):
                         found.setdefault((c.inputs, c.outputs), c)
         if not found:
             if op not in self.warned:

@@ -54,6 +54,16 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_head
 
+    @classmethod
+    def gpt2_124m(cls, seq_len: int = 1024) -> GPTConfig:
+        """GPT-2 small (Radford et al. 2019): 12 layers, d_model 768, 12 heads, vocab 50257, 1024 positions."""
+        return cls(n_layer=12, d_model=768, n_head=12, vocab=50257, seq_len=seq_len, mlp_ratio=4, bias=True)
+
+    @classmethod
+    def gpt2_1_5b(cls, seq_len: int = 1024) -> GPTConfig:
+        """GPT-2 XL (Radford et al. 2019): 48 layers, d_model 1600, 25 heads, vocab 50257, 1024 positions."""
+        return cls(n_layer=48, d_model=1600, n_head=25, vocab=50257, seq_len=seq_len, mlp_ratio=4, bias=True)
+
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with separate q/k/v/o projections."""

@@ -92,6 +92,38 @@ class LlamaConfig:
             norm_eps=1e-5,
         )
 
+    @classmethod
+    def llama3_70b(cls, seq_len: int = 8192) -> LlamaConfig:
+        """Llama-3 70B (Meta, "The Llama 3 Herd of Models", 2024, table 3): 80 layers, d_model 8192,
+        64 query / 8 key-value heads, SwiGLU 28672, vocab 128256."""
+        return cls(
+            n_layer=80,
+            d_model=8192,
+            n_head=64,
+            n_kv_head=8,
+            ffn=28672,
+            vocab=128256,
+            seq_len=seq_len,
+            rope_theta=500000.0,
+            norm_eps=1e-5,
+        )
+
+    @classmethod
+    def llama3_405b(cls, seq_len: int = 8192) -> LlamaConfig:
+        """Llama-3 405B (Meta, "The Llama 3 Herd of Models", 2024, table 3): 126 layers, d_model 16384,
+        128 query / 8 key-value heads, SwiGLU 53248, vocab 128256."""
+        return cls(
+            n_layer=126,
+            d_model=16384,
+            n_head=128,
+            n_kv_head=8,
+            ffn=53248,
+            vocab=128256,
+            seq_len=seq_len,
+            rope_theta=500000.0,
+            norm_eps=1e-5,
+        )
+
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
     """(cos, sin), each (seq_len, head_dim // 2) float32: angle[t, i] = t * theta^(-2i / head_dim)."""

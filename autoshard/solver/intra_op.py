@@ -170,17 +170,6 @@ class IntraOpProblem:
                 pg = pos[param][0]
                 pair_edges[(canon[sg], sm, canon_node(sg, sm), canon[pg], ("param",))] += weight[sg]
 
-        model = cp_model.CpModel()
-        x: dict[int, list] = {}
-        n_vars = 0
-        for c in canon_ids:
-            k = len(strategies[c])
-            if k > 1:
-                x[c] = [model.NewBoolVar(f"x{c}_{i}") for i in range(k)]
-                model.AddExactlyOne(x[c])
-                n_vars += k
-        obj_terms: list = []
-        # (src canon, dst canon, index of src layout per src candidate, of dst layout per dst candidate, R)
         self.pair_costs: list[tuple[int, int, list[int], list[int], list[list[float]]]] = []
         for (cu, sm, src_name, cv, dst), m in pair_edges.items():
             su = strategies[cu]
@@ -204,40 +193,56 @@ class IntraOpProblem:
             R = [[w * rcost(src_name, p, q) for q in Q] for p in P]
             if all(r == 0 for row in R for r in row):
                 continue
-            if len(P) == 1:
-                for j, q in enumerate(dst_layouts):
-                    unary[cv][j] += R[0][Q.index(q)]
-                continue
-            if len(Q) == 1:
-                for i, p in enumerate(src_layouts):
-                    unary[cu][i] += R[P.index(p)][0]
-                continue
             self.pair_costs.append((cu, cv, [P.index(a) for a in src_layouts], [Q.index(b) for b in dst_layouts], R))
-            e = [[model.NewBoolVar("") for _ in Q] for _ in P]
-            n_vars += len(P) * len(Q)
-            for pi, p in enumerate(P):
-                model.Add(sum(e[pi]) == sum(x[cu][i] for i, a in enumerate(src_layouts) if a == p))
-            for qi, q in enumerate(Q):
-                model.Add(sum(e[pi][qi] for pi in range(len(P))) == sum(x[cv][j] for j, b in enumerate(dst_layouts) if b == q))
-            for pi in range(len(P)):
-                for qi in range(len(Q)):
-                    if R[pi][qi] > 0:
-                        obj_terms.append((e[pi][qi], R[pi][qi]))
-        self.const = 0.0
-        for c in canon_ids:
-            if c in x:
-                for i, v in enumerate(x[c]):
-                    if unary[c][i] > 0:
-                        obj_terms.append((v, unary[c][i]))
-            else:
-                self.const += unary[c][0]
-        model.Minimize(sum(int(round(w * NS)) * v for v, w in obj_terms))
         self.unary = unary
         self.mem = {c: [mult[c] * (s.state_bytes + s.activation_bytes) for s in strategies[c]] for c in canon_ids}
-        self.model = model
-        self.x = x
-        self.variables = n_vars
+        self.variables = 0
         self.build_s = time.perf_counter() - t0
+
+    def _build(self, allowed: dict[int, list[int]]) -> tuple[cp_model.CpModel, dict[int, list], float]:
+        """The CP-SAT model over the allowed candidates only (pinned groups shrink, and their edges collapse to
+        unary costs): booleans ``x[c][j]`` for the j-th allowed candidate, the edges in marginal form."""
+        model = cp_model.CpModel()
+        unary = {c: [self.unary[c][i] for i in allowed[c]] for c in self.canon_ids}
+        x: dict[int, list] = {}
+        n_vars = 0
+        for c in self.canon_ids:
+            if len(allowed[c]) > 1:
+                x[c] = [model.NewBoolVar(f"x{c}_{i}") for i in allowed[c]]
+                model.AddExactlyOne(x[c])
+                n_vars += len(x[c])
+        obj_terms: list = []
+        for cu, cv, pu_all, qv_all, R in self.pair_costs:
+            pu = [pu_all[i] for i in allowed[cu]]
+            qv = [qv_all[j] for j in allowed[cv]]
+            P = sorted(set(pu))
+            Q = sorted(set(qv))
+            if len(P) == 1:
+                for j, q in enumerate(qv):
+                    unary[cv][j] += R[P[0]][q]
+                continue
+            if len(Q) == 1:
+                for i, p in enumerate(pu):
+                    unary[cu][i] += R[p][Q[0]]
+                continue
+            e = {(p, q): model.NewBoolVar("") for p in P for q in Q}
+            n_vars += len(e)
+            for p in P:
+                model.Add(sum(e[p, q] for q in Q) == sum(x[cu][i] for i, a in enumerate(pu) if a == p))
+            for q in Q:
+                model.Add(sum(e[p, q] for p in P) == sum(x[cv][j] for j, b in enumerate(qv) if b == q))
+            for (p, q), v in e.items():
+                if R[p][q] > 0:
+                    obj_terms.append((v, R[p][q]))
+        const = 0.0
+        for c in self.canon_ids:
+            if c in x:
+                obj_terms += [(v, u) for v, u in zip(x[c], unary[c]) if u > 0]
+            else:
+                const += unary[c][0]
+        model.Minimize(sum(int(round(w * NS)) * v for v, w in obj_terms))
+        self.variables = max(self.variables, n_vars)
+        return model, x, const
 
     def min_memory(self) -> float:
         """The least memory per device any choice needs (memory is separable over groups)."""
@@ -267,7 +272,7 @@ class IntraOpProblem:
         """Minimize the step time under ``memory_budget``; ``pins`` restricts canonical groups to candidate
         subsets (a manual recipe), ``hint`` is a complete choice to start from (the best recipe)."""
         t0 = time.perf_counter()
-        canon_ids, x = self.canon_ids, self.x
+        canon_ids = self.canon_ids
         allowed = {c: set(range(len(self.strategies[c]))) for c in canon_ids}
         for c, keep in (pins or {}).items():
             allowed[c] &= set(keep)
@@ -283,26 +288,18 @@ class IntraOpProblem:
                     f"least {format_bytes(int(least))}, use more devices, or a smaller batch.",
                     int(least),
                 )
-        model = self.model.Clone()
-
-        def var(v):  # the clone's copy of a variable of the base model
-            return model.GetBoolVarFromProtoIndex(v.Index())
-
-        for c in canon_ids:
-            if c in x and len(allowed[c]) < len(x[c]):
-                for i, v in enumerate(x[c]):
-                    if i not in allowed[c]:
-                        model.Add(var(v) == 0)
+        order = {c: sorted(allowed[c]) for c in canon_ids}
+        model, x, const = self._build(order)
         if memory_budget is not None:
-            fixed = sum(self.mem[c][0] for c in canon_ids if c not in x)
+            fixed = sum(self.mem[c][order[c][0]] for c in canon_ids if c not in x)
             model.Add(
-                sum(int(self.mem[c][i] // KIB) * var(v) for c in x for i, v in enumerate(x[c]))
+                sum(int(self.mem[c][i] // KIB) * v for c in x for i, v in zip(order[c], x[c]))
                 <= int((memory_budget - fixed) // KIB)
             )
-        if hint:
+        if hint and all(hint[c] in allowed[c] for c in canon_ids):
             for c in x:
-                for i, v in enumerate(x[c]):
-                    model.AddHint(var(v), i == hint[c])
+                for i, v in zip(order[c], x[c]):
+                    model.AddHint(v, i == hint[c])
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = float(time_limit_s)
         solver.parameters.num_workers = max(1, int(num_workers))
@@ -320,9 +317,10 @@ class IntraOpProblem:
                 + "; raise time_limit_s or the budget",
                 None,
             )
-        choice_c = {c: (next(i for i, v in enumerate(x[c]) if solver.Value(var(v))) if c in x else 0) for c in canon_ids}
-        objective = solver.ObjectiveValue() / NS + self.const
-        bound = min(solver.BestObjectiveBound() / NS + self.const, objective)
+        choice_c = {c: (next(i for i, v in zip(order[c], x[c]) if solver.Value(v)) if c in x else order[c][0])
+                    for c in canon_ids}
+        objective = solver.ObjectiveValue() / NS + const
+        bound = min(solver.BestObjectiveBound() / NS + const, objective)
         if hint and self.evaluate(hint) < self.evaluate(choice_c) and (
             memory_budget is None or self.memory(hint) <= memory_budget
         ):
@@ -331,10 +329,11 @@ class IntraOpProblem:
             choice_c = dict(hint)
             objective = self.evaluate(hint)
         wall = time.perf_counter() - t0
+        n_vars = sum(len(v) for v in x.values()) + len(model.Proto().variables) - sum(len(v) for v in x.values())
         log.info("solve %s: %s objective %.6f s bound %.6f s, %d variables, %.2f s", what, name, objective, bound,
-                 self.variables, wall)
+                 n_vars, wall)
         choice = {g.id: choice_c[self.canon[g.id]] for g in self.groups}
-        return Solution(choice, name, objective, bound, wall + self.build_s, self.variables, int(self.memory(choice_c)))
+        return Solution(choice, name, objective, bound, wall + self.build_s, n_vars, int(self.memory(choice_c)))
 
 
 def solve(
