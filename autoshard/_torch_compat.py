@@ -307,7 +307,16 @@ def propagate(
         return a
 
     schema = _schema(op, tuple(to_spec(a) for a in args), {k: to_spec(v) for k, v in kwargs.items()})
-    sharding = prop.propagate_op_sharding_non_cached(schema)
+    # DTensor also rewrites a view's shape arguments to local sizes, which for strided shards on big meshes
+    # splits real index tensors (seconds per call); the planner needs placements only, so skip that step
+    saved = getattr(prop, "op_to_shape_and_stride_idx", None)
+    if saved is not None and op in saved:
+        prop.op_to_shape_and_stride_idx = {k: v for k, v in saved.items() if k is not op}
+    try:
+        sharding = prop.propagate_op_sharding_non_cached(schema)
+    finally:
+        if saved is not None:
+            prop.op_to_shape_and_stride_idx = saved
     outs = tuple(None if s is None else tuple(s.placements) for s in _specs_of(sharding.output_spec))
     red = sharding.redistribute_schema
     in_specs = red.args_spec if red is not None else schema.args_spec

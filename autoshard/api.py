@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -34,20 +35,72 @@ def _check_inputs(example_inputs: Any) -> tuple:
 
 
 def plan(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    example_inputs: Sequence[Any],
+    model: nn.Module | str | Any,
+    mesh: DeviceMesh | Sequence[int] | None = None,
+    example_inputs: Sequence[Any] | None = None,
     *,
     cluster: str | ClusterProfile | None = None,
     memory_budget: int | str | None = None,
     constraints: Mapping[str, Any] | None = None,
+    seq: int | None = None,
+    global_batch: int | None = None,
+    progress: Any = None,
     **options: Any,
 ) -> Plan:
-    """Plan ``model`` on ``mesh`` without running it (works on a fake process group, any device count)."""
-    p, _, _ = plan_graph(
-        model, _check_inputs(example_inputs), mesh, get_cluster(cluster), _config(memory_budget, constraints, **options)
+    """Plan ``model`` without running it.
+
+    Two ways in:
+
+    - ``plan(module, mesh, example_inputs)``: a DeviceMesh of this process's (possibly fake) group; every layer is
+      captured; the memory budget is only what you pass.
+    - ``plan("llama3-70b", cluster="h100-sxm:128x8", seq=8192, global_batch=512)``: a zoo name, a Hugging Face
+      config.json path or a module with example inputs, for a cluster this process need not be part of. A fake
+      process group and meta tensors stand in for it; ``mesh`` may be a shape (default: nodes x devices per
+      node); the budget defaults to the device's memory; three of the repeated layers are captured and stand for
+      all of them (``sample_layers=None`` in options... pass an int to change it).
+
+    Options are :class:`PlanConfig` fields (``recipe="fsdp"`` makes the plan that manual recipe).
+    """
+    if isinstance(mesh, DeviceMesh) and isinstance(model, nn.Module) and global_batch is None:
+        p, _, _ = plan_graph(
+            model, _check_inputs(example_inputs), mesh, get_cluster(cluster),
+            _config(memory_budget, constraints, **options), progress=progress,
+        )
+        return dataclasses.replace(p, model=type(model).__name__)
+    from autoshard.offline import plan_offline
+
+    if cluster is None:
+        raise ValueError(
+            "autoshard.plan without a DeviceMesh needs cluster= (a preset such as 'h100-sxm:16x8', see "
+            "autoshard.cluster.known_clusters(), or a .json profile)"
+        )
+    return plan_offline(
+        model,
+        cluster=cluster,
+        mesh=mesh,
+        example_inputs=example_inputs,
+        seq=seq,
+        global_batch=global_batch,
+        memory_budget=memory_budget,
+        config=_config(None, constraints, **options),
+        progress=progress,
     )
-    return p
+
+
+def baseline(
+    recipe: str,
+    model: nn.Module | str | Any,
+    mesh_or_cluster: DeviceMesh | str | ClusterProfile,
+    example_inputs: Sequence[Any] | None = None,
+    **kwargs: Any,
+) -> Plan:
+    """The manual recipe ``recipe`` ("ddp", "fsdp", "tp", "fsdp+tp") as a Plan, costed exactly like a solved one
+    (it can be compiled with ``autoshard.compile(..., recipe=recipe)``). ``mesh_or_cluster`` is a DeviceMesh
+    (then ``example_inputs`` are required, as for ``plan``) or a cluster spec (then ``kwargs`` as for ``plan``)."""
+    if isinstance(mesh_or_cluster, DeviceMesh):
+        return plan(model, mesh_or_cluster, example_inputs, recipe=recipe, warm_start=False, **kwargs)
+    return plan(model, kwargs.pop("mesh", None), example_inputs, cluster=mesh_or_cluster, recipe=recipe,
+                warm_start=False, **kwargs)
 
 
 def compile(  # noqa: A001 - the one-line API the project promises

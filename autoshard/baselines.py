@@ -27,7 +27,9 @@ falls back to Replicate on that axis, also noted.
 from __future__ import annotations
 
 import logging
+import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -220,7 +222,12 @@ def solve_recipe(recipe: str, gm: fx.GraphModule, ctx: PassContext, time_limit_s
 
 def run_baselines(gm: fx.GraphModule, ctx: PassContext) -> list[BaselineResult]:
     """Every recipe that applies to this mesh, solved; kept on ``ctx.baselines``."""
-    results = [solve_recipe(r, gm, ctx) for r in applicable(ctx.mesh_shape)]
+    recipes = applicable(ctx.mesh_shape)
+    ctx.report("solve", 0.0, f"baselines {', '.join(recipes)}")
+    # CP-SAT releases the GIL while it searches: two recipes at a time use both cores of a laptop
+    with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
+        results = list(pool.map(lambda r: solve_recipe(r, gm, ctx), recipes))
+    ctx.report("solve", len(recipes) / (len(recipes) + 1), "autoshard plan (warm start from the best baseline)")
     ctx.baselines = results
     for r in results:
         log.info("baseline %-8s %s", r.name, f"{r.objective_s:.6f} s" + ("" if r.fits else " (over budget)") if r.solution else r.note)

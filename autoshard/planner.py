@@ -68,8 +68,10 @@ def run_planning(
     cluster: ClusterProfile,
     config: PlanConfig,
     broadcast_solution: bool = False,
+    progress: Any = None,
 ) -> tuple[fx.GraphModule, PassContext]:
-    ctx = PassContext(mesh=mesh, cluster=cluster, config=config, broadcast_solution=broadcast_solution)
+    ctx = PassContext(mesh=mesh, cluster=cluster, config=config, broadcast_solution=broadcast_solution,
+                      progress=progress)
     with tc.outside_local_tensor_mode():
         with ctx.timed("capture"):
             gm = _capture(model, example_inputs, ctx)
@@ -305,9 +307,10 @@ def plan_graph(
     cluster: ClusterProfile,
     config: PlanConfig,
     broadcast_solution: bool = False,
+    progress: Any = None,
 ) -> tuple[Plan, fx.GraphModule, PassContext]:
     t0 = time.perf_counter()
-    gm, ctx = run_planning(model, example_inputs, mesh, cluster, config, broadcast_solution)
+    gm, ctx = run_planning(model, example_inputs, mesh, cluster, config, broadcast_solution, progress)
     plan = build_plan(gm, ctx, recipe=ctx.config.recipe or "")
     if ctx.baselines:
         plan = dataclasses.replace(plan, baselines=baseline_summaries(gm, ctx))

@@ -41,6 +41,7 @@ class PassContext:
     sampled_layers: tuple[str, int, int] | None = None
     param_modules: dict[str, str] = field(default_factory=dict)  # parameter name -> its module's class name
     baselines: list[Any] = field(default_factory=list)  # BaselineResult per manual recipe (autoshard.baselines)
+    progress: Any = None  # callable(stage, fraction done, message) for a CLI's progress display, or None
     problem: Any = None  # the IntraOpProblem solve built (baselines re-solve it with layouts pinned)
     solution: Any = None
     stats: dict[str, Any] = field(default_factory=dict)
@@ -54,11 +55,17 @@ class PassContext:
         names = self.mesh.mesh_dim_names
         return tuple(names) if names else tuple(f"d{i}" for i in range(self.mesh.ndim))
 
+    def report(self, stage: str, fraction: float, message: str = "") -> None:
+        if self.progress is not None:
+            self.progress(stage, fraction, message)
+
     @contextmanager
     def timed(self, name: str) -> Iterator[None]:
         t0 = time.perf_counter()
+        self.report(name, 0.0, "")
         yield
         dt = time.perf_counter() - t0
+        self.report(name, 1.0, f"{dt:.2f} s")
         self.timings[name] = self.timings.get(name, 0.0) + dt
         log.info("autoshard pass %-12s %.3f s", name, dt)
 

@@ -249,9 +249,19 @@ class _Enumerator:
         args, kwargs = _meta_args(node)
         rules = self._rules(node, args, kwargs)
         if rules is not None:
-            raw = _follow_rules(rules, k, placement, len(tensor_args(node)))
-            if raw is not None and _valid(raw, tensor_args(node), node, self.mesh_shape):
+            ins = tensor_args(node)
+            raw = _follow_rules(rules, k, placement, len(ins))
+            if raw is not None and _valid(raw, ins, node, self.mesh_shape):
                 return raw
+            # an uneven shard on some axis: replicate there instead, largest axis first (what DTensor's own
+            # selection ends up doing, without its exhaustive expansion, which is slow on big meshes)
+            fixed = list(placement)
+            for axis in sorted(range(len(fixed)), key=lambda a: -self.mesh_shape[a]):
+                fixed[axis] = Replicate()
+                raw = _follow_rules(rules, k, tuple(fixed), len(ins))
+                if raw is not None and _valid(raw, ins, node, self.mesh_shape):
+                    return raw
+            return None
         try:
             raw = tc.propagate(node.target, args, kwargs, self.mesh, {k: placement})
         except Exception as e:
@@ -467,9 +477,11 @@ def strategies(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     nodes = {n.name: n for n in gm.graph.nodes}
     en = _Enumerator(ctx)
     canon = ctx.layer_of_group or {g.id: g.id for g in ctx.groups}
-    for g in ctx.groups:
-        if canon[g.id] == g.id:
-            ctx.strategies[g.id] = group_strategies(g, nodes, ctx, en)
+    todo = [g for g in ctx.groups if canon[g.id] == g.id]
+    for i, g in enumerate(todo):
+        ctx.strategies[g.id] = group_strategies(g, nodes, ctx, en)
+        if i % 8 == 7:
+            ctx.report("strategies", (i + 1) / len(todo), f"{i + 1}/{len(todo)} decision groups")
     for g in ctx.groups:
         if canon[g.id] != g.id:
             ctx.strategies[g.id] = ctx.strategies[canon[g.id]]

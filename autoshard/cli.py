@@ -1,0 +1,142 @@
+"""``autoshard`` on the command line: plan a zoo model for a cluster from a laptop.
+
+    autoshard plan --model llama3-70b --cluster h100-sxm:128x8 --seq 8192 --global-batch 512 \\
+                   --memory-per-device 80GB --out plan.json
+    autoshard plan --model path/to/config.json --cluster a100-80gb:4x8 --global-batch 64 --recipe fsdp
+    autoshard models          # the zoo
+    autoshard clusters        # the cluster presets
+
+Progress (capture, strategies, solve) goes to stderr, with a bar on long steps when stderr is a terminal; the
+plan report goes to stdout; ``--out`` writes the plan as JSON (``autoshard.Plan.from_json`` reads it back).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from autoshard.cluster import get_cluster, known_clusters
+from autoshard.models.zoo import get_model, known_models
+from autoshard.notation import parse_bytes
+
+log = logging.getLogger(__name__)
+
+STAGES = ("model", "capture", "coarsen", "share_layers", "strategies", "solve")
+
+
+class ProgressPrinter:
+    """Prints one line per planning stage; redraws a bar in place while a stage reports fractions (tty only)."""
+
+    def __init__(self, stream: TextIO, quiet: bool = False) -> None:
+        self.stream = stream
+        self.quiet = quiet
+        self.tty = stream.isatty()
+        self.t0 = time.perf_counter()
+        self.open = False
+
+    def __call__(self, stage: str, fraction: float, message: str) -> None:
+        if self.quiet or stage in ("coarsen", "share_layers"):
+            return
+        elapsed = time.perf_counter() - self.t0
+        if fraction >= 1.0 or stage == "model":
+            self._end_bar()
+            self.stream.write(f"[{elapsed:6.1f} s] {stage:<10} done  {message}\n")
+        elif fraction <= 0.0 and not message:
+            self._end_bar()
+            self.stream.write(f"[{elapsed:6.1f} s] {stage:<10} ...\n")
+        elif self.tty:
+            width = 30
+            filled = int(round(width * fraction))
+            bar = "#" * filled + "-" * (width - filled)
+            self.stream.write(f"\r[{elapsed:6.1f} s] {stage:<10} [{bar}] {fraction:4.0%} {message[:50]:<50}")
+            self.open = True
+        else:
+            self.stream.write(f"[{elapsed:6.1f} s] {stage:<10} {fraction:4.0%} {message}\n")
+        self.stream.flush()
+
+    def _end_bar(self) -> None:
+        if self.open:
+            self.stream.write("\n")
+            self.open = False
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="autoshard", description="Plan sharded training of a model for a cluster.")
+    sub = p.add_subparsers(dest="command", required=True)
+    pl = sub.add_parser("plan", help="plan a model for a cluster (no GPU needed)")
+    pl.add_argument("--model", required=True, help=f"zoo name ({', '.join(known_models())}) or a HF config.json")
+    pl.add_argument("--cluster", required=True, help=f"preset[:NODESxPER_NODE] ({', '.join(known_clusters())}) or .json")
+    pl.add_argument("--mesh", default=None, help="mesh shape, e.g. 16x8x8 (default: NODES x PER_NODE)")
+    pl.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    pl.add_argument("--global-batch", type=int, required=True, help="sequences (samples) per optimizer step")
+    pl.add_argument("--memory-per-device", default=None, help="budget per device, e.g. 80GB (default: device memory)")
+    pl.add_argument("--recipe", default=None, help="plan a manual recipe instead: ddp, fsdp, tp, fsdp+tp")
+    pl.add_argument("--no-baselines", action="store_true", help="skip the manual-recipe comparison and warm start")
+    pl.add_argument("--time-limit", type=float, default=30.0, help="solver time limit per solve, seconds")
+    pl.add_argument("--sample-layers", type=int, default=3, help="repeated layers captured (they stand for all)")
+    pl.add_argument("--out", default=None, help="write the plan as JSON here")
+    pl.add_argument("--full", action="store_true", help="print every layer and decision (no folding)")
+    pl.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    pl.add_argument("-v", "--verbose", action="store_true", help="log every pass")
+    sub.add_parser("models", help="list the model zoo")
+    sub.add_parser("clusters", help="list the cluster presets")
+    return p
+
+
+def _plan(a: argparse.Namespace) -> int:
+    import autoshard
+    from autoshard.offline import parse_mesh
+
+    budget = parse_bytes(a.memory_per_device) if a.memory_per_device else None
+    mesh = parse_mesh(a.mesh) if a.mesh else None
+    progress = ProgressPrinter(sys.stderr, quiet=a.quiet)
+    plan = autoshard.plan(
+        a.model,
+        mesh,
+        cluster=a.cluster,
+        seq=a.seq,
+        global_batch=a.global_batch,
+        memory_budget=budget,
+        progress=progress,
+        recipe=a.recipe,
+        warm_start=not a.no_baselines,
+        time_limit_s=a.time_limit,
+        sample_layers=a.sample_layers,
+    )
+    sys.stdout.write(plan.report(collapse=not a.full))
+    if a.out:
+        Path(a.out).write_text(plan.to_json())
+        sys.stderr.write(f"plan written to {a.out}\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if getattr(a, "verbose", False) else logging.WARNING,
+                        format="%(name)s: %(message)s")
+    try:
+        if a.command == "models":
+            for name in known_models():
+                sys.stdout.write(f"{name:<14} {get_model(name).description}\n")
+            return 0
+        if a.command == "clusters":
+            for name in known_clusters():
+                c = get_cluster(name)
+                sys.stdout.write(
+                    f"{name:<10} {c.device.name}, {c.devices_per_node} per node, {c.intra_node.name} "
+                    f"{c.intra_node.bandwidth / 1e9:.0f} GB/s, {c.inter_node.name} {c.inter_node.bandwidth / 1e9:.1f} "
+                    "GB/s per device\n"
+                )
+            return 0
+        return _plan(a)
+    except ValueError as e:  # bad input: the message says what and how to fix it
+        sys.stderr.write(f"autoshard: error: {e}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,217 @@
+"""Planning for a cluster this process is not running on: a fake process group, fake tensors, a zoo model.
+
+``autoshard.plan("llama3-70b", cluster="h100-sxm:128x8", seq=8192, global_batch=512)`` lands here. Nothing is
+allocated and no device is touched: the model is built on the meta device, the mesh lives on torch's ``fake``
+process group (any world size), and the planner prices everything with the cluster profile. The same path
+serves ``autoshard.baseline(...)`` (a manual recipe as a Plan) and the ``autoshard plan`` CLI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from autoshard.cluster import ClusterProfile, check_mesh, get_cluster
+from autoshard.config import PlanConfig
+from autoshard.models.zoo import ZooModel, get_model
+from autoshard.notation import format_bytes
+from autoshard.plan import Plan
+from autoshard.planner import plan_graph
+from autoshard.solver.intra_op import InfeasibleBudget
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SAMPLE_LAYERS = 3
+Progress = Callable[[str, float, str], None]
+
+
+def default_mesh(cluster: ClusterProfile) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """(nodes, devices per node) named ("dp", "tp"); one node: (devices,) named ("dp",)."""
+    if cluster.nodes == 1:
+        return (cluster.devices_per_node,), ("dp",)
+    return (cluster.nodes, cluster.devices_per_node), ("dp", "tp")
+
+
+def mesh_names(shape: Sequence[int]) -> tuple[str, ...]:
+    """Conventional axis names: the innermost axis "tp", the outer ones "dp", "fsdp", "dp2", ..."""
+    if len(shape) == 1:
+        return ("dp",)
+    outer = ["dp", "fsdp"] + [f"dp{i}" for i in range(2, len(shape))]
+    return tuple(outer[: len(shape) - 1]) + ("tp",)
+
+
+def parse_mesh(text: str) -> tuple[int, ...]:
+    parts = text.lower().replace("(", "").replace(")", "").replace(",", "x").split("x")
+    if not parts or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"cannot parse mesh {text!r}; write sizes joined by 'x', e.g. '16x8x8' or '128x8'")
+    return tuple(int(p) for p in parts)
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int) -> Iterator[None]:
+    """A ``fake`` default process group of ``world_size`` ranks for the duration (this process is rank 0);
+    reuses an existing group of that size."""
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise ValueError(
+                f"a process group of {dist.get_world_size()} ranks is already initialized; planning a mesh of "
+                f"{world_size} devices needs its own fake group: call autoshard.plan outside torch.distributed, "
+                "or pass a DeviceMesh of that group"
+            )
+        yield
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelJob:
+    """What is planned: the module, its global-shaped inputs, and (for zoo models) the work per step."""
+
+    name: str
+    module: nn.Module
+    inputs: tuple
+    tokens_per_step: int = 0
+    flops_per_step: float = 0.0
+    dtype: str = "bfloat16"
+    params: int = 0
+
+
+def resolve_model(
+    model: str | ZooModel | nn.Module,
+    example_inputs: Sequence[Any] | None,
+    *,
+    seq: int | None,
+    global_batch: int | None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> ModelJob:
+    """A zoo name, a Hugging Face config.json path, a ZooModel or an nn.Module (with example inputs)."""
+    if isinstance(model, nn.Module):
+        if example_inputs is None:
+            raise ValueError(
+                f"{type(model).__name__} is an nn.Module: pass example_inputs (global-shaped, real, fake or meta), "
+                "or plan a zoo model by name (autoshard.models.zoo.known_models())"
+            )
+        params = sum(p.numel() for p in model.parameters())
+        return ModelJob(type(model).__name__, model, tuple(example_inputs), params=params)
+    zoo = model if isinstance(model, ZooModel) else get_model(str(model))
+    if global_batch is None or global_batch < 1:
+        raise ValueError(f"planning {zoo.name} needs global_batch (sequences per step, >= 1), got {global_batch}")
+    seq = seq or zoo.default_seq
+    with torch.device("meta"):
+        module = zoo.build(seq=seq, dtype=dtype, device="meta")
+    inputs = tuple(example_inputs) if example_inputs is not None else zoo.example_inputs(global_batch, seq, device="meta")
+    return ModelJob(
+        zoo.name,
+        module,
+        inputs,
+        tokens_per_step=global_batch * zoo.tokens_per_sample(seq),
+        flops_per_step=global_batch * zoo.train_flops_per_sample(seq),
+        dtype=str(dtype).replace("torch.", ""),
+        params=zoo.num_params(),
+    )
+
+
+def _check_batch(job: ModelJob, shape: Sequence[int], names: Sequence[str], recipe: str | None) -> None:
+    """The batch must split over the data-parallel axes (every axis but ``tp``; recipes ddp/fsdp: every axis)."""
+    if not job.inputs or not isinstance(job.inputs[0], torch.Tensor) or job.inputs[0].ndim == 0:
+        return
+    batch = job.inputs[0].shape[0]
+    dp_axes = [i for i, n in enumerate(names) if n != "tp"]
+    if recipe in ("ddp", "fsdp"):
+        dp_axes = list(range(len(shape)))
+    degree = math.prod(shape[i] for i in dp_axes) if dp_axes else 1
+    if batch % degree != 0:
+        axes = " x ".join(f"{names[i]}={shape[i]}" for i in dp_axes)
+        raise ValueError(
+            f"global batch {batch} is not divisible by the data-parallel degree {degree} ({axes}) of mesh "
+            f"{tuple(shape)}; use a global batch that is a multiple of {degree} (e.g. {degree * max(1, -(-batch // degree))}), "
+            f"or a mesh with fewer data-parallel devices"
+        )
+
+
+def _explain_oom(job: ModelJob, err: InfeasibleBudget, cluster: ClusterProfile, shape: Sequence[int], budget: int) -> str:
+    n = math.prod(shape)
+    itemsize = torch.empty((), dtype=getattr(torch, job.dtype)).element_size() if job.dtype else 2
+    state = job.params * itemsize * 4  # parameters + gradients + AdamW's two moments, in the model's dtype
+    need = err.least_bytes
+    head = f"{job.name} does not fit on {n} x {format_bytes(budget)}"
+    if job.params:
+        head += (
+            f": its training state alone (parameters + gradients + AdamW moments, {job.params / 1e9:.1f} B params "
+            f"in {job.dtype}) is {format_bytes(state)}, and {n} x {format_bytes(budget)} = {format_bytes(n * budget)}"
+        )
+    tail = f"; the leanest plan on mesh {tuple(shape)} needs {format_bytes(need)} per device" if need else ""
+    return (
+        f"{head}{tail} (everything sharded as far as the mesh allows, activations of the whole batch included). "
+        f"Use more devices (e.g. '{cluster.name.split(':')[0]}:{2 * cluster.nodes}x{cluster.devices_per_node}'), a "
+        "smaller global batch or sequence, or raise --memory-per-device (autoshard does not yet plan activation "
+        "recomputation or pipeline stages, which would also cut activation memory)."
+    )
+
+
+def plan_offline(
+    model: str | ZooModel | nn.Module,
+    *,
+    cluster: str | ClusterProfile,
+    mesh: DeviceMesh | Sequence[int] | None = None,
+    example_inputs: Sequence[Any] | None = None,
+    seq: int | None = None,
+    global_batch: int | None = None,
+    memory_budget: int | str | None = None,
+    config: PlanConfig | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    progress: Progress | None = None,
+) -> Plan:
+    """Plan ``model`` for ``cluster`` without its devices. ``mesh`` is a shape (default: nodes x devices per
+    node) or a DeviceMesh; the memory budget defaults to the device's memory."""
+    prof = get_cluster(cluster)
+    base = config or PlanConfig()
+    if isinstance(mesh, DeviceMesh):
+        shape, names = tuple(mesh.shape), tuple(mesh.mesh_dim_names or mesh_names(mesh.shape))
+    elif mesh is not None:
+        shape = tuple(int(s) for s in mesh)
+        names = mesh_names(shape)
+    else:
+        shape, names = default_mesh(prof)
+    check_mesh(prof, shape)
+    budget = memory_budget if memory_budget is not None else (base.memory_budget or prof.device.memory_bytes)
+    if isinstance(budget, str) and budget.strip().lower() == "none":
+        budget = None
+    sample = base.sample_layers if base.sample_layers is not None else DEFAULT_SAMPLE_LAYERS
+    cfg = dataclasses.replace(base, memory_budget=budget, sample_layers=sample)
+    job = resolve_model(model, example_inputs, seq=seq, global_batch=global_batch, dtype=dtype)
+    _check_batch(job, shape, names, cfg.recipe)
+    if progress:
+        progress("model", 1.0, f"{job.name}: {job.params / 1e9:.2f} B parameters, mesh {tuple(shape)} on {prof.name}")
+    with fake_world(math.prod(shape)):
+        dm = mesh if isinstance(mesh, DeviceMesh) else init_device_mesh("cpu", shape, mesh_dim_names=names)
+        try:
+            plan, _, _ = plan_graph(job.module, job.inputs, dm, prof, cfg, progress=progress)
+        except InfeasibleBudget as e:
+            raise InfeasibleBudget(_explain_oom(job, e, prof, shape, cfg.memory_budget), e.least_bytes) from None
+    peak = prof.device.peak_flops.get(job.dtype, prof.device.peak_flops["float32"])
+    return dataclasses.replace(
+        plan,
+        model=job.name,
+        tokens_per_step=job.tokens_per_step,
+        model_flops_per_step=job.flops_per_step,
+        peak_flops_per_device=peak,
+    )
+
+
+__all__ = ["default_mesh", "fake_world", "mesh_names", "parse_mesh", "plan_offline", "resolve_model"]
