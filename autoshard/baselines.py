@@ -48,9 +48,9 @@ ALIASES = {"megatron": "tp", "megatron-tp": "tp", "zero3": "fsdp", "2d": "fsdp+t
 
 _COLUMN = re.compile(
     r"(^|\.)(wq|wk|wv|wqkv|qkv|q_proj|k_proj|v_proj|query|key|value|c_attn|in_proj|w1|w3|fc1|c_fc|gate_proj|up_proj|"
-    r"gate_up_proj|fc_in|intermediate\.dense|lm_head|output|head)\.(weight|bias)$"
+    r"gate_up_proj|fc_in|intermediate\.dense|lm_head|output|head)(\.weight|\.bias|)$"
 )
-_ROW = re.compile(r"(^|\.)(wo|o_proj|out_proj|c_proj|w2|fc2|down_proj|fc_out|output\.dense|proj)\.weight$")
+_ROW = re.compile(r"(^|\.)(wo|o_proj|out_proj|c_proj|w2|fc2|down_proj|fc_out|output\.dense|proj)(\.weight|)$")
 _TRANSPOSED = ("Conv1D",)  # Hugging Face GPT-2 stores Linear weights as [in, out]
 
 
@@ -93,7 +93,7 @@ def tp_role(name: str, module_type: str, shape: Sequence[int]) -> tuple[str, int
     transposed = module_type in _TRANSPOSED
     if module_type == "Embedding" and nd == 2:
         return "vocab", 0
-    if _COLUMN.search(name):
+    if _COLUMN.search(name) and (nd >= 2 or name.endswith(".bias")):
         if nd == 1:
             return "column-bias", 0
         # [out, in] (or [experts, in, out] for stacked experts, [in, out] for Conv1D): shard the output features
