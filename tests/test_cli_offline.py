@@ -1,0 +1,64 @@
+"""Planning for a cluster from this machine: the CLI end to end, and bad input named with its numbers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import autoshard
+from autoshard.cli import main
+from autoshard.plan import Plan
+from autoshard.solver.intra_op import InfeasibleBudget
+
+SMALL = ["--model", "gpt2-124m", "--cluster", "h100-sxm:1x8", "--seq", "128", "--global-batch", "16"]
+
+
+def test_cli_plan_writes_a_plan_that_reads_back(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", *SMALL, "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "capture" in captured.err and "solve" in captured.err  # progress per stage
+    report = captured.out
+    assert "vs manual recipes" in report and "tokens/s" in report and "MFU" in report
+    plan = Plan.from_json(out.read_text())
+    assert plan.model == "gpt2-124m" and plan.mesh.shape == (8,) and plan.step_time_s > 0
+    assert {b.name for b in plan.baselines} == {"ddp", "fsdp", "tp"}
+    assert plan.tokens_per_step == 16 * 128 and 0 < plan.mfu < 1
+    assert "layers: 3 of 12" in plan.sampled_layers
+
+
+def test_cli_lists_models_and_clusters(capsys):
+    assert main(["models"]) == 0 and main(["clusters"]) == 0
+    out = capsys.readouterr().out
+    for name in ("llama3-405b", "mixtral-8x7b", "vit-h14", "h100-sxm", "a100-80gb", "cpu"):
+        assert name in out
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--model", "llama-9b", "--cluster", "h100-sxm", "--global-batch", "8"], "known models"),
+        (["--model", "gpt2-124m", "--cluster", "tpu-v5", "--global-batch", "8"], "known clusters"),
+        (["--model", "gpt2-124m", "--cluster", "h100-sxm:2x8", "--mesh", "4x8", "--global-batch", "8"],
+         "has 32 devices but cluster 'h100-sxm:2x8' has 16"),
+        (["--model", "gpt2-124m", "--cluster", "h100-sxm:2x8", "--global-batch", "3", "--seq", "128"],
+         "global batch 3 is not divisible by the data-parallel degree 2"),
+    ],
+)
+def test_cli_bad_input_is_named(argv, needle, capsys):
+    assert main(["plan", *argv]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_model_that_cannot_fit_says_how_much_it_needs():
+    with pytest.raises(InfeasibleBudget, match=r"llama3-8b does not fit on 8 x 1.00 GiB: its training state alone") as e:
+        autoshard.plan("llama3-8b", cluster="h100-sxm:1x8", seq=256, global_batch=8, memory_budget="1GiB",
+                       warm_start=False)
+    assert "leanest plan" in str(e.value) and e.value.least_bytes > 2**30
+
+
+def test_plan_json_round_trip_keeps_baselines(tmp_path):
+    plan = autoshard.plan("bert-large", cluster="a100-80gb:1x8", seq=128, global_batch=16)
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and json.loads(plan.to_json())["baselines"]
