@@ -1,0 +1,195 @@
+"""The plain-text report of a :class:`~autoshard.plan.Plan` (``Plan.report()``): header, recipe comparison,
+then per stage the placements per module with repeated layers folded, the decisions and the collectives."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from typing import NamedTuple
+
+from autoshard.notation import fold_layers, format_bytes, format_seconds, op_str, placements_str, tensor_str
+from autoshard.plan import CollectiveStat, MemoryBreakdown, Plan, StagePlan, _summarize
+
+# ---------------------------------------------------------------------------------------------------------------
+# report
+
+
+class _Row(NamedTuple):
+    """One report row: ``key`` finds its layer, ``header`` groups it, ``label`` and ``cells`` print."""
+
+    key: str
+    header: str
+    label: str
+    sig: Hashable
+    cells: tuple[str, ...]
+
+
+def _split(name: str) -> tuple[str, str]:
+    """``layers.0.attn.wq.weight`` -> (``layers.0.attn``, ``wq.weight``): header the module's parent, so one
+    block holds a whole attention or MLP rather than one Linear; short names (``embed.weight``) get no header."""
+    parts = name.split(".")
+    return (".".join(parts[:-2]), ".".join(parts[-2:])) if len(parts) > 2 else ("", name)
+
+
+def _table(title: str, columns: str, rows: Sequence[_Row], collapse: bool, max_rows: int) -> list[str]:
+    """Rows grouped under headers (each header once, first-seen order) with repeated layers folded."""
+    if not rows:
+        return []
+    entries = fold_layers([(r.key, r.sig) for r in rows]) if collapse else list(range(len(rows)))
+    blocks: dict[str, list[_Row]] = {}
+    order: list[str | tuple[str]] = []  # a header, or a 1-tuple holding a collapse line
+    for e in entries:
+        if isinstance(e, str):
+            order.append((e,))
+        elif rows[e].header in blocks:
+            blocks[rows[e].header].append(rows[e])
+        else:
+            blocks[rows[e].header] = [rows[e]]
+            order.append(rows[e].header)
+    shown_rows = [r for b in blocks.values() for r in b]
+    name_w = max([36] + [len(r.label) + 2 for r in shown_rows])
+    col = [max(len(r.cells[j]) for r in shown_rows if j < len(r.cells)) + 2 for j in range(len(rows[0].cells))]
+    lines, shown = [f"{title:<{name_w + 2}}{columns}"], 0
+    for item in order:
+        if isinstance(item, tuple):
+            lines.append(item[0])
+            continue
+        if item:
+            lines.append(item)
+        for r in blocks[item]:
+            if shown == max_rows:
+                lines.append(f"  ... {len(shown_rows) - shown} more rows (Plan.to_json() has all)")
+                return lines
+            shown += 1
+            lines.append(f"  {r.label.ljust(name_w)}" + "".join(c.ljust(w) for c, w in zip(r.cells, col)).rstrip())
+    return lines
+
+
+def _tensor_rows(stage: StagePlan, role: str) -> list[_Row]:
+    rows = []
+    for t in stage.tensors:
+        if t.role != role:
+            continue
+        try:
+            local = tensor_str(t.dtype, t.local_shape(stage.mesh))
+        except ValueError:
+            local = "(uneven shard)"
+        header, label = _split(t.name)
+        cells = (tensor_str(t.dtype, t.shape), placements_str(t.placements), local)
+        rows.append(_Row(t.name, header, label, (t.shape, t.dtype, t.placements), cells))
+    return rows
+
+
+def _decision_rows(stage: StagePlan) -> list[_Row]:
+    rows = []
+    for d in stage.ops:
+        if d.phase != "forward":
+            continue
+        out = tensor_str(d.dtype, d.shape) if d.dtype else f"[{', '.join(map(str, d.shape))}]"
+        ins = ", ".join(placements_str(p) for p in d.inputs)
+        cells = (op_str(d.op), out, placements_str(d.output), f"<- {ins}", format_seconds(d.compute_s), d.node)
+        header, _, label = d.module.rpartition(".")
+        # layers fold by module and choice, not by node name (mm_3 in layer 0 is mm_17 in layer 1)
+        sig = (d.op, d.shape, d.dtype, d.output, d.inputs)
+        rows.append(_Row(d.module, header, label or d.node, sig, cells))
+    return rows
+
+
+def _backward_summary(stage: StagePlan) -> list[str]:
+    ops = Counter(op_str(d.op) for d in stage.ops if d.phase == "backward")
+    if not ops:
+        return []
+    kinds = ", ".join(f"{op} {n}" for op, n in sorted(ops.items(), key=lambda kv: (-kv[1], kv[0])))
+    return [f"decisions (backward): {sum(ops.values())} anchors  ({kinds})"]
+
+
+def _collective_rows(collectives: Sequence[CollectiveStat]) -> list[_Row]:
+    return [
+        _Row("", "", r.kind, None, (r.axis, str(r.count), format_bytes(r.nbytes), format_seconds(r.time_s)))
+        for r in _summarize(collectives)
+    ]
+
+
+def _memory_line(m: MemoryBreakdown, label: str) -> str:
+    unit = format_bytes(m.total).split()[-1]
+    f = lambda n: format_bytes(n, unit)  # noqa: E731 - one unit for all terms so the sum reads at a glance
+    return (
+        f"{label} {f(m.total)} = params {f(m.parameters)} + grads {f(m.gradients)} + "
+        f"optimizer {f(m.optimizer)} + activations {f(m.activations)}"
+    )
+
+
+def _baseline_lines(plan: Plan) -> list[str]:
+    """The plan next to every manual recipe, in the same cost model; ratio = recipe time / plan time."""
+    if not plan.baselines:
+        return []
+    budget = plan.memory_budget_bytes
+    rows = [("autoshard" if not plan.recipe else plan.recipe, plan.step_time_s, plan.peak_memory.total, True, "")]
+    rows += [(b.name, b.step_time_s, b.peak_memory_bytes, b.fits, b.note) for b in plan.baselines]
+    w = max(len(r[0]) for r in rows) + 2
+    lines = ["", f"{'vs manual recipes':<{w}}{'step':>12}{'x plan':>9}{'memory/device':>16}  fits  note"]
+    for name, t, mem, fits, note in rows:
+        if not math.isfinite(t):
+            lines.append(f"  {name:<{w - 2}}{'-':>12}{'-':>9}{'-':>16}  -     {note}")
+            continue
+        fit = "yes" if fits else "OOM"
+        if not budget and fits:
+            fit = "-"
+        ratio = t / plan.step_time_s if plan.step_time_s > 0 else math.nan
+        lines.append(f"  {name:<{w - 2}}{format_seconds(t):>12}{ratio:>8.2f}x{format_bytes(mem):>16}  {fit:<5} {note}".rstrip())
+    best = plan.best_baseline()
+    if best is not None and not plan.recipe:
+        gain = best.step_time_s / plan.step_time_s if plan.step_time_s > 0 else math.nan
+        lines.append(f"best recipe that fits: {best.name}; the plan is {gain:.2f}x as fast")
+    return lines
+
+
+def report_lines(plan: Plan, *, collapse: bool, max_rows: int) -> list[str]:
+    compute = sum(s.compute_s for s in plan.stages)
+    comm = sum(s.comm_s for s in plan.stages)
+    head = (
+        f"autoshard plan  mesh {plan.mesh}  cluster {plan.cluster}  predicted step {format_seconds(plan.step_time_s)}"
+        f"  (compute {format_seconds(compute)}, comm {format_seconds(comm)})"
+    )
+    if len(plan.stages) > 1 or plan.schedule:
+        head += f"  pipeline {len(plan.stages)} stages, {plan.schedule or 'no schedule'} × {plan.microbatches} mb"
+    sv = plan.solver
+    lines = [
+        head,
+        _memory_line(plan.peak_memory, "peak memory / device"),
+        f"solver {sv.status}  objective {format_seconds(sv.objective_s)}  bound {format_seconds(sv.bound_s)}  "
+        f"gap {sv.gap:.1%}  groups {sv.groups}  variables {sv.variables}  shared layers {sv.shared_layers}  "
+        f"({format_seconds(sv.wall_s)})",
+    ]
+    if plan.recipe:
+        lines.append(f"manual recipe: {plan.recipe} (parameter and batch layouts pinned, the rest solved)")
+    if plan.tokens_per_step and plan.step_time_s > 0:
+        mfu = f"  MFU {plan.mfu:.1%}" if plan.peak_flops_per_device and plan.model_flops_per_step else ""
+        lines.append(f"throughput {plan.tokens_per_s:,.0f} tokens/s ({plan.tokens_per_step:,} tokens per step){mfu}")
+    if plan.hidden_comm_s:
+        lines.append(f"overlap: {format_seconds(plan.hidden_comm_s)} of gradient reductions hidden behind backward")
+    if plan.sampled_layers:
+        lines.append(f"repeated layers: {plan.sampled_layers}")
+    lines += _baseline_lines(plan)
+    for stage in plan.stages:
+        lines.append("")
+        if len(plan.stages) > 1:
+            r = stage.ranks
+            ranks = f"{r[0]}–{r[-1]}" if r and list(r) == list(range(r[0], r[-1] + 1)) else ",".join(map(str, r))
+            layers = f"{stage.layers[0]} … {stage.layers[-1]}" if len(stage.layers) > 1 else ", ".join(stage.layers)
+            lines.append(
+                f"== stage {stage.index}  mesh {stage.mesh}  ranks {ranks}  layers {layers or '-'}  "
+                f"compute {format_seconds(stage.compute_s)}  comm {format_seconds(stage.comm_s)}"
+            )
+            lines.append(_memory_line(stage.memory, "memory / device"))
+        for role, title in (("parameter", "parameters"), ("buffer", "buffers"), ("input", "inputs")):
+            lines += _table(title, "global / placements / local", _tensor_rows(stage, role), collapse, max_rows)
+        cols = "op / output / placements / inputs / compute / node"
+        lines += _table("decisions (forward)", cols, _decision_rows(stage), collapse, max_rows)
+        lines += _backward_summary(stage)
+        rows = _collective_rows(stage.collectives)
+        lines += _table("collectives per step", "axis / count / bytes / time", rows, False, max_rows) or [
+            "collectives per step: none"
+        ]
+    return lines
