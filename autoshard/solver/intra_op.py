@@ -329,26 +329,9 @@ class IntraOpProblem:
             choice_c = dict(hint)
             objective = self.evaluate(hint)
         wall = time.perf_counter() - t0
-        n_vars = sum(len(v) for v in x.values()) + len(model.Proto().variables) - sum(len(v) for v in x.values())
+        n_vars = len(model.Proto().variables)
         log.info("solve %s: %s objective %.6f s bound %.6f s, %d variables, %.2f s", what, name, objective, bound,
                  n_vars, wall)
         choice = {g.id: choice_c[self.canon[g.id]] for g in self.groups}
         return Solution(choice, name, objective, bound, wall + self.build_s, n_vars, int(self.memory(choice_c)))
 
-
-def solve(
-    gm: fx.GraphModule,
-    groups: Sequence[Group],
-    strategies: dict[int, list[GroupStrategy]],
-    canon: dict[int, int],
-    output_roles: Sequence,
-    mesh_shape: tuple[int, ...],
-    cluster: ClusterProfile,
-    memory_budget: int | None,
-    time_limit_s: float,
-    num_workers: int = 1,
-    seed: int = 0,
-) -> Solution:
-    """Build and solve in one call (see :class:`IntraOpProblem`)."""
-    problem = IntraOpProblem(gm, groups, strategies, canon, output_roles, mesh_shape, cluster)
-    return problem.solve(memory_budget=memory_budget, time_limit_s=time_limit_s, num_workers=num_workers, seed=seed)
