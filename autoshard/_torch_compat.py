@@ -413,6 +413,20 @@ def outside_local_tensor_mode() -> contextlib.AbstractContextManager:
     return stack
 
 
+def ranks_disagree(t: torch.Tensor) -> list[int]:
+    """Under ``LocalTensorMode``: the simulated ranks whose value of ``t`` differs from the lowest rank's.
+
+    A tensor made inside the mode from a random generator holds a different draw on every rank; used as a
+    "global" value it would silently train on different data per rank. Empty for ordinary tensors.
+    """
+    per_rank = getattr(t, "_local_tensors", None)
+    if not per_rank:
+        return []
+    ranks = sorted(per_rank)
+    first = per_rank[ranks[0]]
+    return [r for r in ranks[1:] if not torch.equal(per_rank[r], first)]
+
+
 def detach_from_fake_modes() -> contextlib.AbstractContextManager:
     """Leave any active fake/proxy dispatch modes (used when tracing the lowered program)."""
     from torch.utils._python_dispatch import _disable_current_modes

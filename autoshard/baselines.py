@@ -213,9 +213,16 @@ def solve_recipe(recipe: str, gm: fx.GraphModule, ctx: PassContext, time_limit_s
     fits = True
     try:
         sol = ctx.problem.solve(memory_budget=budget, **kw)
-    except InfeasibleBudget:
+    except InfeasibleBudget as e:
         fits = False
-        sol = ctx.problem.solve(memory_budget=None, **kw)
+        if not e.proven:
+            notes.append(f"no plan under the budget found within {limit:g} s (may fit with a longer time_limit_s)")
+        try:
+            sol = ctx.problem.solve(memory_budget=None, **kw)
+        except ValueError as e2:
+            return BaselineResult(recipe, None, False, float("inf"), 0, f"n/a: {e2}")
+    except ValueError as e:
+        return BaselineResult(recipe, None, False, float("inf"), 0, f"n/a: {e}")
     choice = {c: sol.choice[c] for c in ctx.problem.canon_ids}
     return BaselineResult(recipe, sol, fits, ctx.problem.evaluate(choice), sol.memory_bytes, "; ".join(notes))
 

@@ -203,6 +203,8 @@ def plan_offline(
         try:
             plan, _, _ = plan_graph(job.module, job.inputs, dm, prof, cfg, progress=progress)
         except InfeasibleBudget as e:
+            if not e.proven:  # the time limit ran out near the budget: not an out-of-memory verdict
+                raise
             raise InfeasibleBudget(_explain_oom(job, e, prof, shape, cfg.memory_budget), e.least_bytes) from None
     peak = prof.device.peak_flops.get(job.dtype, prof.device.peak_flops["float32"])
     return dataclasses.replace(

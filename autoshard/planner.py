@@ -183,7 +183,7 @@ def build_plan(gm: fx.GraphModule, ctx: PassContext, solution: Any = None, recip
     for g in ctx.groups:
         s = ctx.strategies[g.id][sol.choice[g.id]]
         w = ctx.group_weight.get(g.id, 1.0)
-        compute += w * (s.compute_s + s.comm_s)
+        compute += w * s.compute_s  # moves inside a group (s.comm_s) are in the collectives list below
         params += w * s.param_bytes
         grads += w * s.grad_bytes
         opt += w * s.optimizer_bytes

@@ -414,7 +414,11 @@ def group_strategies(group: Group, nodes: dict[str, fx.Node], ctx: PassContext, 
             need = raw.inputs[k]
             if need != have:
                 v = producer.meta["val"]
-                comm += redistribute_time(have, need, tuple(v.shape), v.element_size(), ms, ctx.cluster)
+                move = redistribute_time(have, need, tuple(v.shape), v.element_size(), ms, ctx.cluster)
+                if math.isinf(move):  # a move DTensor cannot make: this candidate cannot run
+                    ok = False
+                    break
+                comm += move
             outs.append(raw.outputs)
             ins.append(raw.inputs)
         if not ok:

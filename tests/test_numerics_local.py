@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
+
+import autoshard
 
 from harness import assert_close_to_reference, local_ranks, single_device_reference
 from numerics_utils import LR, MODELS, PARAM_ATOL, train_sharded
@@ -48,3 +51,13 @@ def test_hf_gpt2_and_llama_2x2():
         with local_ranks(4):
             got = train_sharded(make, (ids, ids), (2, 2), ("dp", "tp"), lr=LR, constraints={"inputs": {"dp": Shard(0)}})
         assert_close_to_reference(ref, got["losses"], got["grads"], got["params"], atol=2e-5, param_atol=PARAM_ATOL)
+
+
+def test_inputs_drawn_inside_local_tensor_mode_are_refused():
+    """Random inputs made inside LocalTensorMode differ per simulated rank: shard_inputs says so, naming the input."""
+    make, inputs_fn = MODELS["mlp"]
+    with local_ranks(2):
+        x, y = inputs_fn()  # inside the mode every rank draws its own batch
+        sharded = autoshard.compile(make(), init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)), (x, y), backend="eager")
+        with pytest.raises(ValueError, match=r"input\[0\].*simulated ranks \[1\].*before entering LocalTensorMode"):
+            sharded.shard_inputs(x, y)

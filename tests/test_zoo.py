@@ -277,3 +277,34 @@ def test_patchify_equals_strided_convolution() -> None:
     images, weight = torch.randn(2, 3, 16, 16), torch.randn(5, 3, 4, 4)
     want = F.conv2d(images, weight, stride=4).flatten(2).transpose(1, 2)
     torch.testing.assert_close(patchify(images, 4) @ weight.reshape(5, -1).T, want, rtol=1e-5, atol=1e-5)
+
+
+def test_plan_step_time_prices_any_choice_like_the_solver() -> None:
+    """For any choice of candidates (not only the optimum), the Plan's step time (compute + every collective
+    it lists - overlap credit) equals the integer program's price of that choice: nothing counted twice
+    (moves inside a decision group), nothing left out. Candidates with moves inside their group are forced in."""
+    import math as _math
+
+    from autoshard.passes.solve import annotate
+    from autoshard.planner import build_plan
+
+    m = _tiny("mixtral", n_layer=2)
+    with fake_world(8):
+        plan, gm, ctx = plan_on(m.build(), m.example_inputs(8), (2, 4), ("dp", "tp"), cluster="h100-sxm", warm_start=False)
+        assert _math.isclose(plan.step_time_s, plan.solver.objective_s, rel_tol=1e-4)
+        problem = ctx.problem
+        choice = {c: ctx.solution.choice[c] for c in problem.canon_ids}
+        forced = 0
+        for c in problem.canon_ids:
+            for i, st in enumerate(ctx.strategies[c]):
+                trial = {**choice, c: i}
+                if st.comm_s > 0 and _math.isfinite(problem.evaluate(trial)):
+                    choice, forced = trial, forced + 1
+                    break
+        assert forced > 0
+        full = {g.id: choice[ctx.layer_of_group[g.id]] for g in ctx.groups}
+        sol = dataclasses.replace(ctx.solution, choice=full)
+        annotate(gm, ctx, sol)
+        forced_plan = build_plan(gm, ctx, sol)
+    assert forced_plan.step_time_s > plan.step_time_s
+    assert _math.isclose(forced_plan.step_time_s, problem.evaluate(choice), rel_tol=1e-9)

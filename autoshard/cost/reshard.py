@@ -1,18 +1,17 @@
-"""Resharding cost as the planner sees it: the collectives' time, or a prohibitive cost when DTensor cannot
-make the move at all (a Shard becoming Partial), so the solver never picks such a pair."""
+"""Resharding cost as the planner sees it: the collectives' time, or ``math.inf`` when DTensor cannot make the
+move at all (a Shard becoming Partial, a strided shard it cannot undo). The strategy pass drops candidates
+whose internal moves are impossible and the integer program forbids the pairs (``IntraOpProblem``), so a
+plan never contains a move the runtime cannot execute."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from torch.distributed.tensor.placement_types import Placement
 
 from autoshard.cluster import ClusterProfile
 from autoshard.cost.comm import redistribute_time
-
-# Ten minutes per move: larger than any real step, small enough to keep the integer objective bounded.
-IMPOSSIBLE_S = 600.0
-
 
 def reshard_time(
     src: Sequence[Placement],
@@ -27,4 +26,4 @@ def reshard_time(
     try:
         return redistribute_time(tuple(src), tuple(dst), tuple(global_shape), itemsize, tuple(mesh_shape), cluster)
     except ValueError:
-        return IMPOSSIBLE_S
+        return math.inf

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
+from autoshard import _torch_compat as tc
 from autoshard.notation import local_shape, parse_placements, placements_str, tensor_str
 from autoshard.plan import Plan
 
@@ -109,6 +110,13 @@ class ShardedModule(nn.Module):
             if tuple(t.shape) != tuple(layout.shape):
                 raise ValueError(
                     f"{layout.name}: expected global shape {tensor_str(layout.dtype, layout.shape)}, got {tuple(t.shape)}"
+                )
+            bad = tc.ranks_disagree(t)
+            if bad:
+                raise ValueError(
+                    f"{layout.name}: shard_inputs takes the global value, equal on every rank, but simulated ranks "
+                    f"{bad} hold different values than rank 0 (a tensor drawn from a random generator inside "
+                    "LocalTensorMode differs per rank). Make the global inputs before entering LocalTensorMode."
                 )
             pl = parse_placements(layout.placements)
             d = DTensor.from_local(t.to(self.mesh.device_type), self.mesh, rep, run_check=False)

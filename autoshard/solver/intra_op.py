@@ -27,6 +27,7 @@ Determinism: fixed seed, fixed worker count, candidates and edges in graph order
 from __future__ import annotations
 
 import logging
+import math
 import operator
 import os
 import time
@@ -42,7 +43,7 @@ from torch.distributed.tensor import Replicate
 from autoshard.cluster import ClusterProfile
 from autoshard.cost.reshard import reshard_time as redistribute_time
 from autoshard.ir import Edge, Group, GroupStrategy, Placements
-from autoshard.notation import format_bytes
+from autoshard.notation import format_bytes, placements_str
 from autoshard.passes.coarsen import tensor_args
 
 log = logging.getLogger(__name__)
@@ -71,9 +72,10 @@ class Solution:
 class InfeasibleBudget(ValueError):
     """No plan fits; ``least_bytes`` is the smallest per-device memory any plan needs (None when unknown)."""
 
-    def __init__(self, message: str, least_bytes: int | None = None) -> None:
+    def __init__(self, message: str, least_bytes: int | None = None, proven: bool = True) -> None:
         super().__init__(message)
         self.least_bytes = least_bytes
+        self.proven = proven  # False: the time limit ran out before a plan or a proof was found
 
 
 def collect_edges(gm: fx.GraphModule, groups: Sequence[Group], output_roles: Sequence) -> tuple[list[Edge], list]:
@@ -232,17 +234,38 @@ class IntraOpProblem:
             for q in Q:
                 model.Add(sum(e[p, q] for p in P) == sum(x[cv][j] for j, b in enumerate(qv) if b == q))
             for (p, q), v in e.items():
-                if R[p][q] > 0:
+                if math.isinf(R[p][q]):
+                    model.Add(v == 0)  # a move the runtime cannot make
+                elif R[p][q] > 0:
                     obj_terms.append((v, R[p][q]))
         const = 0.0
         for c in self.canon_ids:
             if c in x:
-                obj_terms += [(v, u) for v, u in zip(x[c], unary[c]) if u > 0]
+                for v, u in zip(x[c], unary[c]):
+                    if math.isinf(u):
+                        model.Add(v == 0)
+                    elif u > 0:
+                        obj_terms.append((v, u))
             else:
                 const += unary[c][0]
+        if math.isinf(const):
+            raise ValueError(self._impossible_message(allowed))
         model.Minimize(sum(int(round(w * NS)) * v for v, w in obj_terms))
         self.variables = max(self.variables, n_vars)
         return model, x, const
+
+    def _impossible_message(self, allowed: dict[int, list[int]]) -> str:
+        by_id = {g.id: g for g in self.groups}
+        for c in self.canon_ids:
+            if len(allowed[c]) == 1 and math.isinf(self.unary[c][allowed[c][0]]):
+                g = by_id[c]
+                s = self.strategies[c][allowed[c][0]]
+                return (
+                    f"group {g.anchor} has a single allowed layout ({placements_str(s.outputs[0][0])}) whose input or output "
+                    f"needs a redistribution DTensor cannot make on mesh {self.mesh_shape}; unpin it or choose "
+                    "another recipe"
+                )
+        return f"the pinned layouts need a redistribution DTensor cannot make on mesh {self.mesh_shape}"
 
     def min_memory(self) -> float:
         """The least memory per device any choice needs (memory is separable over groups)."""
@@ -310,12 +333,15 @@ class IntraOpProblem:
         solver.parameters.log_search_progress = os.environ.get("AUTOSHARD_SOLVER_LOG", "") == "1"
         status = solver.Solve(model)
         name = solver.StatusName(status)
+        if status == cp_model.INFEASIBLE and memory_budget is None:
+            raise ValueError(self._impossible_message(order))
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             raise InfeasibleBudget(
                 f"the solver found no {what} ({name}) within {time_limit_s} s"
                 + (f" under memory_budget={format_bytes(memory_budget)}" if memory_budget else "")
                 + "; raise time_limit_s or the budget",
                 None,
+                proven=status == cp_model.INFEASIBLE,
             )
         choice_c = {c: (next(i for i, v in zip(order[c], x[c]) if solver.Value(v)) if c in x else order[c][0])
                     for c in canon_ids}
