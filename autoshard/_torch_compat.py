@@ -413,6 +413,36 @@ def outside_local_tensor_mode() -> contextlib.AbstractContextManager:
     return stack
 
 
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding decisions.
+
+    DTensor caches an op's output specs keyed by meshes that compare equal by shape and names, and a cached
+    spec carries the mesh it was first computed on: its process group and this process's coordinate. After a
+    fake or simulated world (planning, ``LocalTensorMode``) a real mesh of the same shape would be handed that
+    stale mesh (a lookup of a destroyed process group, or rank 0's chunk on every rank of a forked worker).
+    autoshard clears the cache whenever it leaves a fake world and before it builds a runtime.
+    """
+    from torch.distributed.tensor import DTensor
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        fn = getattr(prop, name, None)
+        if hasattr(fn, "cache_clear"):
+            fn.cache_clear()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's copy
+    if native is not None:
+        native()
+
+
+def fake_process_group(world_size: int) -> None:
+    """Initialize a ``fake`` default process group (this process is rank 0): meshes and collective shapes
+    work, nothing is communicated."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+
+
 def ranks_disagree(t: torch.Tensor) -> list[int]:
     """Under ``LocalTensorMode``: the simulated ranks whose value of ``t`` differs from the lowest rank's.
 

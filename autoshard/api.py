@@ -122,9 +122,9 @@ def compile(  # noqa: A001 - the one-line API the project promises
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not known; use one of {BACKENDS}")
     inputs = _check_inputs(example_inputs)
-    # known issue (see tests/test_baselines.py): with the recipe warm start on, compiled programs on gloo lose
-    # numerical equality; until that is found, compile solves without it unless asked
-    options.setdefault("warm_start", False)
+    # DTensor's sharding caches may hold meshes of another world (a plan made on a fake group, LocalTensorMode,
+    # or a parent process this one was forked from): start from a clean cache
+    tc.clear_dtensor_caches()
     real_group = dist.is_initialized() and dist.get_world_size() > 1 and not tc.in_local_tensor_mode()
     p, gm, ctx = plan_graph(
         model, inputs, mesh, get_cluster(cluster), _config(memory_budget, constraints, **options), real_group

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from autoshard import _torch_compat as tc
 from autoshard.cluster import ClusterProfile, check_mesh, get_cluster
 from autoshard.config import PlanConfig
 from autoshard.models.zoo import ZooModel, get_model
@@ -69,13 +70,12 @@ def fake_world(world_size: int) -> Iterator[None]:
             )
         yield
         return
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    tc.fake_process_group(world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        tc.clear_dtensor_caches()  # cached specs hold this world's meshes
 
 
 @dataclasses.dataclass(frozen=True)

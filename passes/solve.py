@@ -26,11 +26,12 @@ def solve(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     canon = ctx.layer_of_group or {g.id: g.id for g in ctx.groups}
     if ctx.broadcast_solution and dist.get_rank() != 0:
         # rank 0 solves and sends its choice: every rank must run the same plan, whatever the time limit
+        # (with the recipes it was compared against, so every rank's Plan reads the same)
         box: list = [None]
         dist.broadcast_object_list(box, src=0)
-        ctx.solution = box[0]
-        if isinstance(ctx.solution, BaseException):
-            raise RuntimeError(f"rank 0 could not plan: {ctx.solution}")
+        if isinstance(box[0], BaseException):
+            raise RuntimeError(f"rank 0 could not plan: {box[0]}")
+        ctx.solution, ctx.baselines = box[0]
         annotate(gm, ctx)
         return gm
     try:
@@ -40,7 +41,7 @@ def solve(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             dist.broadcast_object_list([e], src=0)
         raise
     if ctx.broadcast_solution:
-        dist.broadcast_object_list([ctx.solution], src=0)
+        dist.broadcast_object_list([(ctx.solution, ctx.baselines)], src=0)
     annotate(gm, ctx)
     return gm
 

@@ -29,6 +29,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor, nn
 
+from autoshard import _torch_compat as tc
+
 if TYPE_CHECKING:
     from torch.distributed._local_tensor import LocalTensorMode
 
@@ -159,16 +161,15 @@ def fake_world(world_size: int) -> Iterator[None]:
     For planning tests: DeviceMesh construction and collective *shapes* work, nothing is
     communicated. Build meshes outside ``FakeTensorMode``. Destroyed on exit.
     """
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if dist.is_initialized():
         raise RuntimeError("a default process group already exists; nested worlds are not supported")
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    tc.fake_process_group(world_size)
     try:
         yield
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        tc.clear_dtensor_caches()
 
 
 @contextlib.contextmanager

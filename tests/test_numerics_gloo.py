@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 from autoshard.models.mlp import mlp_example_inputs
-from harness import assert_close_to_reference, run_gloo, single_device_reference
+from harness import assert_close_to_reference, local_ranks, run_gloo, single_device_reference
 from numerics_utils import LR, MODELS, PARAM_ATOL, make_mlp, train_sharded
 
 def _worker(rank: int, world: int, arg: tuple) -> dict:
@@ -103,3 +103,13 @@ def _dcp_worker(rank: int, world: int, path: str) -> str:
     for k, v in target.items():
         assert torch.equal(v.full_tensor(), saved[k]), k
     return "ok"
+
+
+def test_gloo_after_local_tensor_mode_in_the_parent():
+    """Forked ranks inherit the parent's DTensor caches; after the parent simulated a (2, 2) world, the real
+    (2, 2) world must not reuse its meshes (stale process group names, rank 0's chunk on every rank)."""
+    make, inputs_fn = MODELS["gpt"]
+    inputs = inputs_fn()
+    with local_ranks(4):
+        train_sharded(make, inputs, (2, 2), ("dp", "tp"), steps=1, lr=LR, recipe="fsdp+tp")
+    _run("gpt", (2, 2), ("dp", "tp"), constraints={"inputs": "[S(0), R]"}, backend="eager")
