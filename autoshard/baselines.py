@@ -30,8 +30,9 @@ import logging
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.fx as fx
@@ -40,6 +41,8 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autoshard.passes.context import PassContext
 from autoshard.solver.intra_op import InfeasibleBudget, Solution
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -227,25 +230,23 @@ def solve_recipe(recipe: str, gm: fx.GraphModule, ctx: PassContext, time_limit_s
     return BaselineResult(recipe, sol, fits, ctx.problem.evaluate(choice), sol.memory_bytes, "; ".join(notes))
 
 
-def run_baselines(gm: fx.GraphModule, ctx: PassContext) -> list[BaselineResult]:
-    """Every recipe that applies to this mesh, solved; kept on ``ctx.baselines``."""
+def run_baselines(gm: fx.GraphModule, ctx: PassContext, alongside: Callable[[], T] | None = None) -> tuple[list[BaselineResult], T | None]:
+    """Every recipe that applies to this mesh, solved (kept on ``ctx.baselines``), and ``alongside`` (the
+    plan's own solve) run first on the same pool: CP-SAT releases the GIL while it searches, so a 2-core
+    laptop solves two programs at a time."""
     recipes = applicable(ctx.mesh_shape)
-    ctx.report("solve", 0.0, f"baselines {', '.join(recipes)}")
-    # CP-SAT releases the GIL while it searches: two recipes at a time use both cores of a laptop
+    ctx.report("solve", 0.0, f"autoshard plan and baselines {', '.join(recipes)}")
     with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
+        own = pool.submit(alongside) if alongside is not None else None
         results = list(pool.map(lambda r: solve_recipe(r, gm, ctx), recipes))
-    ctx.report("solve", len(recipes) / (len(recipes) + 1), "autoshard plan (warm start from the best baseline)")
+        own_result = own.result() if own is not None else None
     ctx.baselines = results
     for r in results:
         log.info("baseline %-8s %s", r.name, f"{r.objective_s:.6f} s" + ("" if r.fits else " (over budget)") if r.solution else r.note)
-    return results
+    return results, own_result
 
 
-def best_baseline_hint(gm: fx.GraphModule, ctx: PassContext) -> dict[int, int] | None:
-    """The choice of the fastest recipe that fits, per canonical group: the solver's starting point, which makes
-    the solved plan never slower than it."""
-    feasible = [r for r in run_baselines(gm, ctx) if r.solution is not None and r.fits]
-    if not feasible:
-        return None
-    best = min(feasible, key=lambda r: r.objective_s)
-    return {c: best.solution.choice[c] for c in ctx.problem.canon_ids}
+def best_baseline(ctx: PassContext) -> BaselineResult | None:
+    """The fastest recipe that fits the budget (None when none does)."""
+    feasible = [r for r in ctx.baselines if r.solution is not None and r.fits]
+    return min(feasible, key=lambda r: r.objective_s) if feasible else None

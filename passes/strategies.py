@@ -165,6 +165,7 @@ class _Enumerator:
         self.ties = axis_ties(ctx)
         self._anchor = lru_cache(maxsize=None)(self._anchor_uncached)
         self._follow = lru_cache(maxsize=None)(self._follow_uncached)
+        self._rules_of: dict[tuple, tc.AxisRules | None] = {}  # per op signature: its per-axis rules
         self.warned: set[str] = set()
 
     @staticmethod
@@ -239,9 +240,13 @@ class _Enumerator:
         return self._follow(self.key(node), k, placement)
 
     def _rules(self, node: fx.Node, args: tuple, kwargs: dict) -> tc.AxisRules | None:
+        key = self.key(node)
+        if key in self._rules_of:
+            return self._rules_of[key]
         rules = tc.single_dim_rules(node.target, args, kwargs, self.mesh)
         if rules is None or not rules.rules or len(rules.rules[0]) != rules.num_outputs + len(tensor_args(node)):
-            return None
+            rules = None
+        self._rules_of[key] = rules
         return rules
 
     def _follow_uncached(self, _key: tuple, k: int, placement: Placements) -> tc.RawStrategy | None:
