@@ -126,6 +126,33 @@ def tensor_meta(t: torch.Tensor) -> TensorMeta:
     return TensorMeta(shape=t.shape, stride=t.stride(), dtype=t.dtype)
 
 
+def output_meta(val: object) -> object:
+    """The output ``TensorMeta`` (or tuple/list of them, None for non-tensors) DTensor's meta propagation would
+    compute, from a captured node's ``meta["val"]``: lets the planner skip running each op on fake tensors."""
+    if isinstance(val, torch.Tensor):
+        return tensor_meta(val)
+    if isinstance(val, (tuple, list)):
+        metas = [tensor_meta(v) if isinstance(v, torch.Tensor) else None for v in val]
+        return tuple(metas) if isinstance(val, tuple) else metas
+    return None
+
+
+_UNKNOWN = object()
+
+
+@contextlib.contextmanager
+def _known_output_meta(prop: Any, meta: object) -> Iterator[None]:
+    """Within: DTensor's propagator takes ``meta`` as the op's output metadata instead of running the op."""
+    if meta is _UNKNOWN:
+        yield
+        return
+    prop._propagate_tensor_meta_non_cached = lambda schema: meta
+    try:
+        yield
+    finally:
+        del prop._propagate_tensor_meta_non_cached
+
+
 def make_spec(mesh: DeviceMesh, placements: Sequence[Placement], meta: TensorMeta | None) -> DTensorSpec:
     return DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
 
@@ -177,6 +204,7 @@ def op_strategies(
     mesh: DeviceMesh,
     first_input: Placements,
     other_inputs: Sequence[Placements] | None = None,
+    out_val: object = _UNKNOWN,
 ) -> list[RawStrategy]:
     """DTensor's candidate strategies for ``op`` when its first tensor input is placed ``first_input``.
 
@@ -211,7 +239,7 @@ def op_strategies(
     single = prop.op_single_dim_strategy_funcs.get(op)
     func = prop.op_strategy_funcs.get(op)
     if single is not None or func is not None:
-        out_meta = prop._propagate_tensor_meta_non_cached(schema)
+        out_meta = output_meta(out_val) if out_val is not _UNKNOWN else prop._propagate_tensor_meta_non_cached(schema)
         wrapped = prop._wrap_with_op_strategy(schema)
         if single is not None:
             from torch.distributed.tensor._sharding_prop import _expand_single_dim_strategy_to_mesh
@@ -222,7 +250,8 @@ def op_strategies(
             strat = func(wrapped)
         return _collect(strat, n_inputs)
     # decomposition path / legacy rules: only the min-cost choice for this input placement is available
-    sharding = prop.propagate_op_sharding_non_cached(schema)
+    with _known_output_meta(prop, output_meta(out_val) if out_val is not _UNKNOWN else _UNKNOWN):
+        sharding = prop.propagate_op_sharding_non_cached(schema)
     out_spec = sharding.output_spec
     outs = tuple(None if s is None else tuple(s.placements) for s in _specs_of(out_spec))
     red = sharding.redistribute_schema
@@ -245,7 +274,9 @@ class AxisRules:
     rules: tuple[tuple[Placement | None, ...], ...]
 
 
-def single_dim_rules(op: torch._ops.OpOverload, args: tuple, kwargs: dict, mesh: DeviceMesh) -> AxisRules | None:
+def single_dim_rules(
+    op: torch._ops.OpOverload, args: tuple, kwargs: dict, mesh: DeviceMesh, out_val: object = _UNKNOWN
+) -> AxisRules | None:
     """Per-axis rules of ``op`` at these argument shapes, or None when the op has no single-dim strategy (or
     this torch lays the registry out differently: callers then use :func:`op_strategies`/:func:`propagate`)."""
     prop = _prop()
@@ -265,7 +296,7 @@ def single_dim_rules(op: torch._ops.OpOverload, args: tuple, kwargs: dict, mesh:
             return a
 
         schema = _schema(op, tuple(to_spec(a) for a in args), {k: to_spec(v) for k, v in kwargs.items()})
-        out_meta = prop._propagate_tensor_meta_non_cached(schema)
+        out_meta = output_meta(out_val) if out_val is not _UNKNOWN else prop._propagate_tensor_meta_non_cached(schema)
         wrapped = prop._wrap_with_op_strategy(schema)
         func = getattr(info, "func", info)
         raw = func(op, wrapped.args_meta, wrapped.kwargs_meta)
@@ -289,7 +320,12 @@ def single_dim_rules(op: torch._ops.OpOverload, args: tuple, kwargs: dict, mesh:
 
 
 def propagate(
-    op: torch._ops.OpOverload, args: tuple, kwargs: dict, mesh: DeviceMesh, placed: dict[int, Placements]
+    op: torch._ops.OpOverload,
+    args: tuple,
+    kwargs: dict,
+    mesh: DeviceMesh,
+    placed: dict[int, Placements],
+    out_val: object = _UNKNOWN,
 ) -> RawStrategy:
     """What DTensor itself would run for ``op`` given its tensor inputs' placements (unlisted ones Replicate):
     the placements it redistributes the inputs to and the placements of the outputs."""
@@ -313,7 +349,8 @@ def propagate(
     if saved is not None and op in saved:
         prop.op_to_shape_and_stride_idx = {k: v for k, v in saved.items() if k is not op}
     try:
-        sharding = prop.propagate_op_sharding_non_cached(schema)
+        with _known_output_meta(prop, output_meta(out_val) if out_val is not _UNKNOWN else _UNKNOWN):
+            sharding = prop.propagate_op_sharding_non_cached(schema)
     finally:
         if saved is not None:
             prop.op_to_shape_and_stride_idx = saved

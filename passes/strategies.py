@@ -213,7 +213,7 @@ class _Enumerator:
         elif tc.has_sharding_rule(op):
             for first in tc.all_placements(len(self.mesh_shape), ins[0].meta["val"].ndim):
                 try:
-                    cands = tc.op_strategies(op, args, kwargs, self.mesh, tuple(first))
+                    cands = tc.op_strategies(op, args, kwargs, self.mesh, tuple(first), out_val=node.meta.get("val"))
                 except Exception as e:  # DTensor rejects this input layout for this op: skip it
                     errors.append(f"{type(e).__name__}: {e}")
                     continue
@@ -243,7 +243,7 @@ class _Enumerator:
         key = self.key(node)
         if key in self._rules_of:
             return self._rules_of[key]
-        rules = tc.single_dim_rules(node.target, args, kwargs, self.mesh)
+        rules = tc.single_dim_rules(node.target, args, kwargs, self.mesh, out_val=node.meta.get("val"))
         if rules is None or not rules.rules or len(rules.rules[0]) != rules.num_outputs + len(tensor_args(node)):
             rules = None
         self._rules_of[key] = rules
@@ -268,7 +268,7 @@ class _Enumerator:
                     return raw
             return None
         try:
-            raw = tc.propagate(node.target, args, kwargs, self.mesh, {k: placement})
+            raw = tc.propagate(node.target, args, kwargs, self.mesh, {k: placement}, out_val=node.meta.get("val"))
         except Exception as e:
             log.debug("no propagation of %s for %s through %s: %s", placement, node.name, node.target, e)
             return None
