@@ -156,12 +156,30 @@ def _explain_oom(job: ModelJob, err: InfeasibleBudget, cluster: ClusterProfile, 
             f"in {job.dtype}) is {format_bytes(state)}, and {n} x {format_bytes(budget)} = {format_bytes(n * budget)}"
         )
     tail = f"; the leanest plan on mesh {tuple(shape)} needs {format_bytes(need)} per device" if need else ""
+    advice = "Use more devices, a smaller global batch or sequence"
+    if need:
+        # everything in the leanest plan is sharded over all devices, so its bytes scale with 1 / devices; the
+        # activations (most of it when the state fits) scale with the batch
+        factor = need / budget
+        nodes = math.ceil(cluster.nodes * factor)
+        first = job.inputs[0] if job.inputs else None
+        batch = int(first.shape[0]) if isinstance(first, torch.Tensor) and first.ndim else 0
+        smaller = _round_down_pow2(int(batch / factor)) if batch else 0
+        advice = (
+            f"Estimated from the {factor:.2f}x overshoot: about {nodes * cluster.devices_per_node} devices (e.g. "
+            f"'{cluster.name.split(':')[0]}:{nodes}x{cluster.devices_per_node}')"
+            + (f", or a global batch of at most about {smaller}" if smaller >= 1 else "")
+            + ", or a shorter sequence"
+        )
     return (
         f"{head}{tail} (everything sharded as far as the mesh allows, activations of the whole batch included). "
-        f"Use more devices (e.g. '{cluster.name.split(':')[0]}:{2 * cluster.nodes}x{cluster.devices_per_node}'), a "
-        "smaller global batch or sequence, or raise --memory-per-device (autoshard does not yet plan activation "
-        "recomputation or pipeline stages, which would also cut activation memory)."
+        f"{advice}, or raise --memory-per-device (autoshard does not yet plan activation recomputation or "
+        "pipeline stages, which would also cut activation memory)."
     )
+
+
+def _round_down_pow2(n: int) -> int:
+    return 1 << (n.bit_length() - 1) if n >= 1 else 0
 
 
 def plan_offline(

@@ -56,6 +56,12 @@ def test_model_that_cannot_fit_says_how_much_it_needs():
         autoshard.plan("llama3-8b", cluster="h100-sxm:1x8", seq=256, global_batch=8, memory_budget="1GiB",
                        warm_start=False)
     assert "leanest plan" in str(e.value) and e.value.least_bytes > 2**30
+    import re
+
+    m = re.search(r"about (\d+) devices \(e\.g\. 'h100-sxm:(\d+)x8'\)", str(e.value))
+    assert m, str(e.value)
+    # the estimate scales the mesh by the overshoot: enough devices for the leanest plan's bytes, in whole nodes
+    assert int(m.group(1)) == 8 * int(m.group(2)) >= 8 * e.value.least_bytes / 2**30
 
 
 def test_plan_json_round_trip_keeps_baselines(tmp_path):
