@@ -105,3 +105,34 @@ def test_interleaving_pays_off_with_few_micro_batches():
     # rank r holds chunks r, r + 4, ...: 8 pieces of 2 layers for chunks=2
     if s.chunks == 2:
         assert len(s.layers) == 8 and all(j - i == 2 for i, j in s.layers)
+
+
+@pytest.mark.parametrize("sample", [None, 3])
+def test_piece_costs_add_up_to_the_plan(sample):
+    """Head + every layer + tail of a solved plan (per-micro-batch time plus once-per-step gradient work) is
+    the plan's predicted step; sampled layers are extrapolated to the full depth."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autoshard.cluster import get_cluster
+    from autoshard.config import PlanConfig
+    from autoshard.models.llama import Llama, LlamaConfig, llama_example_inputs
+    from autoshard.pipeline_costs import piece_costs
+    from autoshard.planner import plan_graph
+    from harness import fake_world
+
+    cfg = LlamaConfig(n_layer=6, d_model=64, n_head=4, n_kv_head=2, ffn=128, vocab=256, seq_len=32)
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        with torch.device("meta"):
+            model = Llama(cfg)
+        plan, gm, ctx = plan_graph(model, llama_example_inputs(cfg, 8), mesh, get_cluster("h100-sxm:1x4"),
+                                   PlanConfig(sample_layers=sample, warm_start=False))
+        head, layers, tail = piece_costs(gm, ctx)
+    assert len(layers) == 6
+    total = head.time_s + tail.time_s + sum(c.time_s + c.step_s for c in layers) + head.step_s + tail.step_s
+    assert math.isclose(total, plan.step_time_s, rel_tol=1e-6), (total, plan.step_time_s)
+    state = head.state_bytes + tail.state_bytes + sum(c.state_bytes for c in layers)
+    assert math.isclose(state, plan.peak_memory.parameters + plan.peak_memory.gradients + plan.peak_memory.optimizer, rel_tol=1e-6)
+    assert head.time_s > 0 and tail.time_s > 0 and layers[2].time_s > 0
+    assert layers[1] == layers[2]  # identical middle layers cost the same

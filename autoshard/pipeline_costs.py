@@ -1,0 +1,121 @@
+"""Per-piece costs of a solved intra-op plan: what the inter-op stage DP (``solver.inter_op``) splits.
+
+A model planned on a stage's sub-mesh at one micro-batch size is cut into pieces along its repeated layers:
+the head piece (everything whose module runs before the first layer: embeddings, rotary tables), one piece per
+layer (``layers.0`` ...), and the tail piece (final norm, output projection, loss). Each decision group goes to
+the piece of its module; forward and backward of a module land in the same piece, as a pipeline stage runs
+both. A group's cost is what the integer program charges it: its own compute, plus the collectives that feed
+it (``planner._collectives``). Gradient reductions (a collective whose consumer is a parameter) run once per
+step after all micro-batches, so they are the piece's ``step_s``, less the overlap credit the plan already
+takes; everything else repeats per micro-batch.
+
+When only some layers were captured (``ctx.sampled_layers``), the missing ones are copies of the captured
+layer that stands for them (the share_layers weights): the layer list has the full depth, and the pieces sum to
+the plan's predicted step (tested).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch.fx as fx
+
+from autoshard.passes.coarsen import layer_key
+from autoshard.passes.context import PassContext
+from autoshard.solver.inter_op import PieceCost
+from autoshard.solver.intra_op import GRAD_SINK_CREDIT
+
+HEAD, TAIL = "head", "tail"
+
+
+def _container(ctx: PassContext) -> str | None:
+    if ctx.sampled_layers is not None:
+        return ctx.sampled_layers[0]
+    counts: dict[str, set[int]] = defaultdict(set)
+    for g in ctx.groups:
+        key = layer_key(g.module)
+        if key is not None:
+            counts[key[0]].add(key[1])
+    return max(counts, key=lambda c: len(counts[c])) if counts else None
+
+
+def _piece_of_modules(gm: fx.GraphModule, ctx: PassContext, container: str) -> tuple[dict[str, Any], int | None]:
+    """Module path -> layer index or HEAD/TAIL, by where the module first runs in the forward; and the
+    position of the first layer's first forward node."""
+    order: dict[str, int] = {}
+    first_layer = None
+    group_of = {name: g for g in ctx.groups for name in g.members}
+    for i, node in enumerate(gm.graph.nodes):
+        g = group_of.get(node.name)
+        if g is None or g.phase != "forward":
+            continue
+        order.setdefault(g.module, i)
+        key = layer_key(g.module)
+        if key is not None and key[0] == container and first_layer is None:
+            first_layer = i
+    out: dict[str, Any] = {}
+    for module, pos in order.items():
+        key = layer_key(module)
+        if key is not None and key[0] == container:
+            out[module] = key[1]
+        else:
+            out[module] = HEAD if first_layer is not None and pos < first_layer else TAIL
+    return out, first_layer
+
+
+def piece_costs(gm: fx.GraphModule, ctx: PassContext, solution: Any = None) -> tuple[PieceCost, list[PieceCost], PieceCost]:
+    """(head, per-layer costs in order at full depth, tail) of ``solution`` (default ``ctx.solution``), which
+    must be the one annotated onto ``gm``."""
+    from autoshard.planner import _collectives  # the plan's own collective list: one accounting
+
+    sol = solution if solution is not None else ctx.solution
+    container = _container(ctx)
+    if container is None:
+        raise ValueError("the model has no repeated layers (modules named like 'layers.0', 'h.1'): nothing to split "
+                         "into pipeline stages")
+    piece_of_module, first_layer = _piece_of_modules(gm, ctx, container)
+    position = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    pieces: dict[Any, PieceCost] = defaultdict(lambda: PieceCost(0.0))
+
+    def piece_of_group(g) -> Any:
+        key = layer_key(g.module)
+        if key is not None and key[0] == container:
+            return key[1]
+        if g.module == "" and g.phase == "forward" and first_layer is not None:
+            # the root's own ops: table lookups before the layers (rotary slices) vs the loss after them
+            return HEAD if position[g.anchor] < first_layer else TAIL
+        if g.module in piece_of_module:
+            return piece_of_module[g.module]
+        # modules seen only in backward (or the root: the loss and its gradient): the tail, which runs the
+        # backward first; parameters and inputs of the root belong to the head
+        return HEAD if g.kind in ("parameter", "buffer", "input") else TAIL
+
+    group_piece = {g.id: piece_of_group(g) for g in ctx.groups}
+    for g in ctx.groups:
+        s = ctx.strategies[g.id][sol.choice[g.id]]
+        pieces[group_piece[g.id]] += PieceCost(s.compute_s, 0.0, s.state_bytes, s.activation_bytes)
+    node_group = {n.name: n.meta["autoshard"].group for n in gm.graph.nodes if "autoshard" in n.meta}
+    params = {n.meta["autoshard_role"].name: n.name for n in gm.graph.find_nodes(op="placeholder")}
+    for c in _collectives(gm, ctx):
+        if c.consumer in ctx.param_modules:  # a gradient reduction: once per step, partly hidden
+            piece = group_piece[node_group[params[c.consumer]]]
+            pieces[piece] += PieceCost(0.0, c.time_s * (1.0 - GRAD_SINK_CREDIT))
+        elif c.consumer == "output":
+            pieces[TAIL] += PieceCost(c.time_s)
+        else:
+            pieces[group_piece[node_group[c.consumer]]] += PieceCost(c.time_s)
+    captured = sorted(k for k in pieces if isinstance(k, int))
+    layers = [pieces[k] for k in captured]
+    if ctx.sampled_layers is not None:
+        _, k, total = ctx.sampled_layers
+        weights = {group_piece[g.id]: w for g, w in ((g, ctx.group_weight.get(g.id, 1.0)) for g in ctx.groups)
+                   if isinstance(group_piece[g.id], int) and w != 1.0}
+        ref = next(iter(weights), captured[len(captured) // 2])
+        # the missing layers sit between the captured first ones and the captured last one
+        at = captured.index(ref) + 1
+        layers = layers[:at] + [pieces[ref]] * (total - k) + layers[at:]
+    return pieces[HEAD], layers, pieces[TAIL]
+
+
+__all__ = ["piece_costs"]
