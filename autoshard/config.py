@@ -27,9 +27,9 @@ class PlanConfig:
     full placement list or ``{mesh axis name: placement}``, e.g. ``{"inputs": {"dp": Shard(0)}}`` shards the batch
     over ``dp`` and leaves the other axes to the solver.
 
-    ``warm_start`` solves each manual recipe that applies (``autoshard.baselines``) and starts the search from
-    the fastest that fits, so the plan is never slower than it. ``recipe`` ("ddp", "fsdp", "tp", "fsdp+tp")
-    makes the plan that recipe instead of a free choice. ``sample_layers`` captures only that many of a
+    ``warm_start`` solves each manual recipe that applies (``autoshard.baselines``) alongside the plan and keeps
+    the fastest that fits when a time-limited search ends slower, so the plan is never slower than it.
+    ``recipe`` ("ddp", "fsdp", "tp", "fsdp+tp") makes the plan that recipe instead of a free choice. ``sample_layers`` captures only that many of a
     model's identical repeated layers and lets them stand for all of them (planning only: the plan's costs and
     memory count every layer; ``compile`` needs every layer).
     """

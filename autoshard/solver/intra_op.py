@@ -287,13 +287,12 @@ class IntraOpProblem:
         memory_budget: int | None,
         time_limit_s: float,
         pins: dict[int, set[int]] | None = None,
-        hint: dict[int, int] | None = None,
         num_workers: int = 1,
         seed: int = 0,
         what: str = "plan",
     ) -> Solution:
         """Minimize the step time under ``memory_budget``; ``pins`` restricts canonical groups to candidate
-        subsets (a manual recipe), ``hint`` is a complete choice to start from (the best recipe)."""
+        subsets (a manual recipe)."""
         t0 = time.perf_counter()
         canon_ids = self.canon_ids
         allowed = {c: set(range(len(self.strategies[c]))) for c in canon_ids}
@@ -319,10 +318,6 @@ class IntraOpProblem:
                 sum(int(self.mem[c][i] // KIB) * v for c in x for i, v in zip(order[c], x[c]))
                 <= int((memory_budget - fixed) // KIB)
             )
-        if hint and all(hint[c] in allowed[c] for c in canon_ids):
-            for c in x:
-                for i, v in zip(order[c], x[c]):
-                    model.AddHint(v, i == hint[c])
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = float(time_limit_s)
         solver.parameters.num_workers = max(1, int(num_workers))
@@ -350,13 +345,6 @@ class IntraOpProblem:
                     for c in canon_ids}
         objective = solver.ObjectiveValue() / NS + const
         bound = min(solver.BestObjectiveBound() / NS + const, objective)
-        if hint and self.evaluate(hint) < self.evaluate(choice_c) and (
-            memory_budget is None or self.memory(hint) <= memory_budget
-        ):
-            # the time limit ran out before the search got back to the hinted plan: keep the better one
-            log.info("solve: keeping the hinted plan (%.6f s) over the search's (%.6f s)", self.evaluate(hint), objective)
-            choice_c = dict(hint)
-            objective = self.evaluate(hint)
         wall = time.perf_counter() - t0
         n_vars = len(model.Proto().variables)
         log.info("solve %s: %s objective %.6f s bound %.6f s, %d variables, %.2f s", what, name, objective, bound,
