@@ -1,118 +1,25 @@
-"""The one place that touches private torch internals.
-
-Everything autoshard needs from torch that is not public API goes through this module, so that a torch
-upgrade (2.11 on the GPU machines, 2.13 on CPU) is mended in one file:
-
-- joint forward+backward capture (``aot_export_joint_with_descriptors``) and its input/output descriptors;
-- DTensor's sharding-strategy registries (the candidate source of the planner);
-- the forward/backward partitioner and Inductor's graph compiler;
-- ``LocalTensorMode`` detection (several simulated ranks in one process).
-"""
+"""DTensor's sharding-strategy registries, redistribution and caches (private torch APIs)."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.distributed.tensor.placement_types import Placement
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 log = logging.getLogger(__name__)
 
 Placements = tuple[Placement, ...]
 OpOverload = torch._ops.OpOverload
-
-
-# ----------------------------------------------------------------------------------------------- capture
-
-
-@dataclass(frozen=True)
-class InputRole:
-    """What a joint-graph placeholder is: a parameter, a buffer, a user input or a tangent."""
-
-    kind: str  # "parameter" | "buffer" | "input" | "tangent"
-    name: str  # parameter/buffer FQN, "input[i]" or "tangent[i]"
-    index: int  # position among placeholders of that kind
-
-
-@dataclass(frozen=True)
-class OutputRole:
-    kind: str  # "loss" | "output" | "grad" | "none"
-    name: str  # "output[i]" or the parameter FQN whose gradient this is
-
-
-def new_fake_mode() -> FakeTensorMode:
-    return FakeTensorMode(allow_non_fake_inputs=True)
-
-
-def export_joint(
-    stack: contextlib.ExitStack,
-    module: torch.nn.Module,
-    args: tuple[Any, ...],
-    fake_mode: FakeTensorMode,
-    decompositions: dict | None = None,
-) -> fx.GraphModule:
-    """Trace ``module(*args)`` into one joint forward+backward ATen graph with fake tensors."""
-    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
-
-    with fake_mode:
-        jd = aot_export_joint_with_descriptors(
-            stack, module, args, decompositions=decompositions, _record_nn_module_stack=True
-        )
-    return jd.graph_module
-
-
-def placeholder_role(node: fx.Node) -> InputRole:
-    desc = node.meta.get("desc")
-    cls = type(desc).__name__
-    if cls == "ParamAOTInput":
-        return InputRole("parameter", desc.target, -1)
-    if cls == "BufferAOTInput":
-        return InputRole("buffer", desc.target, -1)
-    if cls == "PlainAOTInput":
-        return InputRole("input", f"input[{desc.idx}]", desc.idx)
-    if cls == "TangentAOTInput":
-        out = desc.output
-        idx = getattr(out, "idx", 0)
-        return InputRole("tangent", f"tangent[{idx}]", idx)
-    raise NotImplementedError(
-        f"autoshard cannot place graph input {node.name} with descriptor {desc!r}: only parameters, buffers, "
-        "plain tensor inputs and tangents are supported"
-    )
-
-
-def output_roles(output_node: fx.Node) -> list[OutputRole]:
-    descs = output_node.meta.get("desc") or []
-    roles = []
-    for i, d in enumerate(descs):
-        cls = type(d).__name__
-        if cls == "PlainAOTOutput":
-            roles.append(OutputRole("output", f"output[{d.idx}]"))
-        elif cls == "GradAOTOutput":
-            target = getattr(d.grad_of, "target", None)
-            if target is None:
-                roles.append(OutputRole("none", f"grad[{i}]"))
-            else:
-                roles.append(OutputRole("grad", target))
-        elif d is None:
-            roles.append(OutputRole("none", f"none[{i}]"))
-        else:
-            raise NotImplementedError(f"autoshard does not support graph output descriptor {d!r}")
-    return roles
-
-
-def is_fake(t: object) -> bool:
-    return isinstance(t, FakeTensor)
 
 
 # ------------------------------------------------------------------------------------- DTensor strategies
@@ -382,74 +289,6 @@ def redistribute(t: DTensor, mesh: DeviceMesh, placements: Sequence[Placement]) 
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
 
 
-# ------------------------------------------------------------------------------- partition and compile
-
-
-def partition_joint(gm: fx.GraphModule, num_fwd_outputs: int) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """Split a joint graph (placeholders ``primals_*``/``tangents_*``) into forward and backward graphs.
-
-    The forward returns its ``num_fwd_outputs`` outputs followed by the tensors saved for backward; the
-    backward takes the saved tensors followed by the tangents.
-    """
-    from torch._functorch.partitioners import default_partition
-
-    primals = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("primals")]
-    tangents = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")]
-    return default_partition(gm, [primals, tangents], num_fwd_outputs=num_fwd_outputs)
-
-
-def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Callable[..., Any]:
-    """Compile an ATen graph (already functional, no autograd) with Inductor; returns f(list) -> outputs."""
-    from torch._inductor.compile_fx import compile_fx_inner
-
-    compiled = compile_fx_inner(gm, list(example_inputs))
-
-    def run(args: list[torch.Tensor]) -> Any:
-        return compiled(list(args))
-
-    return run
-
-
-def planning_decompositions() -> dict:
-    """Ops decomposed at capture because DTensor can only replicate them whole but shards their parts
-    (mse_loss with a sharded batch would otherwise force gathering predictions and targets)."""
-    from torch._decomp import get_decompositions
-
-    aten = torch.ops.aten
-    return get_decompositions([aten.mse_loss, aten.mse_loss_backward])
-
-
-def decomposition_table() -> dict:
-    from torch._inductor.decomposition import select_decomp_table
-
-    return select_decomp_table()
-
-
-# ------------------------------------------------------------------------------------- local tensor mode
-
-
-def in_local_tensor_mode() -> bool:
-    """True inside ``LocalTensorMode`` (several ranks simulated in this process)."""
-    try:
-        from torch.distributed._local_tensor import local_tensor_mode
-    except ImportError:  # pragma: no cover - older torch
-        return False
-    return local_tensor_mode() is not None
-
-
-def outside_local_tensor_mode() -> contextlib.AbstractContextManager:
-    """Planning traces plain fake tensors even when the caller simulates ranks with ``LocalTensorMode``."""
-    if not in_local_tensor_mode():
-        return contextlib.nullcontext()
-    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    stack = contextlib.ExitStack()
-    stack.enter_context(maybe_disable_local_tensor_mode())
-    stack.enter_context(_disable_current_modes())
-    return stack
-
-
 def clear_dtensor_caches() -> None:
     """Forget DTensor's cached sharding decisions.
 
@@ -469,36 +308,6 @@ def clear_dtensor_caches() -> None:
     native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's copy
     if native is not None:
         native()
-
-
-def fake_process_group(world_size: int) -> None:
-    """Initialize a ``fake`` default process group (this process is rank 0): meshes and collective shapes
-    work, nothing is communicated."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
-
-
-def ranks_disagree(t: torch.Tensor) -> list[int]:
-    """Under ``LocalTensorMode``: the simulated ranks whose value of ``t`` differs from the lowest rank's.
-
-    A tensor made inside the mode from a random generator holds a different draw on every rank; used as a
-    "global" value it would silently train on different data per rank. Empty for ordinary tensors.
-    """
-    per_rank = getattr(t, "_local_tensors", None)
-    if not per_rank:
-        return []
-    ranks = sorted(per_rank)
-    first = per_rank[ranks[0]]
-    return [r for r in ranks[1:] if not torch.equal(per_rank[r], first)]
-
-
-def detach_from_fake_modes() -> contextlib.AbstractContextManager:
-    """Leave any active fake/proxy dispatch modes (used when tracing the lowered program)."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    return _disable_current_modes()
 
 
 def all_placements(mesh_ndim: int, tensor_ndim: int, partial: bool = False) -> Iterator[Placements]:

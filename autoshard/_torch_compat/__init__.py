@@ -1,0 +1,59 @@
+"""The one place that touches private torch internals.
+
+Everything autoshard needs from torch that is not public API goes through this package, so that a torch
+upgrade (2.11 on the GPU machines, 2.13 on CPU) is mended here:
+
+- ``capture``: joint forward+backward capture (``aot_export_joint_with_descriptors``) and its input/output
+  descriptors; the forward/backward partitioner and Inductor's graph compiler;
+- ``dtensor``: DTensor's sharding-strategy registries (the candidate source of the planner), redistribution
+  and its caches;
+- ``worlds``: ``LocalTensorMode`` (several simulated ranks in one process) and the fake process group.
+
+Callers use the flat namespace: ``from autoshard import _torch_compat as tc``.
+"""
+
+from autoshard._torch_compat.capture import (
+    InputRole,
+    OutputRole,
+    decomposition_table,
+    export_joint,
+    inductor_compile,
+    is_fake,
+    new_fake_mode,
+    output_roles,
+    partition_joint,
+    placeholder_role,
+    planning_decompositions,
+)
+from autoshard._torch_compat.dtensor import (
+    AxisRules,
+    OpOverload,
+    Placements,
+    RawStrategy,
+    all_placements,
+    clear_dtensor_caches,
+    has_sharding_rule,
+    make_spec,
+    op_strategies,
+    output_meta,
+    propagate,
+    redistribute,
+    single_dim_rules,
+    tensor_meta,
+)
+from autoshard._torch_compat.worlds import (
+    detach_from_fake_modes,
+    fake_process_group,
+    in_local_tensor_mode,
+    outside_local_tensor_mode,
+    ranks_disagree,
+)
+
+__all__ = [
+    "AxisRules", "InputRole", "OpOverload", "OutputRole", "Placements", "RawStrategy", "all_placements",
+    "clear_dtensor_caches", "decomposition_table", "detach_from_fake_modes", "export_joint", "fake_process_group",
+    "has_sharding_rule", "in_local_tensor_mode", "inductor_compile", "is_fake", "make_spec", "new_fake_mode",
+    "op_strategies", "output_meta", "output_roles", "outside_local_tensor_mode", "partition_joint",
+    "placeholder_role", "planning_decompositions", "propagate", "ranks_disagree", "redistribute",
+    "single_dim_rules", "tensor_meta",
+]  # fmt: skip
