@@ -69,9 +69,10 @@ def run_planning(
     config: PlanConfig,
     broadcast_solution: bool = False,
     progress: Any = None,
+    stage: bool = False,
 ) -> tuple[fx.GraphModule, PassContext]:
     ctx = PassContext(mesh=mesh, cluster=cluster, config=config, broadcast_solution=broadcast_solution,
-                      progress=progress)
+                      progress=progress, stage=stage)
     with tc.outside_local_tensor_mode():
         with ctx.timed("capture"):
             gm = _capture(model, example_inputs, ctx)
@@ -281,7 +282,7 @@ def _collectives(gm: fx.GraphModule, ctx: PassContext) -> list[CollectiveStat]:
         w = _weight_of(nodes, src.name, ctx)
         if role.kind in ("loss", "output"):
             add(src, have, rep, "output", "forward", w)
-        elif role.kind == "grad":
+        elif role.kind in ("grad", "input_grad"):
             add(src, have, params[role.name].meta["autoshard"].outputs[0], role.name, "backward", w)
     return out
 
@@ -308,9 +309,11 @@ def plan_graph(
     config: PlanConfig,
     broadcast_solution: bool = False,
     progress: Any = None,
+    stage: bool = False,
 ) -> tuple[Plan, fx.GraphModule, PassContext]:
+    """Plan ``model``; ``stage=True`` plans a pipeline stage (tensor outputs, input gradients; see capture)."""
     t0 = time.perf_counter()
-    gm, ctx = run_planning(model, example_inputs, mesh, cluster, config, broadcast_solution, progress)
+    gm, ctx = run_planning(model, example_inputs, mesh, cluster, config, broadcast_solution, progress, stage)
     plan = build_plan(gm, ctx, recipe=ctx.config.recipe or "")
     if ctx.baselines:
         plan = dataclasses.replace(plan, baselines=baseline_summaries(gm, ctx))

@@ -36,14 +36,15 @@ from autoshard.passes.context import PassContext
 log = logging.getLogger(__name__)
 
 
-def _fake_input(t: Any, fake_mode: Any, device: torch.device) -> Any:
+def _fake_input(t: Any, fake_mode: Any, device: torch.device, keep_grad: bool = False) -> Any:
     if not isinstance(t, torch.Tensor):
         return t
     if tc.is_fake(t) and t.fake_mode is fake_mode:
         return t
     dev = device if t.device.type == "meta" or tc.is_fake(t) else t.device
     with fake_mode:
-        return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=dev)
+        f = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=dev)
+    return f.requires_grad_(True) if keep_grad and t.requires_grad and t.is_floating_point() else f
 
 
 @contextlib.contextmanager
@@ -101,6 +102,24 @@ def _traceable(model: nn.Module, fake_mode: Any, device: torch.device) -> nn.Mod
     return copy.deepcopy(model, memo)
 
 
+class _Outputs(nn.Module):
+    """A pipeline stage: keeps every tensor the module returns (activations for the next stage, or the loss)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any) -> Any:
+        out = self.inner(*args)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if not outs or not all(isinstance(o, torch.Tensor) for o in outs):
+            raise TypeError(
+                f"pipeline stage {type(self.inner).__name__} must return a tensor or a tuple of tensors, got "
+                f"{type(out).__name__}"
+            )
+        return tuple(outs)
+
+
 class _LossOnly(nn.Module):
     """Keeps the traced program's first output (the loss) when forward returns a tuple or a HF-style output."""
 
@@ -137,24 +156,29 @@ def _inherit_modules(gm: fx.GraphModule) -> None:
 
 
 def capture(model: nn.Module, example_inputs: Sequence[Any], ctx: PassContext) -> fx.GraphModule:
+    """``ctx.stage`` (a pipeline stage): every output is kept (role "output", one tangent each) and inputs that
+    require grad get their gradient as an output (role "input_grad"); otherwise the first output is the loss."""
     device = torch.device(ctx.mesh.device_type)
     fake_mode = tc.new_fake_mode()
     traced = _traceable(model, fake_mode, device)
-    args = tuple(_fake_input(t, fake_mode, device) for t in example_inputs)
-    wrapper = _LossOnly(traced)
+    args = tuple(_fake_input(t, fake_mode, device, keep_grad=ctx.stage) for t in example_inputs)
+    wrapper = _Outputs(traced) if ctx.stage else _LossOnly(traced)
     with contextlib.ExitStack() as stack:
         stack.enter_context(_annotate_modules(traced))
         gm = tc.export_joint(stack, wrapper, args, fake_mode, decompositions=tc.planning_decompositions())
     out_node = gm.graph.find_nodes(op="output")[0]
     roles = tc.output_roles(out_node)
     loss_val = out_node.args[0][0].meta.get("val") if out_node.args[0] else None
-    if not isinstance(loss_val, torch.Tensor) or loss_val.numel() != 1:
+    if ctx.stage:
+        pass
+    elif not isinstance(loss_val, torch.Tensor) or loss_val.numel() != 1:
         shape = None if loss_val is None else tuple(getattr(loss_val, "shape", ()))
         raise ValueError(
             f"{type(model).__name__}.forward must return a scalar loss to train; it returned shape {shape}. "
             "Reduce the output to a scalar (e.g. .mean() or a loss function) inside forward."
         )
-    roles[0] = tc.OutputRole("loss", "loss")
+    if not ctx.stage:
+        roles[0] = tc.OutputRole("loss", "loss")
     ctx.output_roles = roles
     counts: dict[str, int] = {}
     for node in gm.graph.nodes:

@@ -29,6 +29,7 @@ class PassContext:
     cluster: ClusterProfile
     config: PlanConfig
     broadcast_solution: bool = False  # rank 0 solves, the others receive (compile on a real process group)
+    stage: bool = False  # a pipeline stage: tensor outputs with tangents, gradients of inputs (passes.capture)
     timings: dict[str, float] = field(default_factory=dict)
     # filled in by the passes, in pipeline order
     output_roles: list[Any] = field(default_factory=list)

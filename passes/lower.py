@@ -139,7 +139,8 @@ class PlanInterpreter:
         return out
 
     def outputs(self, env: dict[str, Any], output_roles: Sequence, param_placements: dict[str, tuple]) -> list[Any]:
-        """Loss made Replicate, gradients moved to their parameter's placement, all as local tensors."""
+        """Loss and outputs made Replicate, gradients moved to their parameter's (or input's) placement, all as
+        local tensors."""
         result = []
         for src, role in zip(self.output.args[0], output_roles):
             if role.kind in ("none",) or src is None:
@@ -147,7 +148,7 @@ class PlanInterpreter:
             val = env[src.name]
             if role.kind in ("loss", "output"):
                 val = val.redistribute(self.mesh, [Replicate()] * self.mesh.ndim)
-            elif role.kind == "grad":
+            elif role.kind in ("grad", "input_grad"):
                 val = tc.redistribute(val, self.mesh, param_placements[role.name])
             result.append(val.to_local())
         return result
@@ -162,10 +163,11 @@ def local_placeholder_shapes(gm: fx.GraphModule, mesh_shape: Sequence[int]) -> l
 
 
 def param_placements_of(gm: fx.GraphModule) -> dict[str, tuple]:
+    """Placements of the parameters and inputs by role name (where their gradients are delivered)."""
     return {
         n.meta["autoshard_role"].name: tuple(n.meta["autoshard"].outputs[0])
         for n in gm.graph.find_nodes(op="placeholder")
-        if n.meta["autoshard_role"].kind == "parameter"
+        if n.meta["autoshard_role"].kind in ("parameter", "input")
     }
 
 

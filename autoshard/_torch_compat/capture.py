@@ -26,8 +26,8 @@ class InputRole:
 
 @dataclass(frozen=True)
 class OutputRole:
-    kind: str  # "loss" | "output" | "grad" | "none"
-    name: str  # "output[i]" or the parameter FQN whose gradient this is
+    kind: str  # "loss" | "output" | "grad" | "input_grad" | "none"
+    name: str  # "output[i]", the parameter FQN whose gradient this is, or "input[i]" for an input's gradient
 
 
 def new_fake_mode() -> FakeTensorMode:
@@ -79,7 +79,9 @@ def output_roles(output_node: fx.Node) -> list[OutputRole]:
             roles.append(OutputRole("output", f"output[{d.idx}]"))
         elif cls == "GradAOTOutput":
             target = getattr(d.grad_of, "target", None)
-            if target is None:
+            if type(d.grad_of).__name__ == "PlainAOTInput":
+                roles.append(OutputRole("input_grad", f"input[{d.grad_of.idx}]"))
+            elif target is None:
                 roles.append(OutputRole("none", f"grad[{i}]"))
             else:
                 roles.append(OutputRole("grad", target))

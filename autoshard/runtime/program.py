@@ -34,10 +34,12 @@ class CompiledProgram:
         decomp = tc.decomposition_table() if backend == "inductor" else None
         with ctx.timed("lower"):
             self.joint = trace_rank_program(gm, ctx, decomp)
+        # forward outputs (the loss, or a pipeline stage's activations) come first in the joint graph's outputs
+        self.n_out = sum(1 for r in ctx.output_roles if r.kind in ("loss", "output"))
         with ctx.timed("partition"):
-            self.fw_gm, self.bw_gm = tc.partition_joint(self.joint, num_fwd_outputs=1)
+            self.fw_gm, self.bw_gm = tc.partition_joint(self.joint, num_fwd_outputs=self.n_out)
         self.backend = backend
-        self.n_saved = len(self.fw_gm.graph.find_nodes(op="output")[0].args[0]) - 1
+        self.n_saved = len(self.fw_gm.graph.find_nodes(op="output")[0].args[0]) - self.n_out
         self._fw = self._bw = None
         self._ctx = ctx
 
@@ -47,17 +49,26 @@ class CompiledProgram:
         with self._ctx.timed("inductor"):
             return tc.inductor_compile(gm, args)
 
-    def forward(self, flat: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward_many(self, flat: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(forward outputs, tensors saved for backward)."""
         if self._fw is None:
             self._fw = self._compile(self.fw_gm, flat)
         outs = list(self._fw(list(flat)))
-        return outs[0], outs[1:]
+        return outs[: self.n_out], outs[self.n_out :]
 
-    def backward(self, saved: list[torch.Tensor], grad_loss: torch.Tensor) -> list[torch.Tensor]:
-        args = list(saved) + [grad_loss.reshape(())]
+    def backward_many(self, saved: list[torch.Tensor], grad_outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Gradients (parameters, then inputs that require grad) from the saved tensors and each output's grad."""
+        args = list(saved) + list(grad_outs)
         if self._bw is None:
             self._bw = self._compile(self.bw_gm, args)
         return list(self._bw(args))
+
+    def forward(self, flat: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        outs, saved = self.forward_many(flat)
+        return outs[0], saved
+
+    def backward(self, saved: list[torch.Tensor], grad_loss: torch.Tensor) -> list[torch.Tensor]:
+        return self.backward_many(saved, [grad_loss.reshape(())])
 
 
 class InterpretedProgram:

@@ -103,7 +103,7 @@ def collect_edges(gm: fx.GraphModule, groups: Sequence[Group], output_roles: Seq
             continue
         if role.kind in ("loss", "output"):
             sinks.append((src.name, None))
-        elif role.kind == "grad":
+        elif role.kind in ("grad", "input_grad"):
             sinks.append((src.name, params[role.name].name))
     return edges, sinks
 
