@@ -11,7 +11,10 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from autoshard.notation import parse_bytes, parse_placement, parse_placements
 
-OPTIMIZER_STATE_FACTOR = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
+# optimizer-state bytes per parameter byte. "adamw-mixed": 16-bit parameters and gradients with fp32 master weights
+# and fp32 moments (12 bytes per 2-byte parameter), the mixed-precision Adam of Megatron-LM and of ZeRO's
+# "16 bytes per parameter" (Rajbhandari et al. 2020, section 3.1)
+OPTIMIZER_STATE_FACTOR = {"adamw": 2, "adam": 2, "adamw-mixed": 6, "sgd": 1, "none": 0}
 
 # A constraint value: either a full placement list (one per mesh axis: "[S(0), R]", ("S(0)", "R"),
 # [Shard(0), Replicate()]) or a partial mapping {axis name: placement} that leaves other axes free.

@@ -7,7 +7,10 @@ the piece of its module; forward and backward of a module land in the same piece
 both. A group's cost is what the integer program charges it: its own compute, plus the collectives that feed
 it (``planner._collectives``). Gradient reductions (a collective whose consumer is a parameter) run once per
 step after all micro-batches, so they are the piece's ``step_s``, less the overlap credit the plan already
-takes; everything else repeats per micro-batch.
+takes; everything else repeats per micro-batch. Two more numbers serve activation recomputation: ``fwd_s``,
+the forward part of a piece's time (its forward groups' compute and the collectives feeding them), and
+``input_bytes``, the per-device bytes of the activations entering the piece's forward from another piece (for a
+layer: its input hidden state, in the layout its producer chose).
 
 When only some layers were captured (``ctx.sampled_layers``), the missing ones are copies of the captured
 layer that stands for them (the share_layers weights): the layer list has the full depth, and the pieces sum to
@@ -19,6 +22,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from autoshard.passes.coarsen import layer_key
@@ -64,6 +68,32 @@ def _piece_of_modules(gm: fx.GraphModule, ctx: PassContext, container: str) -> t
     return out, first_layer
 
 
+def _input_bytes(gm: fx.GraphModule, ctx: PassContext, group_piece: dict[int, Any]) -> dict[Any, int]:
+    """Per piece, the bytes one device holds of the activations that enter its forward from another piece (a
+    layer's input hidden state), in the layout their producer chose: what activation recomputation keeps."""
+    from autoshard.passes.strategies import shard_factor
+
+    ms = ctx.mesh_shape
+    kinds = {g.id: g.kind for g in ctx.groups}
+    seen: dict[Any, set[str]] = defaultdict(set)
+    out: dict[Any, int] = defaultdict(int)
+    for node in gm.graph.nodes:
+        sh = node.meta.get("autoshard")
+        if sh is None or node.op != "call_function" or node.meta.get("autoshard_phase") != "forward":
+            continue
+        piece = group_piece[sh.group]
+        for src in node.all_input_nodes:
+            src_sh = src.meta.get("autoshard")
+            v = src.meta.get("val")
+            if src_sh is None or not isinstance(v, torch.Tensor) or src.name in seen[piece]:
+                continue
+            if group_piece[src_sh.group] == piece or kinds[src_sh.group] in ("parameter", "buffer"):
+                continue
+            seen[piece].add(src.name)
+            out[piece] += v.numel() * v.element_size() // shard_factor(src_sh.outputs[0], ms)
+    return out
+
+
 def piece_costs(gm: fx.GraphModule, ctx: PassContext, solution: Any = None) -> tuple[PieceCost, list[PieceCost], PieceCost]:
     """(head, per-layer costs in order at full depth, tail) of ``solution`` (default ``ctx.solution``), which
     must be the one annotated onto ``gm``."""
@@ -94,17 +124,21 @@ def piece_costs(gm: fx.GraphModule, ctx: PassContext, solution: Any = None) -> t
     group_piece = {g.id: piece_of_group(g) for g in ctx.groups}
     for g in ctx.groups:
         s = ctx.strategies[g.id][sol.choice[g.id]]
-        pieces[group_piece[g.id]] += PieceCost(s.compute_s, 0.0, s.state_bytes, s.activation_bytes)
+        fwd = s.compute_s if g.phase == "forward" else 0.0
+        pieces[group_piece[g.id]] += PieceCost(s.compute_s, 0.0, s.state_bytes, s.activation_bytes, fwd)
     node_group = {n.name: n.meta["autoshard"].group for n in gm.graph.nodes if "autoshard" in n.meta}
     params = {n.meta["autoshard_role"].name: n.name for n in gm.graph.find_nodes(op="placeholder")}
     for c in _collectives(gm, ctx):
+        fwd = c.time_s if c.phase == "forward" else 0.0
         if c.consumer in ctx.param_modules:  # a gradient reduction: once per step, partly hidden
             piece = group_piece[node_group[params[c.consumer]]]
             pieces[piece] += PieceCost(0.0, c.time_s * (1.0 - GRAD_SINK_CREDIT))
         elif c.consumer == "output":
-            pieces[TAIL] += PieceCost(c.time_s)
+            pieces[TAIL] += PieceCost(c.time_s, fwd_s=fwd)
         else:
-            pieces[group_piece[node_group[c.consumer]]] += PieceCost(c.time_s)
+            pieces[group_piece[node_group[c.consumer]]] += PieceCost(c.time_s, fwd_s=fwd)
+    for piece, nbytes in _input_bytes(gm, ctx, group_piece).items():
+        pieces[piece] += PieceCost(0.0, input_bytes=nbytes)
     captured = sorted(k for k in pieces if isinstance(k, int))
     layers = [pieces[k] for k in captured]
     if ctx.sampled_layers is not None:

@@ -3,9 +3,10 @@
 Setting. The model is a sequence of pieces: a head piece (everything before the repeated layers: embeddings),
 ``L`` layers, and a tail piece (final norm, output projection, loss). Each piece has, for one sub-mesh shape
 and one micro-batch size, a ``PieceCost`` taken from the intra-op plan of that piece on that sub-mesh
-(``autoshard.pipeline_costs``): the time of one micro-batch's forward + backward, the once-per-step work
-(gradient reduction that is not hidden, which runs once after all micro-batches), the training-state bytes per
-device and the activation bytes one in-flight micro-batch keeps per device.
+(``autoshard.pipeline_costs``): the time of one micro-batch's forward + backward (and the forward part of it),
+the once-per-step work (gradient reduction that is not hidden, which runs once after all micro-batches), the
+training-state bytes per device, the activation bytes one in-flight micro-batch keeps per device and the bytes
+of the piece's input activation.
 
 Every stage gets a sub-mesh of the same shape (the cluster is ``pp`` copies of it: Megatron's layout, and what a
 ``pp`` mesh axis over ``torch.distributed.pipelining`` runs). A stage holds a contiguous range of layers; the
@@ -22,13 +23,22 @@ Schedules (``B`` micro-batches, ``S`` stages, stage times ``t_i`` per micro-batc
                        parts that fill the bubble: T = B max_i t_i + (S - 1) max_i t_i / (3 v)
                        (ZB-H1's bubble is about a third of 1F1B's, Qi et al. 2024); memory as interleaved.
 
-plus, for all, the slowest stage's once-per-step work and the point-to-point sends of the boundary activations
-(forward) and their gradients (backward), 2 (S - 1) sends on the critical path.
+plus, for all, the slowest stage's once-per-step work, and in each rank's time per micro-batch the
+point-to-point sends of its boundary activations (forward) and their gradients (backward): 2 sends per chunk
+it holds (2 v for an interleaved rank, whose micro-batch crosses v stage boundaries on it), not overlapped.
+
+Activation recomputation (``recompute=True``; Megatron-LM's "full" recomputation, Narayanan et al. SC21 3.5):
+each layer keeps only its input (``PieceCost.input_bytes``) for each in-flight micro-batch, and runs its forward
+again right before its backward, so a layer's time per micro-batch grows by its forward (``fwd_s``, compute and
+the forward collectives). While one layer runs backward its whole activation set exists again, once: a rank's
+memory is ``state + in_flight x (sum of its layers' inputs + head/tail activations) + max_layer act_bytes``.
+The head and tail pieces are not recomputed (Megatron checkpoints the transformer layers only).
 
 The DP. For a fixed S, B and schedule, T grows with sum t_i (fixed: every layer runs somewhere) and max t_i, so
 the best split minimizes the largest stage time subject to every stage's memory: f[s][j] = the smallest
 possible max stage time of the first s stages holding the first j layers, over the last stage's start i. This is
 O(S L^2) per (S, B, schedule), exact for any per-layer costs (identical layers are the common case).
+``even_split`` instead cuts the layers into equal runs (Megatron's layout: it needs L divisible by S x v).
 """
 
 from __future__ import annotations
@@ -48,10 +58,13 @@ class PieceCost:
     step_s: float = 0.0  # once per step: gradient reductions and other per-step communication not hidden
     state_bytes: int = 0  # parameters + gradients + optimizer state
     act_bytes: int = 0  # activations saved for backward by one micro-batch
+    fwd_s: float = 0.0  # the forward share of time_s: what recomputation runs a second time
+    input_bytes: int = 0  # the piece's input activation of one micro-batch: all recomputation keeps
 
     def __add__(self, other: PieceCost) -> PieceCost:
         return PieceCost(self.time_s + other.time_s, self.step_s + other.step_s,
-                         self.state_bytes + other.state_bytes, self.act_bytes + other.act_bytes)
+                         self.state_bytes + other.state_bytes, self.act_bytes + other.act_bytes,
+                         self.fwd_s + other.fwd_s, self.input_bytes + other.input_bytes)
 
 
 ZERO = PieceCost(0.0)
@@ -61,18 +74,30 @@ ZERO = PieceCost(0.0)
 class StageSplit:
     """A solved pipeline: layer ranges per stage, schedule, micro-batches and the predicted step."""
 
-    layers: tuple[tuple[int, int], ...]  # [start, stop) of the layer sequence, per stage
+    layers: tuple[tuple[int, int], ...]  # [start, stop) of the layer sequence, per piece (chunk k on rank k % S)
     schedule: str
     microbatches: int
     chunks: int  # model chunks per rank (interleaved schedules), 1 otherwise
-    stage_time_s: tuple[float, ...]  # per micro-batch, per stage
+    stage_time_s: tuple[float, ...]  # per micro-batch, per stage (recomputation and boundary sends included)
     stage_memory_bytes: tuple[int, ...]  # state + in-flight activations, per device of each stage
     step_time_s: float
     bubble_fraction: float  # idle share of the step on the busiest stage
+    recompute: bool = False  # every layer's forward runs again in backward; layers keep only their inputs
 
     @property
     def stages(self) -> int:
-        return len(self.layers)
+        return len(self.stage_time_s)
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Layers [i, j) (plus head/tail) as one pipeline piece, with recomputation applied when asked."""
+
+    time_s: float
+    step_s: float
+    state_bytes: int
+    kept_bytes: int  # per in-flight micro-batch
+    work_bytes: int  # once: the activations of the layer being recomputed
 
 
 def in_flight(schedule: str, stage: int, stages: int, microbatches: int, chunks: int) -> float:
@@ -120,6 +145,58 @@ def check_schedule(schedule: str, stages: int, microbatches: int, chunks: int) -
     return None
 
 
+class _Costs:
+    """Prefix sums over the layers (and a range max for recomputation's working set): any [i, j) in O(1)."""
+
+    def __init__(self, layers: Sequence[PieceCost], head: PieceCost, tail: PieceCost, n_pieces: int,
+                 recompute: bool) -> None:
+        self.head, self.tail, self.last, self.recompute = head, tail, n_pieces - 1, recompute
+        self.sums = [(0.0, 0.0, 0, 0)]
+        for c in layers:
+            t, st, state, kept = self.sums[-1]
+            self.sums.append((t + c.time_s + (c.fwd_s if recompute else 0.0), st + c.step_s, state + c.state_bytes,
+                              kept + (c.input_bytes if recompute else c.act_bytes)))
+        self.acts = [c.act_bytes for c in layers]
+        self._max: dict[tuple[int, int], int] = {}
+
+    def work(self, i: int, j: int) -> int:
+        if not self.recompute or i >= j:
+            return 0
+        key = (i, j)
+        if key not in self._max:
+            self._max[key] = max(self.acts[i:j])
+        return self._max[key]
+
+    def piece(self, i: int, j: int, k: int) -> _Piece:
+        """Layers [i, j) as the k-th piece (the first holds the head, the last the tail)."""
+        a, b = self.sums[i], self.sums[j]
+        p = [b[0] - a[0], b[1] - a[1], b[2] - a[2], b[3] - a[3]]
+        for c, on in ((self.head, k == 0), (self.tail, k == self.last)):
+            if on:  # head and tail keep their activations: recomputation covers the repeated layers only
+                p = [p[0] + c.time_s, p[1] + c.step_s, p[2] + c.state_bytes, p[3] + c.act_bytes]
+        return _Piece(p[0], p[1], p[2], p[3], self.work(i, j))
+
+
+def _assemble(costs: _Costs, bounds: Sequence[tuple[int, int]], stages: int, microbatches: int, schedule: str,
+              chunks: int, memory_budget: int | None, p2p_s: float) -> StageSplit | None:
+    """The StageSplit of pieces ``bounds`` (piece k on rank k % stages); None when a rank exceeds the budget."""
+    pieces = [costs.piece(i, j, k) for k, (i, j) in enumerate(bounds)]
+    times, memory, once = [], [], []
+    for r in range(stages):
+        mine = pieces[r::stages]
+        sends = 2 * len(mine) * p2p_s if stages > 1 else 0.0
+        times.append(sum(p.time_s for p in mine) + sends)
+        flight = in_flight(schedule, r, stages, microbatches, chunks)
+        memory.append(int(sum(p.state_bytes for p in mine) + flight * sum(p.kept_bytes for p in mine)
+                          + max(p.work_bytes for p in mine)))
+        once.append(sum(p.step_s for p in mine))
+    if memory_budget is not None and max(memory) > memory_budget:
+        return None
+    loop, bubble = pipeline_time(schedule, times, microbatches, chunks)
+    return StageSplit(tuple(bounds), schedule, microbatches, chunks, tuple(times), tuple(memory), loop + max(once),
+                      bubble, costs.recompute)
+
+
 def split_layers(
     layers: Sequence[PieceCost],
     head: PieceCost,
@@ -130,6 +207,7 @@ def split_layers(
     chunks: int = 1,
     memory_budget: int | None = None,
     p2p_s: float = 0.0,
+    recompute: bool = False,
 ) -> StageSplit | None:
     """The best contiguous split of ``layers`` into ``stages`` ranks (None when no split fits the budget).
 
@@ -144,27 +222,14 @@ def split_layers(
     n = len(layers)
     if n < n_pieces:
         return None
-    prefix = [ZERO]
-    for c in layers:
-        prefix.append(prefix[-1] + c)
+    costs = _Costs(layers, head, tail, n_pieces, recompute)
 
-    def piece(i: int, j: int, k: int) -> PieceCost:
-        """Layers [i, j) as the k-th of the n_pieces pieces."""
-        p = PieceCost(prefix[j].time_s - prefix[i].time_s, prefix[j].step_s - prefix[i].step_s,
-                      prefix[j].state_bytes - prefix[i].state_bytes, prefix[j].act_bytes - prefix[i].act_bytes)
-        if k == 0:
-            p = p + head
-        if k == n_pieces - 1:
-            p = p + tail
-        return p
-
-    def fits(p: PieceCost, k: int) -> bool:
+    def fits(p: _Piece, k: int) -> bool:
         if memory_budget is None:
             return True
-        rank = k % stages
         # a rank's memory is the sum over its chunks; with balanced chunks, chunks x this piece
-        mem = chunks * (p.state_bytes + in_flight(schedule, rank, stages, microbatches, chunks) * p.act_bytes)
-        return mem <= memory_budget
+        flight = in_flight(schedule, k % stages, stages, microbatches, chunks)
+        return chunks * (p.state_bytes + flight * p.kept_bytes) + p.work_bytes <= memory_budget
 
     inf = math.inf
     # f[k][j]: smallest max piece time for pieces 0..k-1 covering layers [0, j)
@@ -177,7 +242,7 @@ def split_layers(
             for i in range(k - 1, j):
                 if f[k - 1][i] == inf:
                     continue
-                p = piece(i, j, k - 1)
+                p = costs.piece(i, j, k - 1)
                 if not fits(p, k - 1):
                     continue
                 val = max(f[k - 1][i], p.time_s)
@@ -193,18 +258,46 @@ def split_layers(
         bounds.append((i, j))
         j = i
     bounds.reverse()
-    pieces = [piece(i, j, k) for k, (i, j) in enumerate(bounds)]
-    per_rank = [ZERO] * stages
-    for k, p in enumerate(pieces):
-        per_rank[k % stages] = per_rank[k % stages] + p
-    times = [r.time_s + (p2p_s * 2 if stages > 1 else 0.0) for r in per_rank]
-    memory = [int(c.state_bytes + in_flight(schedule, r, stages, microbatches, chunks) * c.act_bytes)
-              for r, c in enumerate(per_rank)]
-    if memory_budget is not None and max(memory) > memory_budget:
-        return None  # balanced chunks passed the per-piece check, but a rank's sum over its chunks does not fit
-    loop, bubble = pipeline_time(schedule, times, microbatches, chunks)
-    step = loop + max(r.step_s for r in per_rank)
-    return StageSplit(tuple(bounds), schedule, microbatches, chunks, tuple(times), tuple(memory), step, bubble)
+    # None when balanced chunks passed the per-piece check but a rank's sum over its chunks does not fit
+    return _assemble(costs, bounds, stages, microbatches, schedule, chunks, memory_budget, p2p_s)
+
+
+def even_bounds(n: int, pieces: int) -> list[tuple[int, int]]:
+    """``n`` layers in ``pieces`` contiguous runs of equal length; when ``pieces`` does not divide ``n`` the
+    first ``n % pieces`` runs take one layer more."""
+    if not 1 <= pieces <= n:
+        raise ValueError(f"cannot cut {n} layers into {pieces} non-empty pieces")
+    q, r = divmod(n, pieces)
+    out, at = [], 0
+    for k in range(pieces):
+        size = q + (k < r)
+        out.append((at, at + size))
+        at += size
+    return out
+
+
+def even_split(
+    layers: Sequence[PieceCost],
+    head: PieceCost,
+    tail: PieceCost,
+    stages: int,
+    microbatches: int,
+    schedule: str = "1F1B",
+    chunks: int = 1,
+    memory_budget: int | None = None,
+    p2p_s: float = 0.0,
+    recompute: bool = False,
+) -> StageSplit | None:
+    """Megatron-LM's split: every piece (of ``stages * chunks``) gets the same number of layers, the head on the
+    first and the tail on the last, whatever they cost (None when a rank exceeds ``memory_budget``)."""
+    why = check_schedule(schedule, stages, microbatches, chunks)
+    if why:
+        raise ValueError(why)
+    if len(layers) < stages * chunks:
+        return None
+    costs = _Costs(layers, head, tail, stages * chunks, recompute)
+    bounds = even_bounds(len(layers), stages * chunks)
+    return _assemble(costs, bounds, stages, microbatches, schedule, chunks, memory_budget, p2p_s)
 
 
 def best_split(
@@ -217,19 +310,32 @@ def best_split(
     p2p_s: float = 0.0,
     schedules: Sequence[str] = SCHEDULES,
     max_chunks: int = 4,
+    recompute: bool | None = False,
+    even: bool = False,
 ) -> StageSplit | None:
-    """The fastest split over the schedules that can run (and chunk counts for interleaved ones)."""
+    """The fastest split over the schedules that can run (and chunk counts for interleaved ones).
+
+    ``recompute``: False or True fixes it; None tries both and keeps recomputation only where it is faster
+    (never, for the same schedule and chunks) or where only it fits. ``even``: Megatron's equal split
+    (:func:`even_split`, interleaving only when the chunks divide the layers evenly) instead of the DP."""
     found: list[StageSplit] = []
+    choices = (False, True) if recompute is None else (bool(recompute),)
+    n = len(layers)
     for schedule in schedules:
         chunk_options = range(2, max_chunks + 1) if schedule.startswith("Interleaved") else (1,)
         for chunks in chunk_options:
             if check_schedule(schedule, stages, microbatches, chunks):
                 continue
-            s = split_layers(layers, head, tail, stages, microbatches, schedule, chunks, memory_budget, p2p_s)
-            if s is not None:
-                found.append(s)
-    return min(found, key=lambda s: (s.step_time_s, SCHEDULES.index(s.schedule), s.chunks)) if found else None
+            if even and chunks > 1 and n % (stages * chunks):
+                continue
+            for rc in choices:
+                fn = even_split if even else split_layers
+                s = fn(layers, head, tail, stages, microbatches, schedule, chunks, memory_budget, p2p_s, rc)
+                if s is not None:
+                    found.append(s)
+    key = (lambda s: (s.step_time_s, s.recompute, SCHEDULES.index(s.schedule), s.chunks))
+    return min(found, key=key) if found else None
 
 
-__all__ = ["SCHEDULES", "PieceCost", "StageSplit", "best_split", "check_schedule", "in_flight", "pipeline_time",
-           "split_layers"]
+__all__ = ["SCHEDULES", "PieceCost", "StageSplit", "best_split", "check_schedule", "even_bounds", "even_split",
+           "in_flight", "pipeline_time", "split_layers"]
