@@ -36,7 +36,7 @@ def _check_inputs(example_inputs: Any) -> tuple:
 
 def plan(
     model: nn.Module | str | Any,
-    mesh: DeviceMesh | Sequence[int] | None = None,
+    mesh: DeviceMesh | Sequence[int] | Mapping[str, int] | None = None,
     example_inputs: Sequence[Any] | None = None,
     *,
     cluster: str | ClusterProfile | None = None,
@@ -45,6 +45,7 @@ def plan(
     seq: int | None = None,
     global_batch: int | None = None,
     progress: Any = None,
+    pipeline: str = "none",
     **options: Any,
 ) -> Plan:
     """Plan ``model`` without running it.
@@ -60,8 +61,15 @@ def plan(
       all of them (``sample_layers=None`` in options... pass an int to change it).
 
     Options are :class:`PlanConfig` fields (``recipe="fsdp"`` makes the plan that manual recipe).
+
+    Pipeline stages (offline path): ``pipeline="auto"`` also weighs splitting the layers into stages over
+    sub-meshes and returns a plan with several ``stages`` when that is faster; a ``mesh`` given as
+    ``{"pp": 4, "tp": 8}`` fixes 4 stages. The default ``"none"`` plans no stages.
     """
     if isinstance(mesh, DeviceMesh) and isinstance(model, nn.Module) and global_batch is None:
+        if pipeline != "none":
+            raise ValueError("pipeline planning runs on the offline path: call autoshard.plan(model, "
+                             "example_inputs=..., cluster=...) without a DeviceMesh (or compile with pipeline=)")
         p, _, _ = plan_graph(
             model, _check_inputs(example_inputs), mesh, get_cluster(cluster),
             _config(memory_budget, constraints, **options), progress=progress,
@@ -84,6 +92,7 @@ def plan(
         memory_budget=memory_budget,
         config=_config(None, constraints, **options),
         progress=progress,
+        pipeline=pipeline,
     )
 
 

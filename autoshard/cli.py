@@ -3,6 +3,8 @@
     autoshard plan --model llama3-70b --cluster h100-sxm:128x8 --seq 8192 --global-batch 512 \\
                    --memory-per-device 80GB --out plan.json
     autoshard plan --model path/to/config.json --cluster a100-80gb:4x8 --global-batch 64 --recipe fsdp
+    autoshard plan --model gpt2-1.5b --cluster a100-80gb:4x8 --global-batch 64 --pipeline auto
+    autoshard plan --model gpt2-1.5b --cluster a100-80gb:4x8 --global-batch 64 --mesh pp=4,tp=8
     autoshard models          # the zoo
     autoshard clusters        # the cluster presets
 
@@ -70,7 +72,11 @@ def _parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="plan a model for a cluster (no GPU needed)")
     pl.add_argument("--model", required=True, help=f"zoo name ({', '.join(known_models())}) or a HF config.json")
     pl.add_argument("--cluster", required=True, help=f"preset[:NODESxPER_NODE] ({', '.join(known_clusters())}) or .json")
-    pl.add_argument("--mesh", default=None, help="mesh shape, e.g. 16x8x8 (default: NODES x PER_NODE)")
+    pl.add_argument("--mesh", default=None, help="mesh shape, e.g. 16x8x8 (default: NODES x PER_NODE), or named axes "
+                    "outer first, e.g. pp=4,tp=8 (a 'pp' axis fixes that many pipeline stages)")
+    pl.add_argument("--pipeline", choices=("none", "auto"), default="none",
+                    help="auto: also weigh pipeline stages over sub-meshes (stage counts x micro-batches x "
+                    "schedules; costs a few extra solves) and keep them when faster (default: none)")
     pl.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
     pl.add_argument("--global-batch", type=int, required=True, help="sequences (samples) per optimizer step")
     pl.add_argument("--memory-per-device", default=None, help="budget per device, e.g. 80GB (default: device memory)")
@@ -89,10 +95,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _plan(a: argparse.Namespace) -> int:
     import autoshard
-    from autoshard.offline import parse_mesh
+    from autoshard.offline import parse_mesh_spec
 
     budget = parse_bytes(a.memory_per_device) if a.memory_per_device else None
-    mesh = parse_mesh(a.mesh) if a.mesh else None
+    mesh = parse_mesh_spec(a.mesh) if a.mesh else None
     progress = ProgressPrinter(sys.stderr, quiet=a.quiet)
     plan = autoshard.plan(
         a.model,
@@ -106,6 +112,7 @@ def _plan(a: argparse.Namespace) -> int:
         warm_start=not a.no_baselines,
         time_limit_s=a.time_limit,
         sample_layers=a.sample_layers,
+        pipeline=a.pipeline,
     )
     sys.stdout.write(plan.report(collapse=not a.full))
     if a.out:

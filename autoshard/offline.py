@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -55,6 +55,20 @@ def parse_mesh(text: str) -> tuple[int, ...]:
     if not parts or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
         raise ValueError(f"cannot parse mesh {text!r}; write sizes joined by 'x', e.g. '16x8x8' or '128x8'")
     return tuple(int(p) for p in parts)
+
+
+def parse_mesh_spec(text: str) -> tuple[int, ...] | dict[str, int]:
+    """``"16x8"`` -> (16, 8); ``"pp=4,tp=8"`` (or ``"pp=4 x tp=8"``) -> {"pp": 4, "tp": 8}, outer axis first."""
+    if "=" not in text:
+        return parse_mesh(text)
+    out: dict[str, int] = {}
+    for part in text.replace("×", ",").replace(" x ", ",").split(","):
+        name, _, size = part.strip().partition("=")
+        if not name.strip() or not size.strip().isdigit() or int(size) < 1 or name.strip() in out:
+            raise ValueError(f"cannot parse mesh {text!r}; write named axes outer first, e.g. 'pp=4,tp=8' or "
+                             "'pp=2,dp=2,tp=8' (each name once), or sizes such as '16x8'")
+        out[name.strip()] = int(size)
+    return out
 
 
 @contextlib.contextmanager
@@ -173,8 +187,8 @@ def _explain_oom(job: ModelJob, err: InfeasibleBudget, cluster: ClusterProfile, 
         )
     return (
         f"{head}{tail} (everything sharded as far as the mesh allows, activations of the whole batch included). "
-        f"{advice}, or raise --memory-per-device (autoshard does not yet plan activation recomputation or "
-        "pipeline stages, which would also cut activation memory)."
+        f"{advice}, or raise --memory-per-device, or let pipeline stages split the layers and the batch into "
+        "micro-batches (pipeline='auto', --pipeline auto)."
     )
 
 
@@ -182,11 +196,14 @@ def _round_down_pow2(n: int) -> int:
     return 1 << (n.bit_length() - 1) if n >= 1 else 0
 
 
+PIPELINE_MODES = ("none", "auto")
+
+
 def plan_offline(
     model: str | ZooModel | nn.Module,
     *,
     cluster: str | ClusterProfile,
-    mesh: DeviceMesh | Sequence[int] | None = None,
+    mesh: DeviceMesh | Sequence[int] | Mapping[str, int] | None = None,
     example_inputs: Sequence[Any] | None = None,
     seq: int | None = None,
     global_batch: int | None = None,
@@ -194,19 +211,39 @@ def plan_offline(
     config: PlanConfig | None = None,
     dtype: torch.dtype = torch.bfloat16,
     progress: Progress | None = None,
+    pipeline: str = "none",
 ) -> Plan:
     """Plan ``model`` for ``cluster`` without its devices. ``mesh`` is a shape (default: nodes x devices per
-    node) or a DeviceMesh; the memory budget defaults to the device's memory."""
+    node), ``{axis name: size}`` outer axis first, or a DeviceMesh; the memory budget defaults to the device's
+    memory.
+
+    Pipeline stages: ``pipeline="auto"`` searches stage counts, micro-batches and schedules
+    (``autoshard.pipeline_search``) and returns the pipelined plan when more than one stage is fastest, else
+    the usual plan (the log says why). A mesh whose outermost axis is named ``"pp"`` fixes the stage count to
+    that axis's size; the other axes are each stage's sub-mesh."""
+    if pipeline not in PIPELINE_MODES:
+        raise ValueError(f"pipeline={pipeline!r} is not known; use one of {PIPELINE_MODES}")
     prof = get_cluster(cluster)
     base = config or PlanConfig()
     if isinstance(mesh, DeviceMesh):
         shape, names = tuple(mesh.shape), tuple(mesh.mesh_dim_names or mesh_names(mesh.shape))
+    elif isinstance(mesh, Mapping):
+        shape, names = tuple(int(s) for s in mesh.values()), tuple(str(n) for n in mesh)
     elif mesh is not None:
         shape = tuple(int(s) for s in mesh)
         names = mesh_names(shape)
     else:
         shape, names = default_mesh(prof)
     check_mesh(prof, shape)
+    stages = None
+    if "pp" in names:
+        if names[0] != "pp" or len(shape) < 2:
+            raise ValueError(f"mesh {dict(zip(names, shape))}: 'pp' must be the outermost axis, followed by the "
+                             "axes of each stage's sub-mesh, e.g. {'pp': 4, 'tp': 8}")
+        stages, shape, names = shape[0], shape[1:], names[1:]
+        stages = stages if stages > 1 else None  # pp=1: the plain plan of the other axes
+        if isinstance(mesh, DeviceMesh):
+            mesh = None  # each stage plans on a sub-mesh of its own fake world
     budget = memory_budget if memory_budget is not None else (base.memory_budget or prof.device.memory_bytes)
     if isinstance(budget, str) and budget.strip().lower() == "none":
         budget = None
@@ -215,15 +252,20 @@ def plan_offline(
     job = resolve_model(model, example_inputs, seq=seq, global_batch=global_batch, dtype=dtype)
     _check_batch(job, shape, names, cfg.recipe)
     if progress:
-        progress("model", 1.0, f"{job.name}: {job.params / 1e9:.2f} B parameters, mesh {tuple(shape)} on {prof.name}")
-    with fake_world(math.prod(shape)):
-        dm = mesh if isinstance(mesh, DeviceMesh) else init_device_mesh("cpu", shape, mesh_dim_names=names)
-        try:
-            plan, _, _ = plan_graph(job.module, job.inputs, dm, prof, cfg, progress=progress)
-        except InfeasibleBudget as e:
-            if not e.proven:  # the time limit ran out near the budget: not an out-of-memory verdict
-                raise
-            raise InfeasibleBudget(_explain_oom(job, e, prof, shape, cfg.memory_budget), e.least_bytes) from None
+        where = f"{stages} stages of {tuple(shape)}" if stages else f"mesh {tuple(shape)}"
+        progress("model", 1.0, f"{job.name}: {job.params / 1e9:.2f} B parameters, {where} on {prof.name}")
+
+    def flat() -> Plan:
+        return _plan_flat(job, prof, mesh, shape, names, cfg, progress)
+
+    if stages is not None or pipeline == "auto":
+        from autoshard.pipeline_plan import plan_with_pipeline
+
+        plan = plan_with_pipeline(job.module, job.inputs, prof, cfg, flat, stages=stages,
+                                  sub_shape=shape if stages else None, axis_names=names if stages else None,
+                                  progress=progress)
+    else:
+        plan = flat()
     peak = prof.device.peak_flops.get(job.dtype, prof.device.peak_flops["float32"])
     return dataclasses.replace(
         plan,
@@ -234,4 +276,26 @@ def plan_offline(
     )
 
 
-__all__ = ["default_mesh", "fake_world", "mesh_names", "parse_mesh", "plan_offline", "resolve_model"]
+def _plan_flat(
+    job: ModelJob,
+    prof: ClusterProfile,
+    mesh: DeviceMesh | Any,
+    shape: tuple[int, ...],
+    names: tuple[str, ...],
+    cfg: PlanConfig,
+    progress: Progress | None,
+) -> Plan:
+    """The intra-op plan of the whole batch on ``shape`` (no pipeline stages)."""
+    with fake_world(math.prod(shape)):
+        dm = mesh if isinstance(mesh, DeviceMesh) else init_device_mesh("cpu", shape, mesh_dim_names=names)
+        try:
+            plan, _, _ = plan_graph(job.module, job.inputs, dm, prof, cfg, progress=progress)
+        except InfeasibleBudget as e:
+            if not e.proven:  # the time limit ran out near the budget: not an out-of-memory verdict
+                raise
+            raise InfeasibleBudget(_explain_oom(job, e, prof, shape, cfg.memory_budget), e.least_bytes) from None
+    return plan
+
+
+__all__ = ["PIPELINE_MODES", "default_mesh", "fake_world", "mesh_names", "parse_mesh", "parse_mesh_spec",
+           "plan_offline", "resolve_model"]

@@ -196,13 +196,15 @@ class StagePlan:
     ops: tuple[OpDecision, ...]
     collectives: tuple[CollectiveStat, ...]
     memory: MemoryBreakdown
-    compute_s: float
+    compute_s: float  # per step on each of the stage's devices (every micro-batch), as is comm_s
     comm_s: float
+    microbatch_time_s: float = 0.0  # pipelined: forward + backward of one micro-batch, boundary sends included
 
     def __post_init__(self) -> None:
         _set(self, ranks=tuple(int(r) for r in self.ranks), layers=tuple(self.layers), tensors=tuple(self.tensors))
         _set(self, ops=tuple(self.ops), collectives=tuple(self.collectives))
         _set(self, compute_s=float(self.compute_s), comm_s=float(self.comm_s))
+        _set(self, microbatch_time_s=float(self.microbatch_time_s))
         if self.ranks and len(self.ranks) != self.mesh.size:
             raise ValueError(f"stage {self.index}: {len(self.ranks)} ranks for mesh {self.mesh} of {self.mesh.size}")
         ndim = len(self.mesh.shape)
@@ -253,10 +255,18 @@ class Plan:
     sampled_layers: str = ""  # e.g. "layers: 3 of 80 captured" when identical layers were extrapolated
     baselines: tuple[BaselineSummary, ...] = ()
     format_version: int = FORMAT_VERSION
+    chunks: int = 1  # model chunks per pipeline rank (interleaved schedules); each stage's layers hold all of its
+    bubble_fraction: float = 0.0  # predicted idle share of the step on the busiest stage (pipelined plans)
 
     def __post_init__(self) -> None:
         _set(self, stages=tuple(self.stages), step_time_s=float(self.step_time_s), microbatches=int(self.microbatches))
         _set(self, baselines=tuple(self.baselines), tokens_per_step=int(self.tokens_per_step))
+        _set(self, chunks=int(self.chunks), bubble_fraction=float(self.bubble_fraction))
+        if self.microbatches < 1 or self.chunks < 1 or not 0.0 <= self.bubble_fraction < 1.0:
+            raise ValueError(
+                f"plan: microbatches {self.microbatches} and chunks {self.chunks} must be >= 1 and bubble_fraction "
+                f"{self.bubble_fraction} in [0, 1)"
+            )
         if [s.index for s in self.stages] != list(range(len(self.stages))):
             raise ValueError(f"stage indices {[s.index for s in self.stages]} must be 0, 1, ... in order")
 

@@ -8,7 +8,15 @@ from collections import Counter
 from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
-from autoshard.notation import fold_layers, format_bytes, format_seconds, op_str, placements_str, tensor_str
+from autoshard.notation import (
+    fold_layers,
+    format_bytes,
+    format_seconds,
+    layer_key,
+    op_str,
+    placements_str,
+    tensor_str,
+)
 from autoshard.plan import CollectiveStat, MemoryBreakdown, Plan, StagePlan, _summarize
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -145,12 +153,66 @@ def _baseline_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def layers_str(layers: Sequence[str]) -> str:
+    """``wte, wpe, layers.0–3, layers.8–11``: runs of consecutive numbered layers folded."""
+    out: list[str] = []
+    run: tuple[str, int, int] | None = None  # (container, first, last)
+
+    def close() -> None:
+        if run is not None:
+            out.append(f"{run[0]}.{run[1]}" if run[1] == run[2] else f"{run[0]}.{run[1]}–{run[2]}")
+
+    for name in layers:
+        key = layer_key(name)
+        if key is not None and not key[2]:
+            if run is not None and run[0] == key[0] and run[2] + 1 == key[1]:
+                run = (run[0], run[1], key[1])
+                continue
+            close()
+            run = (key[0], key[1], key[1])
+            continue
+        close()
+        run = None
+        out.append(name)
+    close()
+    return ", ".join(out) or "-"
+
+
+def _ranks_str(r: Sequence[int]) -> str:
+    return f"{r[0]}–{r[-1]}" if r and list(r) == list(range(r[0], r[-1] + 1)) else ",".join(map(str, r))
+
+
+def _pipeline_lines(plan: Plan) -> list[str]:
+    """Per stage: ranks, sub-mesh, predicted time per micro-batch, memory and layers; then the balance."""
+    if len(plan.stages) < 2:
+        return []
+    chunks = f" ({plan.chunks} model chunks per rank)" if plan.chunks > 1 else ""
+    lines = [
+        "",
+        f"pipeline: {len(plan.stages)} stages, schedule {plan.schedule or '-'}{chunks}, {plan.microbatches} "
+        f"micro-batches, bubble {plan.bubble_fraction:.1%} of the step (predicted)",
+        f"  {'stage':<7}{'ranks':<12}{'sub-mesh':<20}{'time / micro-batch':>20}{'memory/device':>16}  layers",
+    ]
+    for s in plan.stages:
+        lines.append(
+            f"  {s.index:<7}{_ranks_str(s.ranks):<12}{str(s.mesh):<20}{format_seconds(s.microbatch_time_s):>20}"
+            f"{format_bytes(s.memory.total):>16}  {layers_str(s.layers)}"
+        )
+    times = [s.microbatch_time_s for s in plan.stages]
+    if min(times) > 0:
+        lines.append(f"stage balance: slowest / fastest stage = {max(times) / min(times):.2f}")
+    return lines
+
+
 def report_lines(plan: Plan, *, collapse: bool, max_rows: int) -> list[str]:
-    compute = sum(s.compute_s for s in plan.stages)
-    comm = sum(s.comm_s for s in plan.stages)
+    # a pipelined step is bounded by its busiest stage: show that stage's split, not the sum over stages
+    busiest = max(plan.stages, key=lambda s: s.compute_s + s.comm_s) if plan.stages else None
+    compute = sum(s.compute_s for s in plan.stages) if len(plan.stages) < 2 else busiest.compute_s
+    comm = sum(s.comm_s for s in plan.stages) if len(plan.stages) < 2 else busiest.comm_s
+    where = f"busiest stage {busiest.index}: " if len(plan.stages) > 1 and busiest is not None else ""
     head = (
         f"autoshard plan  mesh {plan.mesh}  cluster {plan.cluster}  predicted step {format_seconds(plan.step_time_s)}"
-        f"  (compute {format_seconds(compute)}, comm {format_seconds(comm)})"
+        f"  ({where}compute {format_seconds(compute)}, comm {format_seconds(comm)})"
     )
     if len(plan.stages) > 1 or plan.schedule:
         head += f"  pipeline {len(plan.stages)} stages, {plan.schedule or 'no schedule'} × {plan.microbatches} mb"
@@ -172,15 +234,14 @@ def report_lines(plan: Plan, *, collapse: bool, max_rows: int) -> list[str]:
     if plan.sampled_layers:
         lines.append(f"repeated layers: {plan.sampled_layers}")
     lines += _baseline_lines(plan)
+    lines += _pipeline_lines(plan)
     for stage in plan.stages:
         lines.append("")
         if len(plan.stages) > 1:
-            r = stage.ranks
-            ranks = f"{r[0]}–{r[-1]}" if r and list(r) == list(range(r[0], r[-1] + 1)) else ",".join(map(str, r))
-            layers = f"{stage.layers[0]} … {stage.layers[-1]}" if len(stage.layers) > 1 else ", ".join(stage.layers)
             lines.append(
-                f"== stage {stage.index}  mesh {stage.mesh}  ranks {ranks}  layers {layers or '-'}  "
-                f"compute {format_seconds(stage.compute_s)}  comm {format_seconds(stage.comm_s)}"
+                f"== stage {stage.index}  mesh {stage.mesh}  ranks {_ranks_str(stage.ranks)}  layers "
+                f"{layers_str(stage.layers)}  compute {format_seconds(stage.compute_s)}  comm "
+                f"{format_seconds(stage.comm_s)} per step"
             )
             lines.append(_memory_line(stage.memory, "memory / device"))
         for role, title in (("parameter", "parameters"), ("buffer", "buffers"), ("input", "inputs")):

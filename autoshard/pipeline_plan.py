@@ -1,0 +1,430 @@
+"""A pipelined Plan: the chosen pipeline configuration as one :class:`StagePlan` per stage.
+
+``search_pipeline`` (``autoshard.pipeline_search``) compares stage counts, micro-batch counts and schedules and
+returns each option's split (layer ranges, time per micro-batch and memory per stage) but keeps no intra-op
+layout. This module re-plans the winning option's sub-mesh at its micro-batch size (the solve the search made:
+same inputs, config, cluster size and fake world, so the same solution) and cuts that plan into stages:
+
+- a stage's ``layers`` are its layer ranges (every chunk of an interleaved schedule, in order), with the
+  modules that run before the repeated layers (embeddings) first on stage 0 and those after them (final norm,
+  output head) last on the last stage;
+- its tensors, op decisions and collectives are those of its pieces. When only some layers were captured
+  (``sample_layers``), a missing layer is a copy of the captured layer that stands for it, renamed
+  (``layers.1.attn.wq.weight`` -> ``layers.7.attn.wq.weight``) so that a stage lists the real model's names.
+  A tensor is listed on every stage that uses it in forward (a tied output head lists the embedding weight on
+  the last stage too);
+- collectives count per step: per-micro-batch ones ``microbatches`` times, gradient reductions once, plus the
+  boundary sends (``send_recv`` on the ``pp`` axis, forward activation and backward gradient);
+- its time per micro-batch and its memory (training state plus in-flight micro-batch activations) are the
+  split's; the state splits into parameters, gradients and optimizer state in the proportions of the stage's
+  strategies, and ``compute_s + comm_s`` is the stage's busy time per step.
+
+Ranks: the mesh is ``pp`` x sub-mesh with ``pp`` outermost, so stage s holds ranks s*k ... s*k + k - 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoshard.cluster import ClusterProfile
+from autoshard.config import PlanConfig
+from autoshard.notation import format_bytes, format_seconds
+from autoshard.offline import mesh_names
+from autoshard.pipeline_search import PipelineOption, search_pipeline, stage_meshes
+from autoshard.plan import BaselineSummary, CollectiveStat, MemoryBreakdown, MeshSpec, Plan, StagePlan
+from autoshard.solver.inter_op import PieceCost
+from autoshard.solver.intra_op import InfeasibleBudget
+
+log = logging.getLogger(__name__)
+
+HEAD, TAIL = "head", "tail"
+Piece = str | int  # HEAD, TAIL, or a captured layer index
+TENSOR_KINDS = ("parameter", "buffer", "input")
+FLAT_NAME = "1 stage (no pipeline)"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cut:
+    """The sub-mesh plan cut into pieces: what each piece lists, and which captured layer stands for each layer."""
+
+    container: str  # the repeated layers' module path ("layers")
+    full: tuple[int, ...]  # layer i of the full depth -> the captured layer that stands for it
+    tensors: dict[Piece, list[Any]]
+    ops: dict[Piece, list[Any]]
+    collectives: dict[Piece, list[CollectiveStat]]
+    state: dict[Piece, tuple[float, float, float]]  # parameter, gradient, optimizer bytes per device
+    modules: dict[Piece, list[str]]  # top-level modules of the head and tail pieces, in forward order
+    params: frozenset[str]
+
+
+def _container(ctx: Any) -> str:
+    from autoshard.passes.coarsen import layer_key
+
+    if ctx.sampled_layers is not None:
+        return ctx.sampled_layers[0]
+    seen: dict[str, set[int]] = defaultdict(set)
+    for g in ctx.groups:
+        key = layer_key(g.module)
+        if key is not None:
+            seen[key[0]].add(key[1])
+    if not seen:
+        raise ValueError("the model has no repeated layers (modules named like 'layers.0'): nothing to pipeline")
+    return max(seen, key=lambda c: len(seen[c]))
+
+
+def _cut(gm: Any, ctx: Any, sub: Plan) -> _Cut:
+    """Assign the sub-mesh plan's tensors, decisions and collectives to head / captured layer / tail pieces."""
+    from autoshard.passes.coarsen import layer_key
+
+    container = _container(ctx)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    position = {name: i for i, name in enumerate(nodes)}
+    group_of = {m: g for g in ctx.groups for m in g.members}
+
+    def layer(module: str) -> int | None:
+        key = layer_key(module)
+        return key[1] if key is not None and key[0] == container else None
+
+    fwd = [g for g in ctx.groups if g.phase == "forward" and g.kind not in TENSOR_KINDS]
+    first_layer = min((position[g.anchor] for g in fwd if layer(g.module) is not None), default=math.inf)
+    module_at: dict[str, int] = {}
+    for g in fwd:
+        module_at[g.module] = min(module_at.get(g.module, math.inf), position[g.anchor])
+
+    def piece(g: Any) -> Piece:
+        if (i := layer(g.module)) is not None:
+            return i
+        at = position[g.anchor] if g.module == "" and g.kind not in TENSOR_KINDS else module_at.get(g.module)
+        if at is None:  # only in backward (the loss's gradient): the last stage runs the backward first
+            return HEAD if g.kind in TENSOR_KINDS and g.phase == "forward" else TAIL
+        return HEAD if at < first_layer else TAIL
+
+    group_piece = {g.id: piece(g) for g in ctx.groups}
+
+    def tensor_pieces(g: Any) -> list[Piece]:
+        """Its own piece and every piece with a forward op that reads it (followers included)."""
+        found = [group_piece[g.id]] if g.module else []
+        for m in g.members:
+            for u in nodes[m].users:
+                user = group_of.get(u.name)
+                if user is not None and user.id != g.id and user.phase == "forward" and group_piece[user.id] not in found:
+                    found.append(group_piece[user.id])
+        return found or [group_piece[g.id]]
+
+    stage = sub.only_stage
+    tensor_group = {n.meta["autoshard_role"].name: group_of[n.name] for n in gm.graph.find_nodes(op="placeholder")
+                    if n.name in group_of}
+    tensors: dict[Piece, list[Any]] = defaultdict(list)
+    for t in stage.tensors:
+        for p in tensor_pieces(tensor_group[t.name]):
+            tensors[p].append(t)
+    anchor_group = {g.anchor: g for g in ctx.groups}
+    ops: dict[Piece, list[Any]] = defaultdict(list)
+    for d in stage.ops:
+        ops[group_piece[anchor_group[d.node].id]].append(d)
+    params = frozenset(t.name for t in stage.tensors if t.role == "parameter")
+    collectives: dict[Piece, list[CollectiveStat]] = defaultdict(list)
+    for c in stage.collectives:
+        if c.consumer == "output":
+            p: Piece = TAIL
+        elif c.consumer in tensor_group:
+            p = group_piece[tensor_group[c.consumer].id]
+        else:
+            p = group_piece[group_of[c.consumer].id]
+        collectives[p].append(c)
+    state: dict[Piece, tuple[float, float, float]] = defaultdict(lambda: (0.0, 0.0, 0.0))
+    for g in ctx.groups:
+        s = ctx.strategies[g.id][ctx.solution.choice[g.id]]
+        a, b, c = state[group_piece[g.id]]
+        state[group_piece[g.id]] = (a + s.param_bytes, b + s.grad_bytes, c + s.optimizer_bytes)
+    modules: dict[Piece, list[str]] = {HEAD: [], TAIL: []}
+    for g in sorted(fwd, key=lambda g: position[g.anchor]):
+        top = g.module.split(".")[0]
+        p = group_piece[g.id]
+        if g.module and top != container and p in modules and top not in modules[p]:
+            modules[p].append(top)
+    captured = sorted({p for p in group_piece.values() if isinstance(p, int)})
+    full = captured
+    if ctx.sampled_layers is not None:
+        # as pipeline_costs extrapolates: the missing layers are copies of the first weighted (shared) layer
+        # and sit right after it
+        _, k, total = ctx.sampled_layers
+        weighted = [group_piece[g.id] for g in ctx.groups
+                    if ctx.group_weight.get(g.id, 1.0) != 1.0 and isinstance(group_piece[g.id], int)]
+        ref = weighted[0] if weighted else captured[len(captured) // 2]
+        at = captured.index(ref) + 1
+        full = captured[:at] + [ref] * (total - k) + captured[at:]
+    return _Cut(container, tuple(full), tensors, ops, collectives, state, modules, params)
+
+
+def _renamer(container: str, captured: int, layer: int) -> Callable[[str], str]:
+    old, new = f"{container}.{captured}", f"{container}.{layer}"
+
+    def rename(name: str) -> str:
+        if name == old or name.startswith(old + "."):
+            return new + name[len(old):]
+        return name
+
+    return rename
+
+
+def _rank_pieces(option: PipelineOption, rank: int) -> list[tuple[int, int]]:
+    """The layer ranges rank ``rank`` runs: chunk k of the split is on rank k mod stages."""
+    assert option.split is not None
+    return [r for k, r in enumerate(option.split.layers) if k % option.stages == rank]
+
+
+def _stage(
+    option: PipelineOption,
+    rank: int,
+    cut: _Cut,
+    costs: tuple[PieceCost, list[PieceCost], PieceCost],
+    mesh: MeshSpec,
+    axis_of: dict[str, str],
+    cluster: ClusterProfile,
+) -> StagePlan:
+    split = option.split
+    assert split is not None
+    last = rank == option.stages - 1
+    b = split.microbatches
+    head, layer_costs, tail = costs
+    layers = [i for lo, hi in _rank_pieces(option, rank) for i in range(lo, hi)]
+    pieces: list[tuple[Piece, Callable[[str], str]]] = [(HEAD, str)] if rank == 0 else []
+    pieces += [(cut.full[i], _renamer(cut.container, cut.full[i], i)) for i in layers]
+    pieces += [(TAIL, str)] if last else []
+    tensors: dict[str, Any] = {}
+    ops, collectives = [], []
+    param = grad = opt = 0.0
+    for p, rename in pieces:
+        for t in cut.tensors.get(p, ()):
+            tensors.setdefault(rename(t.name), dataclasses.replace(t, name=rename(t.name)))
+        ops += [dataclasses.replace(d, module=rename(d.module)) for d in cut.ops.get(p, ())]
+        for c in cut.collectives.get(p, ()):
+            once = c.consumer in cut.params  # a gradient reduction runs once per step, after the micro-batches
+            collectives.append(dataclasses.replace(c, axis=axis_of.get(c.axis, c.axis), consumer=rename(c.consumer),
+                                                   repeat=1.0 if once else float(b)))
+        a, g, o = cut.state.get(p, (0.0, 0.0, 0.0))
+        param, grad, opt = param + a, grad + g, opt + o
+    own = ([head] if rank == 0 else []) + [layer_costs[i] for i in layers] + ([tail] if last else [])
+    t = split.stage_time_s[rank]
+    send = max(0.0, (t - sum(c.time_s for c in own)) / 2)  # the split charges two boundary sends per micro-batch
+    if option.stages > 1:
+        link = cluster.inter_node if cluster.nodes > 1 else cluster.intra_node
+        nbytes = int(max(0.0, send - link.latency) * link.bandwidth)
+        for phase, peer in (("forward", rank + 1), ("backward", rank - 1)):
+            collectives.append(CollectiveStat("send_recv", "pp", nbytes, send, "stage boundary",
+                                              f"stage {peer % option.stages}", phase, float(b)))
+    once = sum(c.step_s for c in own)
+    per_mb = sum(c.time_s for c in collectives if c.consumer not in cut.params)
+    comm = b * per_mb + once
+    busy = b * t + once
+    state = sum(c.state_bytes for c in own)
+    total = split.stage_memory_bytes[rank]
+    parts = param + grad + opt
+    params_b = int(round(state * param / parts)) if parts else 0
+    grads_b = int(round(state * grad / parts)) if parts else 0
+    memory = MemoryBreakdown(params_b, grads_b, state - params_b - grads_b, max(0, total - state))
+    names = [n for n in cut.modules[HEAD]] if rank == 0 else []
+    names += [f"{cut.container}.{i}" for i in layers] + (list(cut.modules[TAIL]) if last else [])
+    k = mesh.size
+    log.info("pipeline stage %d: ranks %d-%d, %s ... %s, %s per micro-batch, %s per device", rank, rank * k,
+             rank * k + k - 1, names[0], names[-1], format_seconds(t), format_bytes(memory.total))
+    return StagePlan(
+        index=rank,
+        mesh=mesh,
+        ranks=tuple(range(rank * k, rank * k + k)),
+        layers=tuple(names),
+        tensors=tuple(tensors.values()),
+        ops=tuple(ops),
+        collectives=tuple(collectives),
+        memory=memory,
+        compute_s=max(0.0, busy - comm),
+        comm_s=min(comm, busy),
+        microbatch_time_s=t,
+    )
+
+
+def _micro_inputs(inputs: Sequence[Any], parts: int) -> tuple:
+    """The first micro-batch of each batched input (what the search planned the sub-mesh with)."""
+    return tuple(x[: x.shape[0] // parts] if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] % parts == 0
+                 else x for x in inputs)
+
+
+def pipelined_plan(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    cluster: ClusterProfile,
+    config: PlanConfig,
+    option: PipelineOption,
+    axis_names: Sequence[str] | None = None,
+) -> Plan:
+    """The Plan of ``option`` (a ``search_pipeline`` result with a split): one StagePlan per stage on a mesh
+    ``pp`` x ``option.submesh``; ``axis_names`` names the sub-mesh axes (default ``offline.mesh_names``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autoshard.offline import fake_world
+    from autoshard.pipeline_costs import piece_costs
+    from autoshard.planner import plan_graph
+
+    split = option.split
+    if split is None:
+        raise ValueError(f"{option.stages} stages of {option.submesh}: {option.note or 'no split'}; nothing to plan")
+    sub_shape = tuple(option.submesh)
+    default = mesh_names(sub_shape)
+    names = tuple(axis_names) if axis_names is not None else default
+    if len(names) != len(sub_shape) or "pp" in names:
+        raise ValueError(f"axis names {names} for sub-mesh {sub_shape}: give one name per axis, none of them 'pp'")
+    world = math.prod(sub_shape)
+    per = cluster.devices_per_node
+    sub_cluster = cluster.with_size(max(1, world // per), min(world, per))
+    inner = dataclasses.replace(config, memory_budget=None, warm_start=False)
+    with fake_world(world):
+        dm = init_device_mesh("cpu", sub_shape, mesh_dim_names=default)
+        sub, gm, ctx = plan_graph(model, _micro_inputs(example_inputs, split.microbatches), dm, sub_cluster, inner)
+        costs = piece_costs(gm, ctx)
+        cut = _cut(gm, ctx, sub)
+    depth = split.layers[-1][1] if split.layers else 0
+    if len(cut.full) != depth or len(costs[1]) != depth:
+        raise ValueError(f"the re-planned sub-mesh has {len(cut.full)} layers but the split covers {depth}")
+    mesh = MeshSpec(sub_shape, names)
+    axis_of = dict(zip(default, names))
+    stages = tuple(_stage(option, r, cut, costs, mesh, axis_of, cluster) for r in range(option.stages))
+    return Plan(
+        mesh=MeshSpec((option.stages, *sub_shape), ("pp", *names)),
+        cluster=cluster.name,
+        stages=stages,
+        step_time_s=split.step_time_s,
+        solver=sub.solver,
+        schedule=split.schedule,
+        microbatches=split.microbatches,
+        chunks=split.chunks,
+        bubble_fraction=split.bubble_fraction,
+        memory_budget_bytes=int(config.memory_budget or 0),
+        sampled_layers=sub.sampled_layers,
+    )
+
+
+def _describe(o: PipelineOption) -> str:
+    what = "no stages" if o.stages == 1 else f"{o.stages} stages of {o.submesh}"
+    if o.split is None:
+        return f"{what}: {o.note or 'no split fits'}"
+    if o.stages == 1:
+        return f"{what}: {format_seconds(o.step_time_s)}"
+    return f"{what}, {o.split.schedule} x {o.microbatches} micro-batches: {format_seconds(o.step_time_s)}"
+
+
+def flat_summary(options: Sequence[PipelineOption]) -> BaselineSummary | None:
+    """The 1-stage option (the intra-op plan of the whole cluster) as a row of the recipe comparison."""
+    flat = next((o for o in options if o.stages == 1), None)
+    if flat is None:
+        return None
+    if flat.split is None:
+        return BaselineSummary(FLAT_NAME, math.inf, 0, False, flat.note or "no 1-stage plan fits the memory budget")
+    return BaselineSummary(FLAT_NAME, flat.step_time_s, max(flat.split.stage_memory_bytes), True,
+                           "the intra-op plan of the whole cluster")
+
+
+def choose(options: Sequence[PipelineOption], stages: int | None = None) -> tuple[PipelineOption | None, str]:
+    """The option to plan (None: no pipeline) and why, from ``search_pipeline``'s options (fastest first).
+    With ``stages`` only that stage count is considered, and its failing to fit is an error."""
+    if stages is not None:
+        mine = [o for o in options if o.stages == stages]
+        if not mine:
+            counts = sorted({o.stages for o in options})
+            raise ValueError(f"a pp axis of {stages} stages does not split this cluster into equal sub-meshes; "
+                             f"possible stage counts: {counts}")
+        if mine[0].split is None:
+            raise InfeasibleBudget(f"{_describe(mine[0])}; try more stages, a smaller batch or more memory")
+        return mine[0], f"pp={stages} fixed by the mesh: {_describe(mine[0])}"
+    ok = [o for o in options if o.split is not None]
+    if not ok:
+        return None, "no configuration fits the memory budget: " + "; ".join(_describe(o) for o in options)
+    best = ok[0]
+    piped = next((o for o in ok if o.stages > 1), None)
+    if best.stages == 1:
+        why = f"one stage is fastest ({_describe(best)})"
+        return None, why + (f"; best pipelined: {_describe(piped)}" if piped else "; no pipelined option fits")
+    flat = next((o for o in options if o.stages == 1), None)
+    return best, _describe(best) + (f" beats {_describe(flat)}" if flat is not None else "")
+
+
+def _check_stages(cluster: ClusterProfile, stages: int, sub_shape: Sequence[int] | None) -> None:
+    """A fixed stage count must be one the search plans: equal sub-meshes of whole nodes (or of one node)."""
+    allowed = dict(stage_meshes(cluster))
+    if stages not in allowed:
+        raise ValueError(
+            f"a pp axis of {stages} stages does not split {cluster.name} into equal sub-meshes of whole nodes (or "
+            f"one node evenly); possible stage counts: {sorted(allowed)}"
+        )
+    if sub_shape is not None and tuple(sub_shape) != allowed[stages]:
+        want = ",".join(f"{n}={k}" for n, k in zip(mesh_names(allowed[stages]), allowed[stages]))
+        raise ValueError(
+            f"{stages} stages on {cluster.name} plan each stage on a sub-mesh {allowed[stages]}, not "
+            f"{tuple(sub_shape)}; give the mesh as pp={stages},{want}"
+        )
+
+
+def plan_with_pipeline(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    cluster: ClusterProfile,
+    config: PlanConfig,
+    flat: Callable[[], Plan],
+    *,
+    stages: int | None = None,
+    sub_shape: Sequence[int] | None = None,
+    axis_names: Sequence[str] | None = None,
+    progress: Callable[[str, float, str], None] | None = None,
+) -> Plan:
+    """The pipelined plan when more than one stage wins (or ``stages`` fixes the count), else ``flat()``.
+
+    ``stages`` and ``sub_shape`` (a mesh with a ``pp`` axis: its size and the other axes) fix the stage count
+    and sub-mesh; ``axis_names`` names the sub-mesh axes. With ``config.warm_start`` (and no fixed stage count) the plan without stages is also made the usual way
+    (recipes and all) and kept when it is at least as fast; its recipe rows join the pipelined plan's comparison.
+    """
+    if stages is not None:
+        _check_stages(cluster, stages, sub_shape)
+    if progress:
+        progress("pipeline", 0.0, "")
+    try:
+        options = search_pipeline(model, example_inputs, cluster, config)
+    except ValueError as e:  # no repeated layers to split
+        if stages is not None:
+            raise
+        log.info("pipeline: no stages: %s", e)
+        return flat()
+    chosen, why = choose(options, stages)
+    if progress:
+        progress("pipeline", 1.0, why)
+    if chosen is None:
+        log.info("pipeline: no stages: %s", why)
+        return flat()
+    log.info("pipeline: %s", why)
+    plan = pipelined_plan(model, example_inputs, cluster, config, chosen, axis_names)
+    rows = [flat_summary(options)]
+    if config.warm_start and stages is None:
+        try:
+            base = flat()
+        except InfeasibleBudget as e:
+            if not e.proven:
+                raise
+            rows = [BaselineSummary(FLAT_NAME, math.inf, 0, False, "no plan without stages fits the memory budget")]
+        else:
+            if base.step_time_s <= plan.step_time_s:
+                log.info("pipeline: no stages: the plan without stages (%s, recipes weighed) is as fast as %s",
+                         format_seconds(base.step_time_s), why)
+                return base
+            rows = [*base.baselines, BaselineSummary(FLAT_NAME, base.step_time_s, base.peak_memory.total, True,
+                                                     "the plan of the whole cluster without stages")]
+    return dataclasses.replace(plan, baselines=tuple(r for r in rows if r is not None))
+
+
+__all__ = ["FLAT_NAME", "choose", "flat_summary", "pipelined_plan", "plan_with_pipeline"]
