@@ -17,6 +17,7 @@ from autoshard.config import PlanConfig
 from autoshard.plan import Plan
 from autoshard.planner import plan_graph
 from autoshard.runtime.program import BACKENDS, CompiledProgram, InterpretedProgram
+from autoshard.runtime.pipeline import PipelinedModule
 from autoshard.runtime.sharded_module import ShardedModule
 
 log = logging.getLogger(__name__)
@@ -121,23 +122,39 @@ def compile(  # noqa: A001 - the one-line API the project promises
     memory_budget: int | str | None = None,
     constraints: Mapping[str, Any] | None = None,
     backend: str = "inductor",
+    pipeline: str | None = None,
+    microbatches: int | None = None,
+    schedule: str | None = None,
     **options: Any,
-) -> ShardedModule:
+) -> ShardedModule | PipelinedModule:
     """Plan, lower and compile ``model`` for this rank; returns a trainable ``ShardedModule``.
 
     ``example_inputs`` are global-shaped. The returned module takes this rank's local input pieces
-    (``sharded.shard_inputs(*global_tensors)``) and returns the loss, equal on every rank.
+    (``sharded.shard_inputs(*global_tensors)``) and returns the loss, equal on every rank; or
+    ``sharded.step(*global_tensors)`` runs forward and backward and returns the loss.
+
+    Pipeline stages: a mesh whose outermost axis is named ``"pp"`` runs that many stages, each on the sub-mesh
+    of the other axes; ``pipeline="auto"`` weighs splitting the outermost axis into stages against no pipeline.
+    ``microbatches`` and ``schedule`` ("GPipe", "1F1B", "Interleaved1F1B") are chosen unless given. A pipelined
+    result is a :class:`PipelinedModule`: ``step(*global_inputs)`` trains one step over all micro-batches.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not known; use one of {BACKENDS}")
+    if pipeline not in (None, "auto", "none"):
+        raise ValueError(f"pipeline={pipeline!r} is not known; use None/'none' (a 'pp' mesh axis decides) or 'auto'")
     inputs = _check_inputs(example_inputs)
     # DTensor's sharding caches may hold meshes of another world (a plan made on a fake group, LocalTensorMode,
     # or a parent process this one was forked from): start from a clean cache
     tc.clear_dtensor_caches()
     real_group = dist.is_initialized() and dist.get_world_size() > 1 and not tc.in_local_tensor_mode()
-    p, gm, ctx = plan_graph(
-        model, inputs, mesh, get_cluster(cluster), _config(memory_budget, constraints, **options), real_group
-    )
+    config = _config(memory_budget, constraints, **options)
+    names = tuple(mesh.mesh_dim_names or ())
+    if "pp" in names or pipeline == "auto":
+        piped = _compile_pipelined(model, mesh, inputs, get_cluster(cluster), config, backend, pipeline,
+                                   microbatches, schedule, real_group)
+        if piped is not None:
+            return piped
+    p, gm, ctx = plan_graph(model, inputs, mesh, get_cluster(cluster), config, real_group)
     if tc.in_local_tensor_mode():
         log.info("compile: LocalTensorMode: running the plan with the DTensor interpreter (no per-rank graph)")
         program: Any = InterpretedProgram(gm, ctx)
@@ -147,3 +164,42 @@ def compile(  # noqa: A001 - the one-line API the project promises
     sharded = ShardedModule(model, mesh, p, program, grad_names)
     sharded.timings = dict(ctx.timings)
     return sharded
+
+
+def _compile_pipelined(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    inputs: tuple,
+    cluster: ClusterProfile,
+    config: PlanConfig,
+    backend: str,
+    pipeline: str | None,
+    microbatches: int | None,
+    schedule: str | None,
+    real_group: bool,
+) -> PipelinedModule | None:
+    """The pipelined program, or None when ``pipeline="auto"`` finds no pipeline faster than the plain plan."""
+    from autoshard.pipeline_compile import choose_pipeline, compile_pipelined
+
+    names = tuple(mesh.mesh_dim_names or ())
+    if not real_group or tc.in_local_tensor_mode():
+        raise ValueError("pipeline stages run on a real process group (torchrun or gloo workers), one process per "
+                         "rank; LocalTensorMode and single-process meshes cannot run a pipeline schedule")
+    if "pp" in names and names[0] != "pp":
+        raise ValueError(f"the 'pp' axis must be the outermost mesh axis; mesh axes are {names}")
+    counts = [mesh.shape[0]] if "pp" in names else [s for s in range(2, mesh.shape[0] + 1) if mesh.shape[0] % s == 0]
+    choice = choose_pipeline(model, inputs, mesh, cluster, config, counts, microbatches, schedule)
+    if choice is None:
+        if "pp" in names:
+            raise ValueError(f"no split of the model into {counts[0]} pipeline stages fits; see the log for each "
+                             "micro-batch count tried")
+        return None
+    if "pp" not in names:
+        plain, _, _ = plan_graph(model, inputs, mesh, cluster, config, broadcast_solution=True)
+        if plain.step_time_s <= choice.split.step_time_s:
+            log.info("compile: no pipeline (%.6f s per step) beats %d stages (%.6f s)", plain.step_time_s,
+                     choice.stages, choice.split.step_time_s)
+            return None
+    log.info("compile: %d pipeline stages, %d micro-batches, %s", choice.stages, choice.split.microbatches,
+             choice.split.schedule)
+    return compile_pipelined(model, mesh, inputs, cluster, config, backend, choice)

@@ -148,6 +148,13 @@ class ShardedModule(nn.Module):
         flat = params + self._buffers_local() + list(args)
         return _RunProgram.apply(self._program, self._grad_slots, *flat)
 
+    def step(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """One training step's forward and backward on global-shaped ``inputs`` (as ``PipelinedModule.step``):
+        returns the loss; the gradients are then in ``.grad``."""
+        loss = self(*self.shard_inputs(*inputs))
+        loss.backward()
+        return loss.detach()
+
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         return self.module.state_dict(*args, **kwargs)
 
