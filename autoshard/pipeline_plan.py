@@ -38,7 +38,7 @@ from autoshard.cluster import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.notation import format_bytes, format_seconds
 from autoshard.offline import mesh_names
-from autoshard.pipeline_search import PipelineOption, search_pipeline, stage_meshes
+from autoshard.pipeline_search import PipelineOption, optimizer_step_s, search_pipeline, stage_meshes
 from autoshard.plan import BaselineSummary, CollectiveStat, MemoryBreakdown, MeshSpec, Plan, StagePlan
 from autoshard.solver.inter_op import PieceCost
 from autoshard.solver.intra_op import InfeasibleBudget
@@ -190,6 +190,7 @@ def _stage(
     mesh: MeshSpec,
     axis_of: dict[str, str],
     cluster: ClusterProfile,
+    optimizer_factor: int,
 ) -> StagePlan:
     split = option.split
     assert split is not None
@@ -215,18 +216,23 @@ def _stage(
         param, grad, opt = param + a, grad + g, opt + o
     own = ([head] if rank == 0 else []) + [layer_costs[i] for i in layers] + ([tail] if last else [])
     t = split.stage_time_s[rank]
-    send = max(0.0, (t - sum(c.time_s for c in own)) / 2)  # the split charges two boundary sends per micro-batch
-    if option.stages > 1:
+    # the split's time per micro-batch: the pieces (layers' forward again under recomputation) plus two boundary
+    # sends per chunk the rank holds
+    chunks = len(_rank_pieces(option, rank))
+    work = sum(c.time_s for c in own) + (sum(layer_costs[i].fwd_s for i in layers) if split.recompute else 0.0)
+    sends = 2 * chunks if option.stages > 1 else 0
+    send = max(0.0, (t - work) / sends) if sends else 0.0
+    if sends:
         link = cluster.inter_node if cluster.nodes > 1 else cluster.intra_node
         nbytes = int(max(0.0, send - link.latency) * link.bandwidth)
         for phase, peer in (("forward", rank + 1), ("backward", rank - 1)):
             collectives.append(CollectiveStat("send_recv", "pp", nbytes, send, "stage boundary",
-                                              f"stage {peer % option.stages}", phase, float(b)))
-    once = sum(c.step_s for c in own)
-    per_mb = sum(c.time_s for c in collectives if c.consumer not in cut.params)
+                                              f"stage {peer % option.stages}", phase, float(b * chunks)))
+    state = sum(c.state_bytes for c in own)
+    once = sum(c.step_s for c in own) + optimizer_step_s(state, cluster.device, optimizer_factor)
+    per_mb = sum(c.time_s * c.repeat / b for c in collectives if c.consumer not in cut.params)
     comm = b * per_mb + once
     busy = b * t + once
-    state = sum(c.state_bytes for c in own)
     total = split.stage_memory_bytes[rank]
     parts = param + grad + opt
     params_b = int(round(state * param / parts)) if parts else 0
@@ -296,9 +302,10 @@ def pipelined_plan(
         raise ValueError(f"the re-planned sub-mesh has {len(cut.full)} layers but the split covers {depth}")
     mesh = MeshSpec(sub_shape, names)
     axis_of = dict(zip(default, names))
-    stages = tuple(_stage(option, r, cut, costs, mesh, axis_of, cluster) for r in range(option.stages))
+    stages = tuple(_stage(option, r, cut, costs, mesh, axis_of, cluster, config.optimizer_factor)
+                   for r in range(option.stages))
     return Plan(
-        mesh=MeshSpec((option.stages, *sub_shape), ("pp", *names)),
+        mesh=MeshSpec((option.stages, *sub_shape), ("pp", *names)) if option.stages > 1 else mesh,
         cluster=cluster.name,
         stages=stages,
         step_time_s=split.step_time_s,
@@ -307,6 +314,7 @@ def pipelined_plan(
         microbatches=split.microbatches,
         chunks=split.chunks,
         bubble_fraction=split.bubble_fraction,
+        recompute=split.recompute,
         memory_budget_bytes=int(config.memory_budget or 0),
         sampled_layers=sub.sampled_layers,
     )
@@ -322,8 +330,8 @@ def _describe(o: PipelineOption) -> str:
 
 
 def flat_summary(options: Sequence[PipelineOption]) -> BaselineSummary | None:
-    """The 1-stage option (the intra-op plan of the whole cluster) as a row of the recipe comparison."""
-    flat = next((o for o in options if o.stages == 1), None)
+    """The fastest 1-stage option (the intra-op plan of the whole cluster) as a row of the recipe comparison."""
+    flat = next((o for o in options if o.stages == 1 and not o.recipe), None)
     if flat is None:
         return None
     if flat.split is None:
@@ -332,27 +340,49 @@ def flat_summary(options: Sequence[PipelineOption]) -> BaselineSummary | None:
                            "the intra-op plan of the whole cluster")
 
 
+def recipe_rows(options: Sequence[PipelineOption]) -> list[BaselineSummary]:
+    """Fixed pipeline recipes among the options (Megatron's "pp+tp+dp") as rows of the recipe comparison."""
+    rows = []
+    for o in options:
+        if not o.recipe or o.stages < 1:
+            continue
+        name = o.recipe if o.recipe == "pp+tp+dp" else f"pp={o.stages} + {o.recipe}"
+        if o.split is None:
+            rows.append(BaselineSummary(name, math.inf, 0, False, o.note))
+            continue
+        redo = ", recompute" if o.split.recompute else ""
+        mesh = o.layout.split(";")[0] if o.layout else str(o.submesh)  # the layout summary starts with the mesh
+        note = f"pp={o.stages} x {mesh}, {o.split.schedule} x {o.microbatches} micro-batches{redo}"
+        rows.append(BaselineSummary(name, o.step_time_s, max(o.split.stage_memory_bytes), True, note))
+    return rows
+
+
 def choose(options: Sequence[PipelineOption], stages: int | None = None) -> tuple[PipelineOption | None, str]:
-    """The option to plan (None: no pipeline) and why, from ``search_pipeline``'s options (fastest first).
-    With ``stages`` only that stage count is considered, and its failing to fit is an error."""
+    """The option to plan (None: the plain plan of the whole batch) and why, from ``search_pipeline``'s options
+    (fastest first; recipe rows are not candidates). With ``stages`` only that stage count is considered, and
+    its failing to fit is an error. One stage over several micro-batches (gradient accumulation) is chosen
+    when it is the fastest: the whole batch at once did not fit."""
+    free = [o for o in options if not o.recipe]
     if stages is not None:
-        mine = [o for o in options if o.stages == stages]
+        mine = [o for o in free if o.stages == stages]
         if not mine:
-            counts = sorted({o.stages for o in options})
+            counts = sorted({o.stages for o in free})
             raise ValueError(f"a pp axis of {stages} stages does not split this cluster into equal sub-meshes; "
                              f"possible stage counts: {counts}")
         if mine[0].split is None:
             raise InfeasibleBudget(f"{_describe(mine[0])}; try more stages, a smaller batch or more memory")
         return mine[0], f"pp={stages} fixed by the mesh: {_describe(mine[0])}"
-    ok = [o for o in options if o.split is not None]
+    ok = [o for o in free if o.split is not None]
     if not ok:
-        return None, "no configuration fits the memory budget: " + "; ".join(_describe(o) for o in options)
+        return None, "no configuration fits the memory budget: " + "; ".join(_describe(o) for o in free)
     best = ok[0]
     piped = next((o for o in ok if o.stages > 1), None)
+    if best.stages == 1 and best.microbatches > 1:
+        return best, f"no stages, gradient accumulation over {best.microbatches} micro-batches ({_describe(best)})"
     if best.stages == 1:
         why = f"one stage is fastest ({_describe(best)})"
         return None, why + (f"; best pipelined: {_describe(piped)}" if piped else "; no pipelined option fits")
-    flat = next((o for o in options if o.stages == 1), None)
+    flat = next((o for o in free if o.stages == 1), None)
     return best, _describe(best) + (f" beats {_describe(flat)}" if flat is not None else "")
 
 
@@ -395,18 +425,20 @@ def plan_with_pipeline(
     if progress:
         progress("pipeline", 0.0, "")
     try:
-        options = search_pipeline(model, example_inputs, cluster, config)
+        options = search_pipeline(model, example_inputs, cluster, config, stage_options=[stages] if stages else None,
+                                  baseline=config.warm_start)
     except ValueError as e:  # no repeated layers to split
         if stages is not None:
             raise
         log.info("pipeline: no stages: %s", e)
         return flat()
+    recipes = recipe_rows(options)
     chosen, why = choose(options, stages)
     if progress:
         progress("pipeline", 1.0, why)
     if chosen is None:
         log.info("pipeline: no stages: %s", why)
-        return flat()
+        return _with_rows(flat(), recipes)
     log.info("pipeline: %s", why)
     plan = pipelined_plan(model, example_inputs, cluster, config, chosen, axis_names)
     rows = [flat_summary(options)]
@@ -421,10 +453,15 @@ def plan_with_pipeline(
             if base.step_time_s <= plan.step_time_s:
                 log.info("pipeline: no stages: the plan without stages (%s, recipes weighed) is as fast as %s",
                          format_seconds(base.step_time_s), why)
-                return base
+                return _with_rows(base, recipes)
             rows = [*base.baselines, BaselineSummary(FLAT_NAME, base.step_time_s, base.peak_memory.total, True,
                                                      "the plan of the whole cluster without stages")]
-    return dataclasses.replace(plan, baselines=tuple(r for r in rows if r is not None))
+    return _with_rows(plan, [r for r in rows if r is not None] + recipes)
 
 
-__all__ = ["FLAT_NAME", "choose", "flat_summary", "pipelined_plan", "plan_with_pipeline"]
+def _with_rows(plan: Plan, rows: Sequence[BaselineSummary]) -> Plan:
+    have = {b.name for b in plan.baselines}
+    return dataclasses.replace(plan, baselines=(*plan.baselines, *(r for r in rows if r.name not in have)))
+
+
+__all__ = ["FLAT_NAME", "choose", "flat_summary", "pipelined_plan", "plan_with_pipeline", "recipe_rows"]

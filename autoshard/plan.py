@@ -257,11 +257,12 @@ class Plan:
     format_version: int = FORMAT_VERSION
     chunks: int = 1  # model chunks per pipeline rank (interleaved schedules); each stage's layers hold all of its
     bubble_fraction: float = 0.0  # predicted idle share of the step on the busiest stage (pipelined plans)
+    recompute: bool = False  # pipelined: every layer's forward runs again before its backward (keeps its input only)
 
     def __post_init__(self) -> None:
         _set(self, stages=tuple(self.stages), step_time_s=float(self.step_time_s), microbatches=int(self.microbatches))
         _set(self, baselines=tuple(self.baselines), tokens_per_step=int(self.tokens_per_step))
-        _set(self, chunks=int(self.chunks), bubble_fraction=float(self.bubble_fraction))
+        _set(self, chunks=int(self.chunks), bubble_fraction=float(self.bubble_fraction), recompute=bool(self.recompute))
         if self.microbatches < 1 or self.chunks < 1 or not 0.0 <= self.bubble_fraction < 1.0:
             raise ValueError(
                 f"plan: microbatches {self.microbatches} and chunks {self.chunks} must be >= 1 and bubble_fraction "

@@ -184,13 +184,16 @@ def _ranks_str(r: Sequence[int]) -> str:
 
 def _pipeline_lines(plan: Plan) -> list[str]:
     """Per stage: ranks, sub-mesh, predicted time per micro-batch, memory and layers; then the balance."""
+    redo = "; activation recomputation (layers keep only their inputs)" if plan.recompute else ""
     if len(plan.stages) < 2:
+        if plan.microbatches > 1:
+            return ["", f"no pipeline stages: gradient accumulation over {plan.microbatches} micro-batches{redo}"]
         return []
     chunks = f" ({plan.chunks} model chunks per rank)" if plan.chunks > 1 else ""
     lines = [
         "",
         f"pipeline: {len(plan.stages)} stages, schedule {plan.schedule or '-'}{chunks}, {plan.microbatches} "
-        f"micro-batches, bubble {plan.bubble_fraction:.1%} of the step (predicted)",
+        f"micro-batches, bubble {plan.bubble_fraction:.1%} of the step (predicted){redo}",
         f"  {'stage':<7}{'ranks':<12}{'sub-mesh':<20}{'time / micro-batch':>20}{'memory/device':>16}  layers",
     ]
     for s in plan.stages:

@@ -44,6 +44,10 @@ def test_cli_lists_models_and_clusters(capsys):
          "has 32 devices but cluster 'h100-sxm:2x8' has 16"),
         (["--model", "gpt2-124m", "--cluster", "h100-sxm:2x8", "--global-batch", "3", "--seq", "128"],
          "global batch 3 is not divisible by the data-parallel degree 2"),
+        (["--model", "gpt2-124m", "--cluster", "h100-sxm:2x8", "--mesh", "tp=8,pp=2", "--global-batch", "8"],
+         "'pp' must be the outermost axis"),
+        (["--model", "gpt2-124m", "--cluster", "h100-sxm:2x8", "--mesh", "pp=2,tp=x", "--global-batch", "8"],
+         "cannot parse mesh 'pp=2,tp=x'"),
     ],
 )
 def test_cli_bad_input_is_named(argv, needle, capsys):
@@ -68,3 +72,22 @@ def test_plan_json_round_trip_keeps_baselines(tmp_path):
     plan = autoshard.plan("bert-large", cluster="a100-80gb:1x8", seq=128, global_batch=16)
     again = Plan.from_json(plan.to_json())
     assert again == plan and json.loads(plan.to_json())["baselines"]
+
+
+def test_cli_pipeline_auto_puts_a_stage_on_each_node(tmp_path, capsys):
+    """GPT-2 small at sequence 1024 on 2 A100 nodes (25 GB/s per GPU between them): data parallelism over the
+    nodes would all-reduce every gradient over the network; ``--pipeline auto`` puts a stage on each node instead,
+    says why on stderr, prints the stage table and writes a plan that reads back."""
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--model", "gpt2-124m", "--cluster", "a100-80gb:2x8", "--seq", "1024", "--global-batch", "16",
+            "--pipeline", "auto", "--no-baselines", "--out", str(out)]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "pipeline   done  2 stages of (8,)" in captured.err and "beats no stages" in captured.err
+    assert "pipeline: 2 stages" in captured.out and "1 stage (no pipeline)" in captured.out
+    plan = Plan.from_json(out.read_text())
+    assert plan.mesh.names == ("pp", "dp") and [s.ranks[0] for s in plan.stages] == [0, 8]
+    assert plan.stages[0].layers[0] == "wte" and plan.stages[-1].layers[-1] == "ln_f"
+    assert plan.tokens_per_step == 16 * 1024 and 0 < plan.mfu < 1
+    flat = next(b for b in plan.baselines if b.name == "1 stage (no pipeline)")
+    assert plan.step_time_s < flat.step_time_s

@@ -81,7 +81,11 @@ def test_stage_memory_includes_in_flight_activations(piped: Plan) -> None:
     # stage 0 keeps the most micro-batches in flight under every 1F1B-family schedule, and holds the embeddings
     assert piped.stages[0].memory.activations >= piped.stages[-1].memory.activations
     sends = [c for s in piped.stages for c in s.collectives if c.kind == "send_recv"]
-    assert sends and all(c.axis == "pp" and c.repeat == piped.microbatches for c in sends)
+    # two sends (activation forward, its gradient backward) per micro-batch and model chunk on each rank, each
+    # of this device's share of the boundary activation f32[4 / B, 128, 256] over the stage's 8 devices
+    assert len(sends) == 4 and all(c.axis == "pp" and c.repeat == piped.microbatches * piped.chunks for c in sends)
+    share = 4 // piped.microbatches * 128 * 256 * 4 // 8
+    assert all(abs(c.nbytes - share) <= 1 for c in sends), (share, sends)
 
 
 def test_pipelined_plan_json_round_trip_and_old_json_loads(piped: Plan) -> None:
