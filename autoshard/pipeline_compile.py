@@ -34,7 +34,7 @@ from autoshard import _torch_compat as tc
 from autoshard.cluster import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.pipeline_costs import piece_costs
-from autoshard.pipeline_search import _boundary_bytes, _micro_inputs
+from autoshard.pipeline_search import _boundary_bytes, _micro_inputs, _p2p_s, _with_optimizer
 from autoshard.plan import MeshSpec, Plan
 from autoshard.planner import plan_graph, repeated_layers
 from autoshard.runtime.pipeline import EXECUTABLE_SCHEDULES, LastStage, PipelinedModule, StageModule, TiedParameter
@@ -102,9 +102,13 @@ def choose_pipeline(
             if batch % b:
                 raise ValueError(f"microbatches={b} does not divide the global batch {batch}")
             _, gm, ctx = plan_graph(model, _micro_inputs(inputs, b), submesh, cluster, inner, broadcast_solution=True)
-            head, layers, tail = piece_costs(gm, ctx)
-            link = cluster.inter_node if cluster.nodes > 1 else cluster.intra_node
-            p2p = link.latency + _boundary_bytes(gm, ctx) / link.bandwidth
+            dev, f = cluster.device, config.optimizer_factor
+            head, layers, tail = piece_costs(gm, ctx)  # each piece also runs its optimizer step once per step
+            head, tail = _with_optimizer(head, dev, f), _with_optimizer(tail, dev, f)
+            layers = [_with_optimizer(c, dev, f) for c in layers]
+            # boundaries here are whole (Replicate): every device sends the whole activation, not its share
+            k = math.prod(sub_shape)
+            p2p = _p2p_s(cluster, k, stages, _boundary_bytes(gm, ctx) * k)
             split = best_split(layers, head, tail, stages, b, config.memory_budget, p2p, schedules)
             log.info("pipeline: %d stages of %s, %d micro-batches: %s", stages, sub_shape, b,
                      f"{split.step_time_s:.6f} s ({split.schedule} x{split.chunks})" if split else "no split fits")
@@ -228,6 +232,8 @@ def compile_pipelined(
         solver=stage_plans[0].solver,
         schedule=split.schedule,
         microbatches=M,
+        chunks=split.chunks,
+        bubble_fraction=split.bubble_fraction,
         model=type(model).__name__,
         memory_budget_bytes=stage_plans[0].memory_budget_bytes,
     )
