@@ -110,3 +110,19 @@ def test_auto_weighs_stages_and_keeps_none_for_a_small_model():
     assert len(autoshard.Plan.from_json(results[0]["plan"]).stages) == 1
     for got in results:
         assert abs(got["loss"] - ref.losses[0]) < 1e-5
+
+
+def _no_layers(rank: int, world: int, arg: None) -> str:
+    from autoshard.models.mlp import MLP, mlp_example_inputs
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    try:
+        autoshard.compile(MLP(32, 64, 32), mesh, mlp_example_inputs(16, 32, 32), backend="eager")
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_pp_axis_on_a_model_without_repeated_layers_is_a_clear_error():
+    msg = run_gloo(2, _no_layers, None)[0]
+    assert "MLP has no nn.ModuleList of identical blocks" in msg and "pp" in msg
