@@ -162,10 +162,14 @@ def _stage_examples(pipe: Any, mb_inputs: Sequence[torch.Tensor], routes: tuple)
         with fake:
             out = pipe.get_stage_module(k)(*[fake.from_tensor(a) for a in args])
         out = out if isinstance(out, tuple) else (out,)
-        ins.append(tuple(torch.zeros(a.shape, dtype=a.dtype) for a in args))
-        cur = tuple(torch.zeros(o.shape, dtype=o.dtype) for o in out)
+        ins.append(tuple(_like(a) for a in args))
+        cur = tuple(_like(o) for o in out)  # a float output derived from parameters requires grad
         outs.append(cur)
     return ins, outs
+
+
+def _like(t: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(t.shape, dtype=t.dtype).requires_grad_(t.requires_grad)
 
 
 def compile_pipelined(
@@ -208,8 +212,7 @@ def compile_pipelined(
         pins.update({f"input[{i}]": rep for i in range(n_recv)})
         pins.update({p: placements[p] for p in pnames if p in placements})
         cfg = dataclasses.replace(config, constraints=pins, warm_start=False)
-        args = [a.requires_grad_(i < n_recv and a.is_floating_point()) for i, a in enumerate(ex_in[k])]
-        plan, gm, ctx = plan_graph(mod, args, submesh, cluster, cfg, broadcast_solution=True, stage=True)
+        plan, gm, ctx = plan_graph(mod, ex_in[k], submesh, cluster, cfg, broadcast_solution=True, stage=True)
         for p, pl in plan.parameter_placements().items():
             placements.setdefault(p, pl)
         for p in pnames:
@@ -240,7 +243,7 @@ def compile_pipelined(
     # what each stage receives and sends (the last one's target comes from the schedule, not a send); received
     # float activations need their gradient, which pipelining reads off this metadata
     def meta(ts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        return tuple(t.detach().requires_grad_(t.is_floating_point()) for t in ts)
+        return tuple(t.detach().requires_grad_(t.requires_grad) for t in ts)
 
     received = {k: ex_in[k][:-1] if k == n - 1 and routes[1] else ex_in[k] for k in local}
     stage_in = {k: meta(v) if k > 0 else tuple(t.detach() for t in v) for k, v in received.items()}

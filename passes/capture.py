@@ -155,6 +155,17 @@ def _inherit_modules(gm: fx.GraphModule) -> None:
             node.meta["autoshard_module"] = max(ins, key=order.__getitem__).meta["autoshard_module"]
 
 
+def _drop_assertions(gm: fx.GraphModule) -> None:
+    """Remove metadata assertions (``_assert_tensor_metadata`` from an exported ``.to()``, as in the stage modules
+    ``torch.distributed.pipelining`` cuts): checks of the traced program with no value to place or run."""
+    aten = torch.ops.aten
+    asserts = {aten._assert_tensor_metadata.default, aten._assert_scalar.default, aten._assert_async.msg}
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in asserts and not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
 def capture(model: nn.Module, example_inputs: Sequence[Any], ctx: PassContext) -> fx.GraphModule:
     """``ctx.stage`` (a pipeline stage): every output is kept (role "output", one tangent each) and inputs that
     require grad get their gradient as an output (role "input_grad"); otherwise the first output is the loss."""
@@ -166,6 +177,7 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], ctx: PassContext) -
     with contextlib.ExitStack() as stack:
         stack.enter_context(_annotate_modules(traced))
         gm = tc.export_joint(stack, wrapper, args, fake_mode, decompositions=tc.planning_decompositions())
+    _drop_assertions(gm)
     out_node = gm.graph.find_nodes(op="output")[0]
     roles = tc.output_roles(out_node)
     loss_val = out_node.args[0][0].meta.get("val") if out_node.args[0] else None

@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
+from autoshard.models.llama import Llama, LlamaConfig, llama_example_inputs
 from harness import Reference, assert_close_to_reference, run_gloo, single_device_reference
 from numerics_utils import LR, PARAM_ATOL, _full
 
@@ -26,11 +27,24 @@ def _inputs() -> tuple[torch.Tensor, ...]:
     return gpt_example_inputs(PP_CFG, BATCH)
 
 
+LLAMA_CFG = LlamaConfig(n_layer=4, d_model=32, n_head=4, n_kv_head=2, ffn=64, vocab=64, seq_len=16)
+
+
+def make_pp_llama() -> Llama:
+    torch.manual_seed(0)
+    return Llama(LLAMA_CFG)
+
+
+# name -> (make model, make global inputs); Llama's rotary tables cross stage boundaries as gradient-free outputs
+MODELS = {"gpt": (make_pp_gpt, _inputs), "llama": (make_pp_llama, lambda: llama_example_inputs(LLAMA_CFG, BATCH))}
+
+
 def _train(rank: int, world: int, arg: tuple) -> dict:
     shape, names, kw = arg
+    make, inputs_fn = MODELS[kw.pop("model", "gpt")]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    inputs = _inputs()
-    sharded = autoshard.compile(make_pp_gpt(), mesh, inputs, **kw)
+    inputs = inputs_fn()
+    sharded = autoshard.compile(make(), mesh, inputs, **kw)
     opt = torch.optim.AdamW(sharded.parameters(), lr=LR)
     losses, grads = [], {}
     for step in range(3):
@@ -54,7 +68,8 @@ def _run(shape: tuple[int, ...], names: tuple[str, ...], **kw) -> list[dict]:
     for s in shape:
         world *= s
     results = run_gloo(world, _train, (shape, names, dict(kw, backend=kw.get("backend", "eager"))))
-    ref = single_device_reference(make_pp_gpt, _inputs(), steps=3, lr=LR)
+    make, inputs_fn = MODELS[kw.get("model", "gpt")]
+    ref = single_device_reference(make, inputs_fn(), steps=3, lr=LR)
     held: set[str] = set()
     for r, got in enumerate(results):
         held |= set(got["params"])
@@ -73,8 +88,9 @@ def _run(shape: tuple[int, ...], names: tuple[str, ...], **kw) -> list[dict]:
                                 "constraints": {"params": {"tp": "S(0)"}}}),
         ((4,), ("pp",), {"schedule": "1F1B", "microbatches": 4}),
         ((2,), ("pp",), {"schedule": "Interleaved1F1B", "microbatches": 2}),
+        ((2,), ("pp",), {"schedule": "1F1B", "microbatches": 2, "model": "llama"}),
     ],
-    ids=["2x2-1f1b", "2x2-tp-gpipe", "4-stages-1f1b", "2x2chunks-interleaved"],
+    ids=["2x2-1f1b", "2x2-tp-gpipe", "4-stages-1f1b", "2x2chunks-interleaved", "llama-2-stages"],
 )
 def test_pipeline_matches_single_device(shape, names, kw):
     results = _run(shape, names, **kw)

@@ -45,6 +45,10 @@ class _RunStage(torch.autograd.Function):
         outs, saved = program.forward_many(flat)
         ctx.program, ctx.saved, ctx.grad_slots, ctx.n_flat = program, saved, grad_slots, len(flat)
         ctx.out_meta = [(o.shape, o.dtype, o.device) for o in outs]
+        # outputs with no tangent in the captured program (tables derived from buffers, integer tensors) carry
+        # no gradient: say so, so that pipelining neither waits for nor sends one
+        with_grad = set(program.tangent_of)
+        ctx.mark_non_differentiable(*[o for i, o in enumerate(outs) if i not in with_grad])
         return tuple(outs) if len(outs) > 1 else outs[0]
 
     @staticmethod

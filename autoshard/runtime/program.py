@@ -38,6 +38,9 @@ class CompiledProgram:
         self.n_out = sum(1 for r in ctx.output_roles if r.kind in ("loss", "output"))
         with ctx.timed("partition"):
             self.fw_gm, self.bw_gm = tc.partition_joint(self.joint, num_fwd_outputs=self.n_out)
+        # which forward outputs have a tangent (those that require grad), in tangent order
+        self.tangent_of = [n.meta["autoshard_role"].index for n in gm.graph.find_nodes(op="placeholder")
+                           if n.meta["autoshard_role"].kind == "tangent"]
         self.backend = backend
         self.n_saved = len(self.fw_gm.graph.find_nodes(op="output")[0].args[0]) - self.n_out
         self._fw = self._bw = None
@@ -57,8 +60,9 @@ class CompiledProgram:
         return outs[: self.n_out], outs[self.n_out :]
 
     def backward_many(self, saved: list[torch.Tensor], grad_outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Gradients (parameters, then inputs that require grad) from the saved tensors and each output's grad."""
-        args = list(saved) + list(grad_outs)
+        """Gradients (parameters, then inputs that require grad) from the saved tensors and each output's grad
+        (``grad_outs`` has one per forward output; those of outputs without a tangent are ignored)."""
+        args = list(saved) + [grad_outs[i] for i in self.tangent_of]
         if self._bw is None:
             self._bw = self._compile(self.bw_gm, args)
         return list(self._bw(args))
