@@ -38,7 +38,7 @@ from autoshard.cluster import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.notation import format_bytes, format_seconds
 from autoshard.offline import mesh_names
-from autoshard.pipeline_search import PipelineOption, optimizer_step_s, search_pipeline, stage_meshes
+from autoshard.pipeline_search import BASELINE, PipelineOption, optimizer_step_s, search_pipeline, stage_meshes
 from autoshard.plan import BaselineSummary, CollectiveStat, MemoryBreakdown, MeshSpec, Plan, StagePlan
 from autoshard.solver.inter_op import PieceCost
 from autoshard.solver.intra_op import InfeasibleBudget
@@ -291,7 +291,9 @@ def pipelined_plan(
     world = math.prod(sub_shape)
     per = cluster.devices_per_node
     sub_cluster = cluster.with_size(max(1, world // per), min(world, per))
-    inner = dataclasses.replace(config, memory_budget=None, warm_start=False)
+    # the stage layout the search costed: the free intra-op plan, or the recipe it fell back to when the free
+    # plan's stages did not fit (option.recipe)
+    inner = dataclasses.replace(config, memory_budget=None, warm_start=False, recipe=option.recipe or None)
     with fake_world(world):
         dm = init_device_mesh("cpu", sub_shape, mesh_dim_names=default)
         sub, gm, ctx = plan_graph(model, _micro_inputs(example_inputs, split.microbatches), dm, sub_cluster, inner)
@@ -317,11 +319,13 @@ def pipelined_plan(
         recompute=split.recompute,
         memory_budget_bytes=int(config.memory_budget or 0),
         sampled_layers=sub.sampled_layers,
+        recipe=option.recipe,
     )
 
 
 def _describe(o: PipelineOption) -> str:
     what = "no stages" if o.stages == 1 else f"{o.stages} stages of {o.submesh}"
+    what += f" ({o.recipe} layout)" if o.recipe else ""
     if o.split is None:
         return f"{what}: {o.note or 'no split fits'}"
     if o.stages == 1:
@@ -331,7 +335,7 @@ def _describe(o: PipelineOption) -> str:
 
 def flat_summary(options: Sequence[PipelineOption]) -> BaselineSummary | None:
     """The fastest 1-stage option (the intra-op plan of the whole cluster) as a row of the recipe comparison."""
-    flat = next((o for o in options if o.stages == 1 and not o.recipe), None)
+    flat = next((o for o in options if o.stages == 1 and o.recipe != BASELINE), None)
     if flat is None:
         return None
     if flat.split is None:
@@ -341,12 +345,12 @@ def flat_summary(options: Sequence[PipelineOption]) -> BaselineSummary | None:
 
 
 def recipe_rows(options: Sequence[PipelineOption]) -> list[BaselineSummary]:
-    """Fixed pipeline recipes among the options (Megatron's "pp+tp+dp") as rows of the recipe comparison."""
+    """Megatron's recipe ("pp+tp+dp") among the options as a row of the recipe comparison."""
     rows = []
     for o in options:
-        if not o.recipe or o.stages < 1:
+        if o.recipe != BASELINE:
             continue
-        name = o.recipe if o.recipe == "pp+tp+dp" else f"pp={o.stages} + {o.recipe}"
+        name = BASELINE
         if o.split is None:
             rows.append(BaselineSummary(name, math.inf, 0, False, o.note))
             continue
@@ -359,16 +363,15 @@ def recipe_rows(options: Sequence[PipelineOption]) -> list[BaselineSummary]:
 
 def choose(options: Sequence[PipelineOption], stages: int | None = None) -> tuple[PipelineOption | None, str]:
     """The option to plan (None: the plain plan of the whole batch) and why, from ``search_pipeline``'s options
-    (fastest first; recipe rows are not candidates). With ``stages`` only that stage count is considered, and
+    (fastest first; Megatron's recipe row is not a candidate). With ``stages`` only that stage count is considered, and
     its failing to fit is an error. One stage over several micro-batches (gradient accumulation) is chosen
     when it is the fastest: the whole batch at once did not fit."""
-    free = [o for o in options if not o.recipe]
+    free = [o for o in options if o.recipe != BASELINE]
     if stages is not None:
         mine = [o for o in free if o.stages == stages]
         if not mine:
-            counts = sorted({o.stages for o in free})
-            raise ValueError(f"a pp axis of {stages} stages does not split this cluster into equal sub-meshes; "
-                             f"possible stage counts: {counts}")
+            raise ValueError(f"no {stages}-stage configuration was planned: each stage needs at least one of the "
+                             "model's repeated layers (a ModuleList of identical blocks); use fewer stages")
         if mine[0].split is None:
             raise InfeasibleBudget(f"{_describe(mine[0])}; try more stages, a smaller batch or more memory")
         return mine[0], f"pp={stages} fixed by the mesh: {_describe(mine[0])}"
@@ -422,16 +425,18 @@ def plan_with_pipeline(
     """
     if stages is not None:
         _check_stages(cluster, stages, sub_shape)
+    from autoshard.planner import repeated_layers
+
+    if repeated_layers(model) is None:
+        why = f"{type(model).__name__} has no repeated layers (a ModuleList of identical blocks) to split into stages"
+        if stages is not None:
+            raise ValueError(f"a pp axis of {stages} stages: {why}; plan it without a pp axis")
+        log.info("pipeline: no stages: %s", why)
+        return flat()
     if progress:
         progress("pipeline", 0.0, "")
-    try:
-        options = search_pipeline(model, example_inputs, cluster, config, stage_options=[stages] if stages else None,
-                                  baseline=config.warm_start)
-    except ValueError as e:  # no repeated layers to split
-        if stages is not None:
-            raise
-        log.info("pipeline: no stages: %s", e)
-        return flat()
+    options = search_pipeline(model, example_inputs, cluster, config, stage_options=[stages] if stages else None,
+                              baseline=config.warm_start)
     recipes = recipe_rows(options)
     chosen, why = choose(options, stages)
     if progress:

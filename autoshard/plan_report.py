@@ -128,12 +128,17 @@ def _memory_line(m: MemoryBreakdown, label: str) -> str:
     )
 
 
+def _pipelined(plan: Plan) -> bool:
+    return len(plan.stages) > 1 or plan.microbatches > 1
+
+
 def _baseline_lines(plan: Plan) -> list[str]:
     """The plan next to every manual recipe, in the same cost model; ratio = recipe time / plan time."""
     if not plan.baselines:
         return []
     budget = plan.memory_budget_bytes
-    rows = [("autoshard" if not plan.recipe else plan.recipe, plan.step_time_s, plan.peak_memory.total, True, "")]
+    piped = _pipelined(plan)
+    rows = [("autoshard" if piped or not plan.recipe else plan.recipe, plan.step_time_s, plan.peak_memory.total, True, "")]
     rows += [(b.name, b.step_time_s, b.peak_memory_bytes, b.fits, b.note) for b in plan.baselines]
     w = max(len(r[0]) for r in rows) + 2
     lines = ["", f"{'vs manual recipes':<{w}}{'step':>12}{'x plan':>9}{'memory/device':>16}  fits  note"]
@@ -147,7 +152,7 @@ def _baseline_lines(plan: Plan) -> list[str]:
         ratio = t / plan.step_time_s if plan.step_time_s > 0 else math.nan
         lines.append(f"  {name:<{w - 2}}{format_seconds(t):>12}{ratio:>8.2f}x{format_bytes(mem):>16}  {fit:<5} {note}".rstrip())
     best = plan.best_baseline()
-    if best is not None and not plan.recipe:
+    if best is not None and (piped or not plan.recipe):
         gain = best.step_time_s / plan.step_time_s if plan.step_time_s > 0 else math.nan
         lines.append(f"best recipe that fits: {best.name}; the plan is {gain:.2f}x as fast")
     return lines
@@ -227,7 +232,9 @@ def report_lines(plan: Plan, *, collapse: bool, max_rows: int) -> list[str]:
         f"gap {sv.gap:.1%}  groups {sv.groups}  variables {sv.variables}  shared layers {sv.shared_layers}  "
         f"({format_seconds(sv.wall_s)})",
     ]
-    if plan.recipe:
+    if plan.recipe and _pipelined(plan):
+        lines.append(f"stage layout: recipe {plan.recipe} (the free layout's stages do not fit the memory budget)")
+    elif plan.recipe:
         lines.append(f"manual recipe: {plan.recipe} (parameter and batch layouts pinned, the rest solved)")
     if plan.tokens_per_step and plan.step_time_s > 0:
         mfu = f"  MFU {plan.mfu:.1%}" if plan.peak_flops_per_device and plan.model_flops_per_step else ""

@@ -146,3 +146,48 @@ def test_pipeline_mode_is_checked() -> None:
     model, inputs = _deep_narrow()
     with pytest.raises(ValueError, match="pipeline='always' is not known"):
         autoshard.plan(model, example_inputs=inputs, cluster="a100-80gb:2x8", pipeline="always")
+
+
+def test_a_model_without_repeated_layers_gets_no_stages(caplog: pytest.LogCaptureFixture) -> None:
+    class Mlp(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(64, 256), torch.nn.Linear(256, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc2(torch.relu(self.fc1(x))).square().mean()
+
+    with torch.device("meta"):
+        model = Mlp()
+    x = torch.randn(16, 64, device="meta")
+    with caplog.at_level(logging.INFO, logger="autoshard.pipeline_plan"):
+        plan = autoshard.plan(model, example_inputs=(x,), cluster="a100-80gb:2x8", pipeline="auto", warm_start=False)
+    assert len(plan.stages) == 1 and plan.mesh.names == ("dp", "tp")
+    assert any("no stages" in m and "repeated layers" in m for m in caplog.messages), caplog.messages
+
+
+def test_pipeline_planning_needs_the_offline_path() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autoshard.offline import fake_world
+
+    model, inputs = _deep_narrow()
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+        with pytest.raises(ValueError, match="pipeline planning runs on the offline path"):
+            autoshard.plan(model, mesh, inputs, pipeline="auto")
+
+
+def test_a_tight_memory_budget_is_met_by_every_stage() -> None:
+    """At 25 MiB per device the deep, narrow model's plan without stages needs sharded parameters on the slow
+    network; the pipelined plan fits every stage (recomputing activations if it must) and is faster."""
+    with torch.device("meta"):
+        model = GPT(DEEP)
+    budget = 25 * 2**20
+    plan = autoshard.plan(model, example_inputs=gpt_example_inputs(DEEP, 8), cluster="a100-80gb:2x8",
+                          pipeline="auto", warm_start=False, memory_budget=budget)
+    assert len(plan.stages) == 2 and plan.memory_budget_bytes == budget
+    assert all(0 < s.memory.total <= budget for s in plan.stages)
+    flat = next(b for b in plan.baselines if b.name == FLAT_NAME)
+    assert plan.step_time_s < flat.step_time_s
+    assert ("activation recomputation" in plan.report()) == plan.recompute
