@@ -29,10 +29,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from autoshard.notation import parse_placements
 from autoshard.plan import Plan
+from autoshard.runtime.sharded_module import distribute_parameters, scatter_grads
 
 log = logging.getLogger(__name__)
 
@@ -59,36 +60,7 @@ class _RunStage(torch.autograd.Function):
         ]
         grads = ctx.program.backward_many(ctx.saved, grads_in)
         ctx.saved = None
-        full: list[torch.Tensor | None] = [None] * ctx.n_flat
-        for slot, g in zip(ctx.grad_slots, grads):
-            full[slot] = g
-        return (None, None, *full)
-
-
-def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
-    path, _, leaf = name.rpartition(".")
-    return (module.get_submodule(path) if path else module), leaf
-
-
-def distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: dict[str, str]) -> None:
-    """Replace every parameter named in ``placements`` by an ``nn.Parameter`` holding a DTensor with those
-    placements (a copy of its value), in place; aliases of one parameter stay aliases."""
-    seen: set[int] = set()
-    for name, p in list(module.named_parameters(remove_duplicate=False)):
-        if id(p) in seen or name not in placements:
-            continue
-        seen.add(id(p))
-        if p.device.type == "meta":
-            raise ValueError(
-                f"parameter {name} is on the meta device; autoshard.compile needs real values. Materialize the "
-                "model (to_empty + init) first, or use autoshard.plan for planning only."
-            )
-        dt = distribute_tensor(p.detach().to(mesh.device_type), mesh, parse_placements(placements[name]))
-        new = nn.Parameter(dt, requires_grad=p.requires_grad)
-        for alias, q in module.named_parameters(remove_duplicate=False):
-            if q is p:
-                owner, leaf = _owner(module, alias)
-                setattr(owner, leaf, new)
+        return (None, None, *scatter_grads(grads, ctx.grad_slots, ctx.n_flat))
 
 
 class StageModule(nn.Module):
@@ -269,5 +241,4 @@ def _no_loss(output: Any, target: Any) -> Any:
     raise RuntimeError("internal: only the last pipeline stage computes the loss")
 
 
-__all__ = ["EXECUTABLE_SCHEDULES", "LastStage", "PipelinedModule", "StageModule", "TiedParameter",
-           "distribute_parameters", "schedule_class"]
+__all__ = ["EXECUTABLE_SCHEDULES", "LastStage", "PipelinedModule", "StageModule", "TiedParameter", "schedule_class"]

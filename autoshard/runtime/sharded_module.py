@@ -39,15 +39,42 @@ class _RunProgram(torch.autograd.Function):
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple:
         grads = ctx.program.backward(ctx.saved, grad_loss)
         ctx.saved = None
-        full: list[torch.Tensor | None] = [None] * ctx.n_flat
-        for slot, g in zip(ctx.grad_slots, grads):
-            full[slot] = g
-        return (None, None, *full)
+        return (None, None, *scatter_grads(grads, ctx.grad_slots, ctx.n_flat))
+
+
+def scatter_grads(grads: Sequence[torch.Tensor], slots: Sequence[int], n: int) -> list[torch.Tensor | None]:
+    """The program's gradients placed at their inputs' positions among ``n`` flat inputs (None elsewhere)."""
+    full: list[torch.Tensor | None] = [None] * n
+    for slot, g in zip(slots, grads):
+        full[slot] = g
+    return full
 
 
 def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     path, _, leaf = name.rpartition(".")
     return (module.get_submodule(path) if path else module), leaf
+
+
+def distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: dict[str, str]) -> None:
+    """Replace every parameter named in ``placements`` by an ``nn.Parameter`` holding a DTensor with those
+    placements (a copy of its value), in place, as ``fully_shard`` does; aliases of one parameter (tied weights)
+    all get the same new parameter."""
+    seen: set[int] = set()
+    for name, p in list(module.named_parameters(remove_duplicate=False)):
+        if id(p) in seen or name not in placements:
+            continue
+        seen.add(id(p))
+        if p.device.type == "meta":
+            raise ValueError(
+                f"parameter {name} is on the meta device; autoshard.compile needs real values. Materialize the "
+                "model (to_empty + init) first, or use autoshard.plan for planning only."
+            )
+        dt = distribute_tensor(p.detach().to(mesh.device_type), mesh, parse_placements(placements[name]))
+        new = nn.Parameter(dt, requires_grad=p.requires_grad)
+        for alias, q in module.named_parameters(remove_duplicate=False):
+            if q is p:
+                owner, leaf = _owner(module, alias)
+                setattr(owner, leaf, new)
 
 
 class ShardedModule(nn.Module):
@@ -66,24 +93,7 @@ class ShardedModule(nn.Module):
         self._buffer_names = [t.name for t in plan.stages[0].tensors if t.role == "buffer"]
         self._inputs = [t for t in plan.stages[0].tensors if t.role == "input"]
         self._inputs.sort(key=lambda t: int(t.name[len("input[") : -1]))
-        seen: set[int] = set()
-        for name, p in list(model.named_parameters(remove_duplicate=False)):
-            if id(p) in seen or name not in placements:
-                continue
-            seen.add(id(p))
-            if p.device.type == "meta":
-                raise ValueError(
-                    f"parameter {name} is on the meta device; autoshard.compile needs real values. Materialize the "
-                    "model (to_empty + init) first, or use autoshard.plan for planning only."
-                )
-            pl = parse_placements(placements[name])
-            dt = distribute_tensor(p.detach().to(mesh.device_type), mesh, pl)
-            new = nn.Parameter(dt, requires_grad=p.requires_grad)
-            # tied parameters: every alias of p gets the same new parameter
-            for alias, q in model.named_parameters(remove_duplicate=False):
-                if q is p:
-                    owner, leaf = _owner(model, alias)
-                    setattr(owner, leaf, new)
+        distribute_parameters(model, mesh, placements)
 
     def _flat_params(self) -> list[torch.Tensor]:
         params = dict(self.module.named_parameters(remove_duplicate=False))
