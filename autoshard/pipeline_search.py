@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,12 +112,12 @@ def _with_optimizer(c: PieceCost, device: DeviceSpec, factor: int) -> PieceCost:
     return dataclasses.replace(c, step_s=c.step_s + optimizer_step_s(c.state_bytes, device, factor))
 
 
-def _boundary_bytes(gm: Any, ctx: Any) -> int:
-    """Global bytes of the activation entering the first repeated layer (what a stage boundary sends)."""
+def _boundary_node(gm: Any, ctx: Any) -> Any:
+    """The largest activation entering the first repeated layer from outside (what a stage boundary sends)."""
     from autoshard.passes.coarsen import layer_key
 
     group_of = {name: g for g in ctx.groups for name in g.members}
-    best = 0
+    best, size = None, 0
     for node in gm.graph.nodes:
         g = group_of.get(node.name)
         if g is None or g.phase != "forward" or layer_key(g.module) is None:
@@ -126,10 +126,17 @@ def _boundary_bytes(gm: Any, ctx: Any) -> int:
             src = group_of.get(a.name)
             v = a.meta.get("val")
             if src is not None and layer_key(src.module) is None and src.kind == "op" and isinstance(v, torch.Tensor):
-                best = max(best, v.numel() * v.element_size())
-        if best:
+                if v.numel() * v.element_size() > size:
+                    best, size = a, v.numel() * v.element_size()
+        if best is not None:
             return best
     return best
+
+
+def _boundary_bytes(gm: Any, ctx: Any) -> int:
+    """Global bytes of the activation entering the first repeated layer (what a stage boundary sends)."""
+    node = _boundary_node(gm, ctx)
+    return 0 if node is None else node.meta["val"].numel() * node.meta["val"].element_size()
 
 
 def _micro_inputs(inputs: Sequence[Any], parts: int) -> tuple:
@@ -142,13 +149,17 @@ def _micro_inputs(inputs: Sequence[Any], parts: int) -> tuple:
     return tuple(out)
 
 
-def layout_summary(plan: Any, limit: int = 6) -> str:
-    """The mesh and the placements of the first input and of the weight matrices (one line per distinct
-    parameter name, layer indices folded to ``*``), e.g. ``dp=6 x tp=8; tokens [S(0), R]; wte [S(0), S(1)]``."""
+def layout_summary(plan: Any, limit: int = 6, activation: str = "") -> str:
+    """The mesh, ``activation`` (e.g. the layers' input placement) and the placements of the first input and of
+    the weight matrices (one entry per distinct parameter name, layer indices folded to ``*``), e.g.
+    ``dp=6 x tp=8; act [S(0), R]; tokens [S(0), R]; wte [S(0), S(1)]``."""
     import re
 
     stage = plan.stages[0]
     parts = [" x ".join(f"{n}={s}" for n, s in zip(plan.mesh.names, plan.mesh.shape))]
+    limit += bool(activation)
+    if activation:
+        parts.append(activation)
     seen: set[str] = set()
     inputs = [t for t in stage.tensors if t.role == "input"]
     weights = [t for t in stage.tensors if t.role == "parameter" and len(t.shape) >= 2]
@@ -177,26 +188,60 @@ def _p2p_s(cluster: ClusterProfile, world: int, stages: int, boundary: int) -> f
     return link.latency + boundary / max(1, world) / link.bandwidth
 
 
-def _plan_pieces(
+SplitFn = Callable[[PieceCost, list[PieceCost], PieceCost, float, int | None], StageSplit | None]
+FALLBACK_RECIPES = ("fsdp+tp", "fsdp", "tp", "ddp")
+
+
+def _plan_split(
     model: nn.Module, inputs: Sequence[Any], sub: tuple[int, ...], names: tuple[str, ...], cluster: ClusterProfile,
-    config: PlanConfig, microbatches: int, stages: int,
-) -> tuple[tuple[PieceCost, list[PieceCost], PieceCost], float, str]:
-    """Plan the whole model on one stage's sub-mesh at the micro-batch size: (pieces with the optimizer step,
-    one boundary send's time, layout summary)."""
+    config: PlanConfig, microbatches: int, stages: int, split: SplitFn, budget: int | None,
+    fallback: Sequence[str] = (),
+) -> tuple[StageSplit | None, str, str]:
+    """Plan the whole model on one stage's sub-mesh at the micro-batch size, cost its pieces (with the optimizer
+    step) and split them with ``split(head, layers, tail, p2p_s, budget)``: (split, layout summary, recipe).
+
+    The intra-op plan is solved for time alone (a stage's budget is not a budget on the whole model). When
+    memory binds (its split does not fit ``budget``, or fits only slower than it would without it), the
+    ``fallback`` recipes that apply to the sub-mesh are solved on the same program (``baselines.solve_recipe``)
+    and the fastest split of all is kept, the recipe's name in the third field."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autoshard.planner import plan_graph
+    from autoshard.baselines import applicable, solve_recipe
+    from autoshard.notation import placement_str
+    from autoshard.passes.solve import annotate
+    from autoshard.planner import build_plan, plan_graph
 
     world = math.prod(sub)
+    dev, f = cluster.device, config.optimizer_factor
     with fake_world(world):
         mesh = init_device_mesh("cpu", sub, mesh_dim_names=names)
         plan, gm, ctx = plan_graph(model, _micro_inputs(inputs, microbatches), mesh, _sub_cluster(cluster, world),
                                    config)
-        head, layers, tail = piece_costs(gm, ctx)
-        boundary = _boundary_bytes(gm, ctx)
-    dev, f = cluster.device, config.optimizer_factor
-    pieces = (_with_optimizer(head, dev, f), [_with_optimizer(c, dev, f) for c in layers], _with_optimizer(tail, dev, f))
-    return pieces, _p2p_s(cluster, world, stages, boundary), layout_summary(plan)
+        node = _boundary_node(gm, ctx)
+        p2p = _p2p_s(cluster, world, stages, 0 if node is None else node.meta["val"].numel() * node.meta["val"].element_size())
+
+        def pieces(sol: Any) -> tuple[PieceCost, list[PieceCost], PieceCost]:
+            head, layers, tail = piece_costs(gm, ctx, sol)
+            return (_with_optimizer(head, dev, f), [_with_optimizer(c, dev, f) for c in layers],
+                    _with_optimizer(tail, dev, f))
+
+        def cost(sol: Any, p: Any, recipe: str) -> tuple[StageSplit | None, str, str]:
+            act = "" if node is None else f"act [{', '.join(placement_str(x) for x in node.meta['autoshard'].outputs[0])}]"
+            return split(*pieces(sol), p2p, budget), layout_summary(p, activation=act), recipe
+
+        best = cost(ctx.solution, plan, config.recipe or "")
+        free = split(*pieces(ctx.solution), p2p, None) if fallback and best[0] is not None else None
+        if best[0] is None or (free is not None and free.step_time_s < best[0].step_time_s * (1 - 1e-9)):
+            for recipe in (r for r in fallback if r in applicable(sub)):
+                res = solve_recipe(recipe, gm, ctx)
+                if res.solution is None:
+                    continue
+                annotate(gm, ctx, res.solution)
+                got = cost(res.solution, build_plan(gm, ctx, res.solution, recipe=recipe), recipe)
+                if got[0] is not None and (best[0] is None or got[0].step_time_s < best[0].step_time_s):
+                    best = got
+            annotate(gm, ctx)
+    return best
 
 
 def search_pipeline(
@@ -209,79 +254,116 @@ def search_pipeline(
     *,
     recompute: bool | None = None,
     stage_options: Sequence[int] | None = None,
+    walk_stages: bool = False,
     baseline: bool = False,
 ) -> list[PipelineOption]:
     """Every (stages, micro-batches) configuration's best split, fastest first. ``config.memory_budget`` is
     the per-device budget each stage must fit. ``recompute``: None lets each split use activation recomputation
-    where only it fits (or it is faster); True/False fixes it. ``stage_options`` limits the stage counts tried;
-    ``baseline`` adds Megatron's recipe (:func:`megatron_baseline`) to the options."""
+    where only it fits (or it is faster); True/False fixes it. ``stage_options`` limits the stage counts tried.
+    ``walk_stages`` plans only some stage counts: from :func:`stage_start` towards the faster neighbour while
+    it gets faster (the step time taken to be unimodal in S, as in B), instead of every one. ``baseline`` adds
+    Megatron's recipe (:func:`megatron_baseline`) to the options."""
     from autoshard.planner import repeated_layers
 
-    batch = int(example_inputs[0].shape[0])
-    budget = config.memory_budget
-    inner = dataclasses.replace(config, memory_budget=None, warm_start=False)
     found = repeated_layers(model)
     depth = found[1] if found else None
-    options: list[PipelineOption] = []
-    for stages, sub in stage_meshes(cluster):
-        if stage_options is not None and stages not in stage_options:
-            continue
-        if depth is not None and stages > depth:
-            continue  # a stage needs at least one layer
-        world = math.prod(sub)
-        counts = microbatch_counts(batch, stages, world, cluster.devices_per_node)
-        if not counts:
-            options.append(PipelineOption(stages, sub, 0, None, f"global batch {batch} has no multiple of {stages}"))
-            continue
+    ladder = [(s, sub) for s, sub in stage_meshes(cluster)
+              if (stage_options is None or s in stage_options) and (depth is None or s <= depth)]
+    per_stages: dict[int, list[PipelineOption]] = {}
 
-        def attempt(b: int, stages: int = stages, sub: tuple[int, ...] = sub, world: int = world) -> PipelineOption:
-            (head, layers, tail), p2p, layout = _plan_pieces(model, example_inputs, sub, mesh_names(sub), cluster,
-                                                             inner, b, stages)
-            # one stage runs the micro-batches one after another: 1F1B with S = 1 is gradient accumulation
-            sched = ("GPipe",) if b == 1 else ("1F1B",) if stages == 1 else schedules
-            split = best_split(layers, head, tail, stages, b, budget, p2p, sched, recompute=recompute)
-            note = "" if split is not None else "no split fits the memory budget"
-            log.info("pipeline: %d stages of %s, %d micro-batches: %s", stages, sub, b,
-                     f"{split.step_time_s:.6f} s ({split.schedule}{', recompute' if split.recompute else ''})"
-                     if split else note)
-            return PipelineOption(stages, sub, b, split, note, layout=layout)
+    def best_of(i: int) -> float:
+        stages, sub = ladder[i]
+        per_stages[i] = _stage_options(model, example_inputs, cluster, config, stages, sub, microbatch_options,
+                                       schedules, recompute)
+        return min((o.step_time_s for o in per_stages[i]), default=math.inf)
 
-        if stages > 1:
-            options += _climb(counts, attempt, microbatch_options)
-            continue
-        for b in counts[:microbatch_options]:
-            options.append(attempt(b))
-            # no bubble: the fewest micro-batches that fit without recomputation are the fastest
-            if options[-1].split is not None and not options[-1].split.recompute:
-                break
+    if walk_stages and ladder:
+        start = stage_start(model, cluster, config, [s for s, _ in ladder])
+        _walk(len(ladder), best_of, len(ladder), [s for s, _ in ladder].index(start))
+    else:
+        for i in range(len(ladder)):
+            best_of(i)
+    options = [o for i in sorted(per_stages) for o in per_stages[i]]
     if baseline:
         options.append(megatron_baseline(model, example_inputs, cluster, config))
     options.sort(key=lambda o: (o.step_time_s, o.stages, o.recipe))
     return options
 
 
-def _climb(counts: Sequence[int], attempt: Any, budget: int) -> list[PipelineOption]:
-    """Plan at most ``budget`` of the pipeline's micro-batch ``counts`` (sorted): the middle one, then walk
-    towards the neighbour that is faster while it keeps getting faster (the step time is taken to be unimodal
-    in B: the bubble shrinks with more micro-batches, the per-micro-batch efficiency and the memory headroom
-    with fewer). From a start that does not fit, the walk goes to more (smaller) micro-batches first."""
+def stage_start(model: nn.Module, cluster: ClusterProfile, config: PlanConfig, counts: Sequence[int]) -> int:
+    """Where a stage walk starts: the fewest stages (of ``counts``) whose share of the training state
+    (parameters, gradients, optimizer state) fits a node's devices within the memory budget, as with TP over
+    the node and the state replicated over DP (Megatron users' rule for the pipeline depth)."""
+    budget = config.memory_budget or cluster.device.memory_bytes
+    state = sum(p.numel() * p.element_size() for p in model.parameters()) * (2 + config.optimizer_factor)
+    per_node = cluster.devices_per_node * budget
+    return next((s for s in sorted(counts) if state / s <= per_node), max(counts))
+
+
+def _stage_options(
+    model: nn.Module, example_inputs: Sequence[Any], cluster: ClusterProfile, config: PlanConfig, stages: int,
+    sub: tuple[int, ...], microbatch_options: int, schedules: Sequence[str], recompute: bool | None,
+) -> list[PipelineOption]:
+    """The options planned for S = ``stages`` stages of ``sub``: up to ``microbatch_options`` micro-batch counts."""
+    batch = int(example_inputs[0].shape[0])
+    budget = config.memory_budget
+    inner = dataclasses.replace(config, memory_budget=None, warm_start=False)
+    world = math.prod(sub)
+    counts = microbatch_counts(batch, stages, world, cluster.devices_per_node)
+    if not counts:
+        return [PipelineOption(stages, sub, 0, None, f"global batch {batch} has no multiple of {stages}")]
     tried: dict[int, PipelineOption] = {}
 
-    def at(i: int) -> float:
-        if i not in tried:
-            tried[i] = attempt(counts[i])
+    def attempt(i: int) -> float:
+        b = counts[i]
+        # one stage runs the micro-batches one after another: 1F1B with S = 1 is gradient accumulation
+        sched = ("GPipe",) if b == 1 else ("1F1B",) if stages == 1 else schedules
+
+        def fn(head: PieceCost, layers: list[PieceCost], tail: PieceCost, p2p: float,
+               limit: int | None) -> StageSplit | None:
+            return best_split(layers, head, tail, stages, b, limit, p2p, sched, recompute=recompute)
+
+        split, layout, recipe = _plan_split(model, example_inputs, sub, mesh_names(sub), cluster, inner, b, stages,
+                                            fn, budget, FALLBACK_RECIPES if budget is not None else ())
+        note = "" if split is not None else "no split fits the memory budget"
+        log.info("pipeline: %d stages of %s, %d micro-batches: %s", stages, sub, b,
+                 f"{split.step_time_s:.6f} s ({split.schedule}{', recompute' if split.recompute else ''}"
+                 f"{', recipe ' + recipe if recipe else ''})" if split else note)
+        tried[i] = PipelineOption(stages, sub, b, split, note, recipe=recipe, layout=layout)
         return tried[i].step_time_s
 
-    first = i = len(counts) // 2
+    if stages > 1:
+        _walk(len(counts), attempt, microbatch_options, len(counts) // 2)
+    else:
+        for i in range(min(microbatch_options, len(counts))):
+            # no bubble: the fewest micro-batches that fit without recomputation are the fastest
+            attempt(i)
+            if tried[i].split is not None and not tried[i].split.recompute:
+                break
+    return [tried[i] for i in sorted(tried)]
+
+
+def _walk(n: int, value: Callable[[int], float], budget: int, first: int) -> None:
+    """Evaluate ``value`` at most ``budget`` times over indices 0..n-1: at ``first``, then towards the
+    neighbour that is smaller while it keeps getting smaller (``value`` taken to be unimodal; for the
+    micro-batch counts of a pipeline, sorted: the bubble shrinks with more micro-batches, the per-micro-batch
+    efficiency and the memory headroom with fewer). From an infinite start (nothing fits) it goes up first."""
+    seen: dict[int, float] = {}
+
+    def at(i: int) -> float:
+        if i not in seen:
+            seen[i] = value(i)
+        return seen[i]
+
+    i = first
     for step in ((1, -1) if math.isinf(at(first)) else (-1, 1)):
-        while len(tried) < budget and 0 <= i + step < len(counts) and (i + step) not in tried:
+        while len(seen) < budget and 0 <= i + step < n and (i + step) not in seen:
             if at(i + step) < at(i) or math.isinf(at(i)):
                 i += step
             else:
                 break
         if i != first:
             break  # it moved one way: the other way was not better from the start
-    return list(tried.values())
 
 
 def evaluate_config(
@@ -314,10 +396,13 @@ def evaluate_config(
     recipe = "tp" if tp > 1 else "ddp"
     inner = dataclasses.replace(config, memory_budget=None, warm_start=False, recipe=recipe)
     budget = config.memory_budget
-    (head, layers, tail), p2p, layout = _plan_pieces(model, example_inputs, sub, names, cluster, inner, microbatches,
-                                                     pp)
     scheds = (schedule,) if schedule else ("1F1B",) if pp == 1 else MEGATRON_SCHEDULES
-    split = best_split(layers, head, tail, pp, microbatches, budget, p2p, scheds, max_chunks, recompute, even=True)
+
+    def fn(head: PieceCost, layers: list[PieceCost], tail: PieceCost, p2p: float,
+           limit: int | None) -> StageSplit | None:
+        return best_split(layers, head, tail, pp, microbatches, limit, p2p, scheds, max_chunks, recompute, even=True)
+
+    split, layout, _ = _plan_split(model, example_inputs, sub, names, cluster, inner, microbatches, pp, fn, budget)
     note = "" if split is not None else "does not fit the memory budget"
     log.info("config tp=%d pp=%d dp=%d, %d micro-batches: %s", tp, pp, dp, microbatches,
              f"{split.step_time_s:.6f} s ({split.schedule} x{split.chunks})" if split else note)
@@ -363,4 +448,5 @@ def megatron_baseline(
 
 
 __all__ = ["BASELINE", "MEGATRON_SCHEDULES", "PipelineOption", "evaluate_config", "layout_summary",
-           "megatron_baseline", "microbatch_counts", "optimizer_step_s", "search_pipeline", "stage_meshes"]
+           "megatron_baseline", "microbatch_counts", "optimizer_step_s", "search_pipeline", "stage_meshes",
+           "stage_start"]

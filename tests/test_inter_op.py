@@ -6,6 +6,7 @@ import itertools
 import math
 
 import pytest
+import torch
 
 from autoshard.solver.inter_op import (
     PieceCost,
@@ -136,6 +137,11 @@ def test_piece_costs_add_up_to_the_plan(sample):
     assert math.isclose(state, plan.peak_memory.parameters + plan.peak_memory.gradients + plan.peak_memory.optimizer, rel_tol=1e-6)
     assert head.time_s > 0 and tail.time_s > 0 and layers[2].time_s > 0
     assert layers[1] == layers[2]  # identical middle layers cost the same
+    # recomputation's numbers: the forward is part of the time, and the layer input [8, 32, 64] fp32 is what a
+    # layer keeps (in the layout its producer chose: some share of the 65536 global bytes)
+    assert 0 < layers[2].fwd_s < layers[2].time_s
+    assert 0 < layers[2].input_bytes <= 8 * 32 * 64 * 4 and (8 * 32 * 64 * 4) % layers[2].input_bytes == 0
+    assert layers[2].input_bytes < layers[2].act_bytes
 
 
 def test_deep_narrow_model_on_a_slow_network_gets_balanced_stages():
@@ -161,3 +167,140 @@ def test_deep_narrow_model_on_a_slow_network_gets_balanced_stages():
     assert max(times) <= 1.25 * min(times), times
     covered = sorted(best.split.layers)
     assert covered[0][0] == 0 and covered[-1][1] == 16
+
+
+# --- activation recomputation, Megatron's even split, fixed configurations --------------------------------------
+
+
+def test_recompute_trades_the_forward_time_for_memory():
+    """With recomputation a layer keeps only its input per in-flight micro-batch (plus one layer's whole set
+    while it runs backward), and its time grows by its forward."""
+    layer = PieceCost(3.0, state_bytes=10, act_bytes=20, fwd_s=1.0, input_bytes=2)
+    layers, nothing = [layer] * 8, PieceCost(0.0)
+    plain = split_layers(layers, nothing, nothing, stages=2, microbatches=8, schedule="1F1B")
+    again = split_layers(layers, nothing, nothing, stages=2, microbatches=8, schedule="1F1B", recompute=True)
+    assert plain.layers == again.layers == ((0, 4), (4, 8))
+    assert not plain.recompute and again.recompute
+    assert again.stage_time_s == tuple(t + 4 * 1.0 for t in plain.stage_time_s)  # 4 layers' forwards per stage
+    # stage 0 keeps min(8, 2 - 0) = 2 micro-batches: 40 state + 2 x 4 x 20 vs 40 + 2 x 4 x 2 + 20 (one layer)
+    assert plain.stage_memory_bytes == (40 + 2 * 80, 40 + 1 * 80)
+    assert again.stage_memory_bytes == (40 + 2 * 8 + 20, 40 + 1 * 8 + 20)
+    # 1F1B: sum of the stage times + (B - 1) x the slowest
+    assert again.step_time_s == pytest.approx(2 * 16 + 7 * 16) and plain.step_time_s == pytest.approx(2 * 12 + 7 * 12)
+
+
+def test_recompute_is_chosen_only_where_only_it_fits():
+    layers, nothing = [PieceCost(3.0, state_bytes=10, act_bytes=20, fwd_s=1.0, input_bytes=2)] * 8, PieceCost(0.0)
+    free = best_split(layers, nothing, nothing, 2, 8, schedules=("1F1B",), recompute=None)
+    assert not free.recompute  # without a budget it only costs time
+    tight = best_split(layers, nothing, nothing, 2, 8, memory_budget=100, schedules=("1F1B",), recompute=None)
+    assert tight.recompute and max(tight.stage_memory_bytes) <= 100
+    assert tight.step_time_s > free.step_time_s
+    assert best_split(layers, nothing, nothing, 2, 8, memory_budget=60, schedules=("1F1B",), recompute=None) is None
+
+
+def test_head_and_tail_keep_their_activations_under_recompute():
+    layers = [PieceCost(1.0, act_bytes=20, fwd_s=0.5, input_bytes=2)] * 4
+    head, tail = PieceCost(1.0, act_bytes=100, fwd_s=0.5, input_bytes=1), PieceCost(1.0, act_bytes=50, fwd_s=0.5)
+    s = split_layers(layers, head, tail, stages=1, microbatches=1, schedule="GPipe", recompute=True)
+    assert s.stage_time_s == (1.0 + 4 * 1.5 + 1.0,)  # head and tail are not run again
+    assert s.stage_memory_bytes == (100 + 4 * 2 + 50 + 20,)
+
+
+def test_even_split_is_megatrons_layout_and_the_dp_is_never_worse():
+    from autoshard.solver.inter_op import even_bounds, even_split
+
+    assert even_bounds(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    with pytest.raises(ValueError, match="cannot cut 3 layers"):
+        even_bounds(3, 4)
+    layers = [PieceCost(1.0)] * 16
+    head, tail = PieceCost(0.2), PieceCost(3.0)  # a heavy output head on the last stage
+    even = even_split(layers, head, tail, stages=4, microbatches=8, schedule="1F1B")
+    assert even.layers == ((0, 4), (4, 8), (8, 12), (12, 16)) and even.stage_time_s == (4.2, 4.0, 4.0, 7.0)
+    dp = split_layers(layers, head, tail, stages=4, microbatches=8, schedule="1F1B")
+    assert max(dp.stage_time_s) < max(even.stage_time_s) and dp.step_time_s < even.step_time_s
+    inter = even_split(layers, head, tail, stages=4, microbatches=8, schedule="Interleaved1F1B", chunks=2)
+    assert len(inter.layers) == 8 and all(j - i == 2 for i, j in inter.layers)
+    # best_split(even=True) interleaves only with chunks that divide the layers: 16 / (4 x 3) does not
+    picked = best_split(layers, head, tail, 4, 8, schedules=("Interleaved1F1B",), max_chunks=3, even=True)
+    assert picked.chunks == 2
+
+
+def test_interleaved_ranks_send_at_every_chunk_boundary():
+    s = split_layers([PieceCost(1.0)] * 16, PieceCost(0), PieceCost(0), 4, 8, "Interleaved1F1B", chunks=2, p2p_s=0.1)
+    assert s.stage_time_s == pytest.approx((4.4,) * 4)  # 4 layers + 2 chunks x (activation + gradient) sends
+    one = split_layers([PieceCost(1.0)] * 16, PieceCost(0), PieceCost(0), 4, 8, "1F1B", p2p_s=0.1)
+    assert one.stage_time_s == pytest.approx((4.2,) * 4)
+
+
+def test_microbatch_counts_and_stage_start():
+    from autoshard.cluster import get_cluster
+    from autoshard.config import PlanConfig
+    from autoshard.pipeline_search import microbatch_counts, stage_start
+
+    # 4 stages of 8 devices, batch 32: micro-batches of 1, 2, 4, 8 sequences (B >= S)
+    assert microbatch_counts(32, 4, 8, 8) == [4, 8, 16, 32]
+    # one stage of 32 devices: from 4 sequences (one per node) up to the whole batch (B = 1)
+    assert microbatch_counts(512, 1, 32, 8) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert microbatch_counts(6, 4, 8, 8) == [6] and microbatch_counts(6, 8, 8, 8) == []  # 6 sequences, 8 stages
+
+    class Big(torch.nn.Module):  # 10 G parameters on meta, bf16: 160 GB with adamw-mixed
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.empty(10**10, dtype=torch.bfloat16, device="meta"))
+
+    cluster = get_cluster("a100-80gb:16x8")  # 8 x 80 GiB per node
+    assert stage_start(Big(), cluster, PlanConfig(optimizer="adamw-mixed"), [1, 2, 4, 8, 16]) == 1
+    assert stage_start(Big(), cluster, PlanConfig(optimizer="adamw-mixed", memory_budget="10GiB"), [1, 2, 4, 8, 16]) == 2
+
+
+def _small_gpt(batch: int = 16):
+    from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
+
+    cfg = GPTConfig(n_layer=8, d_model=512, n_head=8, vocab=512, seq_len=128, bias=False)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return model, gpt_example_inputs(cfg, batch)
+
+
+def test_a_fixed_tp_pp_dp_config_prices_megatrons_layout():
+    """TP 8 in a node, 2 stages of 2 nodes each (DP 2), 8 micro-batches: the tp recipe on a
+    (dp, tp) sub-mesh, layers split evenly; recomputation lowers memory and costs time."""
+    from autoshard.cluster import get_cluster
+    from autoshard.config import PlanConfig
+    from autoshard.pipeline_search import evaluate_config
+
+    model, inputs = _small_gpt()
+    cluster, config = get_cluster("a100-80gb:4x8"), PlanConfig(sample_layers=2)
+    again = evaluate_config(model, inputs, cluster, config, tp=8, pp=2, dp=2, microbatches=8, recompute=True)
+    plain = evaluate_config(model, inputs, cluster, config, tp=8, pp=2, dp=2, microbatches=8, schedule=again.split.schedule,
+                            recompute=False)
+    assert again.recipe == "tp" and again.submesh == (2, 8) and again.stages == again.split.stages == 2
+    assert "dp=2 x tp=8" in again.layout and "attn.wq [R, S(0)]" in again.layout  # column-parallel on tp
+    sizes = {j - i for i, j in again.split.layers}
+    assert len(sizes) == 1 and sum(j - i for i, j in again.split.layers) == 8  # even split, every layer once
+    assert again.split.recompute and not plain.split.recompute and again.split.chunks == plain.split.chunks
+    assert max(again.split.stage_memory_bytes) < max(plain.split.stage_memory_bytes)
+    extra = [a - b for a, b in zip(again.split.stage_time_s, plain.split.stage_time_s)]
+    # the forward share: more than nothing, less than half of a stage's forward + backward
+    assert all(0 < e < 0.5 * t for e, t in zip(extra, plain.split.stage_time_s)), extra
+    with pytest.raises(ValueError, match="tp=8 x pp=3 x dp=2 = 48 devices"):
+        evaluate_config(model, inputs, cluster, config, tp=8, pp=3, dp=2, microbatches=8)
+
+
+def test_megatron_recipe_takes_the_smallest_pp_that_fits_and_the_search_is_not_slower():
+    """On 4 nodes with a budget that one stage (TP 8 x DP 4) exceeds, Megatron's recipe takes PP 2 (TP 8 x DP 2
+    per stage); the free search, which lists it among its options, finds something at least as fast."""
+    from autoshard.cluster import get_cluster
+    from autoshard.config import PlanConfig
+    from autoshard.pipeline_search import BASELINE, search_pipeline
+
+    model, inputs = _small_gpt()
+    budget = 50 * 2**20  # TP 8 x DP 4 with recomputation needs ~73 MB per device, TP 8 x DP 2 x PP 2 ~38 MB
+    options = search_pipeline(model, inputs, get_cluster("a100-80gb:4x8"), PlanConfig(sample_layers=2, memory_budget=budget),
+                              microbatch_options=2, baseline=True)
+    base = next(o for o in options if o.recipe == BASELINE)
+    assert base.split is not None and base.stages == 2 and base.submesh == (2, 8) and base.note == "tp=8 pp=2 dp=2"
+    assert base.split.recompute and max(base.split.stage_memory_bytes) <= budget
+    best = next(o for o in options if o.recipe != BASELINE and o.split is not None)
+    assert best.step_time_s <= base.step_time_s and max(best.split.stage_memory_bytes) <= budget
