@@ -39,7 +39,7 @@ from autoshard.plan import MeshSpec, Plan
 from autoshard.planner import plan_graph, repeated_layers
 from autoshard.runtime.pipeline import EXECUTABLE_SCHEDULES, LastStage, PipelinedModule, StageModule, TiedParameter
 from autoshard.runtime.program import CompiledProgram
-from autoshard.solver.inter_op import StageSplit, best_split
+from autoshard.solver.inter_op import PieceCost, StageSplit, best_split
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ class PipelineChoice:
     sub_names: tuple[str, ...]
     split: StageSplit | None
     container: str
+    stage_times: tuple[float, ...] = ()  # predicted forward + backward of one micro-batch, per stage (chunk)
 
 
 def pp_mesh(device_type: str, stages: int, sub_shape: Sequence[int], sub_names: Sequence[str]) -> DeviceMesh:
@@ -113,8 +114,21 @@ def choose_pipeline(
             log.info("pipeline: %d stages of %s, %d micro-batches: %s", stages, sub_shape, b,
                      f"{split.step_time_s:.6f} s ({split.schedule} x{split.chunks})" if split else "no split fits")
             if split is not None and (best is None or split.step_time_s < best[0]):
-                best = (split.step_time_s, PipelineChoice(stages, sub_shape, sub_names, split, container))
+                times = _stage_times(split, head, layers, tail, p2p)
+                best = (split.step_time_s, PipelineChoice(stages, sub_shape, sub_names, split, container, times))
     return best[1] if best else None
+
+
+def _stage_times(split: StageSplit, head: PieceCost, layers: Sequence[PieceCost], tail: PieceCost,
+                 p2p: float) -> tuple[float, ...]:
+    """Each stage's (chunk's) time per micro-batch: its layers, the head / tail on the first / last, and one
+    send each way per boundary it touches."""
+    n = len(split.layers)
+    return tuple(
+        sum(c.time_s for c in layers[a:b]) + (head.time_s if k == 0 else 0.0) + (tail.time_s if k == n - 1 else 0.0)
+        + 2 * p2p * ((k > 0) + (k < n - 1))
+        for k, (a, b) in enumerate(split.layers)
+    )
 
 
 def _submesh(device_type: str, stages: int, sub_shape: Sequence[int], sub_names: Sequence[str]) -> DeviceMesh:
@@ -221,7 +235,8 @@ def compile_pipelined(
         layers = tuple(f"{choice.container}.{i}" for i in range(start, stop))
         ranks = tuple(range((k % S) * k_sub, (k % S + 1) * k_sub))
         stage_plans.append(plan)
-        stage_specs.append(dataclasses.replace(plan.stages[0], index=k, ranks=ranks, layers=layers))
+        stage_specs.append(dataclasses.replace(plan.stages[0], index=k, ranks=ranks, layers=layers,
+                                               microbatch_time_s=choice.stage_times[k]))
         if k % S == pp_rank:
             grad_names = [r.name for r in ctx.output_roles if r.kind in ("grad", "input_grad")]
             sm = StageModule(mod, submesh, plan, CompiledProgram(gm, ctx, backend), grad_names)
