@@ -8,6 +8,14 @@ with the schedule that fits best, with or without activation recomputation. S = 
 the whole cluster, over the whole batch at once or accumulating gradients over B micro-batches. The result
 lists every configuration tried, fastest first.
 
+How much is planned. Each (S, B) costs one intra-op plan (seconds), so B is walked, not enumerated: from the
+middle of the candidate counts towards the faster neighbour while it gets faster (at most
+``microbatch_options`` plans per S; one stage takes the fewest micro-batches that fit without recomputation).
+``walk_stages=True`` walks the stage counts the same way from :func:`stage_start` (for clusters of hundreds of
+nodes); by default every S is planned. The intra-op plan is solved for time alone; where the stage memory budget
+binds, the leaner manual recipes (fsdp+tp, fsdp, tp, ddp) are solved on the same program and split too, and
+the fastest split wins (``PipelineOption.recipe`` names the recipe then).
+
 Stage boundaries send the boundary activation forward and its gradient backward; each send moves this rank's
 share of the activation (the global boundary tensor divided over the stage's devices: Megatron's
 scatter/gather optimization) over the inter-node network when stages span nodes, else the intra-node link.
@@ -149,7 +157,7 @@ def _micro_inputs(inputs: Sequence[Any], parts: int) -> tuple:
     return tuple(out)
 
 
-def layout_summary(plan: Any, limit: int = 6, activation: str = "") -> str:
+def layout_summary(plan: Any, limit: int = 10, activation: str = "") -> str:
     """The mesh, ``activation`` (e.g. the layers' input placement) and the placements of the first input and of
     the weight matrices (one entry per distinct parameter name, layer indices folded to ``*``), e.g.
     ``dp=6 x tp=8; act [S(0), R]; tokens [S(0), R]; wte [S(0), S(1)]``."""

@@ -107,6 +107,12 @@ def published_config(row: Row, model: GPT, inputs: tuple, cluster, config: PlanC
     return best
 
 
+def short_layout(layout: str) -> str:
+    """The mesh, the layers' input activation and the attention / MLP weights of the layout summary."""
+    keep = ("dp=", "tp=", "act ", "layers.*.attn.wq ", "layers.*.mlp.fc1 ", "layers.*.mlp.fc2 ")
+    return "; ".join(p.replace("layers.*.", "") for p in layout.split("; ") if p.startswith(keep))
+
+
 def describe(o: PipelineOption | None) -> str:
     if o is None or o.split is None:
         return "does not fit"
@@ -157,7 +163,7 @@ def main() -> None:
         if args.baseline:
             base = megatron_baseline(model, inputs, cluster, config)
             extra = f" [pp+tp+dp: {base.note}, {tflops(row, base):.0f} TFLOP/s]"
-        search = f"{describe(best)}; {best.recipe + ' recipe; ' if best.recipe else ''}{best.layout}" if best else "-"
+        search = f"{describe(best)}; {best.recipe + ' recipe; ' if best.recipe else ''}{short_layout(best.layout)}" if best else "-"
         sched = f"{best.split.schedule} x{best.split.chunks}" if best and best.split else "-"
         lines.append(
             f"| GPT {row.params_b:g}B (h {row.hidden}, l {row.layers}) | {row.gpus} | {row.batch} | "
