@@ -211,9 +211,14 @@ class _Enumerator:
                 if _valid(c, ins, node, self.mesh_shape, partial_inputs=False, ties=self.ties):
                     found.setdefault((c.inputs, c.outputs), c)
         elif tc.has_sharding_rule(op):
-            for first in tc.all_placements(len(self.mesh_shape), ins[0].meta["val"].ndim):
+            # vary the first tensor input's layout, or the largest input's when the first is a scalar
+            # (nll_loss_backward(grad_output, self, target, ...) follows self, not the scalar gradient)
+            k = 0 if ins[0].meta["val"].ndim else max(range(len(ins)), key=lambda i: ins[i].meta["val"].ndim)
+            rep = tuple(Replicate() for _ in self.mesh_shape)
+            for first in tc.all_placements(len(self.mesh_shape), ins[k].meta["val"].ndim):
+                lead, others = (tuple(first), None) if k == 0 else (rep, [None] * (k - 1) + [tuple(first)])
                 try:
-                    cands = tc.op_strategies(op, args, kwargs, self.mesh, tuple(first), out_val=node.meta.get("val"))
+                    cands = tc.op_strategies(op, args, kwargs, self.mesh, lead, others, out_val=node.meta.get("val"))
                 except Exception as e:  # DTensor rejects this input layout for this op: skip it
                     errors.append(f"{type(e).__name__}: {e}")
                     continue

@@ -85,3 +85,16 @@ def test_plan_report_and_json_round_trip():
     text = plan.report()
     assert "dp=2 × tp=2" in text and "fc1.weight" in text
     assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_loss_backward_keeps_the_batch_sharded():
+    """nll_loss_backward's first input is the scalar incoming gradient; its candidates must follow the batch
+    (the log-probabilities), or the whole log-softmax is gathered over dp on every step."""
+    cfg = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab=512, seq_len=64, bias=False)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    with fake_world(4):
+        plan, _, _ = plan_on(model, gpt_example_inputs(cfg, 16), (4,), ("dp",), constraints=BATCH_ON_DP)
+    [nll_bw] = [d for d in plan.stages[0].ops if "nll_loss_backward" in d.op]
+    assert nll_bw.output != ("R",), f"nll_loss_backward planned {nll_bw.output}: the batch was gathered"
+    assert not any(c.kind == "all_gather" and "softmax" in c.consumer for c in plan.stages[0].collectives)
