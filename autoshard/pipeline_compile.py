@@ -265,7 +265,7 @@ def compile_pipelined(
     stage_out = {k: meta(ex_out[k]) if k < n - 1 else stage_in[k] for k in local}
     device = torch.device(mesh.device_type)
     return PipelinedModule(combined, local, n, full.get_group("pp"), pp_rank, stage_in, stage_out, routes, tied,
-                           local_index, device)
+                           local_index, device, frozenset(model.state_dict()))
 
 
 def _tied_groups(holders: dict[str, list[int]], S: int, k_sub: int) -> list[TiedParameter]:

@@ -55,7 +55,8 @@ def _train(rank: int, world: int, arg: tuple) -> dict:
         opt.zero_grad()
         losses.append(float(loss))
     params = {n: _full(p.data) for n, p in sharded.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": params, "plan": sharded.plan.to_json()}
+    return {"losses": losses, "grads": grads, "params": params, "plan": sharded.plan.to_json(),
+            "state_keys": sorted(sharded.state_dict())}
 
 
 def _only(ref: Reference, names: set[str]) -> Reference:
@@ -76,6 +77,7 @@ def _run(shape: tuple[int, ...], names: tuple[str, ...], **kw) -> list[dict]:
         assert_close_to_reference(_only(ref, set(got["params"])), got["losses"], got["grads"], got["params"],
                                   param_atol=PARAM_ATOL)
         assert got["plan"] == results[0]["plan"], f"rank {r} runs a different plan from rank 0"
+        assert got["state_keys"] == sorted(got["params"]), "state_dict names differ from the parameters' names"
     assert held == set(ref.params), f"parameters held by no stage: {sorted(set(ref.params) - held)}"
     return results
 

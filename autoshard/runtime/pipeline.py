@@ -155,6 +155,7 @@ class PipelinedModule(nn.Module):
         tied: Sequence[TiedParameter],
         local_index: int,
         device: torch.device,
+        state_names: frozenset[str] | None = None,
     ) -> None:
         super().__init__()
         from torch.distributed.pipelining import PipelineStage
@@ -167,6 +168,7 @@ class PipelinedModule(nn.Module):
         self._first_inputs, self._target_inputs = input_routes
         self._tied = tuple(tied)
         self._local_index = local_index
+        self._state_names = state_names  # the model's own state_dict keys
         pp_size = dist.get_world_size(pp_group)
         self._last_owner = dist.get_global_rank(pp_group, (num_stages - 1) % pp_size)
         self._has_first = 0 in stages
@@ -221,6 +223,16 @@ class PipelinedModule(nn.Module):
                 dist.all_reduce(total, group=group)
             for g in locals_:
                 g.copy_(total)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """This rank's stages' state under the model's own names (DTensor values, for distributed checkpoint)."""
+        out: dict[str, Any] = {}
+        for m in self.stage_modules.values():
+            for key, value in m.state_dict(*args, **kwargs).items():
+                name = _base_name(key)
+                if self._state_names is None or name in self._state_names:  # the cut drops "non-persistent"
+                    out[name] = value
+        return out
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):  # type: ignore[override]
         """Parameters under the model's names (a tied one appears once per stage copy held here)."""
