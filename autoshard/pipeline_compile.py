@@ -232,7 +232,10 @@ def compile_pipelined(
         for p in pnames:
             holders.setdefault(p, []).append(k)
         start, stop = split.layers[k]
-        layers = tuple(f"{choice.container}.{i}" for i in range(start, stop))
+        # the stage's modules outside the repeated layers (embeddings first on stage 0, the head last)
+        extra = list(dict.fromkeys(p.rpartition(".")[0] for p in pnames if not p.startswith(choice.container + ".")))
+        body = [f"{choice.container}.{i}" for i in range(start, stop)]
+        layers = tuple(extra + body if k == 0 else body + extra)
         ranks = tuple(range((k % S) * k_sub, (k % S + 1) * k_sub))
         stage_plans.append(plan)
         stage_specs.append(dataclasses.replace(plan.stages[0], index=k, ranks=ranks, layers=layers,
