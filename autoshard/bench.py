@@ -1,0 +1,168 @@
+"""Measuring training steps: warm-up, then the median (p10, p90) wall time of N timed steps, and side-by-side runs.
+
+``time_steps`` times one step function on this rank: ``warmup`` untimed calls first (compilation, allocator,
+first collectives), then ``steps`` timed calls, each preceded by a barrier on ``group`` when one is given so
+that every rank starts the step together and the clock measures the step, not the skew between ranks.
+
+``run_variants`` builds and times several named variants one after another on this rank (every rank must be
+given the same list, in the same order: the variants' collectives pair up by order). A variant that raises
+while being built or run is recorded with its error and the next one runs; a variant that fails on only some
+ranks would leave the others waiting in a collective, so variants should fail (if at all) on every rank.
+
+``side_by_side`` launches ``world_size`` ranks once (``launch`` is a launcher such as ``tests/harness.run_gloo``:
+``launch(world_size, fn, arg) -> [result of rank 0, rank 1, ...]``) and returns rank 0's rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Timing", "Row", "Variant", "time_steps", "run_variants", "side_by_side", "quantile"]
+
+#: A variant: (name, build) where ``build()`` returns the step function to time (one call = one training step).
+Variant = tuple[str, Callable[[], Callable[[], Any]]]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Wall-time statistics of the timed steps, in seconds."""
+
+    median_s: float
+    p10_s: float
+    p90_s: float
+    samples: tuple[float, ...] = field(repr=False)
+
+    @property
+    def steps(self) -> int:
+        return len(self.samples)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One variant's result: its timing, or the error that stopped it; plus build seconds and any notes."""
+
+    name: str
+    timing: Timing | None
+    build_s: float = 0.0
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def median_s(self) -> float:
+        return self.timing.median_s if self.timing is not None else float("nan")
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values`` with linear interpolation between the closest ranks."""
+    if not values:
+        raise ValueError("quantile of no values")
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"q must be within [0, 1], got {q}")
+    xs = sorted(values)
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def time_steps(
+    step: Callable[[], Any],
+    steps: int,
+    warmup: int = 1,
+    *,
+    group: Any = None,
+    barrier: bool | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Timing:
+    """Call ``step`` ``warmup`` times untimed, then ``steps`` times timed; return the median, p10 and p90.
+
+    ``barrier`` (default: when a process group is initialized) runs ``dist.barrier(group)`` before each timed
+    step, outside the timed interval. ``clock`` returns seconds (a fake clock makes the statistics testable).
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    if barrier is None:
+        barrier = dist.is_available() and dist.is_initialized()
+    for _ in range(warmup):
+        step()
+    samples: list[float] = []
+    for _ in range(steps):
+        if barrier:
+            dist.barrier(group=group)
+        t0 = clock()
+        step()
+        samples.append(clock() - t0)
+    return Timing(
+        median_s=statistics.median(samples),
+        p10_s=quantile(samples, 0.1),
+        p90_s=quantile(samples, 0.9),
+        samples=tuple(samples),
+    )
+
+
+def run_variants(
+    variants: Sequence[Variant],
+    steps: int,
+    warmup: int = 1,
+    *,
+    group: Any = None,
+    barrier: bool | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[Row]:
+    """Build and time each variant in turn on this rank; one :class:`Row` per variant, in order."""
+    rows: list[Row] = []
+    for name, build in variants:
+        t0 = time.perf_counter()
+        try:
+            step = build()
+            build_s = time.perf_counter() - t0
+            timing = time_steps(step, steps, warmup, group=group, barrier=barrier, clock=clock)
+        except Exception as e:  # recorded in the table; the next variant still runs
+            log.warning("variant %s failed: %s\n%s", name, e, traceback.format_exc())
+            rows.append(Row(name, None, time.perf_counter() - t0, f"{type(e).__name__}: {e}"))
+            continue
+        log.info("variant %s: median %.4f s over %d steps (build %.1f s)", name, timing.median_s, steps, build_s)
+        rows.append(Row(name, timing, build_s))
+    return rows
+
+
+def _side_by_side_worker(rank: int, world_size: int, arg: tuple[Any, ...]) -> list[Row]:
+    make_variants, make_arg, steps, warmup = arg
+    variants = make_variants(rank, world_size, make_arg)
+    return run_variants(variants, steps, warmup)
+
+
+def side_by_side(
+    world_size: int,
+    make_variants: Callable[[int, int, Any], Sequence[Variant]],
+    steps: int,
+    warmup: int = 1,
+    *,
+    launch: Callable[[int, Callable[[int, int, Any], Any], Any], list[Any]],
+    arg: Any = None,
+) -> list[Row]:
+    """Run every variant of ``make_variants(rank, world_size, arg)`` in one launch of ``world_size`` ranks.
+
+    ``make_variants`` must be a module-level function (it crosses a fork or a pickle) and return the same names
+    on every rank; each variant's ``build`` runs on its rank (same seed, same weights, same global batch are the
+    caller's to arrange). Returns rank 0's rows.
+    """
+    results = launch(world_size, _side_by_side_worker, (make_variants, arg, steps, warmup))
+    rows: list[Row] = results[0]
+    names = [r.name for r in rows]
+    for rank, other in enumerate(results[1:], start=1):
+        if [r.name for r in other] != names:
+            raise RuntimeError(f"rank {rank} ran variants {[r.name for r in other]}, rank 0 ran {names}")
+    return rows

@@ -1,0 +1,112 @@
+"""The benchmark measurement harness (autoshard.bench): warm-up, median/p10/p90, side-by-side variants on gloo.
+
+No timed assertions: the statistics are checked on a fake clock, the gloo run on what ran, not how fast.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from autoshard.bench import Row, Variant, quantile, run_variants, side_by_side, time_steps
+from harness import run_gloo
+
+
+class FakeClock:
+    """A clock that only moves when a step says so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_warmup_steps_are_not_timed() -> None:
+    clock = FakeClock()
+    durations = iter([100.0, 50.0, 1.0, 2.0, 3.0])  # the first two calls are slow: warm-up
+    calls: list[int] = []
+
+    def step() -> None:
+        calls.append(1)
+        clock.now += next(durations)
+
+    t = time_steps(step, steps=3, warmup=2, barrier=False, clock=clock)
+    assert len(calls) == 5
+    assert t.samples == (1.0, 2.0, 3.0)
+    assert t.median_s == 2.0
+    assert t.steps == 3
+
+
+def test_median_and_percentiles_on_a_fake_clock() -> None:
+    clock = FakeClock()
+    durations = iter([5.0, 1.0, 9.0, 3.0, 7.0, 2.0, 8.0, 4.0, 6.0, 10.0, 0.5])
+
+    def step() -> None:
+        clock.now += next(durations)
+
+    t = time_steps(step, steps=10, warmup=1, barrier=False, clock=clock)  # 5.0 is the warm-up
+    assert t.median_s == pytest.approx(5.0)  # sorted samples 0.5,1,2,3,4,6,7,8,9,10: (4 + 6) / 2
+    assert t.p10_s == pytest.approx(0.95)
+    assert t.p90_s == pytest.approx(9.1)
+    assert t.p10_s <= t.median_s <= t.p90_s
+
+
+def test_quantile_edges_and_errors() -> None:
+    assert quantile([3.0], 0.5) == 3.0
+    assert quantile([1.0, 2.0, 3.0, 4.0], 0.0) == 1.0
+    assert quantile([1.0, 2.0, 3.0, 4.0], 1.0) == 4.0
+    with pytest.raises(ValueError):
+        quantile([], 0.5)
+    with pytest.raises(ValueError):
+        time_steps(lambda: None, steps=0, barrier=False)
+
+
+def test_sleep_workload_median_is_plausible() -> None:
+    t = time_steps(lambda: time.sleep(0.01), steps=3, warmup=1, barrier=False)
+    assert t.median_s >= 0.009  # a sleep never returns early; no upper bound (shared machine)
+    assert t.p10_s <= t.median_s <= t.p90_s
+
+
+def test_a_failing_variant_is_recorded_and_the_next_runs() -> None:
+    def bad() -> Any:
+        raise RuntimeError("boom")
+
+    rows = run_variants([("bad", bad), ("good", lambda: (lambda: None))], steps=2, warmup=0, barrier=False)
+    assert [r.name for r in rows] == ["bad", "good"]
+    assert rows[0].timing is None and "boom" in (rows[0].error or "")
+    assert rows[1].timing is not None and rows[1].timing.steps == 2 and rows[1].error is None
+
+
+def _variants(rank: int, world_size: int, arg: Any) -> list[Variant]:
+    """Each variant's step all-reduces a counter, so the ranks must run the variants in step."""
+    counts: dict[str, torch.Tensor] = {}
+
+    def make(name: str, n_reduce: int) -> Variant:
+        def build() -> Any:
+            counts[name] = torch.zeros(())
+
+            def step() -> None:
+                for _ in range(n_reduce):
+                    x = torch.ones(())
+                    dist.all_reduce(x)
+                    counts[name] += x
+
+            return step
+
+        return name, build
+
+    return [make("one", 1), make("two", 2), make("three", 3)]
+
+
+def test_side_by_side_returns_one_row_per_variant_from_rank_zero() -> None:
+    rows = side_by_side(2, _variants, steps=3, warmup=1, launch=run_gloo, arg=None)
+    assert [r.name for r in rows] == ["one", "two", "three"]
+    for r in rows:
+        assert r.error is None and r.timing is not None
+        assert r.timing.steps == 3
+        assert r.median_s > 0.0
