@@ -7,6 +7,7 @@
     autoshard plan --model gpt2-1.5b --cluster a100-80gb:4x8 --global-batch 64 --mesh pp=4,tp=8
     autoshard models          # the zoo
     autoshard clusters        # the cluster presets
+    autoshard calibrate --out my_cpu.json [--ranks 4] [--quick]   # measure this machine -> --cluster my_cpu.json
 
 Progress (capture, strategies, solve) goes to stderr, with a bar on long steps when stderr is a terminal; the
 plan report goes to stdout; ``--out`` writes the plan as JSON (``autoshard.Plan.from_json`` reads it back).
@@ -88,6 +89,13 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--full", action="store_true", help="print every layer and decision (no folding)")
     pl.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     pl.add_argument("-v", "--verbose", action="store_true", help="log every pass")
+    ca = sub.add_parser("calibrate", help="measure this machine (matmul, memory, gloo collectives) into a profile")
+    ca.add_argument("--out", required=True, help="write the cluster profile JSON here (use it as --cluster PATH)")
+    ca.add_argument("--ranks", type=int, choices=(2, 4), default=4, help="gloo ranks: mesh (2,) or (2, 2)")
+    ca.add_argument("--threads", type=int, default=1, help="torch threads per rank for compute (default: 1)")
+    ca.add_argument("--name", default="calibrated-cpu", help="profile name")
+    ca.add_argument("--quick", action="store_true", help="small sizes, few repetitions (seconds, noisier)")
+    ca.add_argument("-v", "--verbose", action="store_true", help="log every measurement")
     sub.add_parser("models", help="list the model zoo")
     sub.add_parser("clusters", help="list the cluster presets")
     return p
@@ -121,6 +129,21 @@ def _plan(a: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate(a: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from autoshard.calibrate import CalibrationConfig, calibrate, summary, write_profile
+
+    cfg = CalibrationConfig.quick(a.ranks) if a.quick else CalibrationConfig(ranks=a.ranks)
+    cfg = replace(cfg, threads=a.threads)
+    sys.stderr.write(f"calibrating: {a.ranks} gloo ranks, mesh {cfg.mesh_shape()}, {cfg.threads} thread(s)...\n")
+    result = calibrate(cfg, name=a.name)
+    sys.stdout.write("".join(f"{line}\n" for line in summary(result)))
+    write_profile(result, a.out)
+    sys.stderr.write(f"profile written to {a.out} (autoshard plan ... --cluster {a.out})\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(a, "verbose", False) else logging.WARNING,
@@ -139,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                     "GB/s per device\n"
                 )
             return 0
+        if a.command == "calibrate":
+            return _calibrate(a)
         return _plan(a)
     except ValueError as e:  # bad input: the message says what and how to fix it
         sys.stderr.write(f"autoshard: error: {e}\n")

@@ -1,0 +1,403 @@
+"""``autoshard calibrate``: measure this machine and write a cluster profile the planner can use.
+
+The cost model reads a :class:`~autoshard.cluster.DeviceSpec` (roofline: ``flops / (peak_flops[dtype] *
+flops_efficiency)``, ``bytes / (memory_bandwidth * memory_efficiency)``, ``kernel_overhead``) and, per mesh axis,
+a :class:`~autoshard.cluster.Link` (``latency`` per ring step, ``bandwidth`` per device) priced with the ring
+formulas of :mod:`autoshard.cost.collectives`. This module measures each of those figures:
+
+* **compute**: ``torch.mm`` of square matrices per dtype (float32, bfloat16 and float16 where they run) at a few
+  sizes, on ``threads`` threads (one "device" = one process; the gloo tests run 1 thread per rank).
+  ``peak_flops`` is the best single run at the fastest size, ``flops_efficiency`` = median / best there, so the
+  model's ``peak * efficiency`` is the median achieved rate.
+* **memory**: ``Tensor.copy_`` of a large fp32 buffer, bytes read + written; best and median / best as above.
+* **kernel overhead**: median time of an eager ``torch.add`` on 8 floats.
+* **collectives**: all_reduce / all_gather / reduce_scatter over a real gloo process group of ``ranks`` forked
+  processes (mesh ``(ranks,)`` or ``(2, ranks // 2)``), on every mesh axis, with a small and a large message.
+  Each pair is fitted to the ring formula ``t = steps * latency + c * bytes / bandwidth`` (``steps = n - 1``,
+  ``c = (n - 1) / n``, both doubled for all_reduce) through both points, so the model reproduces the measured
+  medians; the profile's link takes the median latency and bandwidth over the fits.
+
+Every figure is the median of ``reps`` repetitions after ``warmup`` un-timed ones, and every ``source`` says
+"measured by autoshard calibrate on <date>, <host/cpu>, <sizes>". The raw timings are kept under the JSON key
+``"calibration"`` (ignored by :func:`~autoshard.cluster.get_cluster`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import multiprocessing
+import os
+import platform
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autoshard.cluster import ClusterProfile, DeviceSpec, Link
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Calibration", "CalibrationConfig", "CollectiveFit", "calibrate", "fit_ring", "measure_collectives",
+    "measure_copy_bandwidth", "measure_kernel_overhead", "measure_matmul", "summary", "write_profile",
+]
+
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """What to measure and how long. :meth:`quick` is a few seconds (tests, smoke runs); the default a minute."""
+
+    ranks: int = 4
+    threads: int = 1
+    matmul_sizes: tuple[int, ...] = (256, 512, 1024)
+    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
+    copy_bytes: int = 256 * 2**20
+    small_message_bytes: int = 4 * 64
+    large_message_bytes: int = 16 * 2**20
+    warmup: int = 3
+    reps: int = 15
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.ranks not in (2, 4):
+            raise ValueError(f"calibrate runs 2 or 4 gloo ranks (mesh (2,) or (2, 2)), got ranks={self.ranks}")
+        if self.reps < 1 or self.warmup < 0 or self.threads < 1:
+            raise ValueError(f"need reps >= 1, warmup >= 0, threads >= 1; got {self.reps}, {self.warmup}, "
+                             f"{self.threads}")
+        if not 0 < self.small_message_bytes < self.large_message_bytes:
+            raise ValueError("need 0 < small_message_bytes < large_message_bytes")
+
+    @classmethod
+    def quick(cls, ranks: int = 4) -> CalibrationConfig:
+        return cls(ranks=ranks, matmul_sizes=(128, 256), copy_bytes=16 * 2**20, large_message_bytes=2**20,
+                   warmup=2, reps=5, timeout_s=120.0)
+
+    def mesh_shape(self) -> tuple[int, ...]:
+        return (2,) if self.ranks == 2 else (2, self.ranks // 2)
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    """Median times of one collective on one mesh axis, and the ring latency/bandwidth that reproduce them."""
+
+    kind: str
+    axis: int
+    group_size: int
+    small_bytes: int
+    small_s: float
+    large_bytes: int
+    large_s: float
+    latency: float
+    bandwidth: float
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A measured profile plus the raw figures behind it."""
+
+    profile: ClusterProfile
+    matmul_flops: dict[str, dict[int, float]]  # dtype -> size -> median FLOP/s
+    collectives: tuple[CollectiveFit, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        data = self.profile.to_dict()
+        data["calibration"] = {
+            "matmul_median_flops": {d: {str(s): f for s, f in v.items()} for d, v in self.matmul_flops.items()},
+            "collectives": [asdict(c) for c in self.collectives],
+        }
+        return data
+
+
+# --------------------------------------------------------------------------------------------------- timing
+
+
+def _median_time(fn: Callable[[], Any], warmup: int, reps: int) -> tuple[float, float]:
+    """(median, best) seconds of ``fn()`` over ``reps`` timed calls after ``warmup`` un-timed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), min(times)
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def measure_matmul(dtype: torch.dtype, size: int, warmup: int = 2, reps: int = 5) -> tuple[float, float]:
+    """(median, best) FLOP/s of ``torch.mm`` of two ``size x size`` matrices (``2 * size**3`` FLOPs). Raises
+    RuntimeError where the dtype has no matmul on this machine."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    median, best = _median_time(lambda: torch.mm(a, b), warmup, reps)
+    flops = 2.0 * size**3
+    return flops / median, flops / best
+
+
+def measure_copy_bandwidth(nbytes: int, warmup: int = 2, reps: int = 5) -> tuple[float, float]:
+    """(median, best) bytes/s of ``dst.copy_(src)`` of ``nbytes`` fp32, counting bytes read + written."""
+    src = torch.randn(max(1, nbytes // 4))
+    dst = torch.empty_like(src)
+    median, best = _median_time(lambda: dst.copy_(src), warmup, reps)
+    moved = 2.0 * src.numel() * 4
+    return moved / median, moved / best
+
+
+def measure_kernel_overhead(warmup: int = 20, reps: int = 200) -> float:
+    """Median seconds of one eager ``torch.add`` on 8 floats (dispatch cost, no work)."""
+    x = torch.ones(8)
+    return _median_time(lambda: torch.add(x, x), warmup, reps)[0]
+
+
+# ---------------------------------------------------------------------------------------------- collectives
+
+
+def fit_ring(kind: str, n: int, small_bytes: float, small_s: float, large_bytes: float,
+             large_s: float) -> tuple[float, float]:
+    """``(latency, bandwidth)`` with which :func:`autoshard.cost.collectives.algorithm_time` (``ring``, one node)
+    gives ``small_s`` for ``small_bytes`` and ``large_s`` for ``large_bytes`` on ``n`` devices.
+
+    Ring: ``t = steps * latency + c * bytes / bandwidth`` with ``steps = n - 1`` and ``c = (n - 1) / n``, both
+    doubled for all_reduce. Two points, two unknowns. Noise can make the line ill-posed (large no slower than
+    small, or a negative intercept); then the bandwidth comes from the large message alone after taking the
+    small one's time as latency, and the latency is clamped at 0."""
+    if kind not in COLLECTIVE_KINDS or n < 2:
+        raise ValueError(f"fit_ring: need kind in {COLLECTIVE_KINDS} and n >= 2, got {kind!r}, n={n}")
+    passes = 2 if kind == "all_reduce" else 1
+    steps, c = passes * (n - 1), passes * (n - 1) / n
+    slope = (large_s - small_s) / (large_bytes - small_bytes)
+    if slope > 0:
+        bandwidth = c / slope
+        latency = (small_s - c * small_bytes / bandwidth) / steps
+        if latency >= 0:
+            return latency, bandwidth
+    latency = max(small_s, 0.0) / steps
+    rest = large_s - steps * latency
+    bandwidth = c * large_bytes / rest if rest > 0 else c * large_bytes / max(large_s, 1e-9)
+    return latency, bandwidth
+
+
+def _axis_groups(shape: tuple[int, ...], axis: int) -> list[list[int]]:
+    """Rank lists of the groups along ``axis`` of a row-major mesh of ``shape``."""
+    ranks = torch.arange(int(torch.tensor(shape).prod())).reshape(shape)
+    moved = ranks.movedim(axis, -1).reshape(-1, shape[axis])
+    return [row.tolist() for row in moved]
+
+
+def _collective_worker(rank: int, cfg: CalibrationConfig, tmpdir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        store = dist.FileStore(os.path.join(tmpdir, "store"), cfg.ranks)
+        dist.init_process_group("gloo", rank=rank, world_size=cfg.ranks, store=store,
+                                timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        shape = cfg.mesh_shape()
+        # the *_single names replace the *_tensor ones in newer torch; same (output, input) arguments
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        times: dict[str, float] = {}
+        for axis in range(len(shape)):
+            group = None
+            for members in _axis_groups(shape, axis):  # every rank creates every group, in the same order
+                g = dist.new_group(members)
+                if rank in members:
+                    group = g
+            n = shape[axis]
+            for kind in COLLECTIVE_KINDS:
+                for nbytes in (cfg.small_message_bytes, cfg.large_message_bytes):
+                    full = torch.ones(max(n, nbytes // 4 // n * n))
+                    shard = torch.ones(full.numel() // n)
+                    samples = []
+                    for i in range(cfg.warmup + cfg.reps):
+                        dist.barrier(group=group)
+                        t0 = time.perf_counter()
+                        if kind == "all_reduce":
+                            dist.all_reduce(full, group=group)
+                        elif kind == "all_gather":
+                            gather(full, shard, group=group)
+                        else:
+                            scatter(shard, full, group=group)
+                        if i >= cfg.warmup:
+                            samples.append(time.perf_counter() - t0)
+                    times[f"{axis}/{kind}/{full.numel() * 4}"] = statistics.median(samples)
+        Path(tmpdir, f"rank{rank}.json").write_text(json.dumps(times))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent through the file
+        Path(tmpdir, f"error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def measure_collectives(cfg: CalibrationConfig) -> tuple[CollectiveFit, ...]:
+    """Fork ``cfg.ranks`` gloo ranks (FileStore) and time every collective on every mesh axis; per
+    (axis, kind, size) the slowest rank's median, fitted per (axis, kind) with :func:`fit_ring`.
+
+    Fork before any multi-threaded torch work in this process (libgomp's pool does not survive fork);
+    :func:`calibrate` does."""
+    ctx = multiprocessing.get_context("fork")
+    with tempfile.TemporaryDirectory(prefix="autoshard_calibrate_") as tmpdir:
+        procs = [ctx.Process(target=_collective_worker, args=(r, cfg, tmpdir), daemon=True)
+                 for r in range(cfg.ranks)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + cfg.timeout_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+        errors = sorted(Path(tmpdir).glob("error*.txt"))
+        if errors or any(p.exitcode != 0 for p in procs):
+            detail = "; ".join(e.read_text() for e in errors) or f"exit codes {[p.exitcode for p in procs]}"
+            raise RuntimeError(f"calibrate: a gloo rank failed or timed out ({cfg.timeout_s} s): {detail}")
+        per_rank = [json.loads(Path(tmpdir, f"rank{r}.json").read_text()) for r in range(cfg.ranks)]
+    slowest = {key: max(r[key] for r in per_rank) for key in per_rank[0]}
+    shape, fits = cfg.mesh_shape(), []
+    for axis, n in enumerate(shape):
+        for kind in COLLECTIVE_KINDS:
+            (sb, ss), (lb, ls) = sorted(
+                (int(k.rsplit("/", 1)[1]), t) for k, t in slowest.items() if k.startswith(f"{axis}/{kind}/")
+            )
+            latency, bandwidth = fit_ring(kind, n, sb, ss, lb, ls)
+            fits.append(CollectiveFit(kind, axis, n, sb, ss, lb, ls, latency, bandwidth))
+            logger.info("axis %d %s n=%d: %d B %.3g s, %d B %.3g s -> latency %.3g s, bandwidth %.3g B/s",
+                        axis, kind, n, sb, ss, lb, ls, latency, bandwidth)
+    return tuple(fits)
+
+
+# ------------------------------------------------------------------------------------------------- profile
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown cpu"
+
+
+def _memory_total() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 * 2**30
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:g} MiB" if nbytes >= 2**20 else f"{nbytes} B"
+
+
+def calibrate(cfg: CalibrationConfig | None = None, name: str = "calibrated-cpu") -> Calibration:
+    """Measure this machine (see the module docstring) and build a :class:`Calibration` whose profile has one
+    node of ``cfg.ranks`` devices (one per gloo rank)."""
+    cfg = cfg or CalibrationConfig()
+    fits = measure_collectives(cfg)  # fork first, before any multi-threaded work here
+    cpu = _cpu_name()
+    stamp = (f"measured by autoshard calibrate on {datetime.datetime.now(datetime.timezone.utc).date()}, "
+             f"{socket.gethostname()}/{cpu}, torch {torch.__version__}, {cfg.threads} thread(s) per rank, "
+             f"median of {cfg.reps} after {cfg.warmup} warm-up")
+    matmul: dict[str, dict[int, float]] = {}
+    peak: dict[str, float] = {}
+    efficiency = 1.0
+    with _threads(cfg.threads):
+        for dtype_name in cfg.dtypes:
+            dtype = getattr(torch, dtype_name)
+            try:
+                runs = {s: measure_matmul(dtype, s, cfg.warmup, cfg.reps) for s in cfg.matmul_sizes}
+            except RuntimeError as exc:
+                logger.info("%s matmul unsupported here (%s); it falls back to float32 in the cost model",
+                            dtype_name, exc)
+                continue
+            matmul[dtype_name] = {s: med for s, (med, _) in runs.items()}
+            fastest = max(runs, key=lambda s: runs[s][0])
+            peak[dtype_name] = runs[fastest][1]
+            if dtype_name == "float32":
+                efficiency = runs[fastest][0] / runs[fastest][1]
+        copy_median, copy_best = measure_copy_bandwidth(cfg.copy_bytes, cfg.warmup, cfg.reps)
+        overhead = measure_kernel_overhead(max(cfg.warmup, 10), max(cfg.reps * 10, 50))
+    sizes = ", ".join(f"{s}x{s}" for s in cfg.matmul_sizes)
+    rates = "; ".join(f"{d} " + ", ".join(f"{s}: {f / 1e9:.3g}" for s, f in v.items()) + " GFLOP/s median"
+                      for d, v in matmul.items())
+    device = DeviceSpec(
+        name=f"{cpu} ({cfg.threads} thread(s) per rank)",
+        peak_flops=peak,
+        memory_bytes=_memory_total() // cfg.ranks,
+        memory_bandwidth=copy_best,
+        flops_efficiency=min(1.0, efficiency),
+        memory_efficiency=min(1.0, copy_median / copy_best),
+        kernel_overhead=overhead,
+        sources={
+            "peak_flops": f"{stamp}: torch.mm of square matrices {sizes}; best run at the fastest size; {rates}",
+            "flops_efficiency": f"{stamp}: float32 median / best at the fastest size",
+            "memory_bytes": f"{stamp}: physical memory (sysconf) divided by the {cfg.ranks} ranks",
+            "memory_bandwidth": f"{stamp}: Tensor.copy_ of {_mib(cfg.copy_bytes)} fp32, best run, bytes read + "
+            "written",
+            "memory_efficiency": f"{stamp}: median / best of the copy",
+            "kernel_overhead": f"{stamp}: eager torch.add of 8 floats, median",
+        },
+    )
+    detail = "; ".join(f"axis {f.axis} {f.kind} n={f.group_size}: {_mib(f.small_bytes)} {f.small_s * 1e6:.0f} us, "
+                       f"{_mib(f.large_bytes)} {f.large_s * 1e3:.2f} ms" for f in fits)
+    link = Link(
+        name=f"gloo-loopback ({cfg.ranks} forked ranks)",
+        latency=statistics.median(f.latency for f in fits),
+        bandwidth=statistics.median(f.bandwidth for f in fits),
+        source=f"{stamp}, mesh {cfg.mesh_shape()}, messages {_mib(cfg.small_message_bytes)} and "
+        f"{_mib(cfg.large_message_bytes)}: all_reduce/all_gather/reduce_scatter fitted to the ring formula "
+        f"through both sizes, median over axes and kinds of the fits; slowest rank's medians: {detail}",
+    )
+    network = Link(name="gloo-tcp (assumed = loopback)", latency=link.latency, bandwidth=link.bandwidth,
+                   source="assumption: calibrate runs on one machine; taken equal to the measured loopback link")
+    memcpy = Link(name="host-memcpy", bandwidth=copy_best / 2, latency=overhead,
+                  source=f"derived from the measured memory_bandwidth / 2 (a copy reads and writes) and "
+                  f"kernel_overhead ({stamp})")
+    profile = ClusterProfile(name, device, cfg.ranks, 1, intra_node=link, inter_node=network, host_link=memcpy)
+    return Calibration(profile, matmul, fits)
+
+
+def write_profile(calibration: Calibration, path: str | Path) -> Path:
+    """Write the profile (plus the raw figures under ``"calibration"``) as JSON; ``get_cluster(path)`` reads it."""
+    out = Path(path)
+    out.write_text(json.dumps(calibration.to_dict(), indent=2) + "\n")
+    return out
+
+
+def summary(calibration: Calibration) -> Sequence[str]:
+    """Human-readable lines of the headline figures (the CLI prints them)."""
+    p = calibration.profile
+    dev, link = p.device, p.intra_node
+    lines = [f"profile {p.name}: {p.nodes} node x {p.devices_per_node} devices, {dev.name}"]
+    lines += [f"  matmul {d:<9} peak {f / 1e9:8.2f} GFLOP/s" for d, f in dev.peak_flops.items()]
+    lines += [
+        f"  flops_efficiency {dev.flops_efficiency:.2f}, memory bandwidth {dev.memory_bandwidth / 1e9:.2f} GB/s "
+        f"(efficiency {dev.memory_efficiency:.2f}), kernel overhead {dev.kernel_overhead * 1e6:.2f} us",
+        f"  link {link.name}: latency {link.latency * 1e6:.1f} us/step, bandwidth {link.bandwidth / 1e9:.3f} GB/s",
+    ]
+    lines += [f"    axis {f.axis} {f.kind:<14} n={f.group_size} latency {f.latency * 1e6:8.1f} us  bandwidth "
+              f"{f.bandwidth / 1e9:.3f} GB/s" for f in calibration.collectives]
+    return lines
