@@ -110,3 +110,30 @@ def test_side_by_side_returns_one_row_per_variant_from_rank_zero() -> None:
         assert r.error is None and r.timing is not None
         assert r.timing.steps == 3
         assert r.median_s > 0.0
+
+
+def _row(name: str, median: float) -> Row:
+    from autoshard.bench import Timing
+
+    return Row(name, Timing(median, median, median, (median,)))
+
+
+def test_runtime_table_ratios_against_best_hand_written_and_twin() -> None:
+    import importlib.util
+    import os
+    import sys
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "runtime_vs_manual.py")
+    spec = importlib.util.spec_from_file_location("runtime_vs_manual", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["runtime_vs_manual"] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    rows = [_row("autoshard", 0.03), _row("autoshard fsdp", 0.05), _row("DDP", 0.02), _row("FSDP2", 0.04),
+            _row("FSDP2 (compiled)", 0.025), Row("TP", None, error="RuntimeError: no")]
+    text = mod.table("t", rows)
+    lines = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert "best hand-written: DDP" in text
+    assert "| 1.50 |" in lines["autoshard"]  # 30 ms / 20 ms
+    assert "2.00 (FSDP2 (compiled))" in lines["autoshard fsdp"]  # against the faster of the twin's rows
+    assert "failed" in lines["TP"]
