@@ -6,7 +6,9 @@ that every rank starts the step together and the clock measures the step, not th
 
 ``run_variants`` builds and times several named variants one after another on this rank (every rank must be
 given the same list, in the same order: the variants' collectives pair up by order). A variant that raises
-while being built or run is recorded with its error and the next one runs; a variant that fails on only some
+while being built or run is recorded with its error and the next one runs. The first warm-up call's result
+is kept in ``Row.extra["first"]`` when it is a number (the benchmark returns the loss: a check that every
+variant trains the same model on the same batch); a variant that fails on only some
 ranks would leave the others waiting in a collective, so variants should fail (if at all) on every rank.
 
 ``side_by_side`` launches ``world_size`` ranks once (``launch`` is a launcher such as ``tests/harness.run_gloo``:
@@ -128,13 +130,18 @@ def run_variants(
         try:
             step = build()
             build_s = time.perf_counter() - t0
-            timing = time_steps(step, steps, warmup, group=group, barrier=barrier, clock=clock)
+            extra: dict[str, Any] = {}
+            if warmup > 0:  # the first warm-up call's result is kept when it is a number (e.g. the loss)
+                first = step()
+                if isinstance(first, (int, float)):
+                    extra["first"] = first
+            timing = time_steps(step, steps, max(warmup - 1, 0), group=group, barrier=barrier, clock=clock)
         except Exception as e:  # recorded in the table; the next variant still runs
             log.warning("variant %s failed: %s\n%s", name, e, traceback.format_exc())
             rows.append(Row(name, None, time.perf_counter() - t0, f"{type(e).__name__}: {e}"))
             continue
         log.info("variant %s: median %.4f s over %d steps (build %.1f s)", name, timing.median_s, steps, build_s)
-        rows.append(Row(name, timing, build_s))
+        rows.append(Row(name, timing, build_s, extra=extra))
     return rows
 
 

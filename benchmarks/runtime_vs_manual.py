@@ -88,12 +88,32 @@ def blocks(model: nn.Module, kind: str) -> list[nn.Module]:
     return list(model.layers) if kind == "gpt" else list(model.model.transformer.h)
 
 
-def _train_step(module: nn.Module, opt: torch.optim.Optimizer, inputs: tuple[Tensor, ...]) -> Any:
-    def step() -> None:
+def _global_loss(loss: Tensor, group: Any, size: int) -> float:
+    """The global batch's loss from this rank's (mean over equal shards); a collective, so first call only."""
+    value = loss.detach().clone()
+    if size > 1:
+        dist.all_reduce(value, group=group)
+        value /= size
+    return float(value)
+
+
+def _train_step(
+    module: nn.Module, opt: torch.optim.Optimizer, inputs: tuple[Tensor, ...], dp_group: Any, dp_size: int,
+    grad_group: Any = None,
+) -> Any:
+    """One AdamW step; the first call returns the global loss (averaged over ``dp_group``), later calls 0.0.
+    ``grad_group``: average the gradients over it by hand (TP x DP without DDP)."""
+    calls = [0]
+
+    def step() -> float:
         loss = module(*inputs)
         loss.backward()
+        if grad_group is not None:
+            _allreduce_grads(module, grad_group, dp_size)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        calls[0] += 1
+        return _global_loss(loss, dp_group, dp_size) if calls[0] == 1 else 0.0
 
     return step
 
@@ -154,10 +174,11 @@ def make_variants(rank: int, world: int, setup: Setup) -> list[Variant]:
             sharded = autoshard.compile(make_model(kind), mesh, inputs, backend="inductor", recipe=recipe)
             opt = torch.optim.AdamW(sharded.parameters(), lr=LR)
 
-            def step() -> None:
-                sharded.step(*inputs)
+            def step() -> float:
+                loss = sharded.step(*inputs)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+                return float(loss)
 
             return step
 
@@ -177,27 +198,20 @@ def make_variants(rank: int, world: int, setup: Setup) -> list[Variant]:
             elif name == "TP":
                 apply_tp(model, mesh if len(shape) == 1 else mesh["tp"])
                 module = model
-                dp = 1 if len(shape) == 1 else shape[0]
-                local = _local_batch(inputs, mesh.get_coordinate()[0] if dp > 1 else 0, dp)
             else:  # FSDP2+TP
                 apply_tp(model, mesh["tp"])
                 for b in blocks(model, kind):
                     fully_shard(b, mesh=mesh["dp"])
                 module = fully_shard(model, mesh=mesh["dp"])
-                local = _local_batch(inputs, mesh.get_coordinate()[0], shape[0])
-            fwd = torch.compile(module) if compiled else module
             opt = torch.optim.AdamW(model.parameters(), lr=LR)
-            if name == "TP" and len(shape) == 2:
-                dp_group, dp_size = mesh.get_group("dp"), shape[0]
-
-                def step() -> None:
-                    fwd(*local).backward()
-                    _allreduce_grads(model, dp_group, dp_size)
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-
-                return step
-            return _train_step(fwd, opt, local)
+            fwd = torch.compile(module) if compiled else module
+            if name in ("DDP", "FSDP2"):
+                return _train_step(fwd, opt, local, None, world)
+            if len(shape) == 1:  # TP over every rank: the whole batch everywhere
+                return _train_step(fwd, opt, inputs, None, 1)
+            dp_group, dp = mesh.get_group("dp"), shape[0]
+            local = _local_batch(inputs, mesh.get_coordinate()[0], dp)
+            return _train_step(fwd, opt, local, dp_group, dp, dp_group if name == "TP" else None)
 
         return (name + (" (compiled)" if compiled else "")), build
 
@@ -214,16 +228,22 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if math.isfinite(a) and math.isfinite(b) and b > 0 else "-"
 
 
+def _loss(r: Row) -> str:
+    first = r.extra.get("first")
+    return f"{first:.5f}" if isinstance(first, float) else "-"
+
+
 def table(title: str, rows: list[Row]) -> str:
     """Markdown table: median ms, p10-p90, ratio to the best hand-written row, forced recipe / its twin."""
     hand = [r for r in rows if not r.name.startswith("autoshard") and r.timing is not None]
     best = min(hand, key=lambda r: r.median_s) if hand else None
     by_name = {r.name: r for r in rows}
     out = [f"**{title}** (best hand-written: {best.name if best else '-'})", "",
-           "| variant | median ms | p10-p90 ms | / best hand-written | / its twin |", "|---|---|---|---|---|"]
+           "| variant | median ms | p10-p90 ms | / best hand-written | / its twin | first loss (rank 0) |",
+           "|---|---|---|---|---|---|"]
     for r in rows:
         if r.timing is None:
-            out.append(f"| {r.name} | failed: {(r.error or '')[:80]} | | | |")
+            out.append(f"| {r.name} | failed: {(r.error or '')[:80]} | | | | |")
             continue
         twin = "-"
         recipe = r.name.removeprefix("autoshard ")
@@ -235,7 +255,7 @@ def table(title: str, rows: list[Row]) -> str:
                 twin = f"{_ratio(r.median_s, t.median_s)} ({t.name})"
         t_ = r.timing
         out.append(f"| {r.name} | {t_.median_s * 1e3:.1f} | {t_.p10_s * 1e3:.1f}-{t_.p90_s * 1e3:.1f} | "
-                   f"{_ratio(r.median_s, best.median_s) if best else '-'} | {twin} |")
+                   f"{_ratio(r.median_s, best.median_s) if best else '-'} | {twin} | {_loss(r)} |")
     return "\n".join(out)
 
 

@@ -82,6 +82,22 @@ def test_a_failing_variant_is_recorded_and_the_next_runs() -> None:
     assert rows[1].timing is not None and rows[1].timing.steps == 2 and rows[1].error is None
 
 
+def test_run_variants_keeps_the_first_result_and_warms_up_once_per_step() -> None:
+    calls: list[int] = []
+
+    def build() -> Any:
+        def step() -> float:
+            calls.append(1)
+            return float(len(calls))
+
+        return step
+
+    rows = run_variants([("v", build)], steps=3, warmup=2, barrier=False)
+    assert len(calls) == 5  # 2 warm-up + 3 timed
+    assert rows[0].extra["first"] == 1.0
+    assert rows[0].timing is not None and rows[0].timing.steps == 3
+
+
 def _variants(rank: int, world_size: int, arg: Any) -> list[Variant]:
     """Each variant's step all-reduces a counter, so the ranks must run the variants in step."""
     counts: dict[str, torch.Tensor] = {}
