@@ -21,11 +21,17 @@ Variants (those that apply to the mesh, as ``autoshard.baselines.applicable`` sa
   each eager and, unless ``--quick``, under ``torch.compile`` (Inductor, CPU C++ kernels).
 
 Ratios: every row against the fastest hand-written row of its mesh, and each forced recipe against the faster
-of its hand-written twin's eager / compiled rows.
+of its hand-written twin's eager / compiled rows. "first loss" is the global batch's loss of the first step
+(hand-written rows average their shards' losses over the data-parallel group on that call only): equal on
+every row, it shows every variant trains the same model on the same batch.
 
 Not done (stated, not hidden): hand-written TP and FSDP2+TP for HF GPT-2 (its ``Conv1D`` layers and fused
 ``c_attn`` are not ``nn.Linear``: ColwiseParallel/RowwiseParallel do not apply without rewriting the model),
-so on HF only DDP and FSDP2 are twins; predicted step times next to the measured ones (issue 5 part 2).
+so on HF only DDP and FSDP2 are twins; predicted step times next to the measured ones and the rank
+correlation of predicted vs measured order (issue 5 part 2, needs the calibrated profile). On the 2-D mesh the
+"TP" twin has no DDP wrapper: DDP does not take DTensor parameters, so its gradients are averaged over "dp" by
+a plain per-parameter all-reduce (unbucketed). Variants run one after another, not interleaved, so a change in
+the machine's load during the run shows up as a change between rows (p10-p90 shows the spread).
 """
 
 from __future__ import annotations
