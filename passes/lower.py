@@ -141,7 +141,8 @@ class PlanInterpreter:
     def outputs(self, env: dict[str, Any], output_roles: Sequence, param_placements: dict[str, tuple]) -> list[Any]:
         """Loss and outputs made Replicate, gradients moved to their parameter's (or input's) placement, all as
         local tensors."""
-        result = []
+        result: list[Any] = []
+        buckets: dict[tuple, list[tuple[int, DTensor]]] = {}
         for src, role in zip(self.output.args[0], output_roles):
             if role.kind in ("none",) or src is None:
                 continue
@@ -149,9 +150,61 @@ class PlanInterpreter:
             if role.kind in ("loss", "output"):
                 val = val.redistribute(self.mesh, [Replicate()] * self.mesh.ndim)
             elif role.kind in ("grad", "input_grad"):
-                val = tc.redistribute(val, self.mesh, param_placements[role.name])
+                want = tuple(param_placements[role.name])
+                if _bucketable(tuple(val.placements), want):
+                    buckets.setdefault((tuple(val.placements), want, val.dtype), []).append((len(result), val))
+                    result.append(None)
+                    continue
+                val = tc.redistribute(val, self.mesh, want)
             result.append(val.to_local())
+        for (have, want, _), members in buckets.items():
+            for chunk in _by_size(members, BUCKET_BYTES):
+                for slot, local in zip((i for i, _ in chunk), self._reduce_together([v for _, v in chunk], have, want)):
+                    result[slot] = local
         return result
+
+    def _reduce_together(self, vals: list[DTensor], have: tuple, want: tuple) -> list[torch.Tensor]:
+        """Partial -> Replicate of several gradients as ONE collective (DDP's gradient bucket): their local
+        pieces flattened into one tensor, reduced, and cut back. The sums are the same, element by element."""
+        locals_ = [v.to_local() for v in vals]
+        if len(locals_) == 1:
+            return [tc.redistribute(vals[0], self.mesh, want).to_local()]
+        flat = torch.cat([t.reshape(-1) for t in locals_])
+        reduced = tc.redistribute(DTensor.from_local(flat, self.mesh, have, run_check=False), self.mesh, want).to_local()
+        pieces = torch.split(reduced, [t.numel() for t in locals_])
+        return [p.view(t.shape) for p, t in zip(pieces, locals_)]
+
+
+BUCKET_BYTES = 25 * 2**20  # per gradient bucket, DDP's default
+
+
+def _bucketable(have: tuple, want: tuple) -> bool:
+    """A move that only sums Partial(sum) into Replicate on some axes, with no Shard on either side (so the
+    local pieces of several gradients can be flattened and reduced together)."""
+    from torch.distributed.tensor import Partial, Shard
+
+    moves = False
+    for h, w in zip(have, want):
+        if isinstance(h, Shard) or isinstance(w, Shard):
+            return False
+        if h != w:
+            if not (isinstance(h, Partial) and h.reduce_op == "sum" and isinstance(w, Replicate)):
+                return False
+            moves = True
+    return moves
+
+
+def _by_size(members: list[tuple[int, DTensor]], limit: int) -> list[list[tuple[int, DTensor]]]:
+    out: list[list[tuple[int, DTensor]]] = [[]]
+    size = 0
+    for slot, v in members:
+        nbytes = v.to_local().numel() * v.element_size()
+        if out[-1] and size + nbytes > limit:
+            out.append([])
+            size = 0
+        out[-1].append((slot, v))
+        size += nbytes
+    return out
 
 
 def local_placeholder_shapes(gm: fx.GraphModule, mesh_shape: Sequence[int]) -> list[tuple[torch.Size, torch.dtype]]:
