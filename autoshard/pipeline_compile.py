@@ -34,7 +34,7 @@ from autoshard import _torch_compat as tc
 from autoshard.cluster import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.pipeline_costs import piece_costs
-from autoshard.pipeline_search import _boundary_bytes, _micro_inputs, _p2p_s, _with_optimizer
+from autoshard.pipeline_search import _boundary_bytes, _p2p_s, _with_optimizer, micro_inputs
 from autoshard.plan import MeshSpec, Plan
 from autoshard.planner import plan_graph, repeated_layers
 from autoshard.runtime.pipeline import EXECUTABLE_SCHEDULES, LastStage, PipelinedModule, StageModule, TiedParameter
@@ -102,7 +102,7 @@ def choose_pipeline(
         for b in counts:
             if batch % b:
                 raise ValueError(f"microbatches={b} does not divide the global batch {batch}")
-            _, gm, ctx = plan_graph(model, _micro_inputs(inputs, b), submesh, cluster, inner, broadcast_solution=True)
+            _, gm, ctx = plan_graph(model, micro_inputs(inputs, b), submesh, cluster, inner, broadcast_solution=True)
             dev, f = cluster.device, config.optimizer_factor
             head, layers, tail = piece_costs(gm, ctx)  # each piece also runs its optimizer step once per step
             head, tail = _with_optimizer(head, dev, f), _with_optimizer(tail, dev, f)
@@ -206,7 +206,7 @@ def compile_pipelined(
     k_sub = math.prod(choice.sub_shape)
     rank = dist.get_rank()
     pp_rank, local_index = divmod(rank, k_sub)
-    mb = _micro_inputs(inputs, M)
+    mb = micro_inputs(inputs, M)
     spec = {f"{choice.container}.{start}": SplitPoint.BEGINNING for start, _ in split.layers[1:]}
     pipe = pipeline(model, mb_args=tuple(mb), split_spec=spec)
     n = pipe.num_stages

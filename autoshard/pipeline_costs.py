@@ -33,7 +33,8 @@ from autoshard.solver.intra_op import GRAD_SINK_CREDIT
 HEAD, TAIL = "head", "tail"
 
 
-def _container(ctx: PassContext) -> str | None:
+def container_of(ctx: PassContext) -> str | None:
+    """The repeated-layer container of a captured model (the sampled one, else the longest), or None."""
     if ctx.sampled_layers is not None:
         return ctx.sampled_layers[0]
     counts: dict[str, set[int]] = defaultdict(set)
@@ -100,7 +101,7 @@ def piece_costs(gm: fx.GraphModule, ctx: PassContext, solution: Any = None) -> t
     from autoshard.planner import _collectives  # the plan's own collective list: one accounting
 
     sol = solution if solution is not None else ctx.solution
-    container = _container(ctx)
+    container = container_of(ctx)
     if container is None:
         raise ValueError("the model has no repeated layers (modules named like 'layers.0', 'h.1'): nothing to split "
                          "into pipeline stages")

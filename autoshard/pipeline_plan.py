@@ -31,14 +31,16 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
 from autoshard.cluster import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.notation import format_bytes, format_seconds
 from autoshard.offline import mesh_names
-from autoshard.pipeline_search import BASELINE, PipelineOption, optimizer_step_s, search_pipeline, stage_meshes
+from autoshard.pipeline_costs import container_of, piece_costs
+from autoshard.pipeline_search import (
+    BASELINE, PipelineOption, micro_inputs, optimizer_step_s, search_pipeline, stage_meshes,
+)
 from autoshard.plan import BaselineSummary, CollectiveStat, MemoryBreakdown, MeshSpec, Plan, StagePlan
 from autoshard.solver.inter_op import PieceCost
 from autoshard.solver.intra_op import InfeasibleBudget
@@ -66,18 +68,10 @@ class _Cut:
 
 
 def _container(ctx: Any) -> str:
-    from autoshard.passes.coarsen import layer_key
-
-    if ctx.sampled_layers is not None:
-        return ctx.sampled_layers[0]
-    seen: dict[str, set[int]] = defaultdict(set)
-    for g in ctx.groups:
-        key = layer_key(g.module)
-        if key is not None:
-            seen[key[0]].add(key[1])
-    if not seen:
+    found = container_of(ctx)
+    if found is None:
         raise ValueError("the model has no repeated layers (modules named like 'layers.0'): nothing to pipeline")
-    return max(seen, key=lambda c: len(seen[c]))
+    return found
 
 
 def _cut(gm: Any, ctx: Any, sub: Plan) -> _Cut:
@@ -258,12 +252,6 @@ def _stage(
     )
 
 
-def _micro_inputs(inputs: Sequence[Any], parts: int) -> tuple:
-    """The first micro-batch of each batched input (what the search planned the sub-mesh with)."""
-    return tuple(x[: x.shape[0] // parts] if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] % parts == 0
-                 else x for x in inputs)
-
-
 def pipelined_plan(
     model: nn.Module,
     example_inputs: Sequence[Any],
@@ -277,7 +265,6 @@ def pipelined_plan(
     from torch.distributed.device_mesh import init_device_mesh
 
     from autoshard.offline import fake_world
-    from autoshard.pipeline_costs import piece_costs
     from autoshard.planner import plan_graph
 
     split = option.split
@@ -296,7 +283,7 @@ def pipelined_plan(
     inner = dataclasses.replace(config, memory_budget=None, warm_start=False, recipe=option.recipe or None)
     with fake_world(world):
         dm = init_device_mesh("cpu", sub_shape, mesh_dim_names=default)
-        sub, gm, ctx = plan_graph(model, _micro_inputs(example_inputs, split.microbatches), dm, sub_cluster, inner)
+        sub, gm, ctx = plan_graph(model, micro_inputs(example_inputs, split.microbatches), dm, sub_cluster, inner)
         costs = piece_costs(gm, ctx)
         cut = _cut(gm, ctx, sub)
     depth = split.layers[-1][1] if split.layers else 0

@@ -147,14 +147,10 @@ def _boundary_bytes(gm: Any, ctx: Any) -> int:
     return 0 if node is None else node.meta["val"].numel() * node.meta["val"].element_size()
 
 
-def _micro_inputs(inputs: Sequence[Any], parts: int) -> tuple:
-    out = []
-    for x in inputs:
-        if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] % parts == 0:
-            out.append(x[: x.shape[0] // parts])
-        else:
-            out.append(x)
-    return tuple(out)
+def micro_inputs(inputs: Sequence[Any], parts: int) -> tuple:
+    """The first micro-batch of each batched input (the batch dim cut into ``parts``); others unchanged."""
+    return tuple(x[: x.shape[0] // parts] if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] % parts == 0
+                 else x for x in inputs)
 
 
 def layout_summary(plan: Any, limit: int = 10, activation: str = "") -> str:
@@ -223,7 +219,7 @@ def _plan_split(
     dev, f = cluster.device, config.optimizer_factor
     with fake_world(world):
         mesh = init_device_mesh("cpu", sub, mesh_dim_names=names)
-        plan, gm, ctx = plan_graph(model, _micro_inputs(inputs, microbatches), mesh, _sub_cluster(cluster, world),
+        plan, gm, ctx = plan_graph(model, micro_inputs(inputs, microbatches), mesh, _sub_cluster(cluster, world),
                                    config)
         node = _boundary_node(gm, ctx)
         p2p = _p2p_s(cluster, world, stages, 0 if node is None else node.meta["val"].numel() * node.meta["val"].element_size())

@@ -211,11 +211,10 @@ class _Enumerator:
                 if _valid(c, ins, node, self.mesh_shape, partial_inputs=False, ties=self.ties):
                     found.setdefault((c.inputs, c.outputs), c)
         elif tc.has_sharding_rule(op):
-            # vary the first tensor input's layout, or the largest input's when the first is a scalar
-            # (nll_loss_backward(grad_output, self, target, ...) follows self, not the scalar gradient)
+            # vary the first input's layout, or the largest one's when the first is a scalar (nll_loss_backward)
             k = 0 if ins[0].meta["val"].ndim else max(range(len(ins)), key=lambda i: ins[i].meta["val"].ndim)
-            rep = tuple(Replicate() for _ in self.mesh_shape)
             for first in tc.all_placements(len(self.mesh_shape), ins[k].meta["val"].ndim):
+                rep = tuple(Replicate() for _ in self.mesh_shape)
                 lead, others = (tuple(first), None) if k == 0 else (rep, [None] * (k - 1) + [tuple(first)])
                 try:
                     cands = tc.op_strategies(op, args, kwargs, self.mesh, lead, others, out_val=node.meta.get("val"))
