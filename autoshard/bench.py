@@ -5,7 +5,8 @@ first collectives), then ``steps`` timed calls, each preceded by a barrier on ``
 that every rank starts the step together and the clock measures the step, not the skew between ranks.
 
 ``run_variants`` builds and times several named variants one after another on this rank (every rank must be
-given the same list, in the same order: the variants' collectives pair up by order). A variant that raises
+given the same list, in the same order: the variants' collectives pair up by order). A step function may carry
+a ``notes`` dict attribute (a predicted step time, say): it is copied into ``Row.extra``. A variant that raises
 while being built or run is recorded with its error and the next one runs. The first warm-up call's result
 is kept in ``Row.extra["first"]`` when it is a number (the benchmark returns the loss: a check that every
 variant trains the same model on the same batch); a variant that fails on only some
@@ -130,7 +131,7 @@ def run_variants(
         try:
             step = build()
             build_s = time.perf_counter() - t0
-            extra: dict[str, Any] = {}
+            extra: dict[str, Any] = dict(getattr(step, "notes", {}))  # what the variant says of itself
             if warmup > 0:  # the first warm-up call's result is kept when it is a number (e.g. the loss)
                 first = step()
                 if isinstance(first, (int, float)):

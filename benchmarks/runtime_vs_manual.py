@@ -41,6 +41,7 @@ import logging
 import math
 import os
 import sys
+import tempfile
 import time
 import types
 from dataclasses import dataclass
@@ -72,6 +73,7 @@ class Setup:
     model: str  # "gpt" | "hf"
     mesh_shape: tuple[int, ...]
     compiled: bool  # also the torch.compile'd hand-written rows
+    cluster: str  # the cluster profile autoshard plans and predicts with (a calibrated JSON, or a preset)
 
 
 def make_model(kind: str) -> nn.Module:
@@ -174,11 +176,13 @@ def make_variants(rank: int, world: int, setup: Setup) -> list[Variant]:
     inputs = global_inputs(kind)
     recipes = applicable(shape)
     variants: list[Variant] = []
+    predicted: dict[str, float] = {}  # recipe ("" = solved) -> predicted step seconds, filled as variants build
 
     def autoshard_variant(recipe: str | None) -> Variant:
         def build() -> Any:
-            sharded = autoshard.compile(make_model(kind), mesh, inputs, backend="inductor", recipe=recipe)
-            opt = torch.optim.AdamW(sharded.parameters(), lr=LR)
+            sharded = autoshard.compile(make_model(kind), mesh, inputs, backend="inductor", recipe=recipe,
+                                        cluster=setup.cluster)
+            opt = torch.optim.AdamW(sharded.parameters(), lr=LR, foreach=True)
 
             def step() -> float:
                 loss = sharded.step(*inputs)
@@ -186,6 +190,8 @@ def make_variants(rank: int, world: int, setup: Setup) -> list[Variant]:
                 opt.zero_grad(set_to_none=True)
                 return float(loss)
 
+            predicted[recipe or ""] = predicted_step_s(sharded.plan, setup.cluster)
+            step.notes = {"predicted_s": predicted[recipe or ""]}  # type: ignore[attr-defined]
             return step
 
         return ("autoshard" if recipe is None else f"autoshard {recipe}"), build
@@ -209,15 +215,20 @@ def make_variants(rank: int, world: int, setup: Setup) -> list[Variant]:
                 for b in blocks(model, kind):
                     fully_shard(b, mesh=mesh["dp"])
                 module = fully_shard(model, mesh=mesh["dp"])
-            opt = torch.optim.AdamW(model.parameters(), lr=LR)
+            opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
             fwd = torch.compile(module) if compiled else module
             if name in ("DDP", "FSDP2"):
-                return _train_step(fwd, opt, local, None, world)
-            if len(shape) == 1:  # TP over every rank: the whole batch everywhere
-                return _train_step(fwd, opt, inputs, None, 1)
-            dp_group, dp = mesh.get_group("dp"), shape[0]
-            local = _local_batch(inputs, mesh.get_coordinate()[0], dp)
-            return _train_step(fwd, opt, local, dp_group, dp, dp_group if name == "TP" else None)
+                step = _train_step(fwd, opt, local, None, world)
+            elif len(shape) == 1:  # TP over every rank: the whole batch everywhere
+                step = _train_step(fwd, opt, inputs, None, 1)
+            else:
+                dp_group, dp = mesh.get_group("dp"), shape[0]
+                local = _local_batch(inputs, mesh.get_coordinate()[0], dp)
+                step = _train_step(fwd, opt, local, dp_group, dp, dp_group if name == "TP" else None)
+            twin_of = {v: k for k, v in TWINS.items()}[name]
+            if twin_of in predicted:  # the same recipe as autoshard costs it (its forced row built first)
+                step.notes = {"predicted_s": predicted[twin_of]}
+            return step
 
         return (name + (" (compiled)" if compiled else "")), build
 
@@ -228,6 +239,42 @@ def make_variants(rank: int, world: int, setup: Setup) -> list[Variant]:
     if setup.compiled:
         variants += [hand(t, True) for t in twins]
     return variants
+
+
+def predicted_step_s(plan: Any, cluster: str) -> float:
+    """The cost model's training step: the plan's forward + backward + communication, plus the AdamW update
+    over this device's parameters, gradients and optimizer state (memory-bound; ``pipeline_search``)."""
+    from autoshard.cluster import get_cluster
+    from autoshard.pipeline_search import optimizer_step_s
+
+    m = plan.stages[0].memory
+    return plan.step_time_s + optimizer_step_s(m.parameters + m.gradients + m.optimizer, get_cluster(cluster).device, 2)
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (ties get their mean rank); nan for fewer than 3 pairs."""
+    if len(xs) != len(ys) or len(xs) < 3:
+        return float("nan")
+
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=v.__getitem__)
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sx = math.sqrt(sum((a - mx) ** 2 for a in rx))
+    sy = math.sqrt(sum((b - my) ** 2 for b in ry))
+    return cov / (sx * sy) if sx > 0 and sy > 0 else float("nan")
 
 
 def _ratio(a: float, b: float) -> str:
@@ -245,12 +292,15 @@ def table(title: str, rows: list[Row]) -> str:
     best = min(hand, key=lambda r: r.median_s) if hand else None
     by_name = {r.name: r for r in rows}
     out = [f"**{title}** (best hand-written: {best.name if best else '-'})", "",
-           "| variant | median ms | p10-p90 ms | / best hand-written | / its twin | first loss (rank 0) |",
-           "|---|---|---|---|---|---|"]
+           "| variant | median ms | p10-p90 ms | / best hand-written | / its twin | predicted ms | predicted / "
+           "measured | first loss (rank 0) |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.timing is None:
-            out.append(f"| {r.name} | failed: {(r.error or '')[:80]} | | | | |")
+            out.append(f"| {r.name} | failed: {(r.error or '')[:80]} | | | | | | |")
             continue
+        pred = r.extra.get("predicted_s")
+        pred_cells = (f"{pred * 1e3:.1f} | {_ratio(pred, r.median_s)}" if isinstance(pred, float) else "- | -")
         twin = "-"
         recipe = r.name.removeprefix("autoshard ")
         if r.name.startswith("autoshard ") and TWINS.get(recipe):
@@ -261,8 +311,30 @@ def table(title: str, rows: list[Row]) -> str:
                 twin = f"{_ratio(r.median_s, t.median_s)} ({t.name})"
         t_ = r.timing
         out.append(f"| {r.name} | {t_.median_s * 1e3:.1f} | {t_.p10_s * 1e3:.1f}-{t_.p90_s * 1e3:.1f} | "
-                   f"{_ratio(r.median_s, best.median_s) if best else '-'} | {twin} | {_loss(r)} |")
+                   f"{_ratio(r.median_s, best.median_s) if best else '-'} | {twin} | {pred_cells} | {_loss(r)} |")
+    pairs = [(r.extra["predicted_s"], r.median_s) for r in rows
+             if r.timing is not None and isinstance(r.extra.get("predicted_s"), float)]
+    if pairs:
+        within = sum(1 for p, m in pairs if abs(p / m - 1) <= 0.2)
+        rho = spearman([p for p, _ in pairs], [m for _, m in pairs])
+        out += ["", f"Predicted vs measured, {len(pairs)} rows with a prediction: {within} within ±20%; Spearman "
+                    f"rank correlation {rho:.2f}" if math.isfinite(rho) else f"{within} within ±20%"]
     return "\n".join(out)
+
+
+def _profile(spec: str, world: int, tmp: str) -> str:
+    """The profile to plan with: ``spec`` itself, or for "calibrate" a quick calibration of this machine with
+    ``world`` gloo ranks written under ``tmp`` (its summary is printed)."""
+    if spec != "calibrate":
+        return spec
+    from autoshard.calibrate import CalibrationConfig, calibrate, summary, write_profile
+
+    t0 = time.perf_counter()
+    cal = calibrate(CalibrationConfig.quick(ranks=world), name=f"calibrated-cpu-{world}")
+    path = str(write_profile(cal, os.path.join(tmp, f"calibrated-{world}.json")))
+    print(f"calibrated with {world} ranks in {time.perf_counter() - t0:.0f} s (autoshard calibrate --quick):")
+    print("\n".join(f"    {line}" for line in summary(cal)) + "\n")
+    return path
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -272,6 +344,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ranks", type=int, nargs="+", choices=(2, 4), default=[2, 4])
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--profile", default="calibrate",
+                    help="cluster profile autoshard plans and predicts with: 'calibrate' (measure this machine first, "
+                    "`autoshard calibrate --quick`, per rank count), a profile JSON path, or a preset such as 'cpu'")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from harness import run_gloo
@@ -283,13 +358,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# runtime vs hand-written: {c.n_layer} layers, d_model {c.d_model}, {c.n_head} heads, vocab {c.vocab}, "
           f"seq {c.seq_len}, global batch {BATCH}; AdamW; median of {steps} steps after {warmup} warm-up; "
           f"CPU gloo, 1 thread per rank; torch {torch.__version__}\n")
+    profiles: dict[int, str] = {}
+    tmp = tempfile.mkdtemp(prefix="autoshard-bench-")
     for kind in models:
         for world in args.ranks:
             shape = (2,) if world == 2 else (2, 2)
             t0 = time.perf_counter()
+            cluster = profiles.setdefault(world, _profile(args.profile, world, tmp))
             rows = side_by_side(world, make_variants, steps, warmup, launch=run_gloo,
-                                arg=Setup(kind, shape, not args.quick))
-            title = f"{'GPT' if kind == 'gpt' else 'HF GPT-2'}, {world} ranks, mesh {shape}"
+                                arg=Setup(kind, shape, not args.quick, cluster))
+            title = f"{'GPT' if kind == 'gpt' else 'HF GPT-2'}, {world} ranks, mesh {shape}, profile {cluster}"
             print(table(title, rows))
             print(f"\n({time.perf_counter() - t0:.0f} s including builds and compilation)\n", flush=True)
 

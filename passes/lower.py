@@ -143,6 +143,8 @@ class PlanInterpreter:
         local tensors."""
         result: list[Any] = []
         buckets: dict[tuple, list[tuple[int, DTensor]]] = {}
+        made_at = {n.name: i for i, n in enumerate(self.nodes)}
+        order: dict[int, int] = {}  # result slot -> where the backward makes that gradient
         for src, role in zip(self.output.args[0], output_roles):
             if role.kind in ("none",) or src is None:
                 continue
@@ -153,12 +155,16 @@ class PlanInterpreter:
                 want = tuple(param_placements[role.name])
                 if _bucketable(tuple(val.placements), want):
                     buckets.setdefault((tuple(val.placements), want, val.dtype), []).append((len(result), val))
+                    order[len(result)] = made_at[src.name]
                     result.append(None)
                     continue
                 val = tc.redistribute(val, self.mesh, want)
             result.append(val.to_local())
         for (have, want, _), members in buckets.items():
-            for chunk in _by_size(members, BUCKET_BYTES):
+            # in the order the backward makes them, so that a bucket is complete (and its reduction can start,
+            # see passes/overlap.py) while the backward goes on with earlier layers
+            members.sort(key=lambda m: order[m[0]])
+            for chunk in _by_size(members, FIRST_BUCKET_BYTES, BUCKET_BYTES):
                 for slot, local in zip((i for i, _ in chunk), self._reduce_together([v for _, v in chunk], have, want)):
                     result[slot] = local
         return result
@@ -176,6 +182,7 @@ class PlanInterpreter:
 
 
 BUCKET_BYTES = 25 * 2**20  # per gradient bucket, DDP's default
+FIRST_BUCKET_BYTES = 2**20  # the first bucket is small, as DDP's, so that its reduction starts early
 
 
 def _bucketable(have: tuple, want: tuple) -> bool:
@@ -194,12 +201,14 @@ def _bucketable(have: tuple, want: tuple) -> bool:
     return moves
 
 
-def _by_size(members: list[tuple[int, DTensor]], limit: int) -> list[list[tuple[int, DTensor]]]:
+def _by_size(members: list[tuple[int, DTensor]], first: int, limit: int) -> list[list[tuple[int, DTensor]]]:
+    """Consecutive members in buckets of at most ``first`` bytes (the first) and ``limit`` bytes (the others);
+    a member larger than that is a bucket of its own."""
     out: list[list[tuple[int, DTensor]]] = [[]]
     size = 0
     for slot, v in members:
         nbytes = v.to_local().numel() * v.element_size()
-        if out[-1] and size + nbytes > limit:
+        if out[-1] and size + nbytes > (first if len(out) == 1 else limit):
             out.append([])
             size = 0
         out[-1].append((slot, v))

@@ -153,3 +153,28 @@ def test_runtime_table_ratios_against_best_hand_written_and_twin() -> None:
     assert "| 1.50 |" in lines["autoshard"]  # 30 ms / 20 ms
     assert "2.00 (FSDP2 (compiled))" in lines["autoshard fsdp"]  # against the faster of the twin's rows
     assert "failed" in lines["TP"]
+
+
+def test_runtime_table_predicted_column_and_rank_correlation() -> None:
+    import importlib.util
+    import os
+    import sys
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "runtime_vs_manual.py")
+    spec = importlib.util.spec_from_file_location("runtime_vs_manual", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["runtime_vs_manual"] = mod
+    spec.loader.exec_module(mod)
+    assert mod.spearman([1.0, 2.0, 3.0], [10.0, 20.0, 30.0]) == pytest.approx(1.0)
+    assert mod.spearman([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == pytest.approx(-1.0)
+    assert abs(mod.spearman([1.0, 2.0, 2.0, 4.0], [1.0, 3.0, 2.0, 4.0]) - 0.9486832980505138) < 1e-12  # a tie
+    rows = [_row("autoshard", 0.030), _row("autoshard ddp", 0.040), _row("DDP", 0.020), _row("FSDP2", 0.050)]
+    for r, pred in zip(rows, (0.033, 0.030, 0.045, 0.060)):
+        r.extra["predicted_s"] = pred
+    text = mod.table("t", rows)
+    lines = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert "| 33.0 | 1.10 |" in lines["autoshard"]  # predicted ms, predicted / measured
+    assert "| 45.0 | 2.25 |" in lines["DDP"]
+    # 2 of 4 within 20% (1.10, 1.20); measured order 20<30<40<50 vs predicted 45,33,30,60 -> rho = 0.2
+    assert "2 within ±20%" in text and "Spearman rank correlation 0.20" in text

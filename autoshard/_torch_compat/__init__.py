@@ -32,7 +32,9 @@ from autoshard._torch_compat.dtensor import (
     RawStrategy,
     all_placements,
     clear_dtensor_caches,
+    dtensor_like,
     has_sharding_rule,
+    local_tensor,
     make_spec,
     op_strategies,
     output_meta,
@@ -51,7 +53,7 @@ from autoshard._torch_compat.worlds import (
 
 __all__ = [
     "AxisRules", "InputRole", "OpOverload", "OutputRole", "Placements", "RawStrategy", "all_placements",
-    "clear_dtensor_caches", "decomposition_table", "detach_from_fake_modes", "export_joint", "fake_process_group",
+    "clear_dtensor_caches", "decomposition_table", "dtensor_like", "local_tensor", "detach_from_fake_modes", "export_joint", "fake_process_group",
     "has_sharding_rule", "in_local_tensor_mode", "inductor_compile", "is_fake", "make_spec", "new_fake_mode",
     "op_strategies", "output_meta", "output_roles", "outside_local_tensor_mode", "partition_joint",
     "placeholder_role", "planning_decompositions", "propagate", "ranks_disagree", "redistribute",

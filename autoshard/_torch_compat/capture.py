@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -107,9 +109,59 @@ def partition_joint(gm: fx.GraphModule, num_fwd_outputs: int) -> tuple[fx.GraphM
     """
     from torch._functorch.partitioners import default_partition
 
+    _tag_forward(gm, num_fwd_outputs)
     primals = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("primals")]
     tangents = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")]
-    return default_partition(gm, [primals, tangents], num_fwd_outputs=num_fwd_outputs)
+    fw, bw = default_partition(gm, [primals, tangents], num_fwd_outputs=num_fwd_outputs)
+    for part in (fw, bw):
+        _drop_unused(part)
+    return fw, bw
+
+
+def _drop_unused(gm: fx.GraphModule) -> None:
+    """Remove ops nothing uses, but collectives. The partitioner leaves a multi-output forward op (attention)
+    in the backward when only its saved pieces are used there; FX's own dead-code pass keeps it, as CPU
+    flash attention is tagged random (dropout), so it would run twice."""
+    for n in reversed(list(gm.graph.nodes)):
+        if n.op != "call_function" or n.users:
+            continue
+        if isinstance(n.target, torch._ops.OpOverload) and (n.target.namespace == "_c10d_functional" or n.target._schema.is_mutable):
+            continue
+        gm.graph.erase_node(n)
+    gm.recompile()
+
+
+def _tag_forward(gm: fx.GraphModule, num_fwd_outputs: int) -> None:
+    """Tag the ancestors of the forward outputs ``partitioner_tag="is_forward"``.
+
+    ``default_partition`` takes as forward every node up to the LAST node carrying that tag (AOTAutograd tags
+    its joint graphs; a graph traced by ``make_fx`` has none). Untagged, the forward ends at the last primal:
+    only the primals are saved and the backward recomputes the whole forward, collectives included.
+    The tagged nodes are also moved ahead of every other (keeping their order; they only use each other), as
+    the forward output's own collective (the loss's all-reduce) is traced last, after the backward.
+    """
+    outs = gm.graph.find_nodes(op="output")[0].args[0]
+    stack = [a for a in outs[:num_fwd_outputs] if isinstance(a, fx.Node)]
+    seen: set[fx.Node] = set()
+    while stack:
+        n = stack.pop()
+        if n in seen or n.name.startswith("tangents"):
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    # the other outputs of a forward op (attention's logsumexp, layer norm's mean/rstd) are forward values
+    # too, only used by the backward; untagged, the backward would run the op again to get them
+    seen |= {u for n in list(seen) for u in n.users if u.target is operator.getitem}
+    for n in seen:
+        n.meta["partitioner_tag"] = "is_forward"
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    if not placeholders:
+        return
+    anchor = placeholders[-1]
+    for n in [n for n in gm.graph.nodes if n in seen and n.op != "placeholder"]:
+        anchor.append(n)
+        anchor = n
+    gm.recompile()
 
 
 def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Callable[..., Any]:
@@ -121,6 +173,7 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor])
     def run(args: list[torch.Tensor]) -> Any:
         return compiled(list(args))
 
+    run.source_code = getattr(compiled, "source_code", "")  # type: ignore[attr-defined]  # Inductor's output code
     return run
 
 

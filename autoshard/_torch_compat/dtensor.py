@@ -289,6 +289,18 @@ def redistribute(t: DTensor, mesh: DeviceMesh, placements: Sequence[Placement]) 
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard without an autograd node (``to_local()`` records one per call); other tensors
+    as they are."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def dtensor_like(local: torch.Tensor, ref: DTensor) -> DTensor:
+    """``local`` as a DTensor with ``ref``'s mesh, placements and global shape, without ``from_local``'s autograd
+    function and checks (a gradient delivered in its parameter's layout)."""
+    return DTensor(local, ref._spec, requires_grad=False)
+
+
 def clear_dtensor_caches() -> None:
     """Forget DTensor's cached sharding decisions.
 

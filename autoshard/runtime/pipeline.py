@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from autoshard import _torch_compat as tc
 from autoshard.notation import parse_placements
 from autoshard.plan import Plan
 from autoshard.runtime.sharded_module import distribute_parameters, scatter_grads
@@ -43,8 +44,9 @@ EXECUTABLE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 class _RunStage(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, program: Any, grad_slots: tuple[int, ...], *flat: torch.Tensor) -> Any:
-        outs, saved = program.forward_many(flat)
-        ctx.program, ctx.saved, ctx.grad_slots, ctx.n_flat = program, saved, grad_slots, len(flat)
+        outs, saved = program.forward_many([tc.local_tensor(x) for x in flat])
+        ctx.program, ctx.saved, ctx.grad_slots = program, saved, grad_slots
+        ctx.like = [x if isinstance(x, DTensor) else None for x in flat]
         ctx.out_meta = [(o.shape, o.dtype, o.device) for o in outs]
         # outputs with no tangent in the captured program (tables derived from buffers, integer tensors) carry
         # no gradient: say so, so that pipelining neither waits for nor sends one
@@ -60,7 +62,7 @@ class _RunStage(torch.autograd.Function):
         ]
         grads = ctx.program.backward_many(ctx.saved, grads_in)
         ctx.saved = None
-        return (None, None, *scatter_grads(grads, ctx.grad_slots, ctx.n_flat))
+        return (None, None, *scatter_grads(grads, ctx.grad_slots, ctx.like))
 
 
 class StageModule(nn.Module):
@@ -93,7 +95,7 @@ class StageModule(nn.Module):
         if len(args) != len(self._input_placements):
             raise TypeError(f"pipeline stage takes {len(self._input_placements)} tensors, got {len(args)}")
         params = dict(self.module.named_parameters(remove_duplicate=False))
-        flat = [params[n].to_local() if isinstance(params[n], DTensor) else params[n] for n in self._param_names]
+        flat = [params[n] for n in self._param_names]  # DTensors: _RunStage takes their local shards
         bufs = dict(self.module.named_buffers())
         flat += [bufs[n] for n in self._buffer_names]
         flat += [self._local(a, pl) for a, pl in zip(args, self._input_placements)]

@@ -21,6 +21,7 @@ import torch.fx as fx
 from autoshard import _torch_compat as tc
 from autoshard.passes.context import PassContext
 from autoshard.passes.lower import PlanInterpreter, param_placements_of, trace_rank_program
+from autoshard.passes.overlap import schedule_overlap
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ BACKENDS = ("inductor", "eager")
 
 
 class CompiledProgram:
-    def __init__(self, gm: fx.GraphModule, ctx: PassContext, backend: str) -> None:
+    def __init__(self, gm: fx.GraphModule, ctx: PassContext, backend: str, overlap: bool = True) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not known; use one of {BACKENDS}")
         decomp = tc.decomposition_table() if backend == "inductor" else None
@@ -38,6 +39,10 @@ class CompiledProgram:
         self.n_out = sum(1 for r in ctx.output_roles if r.kind in ("loss", "output"))
         with ctx.timed("partition"):
             self.fw_gm, self.bw_gm = tc.partition_joint(self.joint, num_fwd_outputs=self.n_out)
+        if overlap:
+            for part in (self.fw_gm, self.bw_gm):
+                for k, v in schedule_overlap(part).items():
+                    ctx.stats[f"overlap_{k}"] = ctx.stats.get(f"overlap_{k}", 0) + v
         # which forward outputs have a tangent (those that require grad), in tangent order
         self.tangent_of = [n.meta["autoshard_role"].index for n in gm.graph.find_nodes(op="placeholder")
                            if n.meta["autoshard_role"].kind == "tangent"]

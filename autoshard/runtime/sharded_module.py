@@ -28,25 +28,28 @@ log = logging.getLogger(__name__)
 class _RunProgram(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, program: Any, grad_slots: tuple[int, ...], *flat: torch.Tensor) -> torch.Tensor:
-        loss, saved = program.forward(flat)
+        loss, saved = program.forward([tc.local_tensor(x) for x in flat])
         ctx.program = program
         ctx.saved = saved
         ctx.grad_slots = grad_slots
-        ctx.n_flat = len(flat)
+        ctx.like = [x if isinstance(x, DTensor) else None for x in flat]
         return loss
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple:
         grads = ctx.program.backward(ctx.saved, grad_loss)
         ctx.saved = None
-        return (None, None, *scatter_grads(grads, ctx.grad_slots, ctx.n_flat))
+        return (None, None, *scatter_grads(grads, ctx.grad_slots, ctx.like))
 
 
-def scatter_grads(grads: Sequence[torch.Tensor], slots: Sequence[int], n: int) -> list[torch.Tensor | None]:
-    """The program's gradients placed at their inputs' positions among ``n`` flat inputs (None elsewhere)."""
-    full: list[torch.Tensor | None] = [None] * n
+def scatter_grads(grads: Sequence[torch.Tensor], slots: Sequence[int], like: Sequence[DTensor | None]) -> list[torch.Tensor | None]:
+    """The program's (local) gradients placed at their inputs' positions among the flat inputs (None
+    elsewhere); the gradient of a DTensor input (a parameter, passed whole so that autograd records no
+    ``to_local`` per parameter and step) is wrapped in that parameter's layout."""
+    full: list[torch.Tensor | None] = [None] * len(like)
     for slot, g in zip(slots, grads):
-        full[slot] = g
+        ref = like[slot]
+        full[slot] = g if ref is None else tc.dtensor_like(g, ref)
     return full
 
 
@@ -97,11 +100,7 @@ class ShardedModule(nn.Module):
 
     def _flat_params(self) -> list[torch.Tensor]:
         params = dict(self.module.named_parameters(remove_duplicate=False))
-        out = []
-        for name in self._param_names:
-            p = params[name]
-            out.append(p.to_local() if isinstance(p, DTensor) else p)
-        return out
+        return [params[name] for name in self._param_names]  # DTensors: _RunProgram takes their local shards
 
     def _buffers_local(self) -> list[torch.Tensor]:
         bufs = dict(self.module.named_buffers())

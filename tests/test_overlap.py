@@ -1,0 +1,86 @@
+"""The forward/backward split of a rank's program and the communication/computation overlap pass."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from autoshard import _torch_compat as tc
+from autoshard.passes.overlap import schedule_overlap
+from harness import fake_world
+
+
+def _names(gm: torch.fx.GraphModule, opname: str) -> list[int]:
+    return [i for i, n in enumerate(gm.graph.nodes) if getattr(n.target, "_opname", None) == opname]
+
+
+def _backward_like(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> list[torch.Tensor]:
+    """Two "layers" of gradients, each reduced (as lower traces a bucket: after all the compute)."""
+    g2 = (x @ w2).tanh()
+    g1 = (g2 @ w1).tanh() @ w1
+    group = dist.group.WORLD
+    r2 = funcol.all_reduce(g2.reshape(-1), "sum", group)
+    r1 = funcol.all_reduce(g1.reshape(-1), "sum", group)
+    full = funcol.all_gather_tensor(w1, 0, group)  # of a graph input: stays where it is
+    return [r2 * 2, r1 + 1, full @ w2.t()]  # (under tracing, funcol waits right after each collective)
+
+
+def test_overlap_raises_collectives_and_sinks_waits_keeping_order_and_values():
+    with fake_world(2):
+        args = [torch.randn(8, 8) for _ in range(3)]
+        gm = make_fx(_backward_like)(*args)
+        before = [t.clone() for t in gm(*args)]
+        reduce_at = _names(gm, "all_reduce")
+        stats = schedule_overlap(gm)
+        after = gm(*args)
+    nodes = list(gm.graph.nodes)
+    first, second = _names(gm, "all_reduce")
+    # the first reduction now starts before the second layer's matmuls, right after its input exists
+    mms = _names(gm, "mm")
+    assert first < mms[1], (first, mms)
+    assert first < reduce_at[0] and stats["raised"] >= 1
+    assert nodes[first].args[0] in (nodes[first - 1],) or nodes[first - 1] in nodes[first].all_input_nodes
+    # issue order is kept (every rank issues the same sequence)
+    assert first < second
+    # the all-gather of an input is not raised to the top (all weights gathered at once)
+    gather = _names(gm, "all_gather_into_tensor")[0]
+    assert gather > mms[2] and gather > second, (gather, mms, second)
+    # each wait sits right before the op that uses its result
+    for w in _names(gm, "wait_tensor"):
+        assert nodes[w + 1] in nodes[w].users
+    for a, b in zip(before, after):
+        torch.testing.assert_close(a, b)
+
+
+def test_partition_saves_forward_values_and_runs_no_forward_op_again():
+    """The make_fx joint graph carries no phase tags; untagged, the partitioner would save only the inputs and
+    the backward would recompute the forward (matmuls and attention twice per step)."""
+
+    def joint(primals: list[torch.Tensor], tangents: list[torch.Tensor]) -> list[torch.Tensor]:
+        x, w = primals
+        q = (x @ w).view(1, 1, 4, 8)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, 0.0, True)[:2]
+        loss = out.sum()
+        g_out = tangents[0].expand_as(out)
+        gq = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(g_out, q, q, q, out, lse, 0.0, True)
+        gh = (gq[0] + gq[1] + gq[2]).view(4, 8)
+        return [loss, x.t() @ gh]
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    gm = make_fx(joint)([x, w], [torch.tensor(1.0)])
+    names = iter(["primals_1", "primals_2", "tangents_1"])
+    for n in gm.graph.find_nodes(op="placeholder"):
+        n.name = n.target = next(names)
+    gm.recompile()
+    fw, bw = tc.partition_joint(gm, num_fwd_outputs=1)
+
+    def count(g: torch.fx.GraphModule, name: str) -> int:
+        return sum(1 for n in g.graph.nodes if getattr(n.target, "_opname", None) == name)
+
+    assert count(fw, "mm") == 1 and count(bw, "mm") == 1  # x @ w in the forward only; the weight grad in bw
+    assert count(fw, "_scaled_dot_product_flash_attention_for_cpu") == 1
+    assert count(bw, "_scaled_dot_product_flash_attention_for_cpu") == 0
+    n_saved = len(fw.graph.find_nodes(op="output")[0].args[0]) - 1
+    assert n_saved > 2  # activations (attention output, logsumexp, ...) are saved, not only the inputs
