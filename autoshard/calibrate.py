@@ -80,8 +80,10 @@ class CalibrationConfig:
 
     @classmethod
     def quick(cls, ranks: int = 4) -> CalibrationConfig:
+        # small sizes, but enough repetitions that the medians hold on a shared 2-core machine (with 5, the
+        # collective latencies varied 5x between runs); still about a second
         return cls(ranks=ranks, matmul_sizes=(128, 256), copy_bytes=16 * 2**20, large_message_bytes=2**20,
-                   warmup=2, reps=5, timeout_s=120.0)
+                   warmup=5, reps=21, timeout_s=120.0)
 
     def mesh_shape(self) -> tuple[int, ...]:
         return (2,) if self.ranks == 2 else (2, self.ranks // 2)

@@ -154,6 +154,16 @@ def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
     parallelize_module(model, tp_mesh, plan)
 
 
+def _param_groups(model: nn.Module) -> list[dict[str, Any]]:
+    """DTensor and plain parameters in separate groups: foreach AdamW cannot mix them in one group (TP shards
+    only the projections; layer norms and embeddings stay plain tensors)."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    groups = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+    return [{"params": g} for g in groups if g]
+
+
 def _allreduce_grads(model: nn.Module, group: Any, size: int) -> None:
     """Average every gradient over ``group`` (DTensor grads through their local shard)."""
     for p in model.parameters():
@@ -215,7 +225,7 @@ def make_variants(rank: int, world: int, setup: Setup) -> list[Variant]:
                 for b in blocks(model, kind):
                     fully_shard(b, mesh=mesh["dp"])
                 module = fully_shard(model, mesh=mesh["dp"])
-            opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
+            opt = torch.optim.AdamW(_param_groups(model), lr=LR, foreach=True)
             fwd = torch.compile(module) if compiled else module
             if name in ("DDP", "FSDP2"):
                 step = _train_step(fwd, opt, local, None, world)
@@ -364,7 +374,9 @@ def main(argv: list[str] | None = None) -> None:
         for world in args.ranks:
             shape = (2,) if world == 2 else (2, 2)
             t0 = time.perf_counter()
-            cluster = profiles.setdefault(world, _profile(args.profile, world, tmp))
+            if world not in profiles:
+                profiles[world] = _profile(args.profile, world, tmp)
+            cluster = profiles[world]
             rows = side_by_side(world, make_variants, steps, warmup, launch=run_gloo,
                                 arg=Setup(kind, shape, not args.quick, cluster))
             title = f"{'GPT' if kind == 'gpt' else 'HF GPT-2'}, {world} ranks, mesh {shape}, profile {cluster}"

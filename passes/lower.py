@@ -35,7 +35,16 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from autoshard import _torch_compat as tc
 from autoshard.ir import NodeSharding
 from autoshard.notation import local_shape, placements_str
-from autoshard.passes.coarsen import tensor_args
+from autoshard.passes.buckets import (
+    BUCKET_BYTES,
+    FIRST_BUCKET_BYTES,
+    bucketable,
+    by_size,
+    gather_axis,
+    gather_together,
+    reduce_together,
+)
+from autoshard.passes.coarsen import layer_key, tensor_args
 from autoshard.passes.context import PassContext
 from autoshard.passes.strategies import SDPA_CPU
 
@@ -51,13 +60,16 @@ def _wrap(t: torch.Tensor, mesh: DeviceMesh, placements: Sequence, global_val: t
 class PlanInterpreter:
     """Runs the annotated joint graph on DTensors with exactly the plan's placements."""
 
-    def __init__(self, gm: fx.GraphModule, mesh: DeviceMesh) -> None:
+    def __init__(self, gm: fx.GraphModule, mesh: DeviceMesh, group_gathers: bool = False) -> None:
         self.gm = gm
         self.mesh = mesh
         self.nodes = list(gm.graph.nodes)
         self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
         self.output = self.nodes[-1]
         self.mismatches = 0
+        # FSDP-style: one all-gather per layer and phase for the parameters it gathers (passes/buckets.py)
+        self.groups, self.group_of = _gather_groups(self.nodes, tuple(mesh.shape)) if group_gathers else ({}, {})
+        self.gathered: dict[tuple, DTensor] = {}
 
     def phase_nodes(self, phase: str) -> list[fx.Node]:
         return [n for n in self.nodes if n.op in ("call_function", "get_attr") and n.meta.get("autoshard_phase", "forward") == phase]
@@ -83,7 +95,8 @@ class PlanInterpreter:
             want = sh.inputs[k] if k < len(sh.inputs) else None
             val = env[src.name]
             if want is not None and isinstance(val, DTensor) and tuple(val.placements) != tuple(want):
-                val = tc.redistribute(val, self.mesh, want)
+                key = (src.name, node.meta.get("autoshard_phase", "forward"), tuple(want))
+                val = self._gather_group(key, env) if key in self.group_of else tc.redistribute(val, self.mesh, want)
             moved[f"{src.name}#{k}"] = val
         counter = iter(range(len(ins)))
 
@@ -102,6 +115,20 @@ class PlanInterpreter:
             return self._run_local(node, sh, args, kwargs)
         out = node.target(*args, **kwargs)
         return self._match(node, sh, out)
+
+    def _gather_group(self, use: tuple, env: dict[str, Any]) -> DTensor:
+        """The value ``use`` names, made from its parameter gathered (with every other parameter of its group,
+        at the group's first use) and passed through the same views."""
+        gkey, (member, views) = self.group_of[use]
+        if member not in self.gathered:
+            members = [m for m in self.groups[gkey] if m not in self.gathered]
+            vals = gather_together(self.mesh, gkey[2], [env[m[0]] for m in members], [m[2] for m in members])
+            self.gathered.update(zip(members, vals))
+        val = self.gathered[member]
+        for view in views:
+            val = view.target(val, *view.args[1:], **view.kwargs)
+        want = use[2]
+        return val if tuple(val.placements) == want else tc.redistribute(val, self.mesh, want)
 
     def _run_local(self, node: fx.Node, sh: NodeSharding, args: tuple, kwargs: dict) -> Any:
         def unwrap(a: object) -> object:
@@ -153,7 +180,7 @@ class PlanInterpreter:
                 val = val.redistribute(self.mesh, [Replicate()] * self.mesh.ndim)
             elif role.kind in ("grad", "input_grad"):
                 want = tuple(param_placements[role.name])
-                if _bucketable(tuple(val.placements), want):
+                if bucketable(tuple(val.placements), want):
                     buckets.setdefault((tuple(val.placements), want, val.dtype), []).append((len(result), val))
                     order[len(result)] = made_at[src.name]
                     result.append(None)
@@ -164,56 +191,59 @@ class PlanInterpreter:
             # in the order the backward makes them, so that a bucket is complete (and its reduction can start,
             # see passes/overlap.py) while the backward goes on with earlier layers
             members.sort(key=lambda m: order[m[0]])
-            for chunk in _by_size(members, FIRST_BUCKET_BYTES, BUCKET_BYTES):
-                for slot, local in zip((i for i, _ in chunk), self._reduce_together([v for _, v in chunk], have, want)):
+            for chunk in by_size(members, FIRST_BUCKET_BYTES, BUCKET_BYTES):
+                reduced = reduce_together(self.mesh, [v for _, v in chunk], have, want)
+                for slot, local in zip((i for i, _ in chunk), reduced):
                     result[slot] = local
         return result
 
-    def _reduce_together(self, vals: list[DTensor], have: tuple, want: tuple) -> list[torch.Tensor]:
-        """Partial -> Replicate of several gradients as ONE collective (DDP's gradient bucket): their local
-        pieces flattened into one tensor, reduced, and cut back. The sums are the same, element by element."""
-        locals_ = [v.to_local() for v in vals]
-        if len(locals_) == 1:
-            return [tc.redistribute(vals[0], self.mesh, want).to_local()]
-        flat = torch.cat([t.reshape(-1) for t in locals_])
-        reduced = tc.redistribute(DTensor.from_local(flat, self.mesh, have, run_check=False), self.mesh, want).to_local()
-        pieces = torch.split(reduced, [t.numel() for t in locals_])
-        return [p.view(t.shape) for p, t in zip(pieces, locals_)]
+
+_aten = torch.ops.aten
+_VIEWS = {_aten.t.default, _aten.view.default, _aten._unsafe_view.default, _aten.permute.default,
+          _aten.transpose.int, _aten.reshape.default}  # what a parameter goes through before its matmul
 
 
-BUCKET_BYTES = 25 * 2**20  # per gradient bucket, DDP's default
-FIRST_BUCKET_BYTES = 2**20  # the first bucket is small, as DDP's, so that its reduction starts early
+def _gather_groups(nodes: Sequence[fx.Node], mesh_shape: tuple[int, ...]) -> tuple[dict[tuple, list], dict[tuple, tuple]]:
+    """Parameters gathered Shard(0) -> Replicate on one axis (directly, or through views such as the ``t`` before
+    a matmul), grouped by (phase, layer, axis, dtype).
 
-
-def _bucketable(have: tuple, want: tuple) -> bool:
-    """A move that only sums Partial(sum) into Replicate on some axes, with no Shard on either side (so the
-    local pieces of several gradients can be flattened and reduced together)."""
-    from torch.distributed.tensor import Partial, Shard
-
-    moves = False
-    for h, w in zip(have, want):
-        if isinstance(h, Shard) or isinstance(w, Shard):
-            return False
-        if h != w:
-            if not (isinstance(h, Partial) and h.reduce_op == "sum" and isinstance(w, Replicate)):
-                return False
-            moves = True
-    return moves
-
-
-def _by_size(members: list[tuple[int, DTensor]], first: int, limit: int) -> list[list[tuple[int, DTensor]]]:
-    """Consecutive members in buckets of at most ``first`` bytes (the first) and ``limit`` bytes (the others);
-    a member larger than that is a bucket of its own."""
-    out: list[list[tuple[int, DTensor]]] = [[]]
-    size = 0
-    for slot, v in members:
-        nbytes = v.to_local().numel() * v.element_size()
-        if out[-1] and size + nbytes > (first if len(out) == 1 else limit):
-            out.append([])
-            size = 0
-        out[-1].append((slot, v))
-        size += nbytes
-    return out
+    Returns each group's members ``(parameter, phase, its placements once gathered)`` in order of first use, and
+    for each use ``(value, phase, wanted placements)`` a pair (group, (member, the view nodes from it))."""
+    groups: dict[tuple, list] = {}
+    group_of: dict[tuple, tuple] = {}
+    for node in nodes:
+        sh = node.meta.get("autoshard")
+        if node.op != "call_function" or node.target is operator.getitem or sh is None:
+            continue
+        phase = node.meta.get("autoshard_phase", "forward")
+        layer = layer_key(node.meta.get("autoshard_module", "")) or ("", -1)
+        for k, src in enumerate(tensor_args(node)):
+            if k >= len(sh.inputs) or not sh.inputs[k] or "autoshard" not in src.meta:
+                continue
+            want, have = tuple(sh.inputs[k]), tuple(src.meta["autoshard"].outputs[0])
+            param, views = src, []
+            while param.op == "call_function" and param.target in _VIEWS and isinstance(param.args[0], fx.Node):
+                param, views = param.args[0], [param, *views]
+            role = param.meta.get("autoshard_role")
+            if param.op != "placeholder" or role is None or role.kind != "parameter":
+                continue
+            axes = [a for a, (h, w) in enumerate(zip(have, want)) if h != w]
+            if len(axes) != 1 or not isinstance(want[axes[0]], Replicate):
+                continue
+            a = axes[0]
+            p_have = tuple(param.meta["autoshard"].outputs[0])
+            p_want = tuple(Replicate() if i == a else p for i, p in enumerate(p_have))
+            if gather_axis(p_have, p_want, tuple(param.meta["val"].shape), mesh_shape) != a:
+                continue
+            use = (src.name, phase, want)
+            if use in group_of:
+                continue
+            member = (param.name, phase, p_want)
+            gkey = (phase, layer, a, param.meta["val"].dtype)
+            if member not in groups.setdefault(gkey, []):
+                groups[gkey].append(member)
+            group_of[use] = (gkey, (member, tuple(views)))
+    return groups, group_of
 
 
 def local_placeholder_shapes(gm: fx.GraphModule, mesh_shape: Sequence[int]) -> list[tuple[torch.Size, torch.dtype]]:
@@ -233,10 +263,13 @@ def param_placements_of(gm: fx.GraphModule) -> dict[str, tuple]:
     }
 
 
-def trace_rank_program(gm: fx.GraphModule, ctx: PassContext, decompositions: dict | None = None) -> fx.GraphModule:
-    """make_fx-trace ``PlanInterpreter`` over the joint graph for this rank."""
+def trace_rank_program(
+    gm: fx.GraphModule, ctx: PassContext, decompositions: dict | None = None, group_gathers: bool = True
+) -> fx.GraphModule:
+    """make_fx-trace ``PlanInterpreter`` over the joint graph for this rank (``group_gathers``: one all-gather
+    per layer and phase for the parameters it gathers, see ``passes/buckets.py``)."""
     mesh = ctx.mesh
-    interp = PlanInterpreter(gm, mesh)
+    interp = PlanInterpreter(gm, mesh, group_gathers=group_gathers)
     roles = ctx.output_roles
     pp = param_placements_of(gm)
     primal_nodes = [n for n in interp.placeholders if n.meta["autoshard_role"].kind != "tangent"]

@@ -100,3 +100,25 @@ def test_loss_backward_keeps_the_batch_sharded():
     [nll_bw] = [d for d in plan.stages[0].ops if "nll_loss_backward" in d.op]
     assert nll_bw.output != ("R",), f"nll_loss_backward planned {nll_bw.output}: the batch was gathered"
     assert not any(c.kind == "all_gather" and "softmax" in c.consumer for c in plan.stages[0].collectives)
+
+
+def test_fsdp_gathers_each_layers_parameters_with_one_collective_per_phase():
+    """FSDP2's per-block all-gather: the lowered program gathers a layer's parameters together, once in the
+    forward and once in the backward, instead of one all-gather per parameter and use."""
+    from autoshard.passes.lower import _gather_groups, trace_rank_program
+
+    cfg = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab=128, seq_len=16, bias=True)
+    torch.manual_seed(0)
+    with fake_world(4):
+        plan, gm, ctx = plan_on(GPT(cfg), gpt_example_inputs(cfg, 8), (4,), ("dp",), recipe="fsdp")
+        groups, uses = _gather_groups(list(gm.graph.nodes), (4,))
+        grouped = collective_counts(trace_rank_program(gm, ctx))
+        apart = collective_counts(trace_rank_program(gm, ctx, group_gathers=False))
+    # one group per phase and layer (the 2 blocks, and the root: embeddings and final norm)
+    assert sorted((g[0], g[1]) for g in groups) == sorted(
+        (ph, layer) for ph in ("forward", "backward") for layer in (("layers", 0), ("layers", 1), ("", -1)))
+    assert sum(len(m) for m in groups.values()) >= 20
+    # every gathered use but one per group is now served by its group's single all-gather
+    assert apart["all_gather_into_tensor"] - grouped["all_gather_into_tensor"] == len(uses) - len(groups)
+    assert {k: v for k, v in grouped.items() if k != "all_gather_into_tensor"} == {
+        k: v for k, v in apart.items() if k != "all_gather_into_tensor"}
