@@ -158,6 +158,7 @@ def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext) -> tuple[dict
     nodes = {n.name: n for n in gm.graph.nodes}
     ms = ctx.mesh_shape
     pins: dict[int, set[int]] = {}
+    dp_axes: set[int] = set()
     bent = unmatched = 0
     for g in ctx.groups:
         if g.kind not in ("parameter", "input") or canon[g.id] != g.id:
@@ -190,12 +191,55 @@ def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext) -> tuple[dict
                 f"include (a constraint in PlanConfig.constraints may forbid it)"
             )
         pins[g.id] = keep
+        if role.kind == "input":
+            dp_axes.update(a for a, p in enumerate(target) if isinstance(p, Shard))
+    if dp_axes:
+        pins.update(_batch_pins(gm, ctx, canon, dp_axes, pins))
     notes = []
     if unmatched:
         notes.append(f"{unmatched} Linear weights not recognised as column/row-parallel stay replicated on tp")
     if bent:
         notes.append(f"{bent} parameters replicated where the shard would be uneven")
     return pins, notes
+
+
+def _batch_pins(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int], dp_axes: set[int],
+                pinned: dict[int, set[int]]) -> dict[int, set[int]]:
+    """Data parallelism: every op on the batch (downstream of an input) runs on its batch shard. On the
+    data-parallel axes such an op neither takes a batch-derived input whole (Replicate: an activation gather
+    and the op computed whole on every rank, which the hand-written recipe never does) nor makes a Replicate
+    output where its candidates could split it. Ops left with no such candidate keep all of theirs."""
+    from autoshard.passes.coarsen import tensor_args
+
+    batch: set[str] = set()
+    for n in gm.graph.nodes:
+        role = n.meta.get("autoshard_role")
+        if (n.op == "placeholder" and role is not None and role.kind == "input") or any(
+            a.name in batch for a in n.all_input_nodes
+        ):
+            batch.add(n.name)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    whole = lambda pl: pl is not None and any(isinstance(pl[a], Replicate) for a in dp_axes)  # noqa: E731
+    pins: dict[int, set[int]] = {}
+    for g in ctx.groups:
+        if g.kind != "op" or canon[g.id] != g.id or g.id in pinned or g.anchor not in batch:
+            continue
+        anchor = nodes[g.anchor]
+        on_batch = [k for k, a in enumerate(tensor_args(anchor)) if a.name in batch]
+        cands = ctx.strategies[g.id]
+        outs = [s.outputs[0][0] if s.outputs and s.outputs[0] else None for s in cands]
+        splittable = any(pl is not None and any(isinstance(pl[a], Shard) for a in dp_axes) for pl in outs)
+        keep = set()
+        for i, s in enumerate(cands):
+            ins = s.inputs[0] if s.inputs else ()
+            if splittable and (outs[i] is None or whole(outs[i])):
+                continue
+            if any(k < len(ins) and whole(ins[k]) for k in on_batch):
+                continue
+            keep.add(i)
+        if keep and len(keep) < len(cands):
+            pins[g.id] = keep
+    return pins
 
 
 def _fmt(p: Placement) -> str:

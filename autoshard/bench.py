@@ -127,6 +127,7 @@ def run_variants(
     """Build and time each variant in turn on this rank; one :class:`Row` per variant, in order."""
     rows: list[Row] = []
     for name, build in variants:
+        log.info("variant %s: building", name)
         t0 = time.perf_counter()
         try:
             step = build()

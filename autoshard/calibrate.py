@@ -6,7 +6,9 @@ a :class:`~autoshard.cluster.Link` (``latency`` per ring step, ``bandwidth`` per
 formulas of :mod:`autoshard.cost.collectives`. This module measures each of those figures:
 
 * **compute**: ``torch.mm`` of square matrices per dtype (float32, bfloat16 and float16 where they run) at a few
-  sizes, on ``threads`` threads (one "device" = one process; the gloo tests run 1 thread per rank).
+  sizes, on ``threads`` threads (one "device" = one process; the gloo tests run 1 thread per rank), in
+  ``ranks`` processes at once (the ranks of a job share this machine's cores and memory bandwidth), keeping the
+  slowest rank's figures.
   ``peak_flops`` is the best single run at the fastest size, ``flops_efficiency`` = median / best there, so the
   model's ``peak * efficiency`` is the median achieved rate.
 * **memory**: ``Tensor.copy_`` of a large fp32 buffer, bytes read + written; best and median / best as above.
@@ -24,7 +26,6 @@ Every figure is the median of ``reps`` repetitions after ``warmup`` un-timed one
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import logging
@@ -35,7 +36,7 @@ import socket
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -134,16 +135,6 @@ def _median_time(fn: Callable[[], Any], warmup: int, reps: int) -> tuple[float, 
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times), min(times)
-
-
-@contextlib.contextmanager
-def _threads(n: int) -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def measure_matmul(dtype: torch.dtype, size: int, warmup: int = 2, reps: int = 5) -> tuple[float, float]:
@@ -293,6 +284,72 @@ def measure_collectives(cfg: CalibrationConfig) -> tuple[CollectiveFit, ...]:
 # ------------------------------------------------------------------------------------------------- profile
 
 
+def _compute_worker(cfg: CalibrationConfig, path: str, start: Any) -> None:
+    """Matmul FLOP/s per dtype and size, copy bandwidth and kernel overhead, measured in one of ``cfg.ranks``
+    child processes that run together (see :func:`measure_compute`); results as JSON at ``path``."""
+    torch.set_num_threads(cfg.threads)
+    try:
+        start.wait(cfg.timeout_s)
+        matmul: dict[str, dict[int, float]] = {}
+        peak: dict[str, float] = {}
+        efficiency = 1.0
+        for dtype_name in cfg.dtypes:
+            try:
+                runs = {s: measure_matmul(getattr(torch, dtype_name), s, cfg.warmup, cfg.reps) for s in cfg.matmul_sizes}
+            except RuntimeError as exc:
+                logger.info("%s matmul unsupported here (%s); it falls back to float32 in the cost model",
+                            dtype_name, exc)
+                continue
+            matmul[dtype_name] = {s: med for s, (med, _) in runs.items()}
+            fastest = max(runs, key=lambda s: runs[s][0])
+            peak[dtype_name] = runs[fastest][1]
+            if dtype_name == "float32":
+                efficiency = runs[fastest][0] / runs[fastest][1]
+        copy = measure_copy_bandwidth(cfg.copy_bytes, cfg.warmup, cfg.reps)
+        overhead = measure_kernel_overhead(max(cfg.warmup, 10), max(cfg.reps * 10, 50))
+        Path(path).write_text(json.dumps({"matmul": matmul, "peak": peak, "efficiency": efficiency,
+                                          "copy": copy, "overhead": overhead}))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent through the file
+        Path(path + ".error").write_text(f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def measure_compute(cfg: CalibrationConfig) -> dict[str, Any]:
+    """The compute side of the calibration: ``cfg.ranks`` forked processes measure at the same time, as the
+    ranks of a job on this machine compute at the same time (4 ranks on 2 cores each get about half of one),
+    and the slowest rank's figures are kept. In child processes also because multi-threaded torch work in this
+    process would leave an OpenMP thread pool that does not survive the ``fork`` of gloo workers started next."""
+    ctx = multiprocessing.get_context("fork")
+    with tempfile.TemporaryDirectory(prefix="autoshard_calibrate_") as tmpdir:
+        paths = [os.path.join(tmpdir, f"compute{r}.json") for r in range(cfg.ranks)]
+        start = ctx.Barrier(cfg.ranks)
+        procs = [ctx.Process(target=_compute_worker, args=(cfg, p, start), daemon=True) for p in paths]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + cfg.timeout_s
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(5)
+        if any(proc.exitcode != 0 for proc in procs) or not all(os.path.exists(p) for p in paths):
+            errors = [Path(p + ".error").read_text() for p in paths if os.path.exists(p + ".error")]
+            detail = "; ".join(errors) or f"exit codes {[proc.exitcode for proc in procs]}"
+            raise RuntimeError(f"calibrate: the compute measurement failed or timed out ({cfg.timeout_s} s): {detail}")
+        runs = [json.loads(Path(p).read_text()) for p in paths]
+    matmul = {d: {int(k): min(r["matmul"][d][k] for r in runs) for k in sizes}
+              for d, sizes in runs[0]["matmul"].items()}
+    peak = {d: min(r["peak"][d] for r in runs) for d in runs[0]["peak"]}
+    return {
+        "matmul": matmul,
+        "peak": peak,
+        "efficiency": min(r["efficiency"] for r in runs),
+        "copy": (min(r["copy"][0] for r in runs), min(r["copy"][1] for r in runs)),
+        "overhead": max(r["overhead"] for r in runs),
+    }
+
+
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -323,25 +380,12 @@ def calibrate(cfg: CalibrationConfig | None = None, name: str = "calibrated-cpu"
     stamp = (f"measured by autoshard calibrate on {datetime.datetime.now(datetime.timezone.utc).date()}, "
              f"{socket.gethostname()}/{cpu}, torch {torch.__version__}, {cfg.threads} thread(s) per rank, "
              f"median of {cfg.reps} after {cfg.warmup} warm-up")
-    matmul: dict[str, dict[int, float]] = {}
-    peak: dict[str, float] = {}
-    efficiency = 1.0
-    with _threads(cfg.threads):
-        for dtype_name in cfg.dtypes:
-            dtype = getattr(torch, dtype_name)
-            try:
-                runs = {s: measure_matmul(dtype, s, cfg.warmup, cfg.reps) for s in cfg.matmul_sizes}
-            except RuntimeError as exc:
-                logger.info("%s matmul unsupported here (%s); it falls back to float32 in the cost model",
-                            dtype_name, exc)
-                continue
-            matmul[dtype_name] = {s: med for s, (med, _) in runs.items()}
-            fastest = max(runs, key=lambda s: runs[s][0])
-            peak[dtype_name] = runs[fastest][1]
-            if dtype_name == "float32":
-                efficiency = runs[fastest][0] / runs[fastest][1]
-        copy_median, copy_best = measure_copy_bandwidth(cfg.copy_bytes, cfg.warmup, cfg.reps)
-        overhead = measure_kernel_overhead(max(cfg.warmup, 10), max(cfg.reps * 10, 50))
+    compute = measure_compute(cfg)
+    matmul: dict[str, dict[int, float]] = compute["matmul"]
+    peak: dict[str, float] = compute["peak"]
+    efficiency: float = compute["efficiency"]
+    copy_median, copy_best = compute["copy"]
+    overhead: float = compute["overhead"]
     sizes = ", ".join(f"{s}x{s}" for s in cfg.matmul_sizes)
     rates = "; ".join(f"{d} " + ", ".join(f"{s}: {f / 1e9:.3g}" for s, f in v.items()) + " GFLOP/s median"
                       for d, v in matmul.items())
@@ -357,6 +401,8 @@ def calibrate(cfg: CalibrationConfig | None = None, name: str = "calibrated-cpu"
             "peak_flops": f"{stamp}: torch.mm of square matrices {sizes}; best run at the fastest size; {rates}",
             "flops_efficiency": f"{stamp}: float32 median / best at the fastest size",
             "memory_bytes": f"{stamp}: physical memory (sysconf) divided by the {cfg.ranks} ranks",
+            "concurrency": f"{stamp}: compute, copy and overhead measured in {cfg.ranks} processes at once, slowest "
+            "rank kept",
             "memory_bandwidth": f"{stamp}: Tensor.copy_ of {_mib(cfg.copy_bytes)} fp32, best run, bytes read + "
             "written",
             "memory_efficiency": f"{stamp}: median / best of the copy",

@@ -359,6 +359,7 @@ def main(argv: list[str] | None = None) -> None:
                     "`autoshard calibrate --quick`, per rank count), a profile JSON path, or a preset such as 'cpu'")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("autoshard.bench").setLevel(logging.INFO)  # which variant runs (to stderr)
     from harness import run_gloo
 
     steps = args.steps or (5 if args.quick else 20)
