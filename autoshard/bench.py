@@ -107,6 +107,10 @@ def time_steps(
         t0 = clock()
         step()
         samples.append(clock() - t0)
+    return _timing(samples)
+
+
+def _timing(samples: Sequence[float]) -> Timing:
     return Timing(
         median_s=statistics.median(samples),
         p10_s=quantile(samples, 0.1),
@@ -123,8 +127,15 @@ def run_variants(
     group: Any = None,
     barrier: bool | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    interleave: bool = False,
 ) -> list[Row]:
-    """Build and time each variant in turn on this rank; one :class:`Row` per variant, in order."""
+    """Build and time each variant in turn on this rank; one :class:`Row` per variant, in order.
+
+    ``interleave``: build and warm up every variant first, then time them round-robin (step 1 of each variant,
+    then step 2 of each, ...), so that a change in the machine's load during the run falls on every variant
+    alike instead of on whichever ran then."""
+    if interleave:
+        return _run_interleaved(variants, steps, warmup, group, barrier, clock)
     rows: list[Row] = []
     for name, build in variants:
         log.info("variant %s: building", name)
@@ -147,10 +158,59 @@ def run_variants(
     return rows
 
 
+def _run_interleaved(
+    variants: Sequence[Variant], steps: int, warmup: int, group: Any, barrier: bool | None,
+    clock: Callable[[], float],
+) -> list[Row]:
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if barrier is None:
+        barrier = dist.is_available() and dist.is_initialized()
+    live: dict[str, tuple[Callable[[], Any], float, dict[str, Any]]] = {}
+    failed: dict[str, Row] = {}
+    for name, build in variants:
+        log.info("variant %s: building", name)
+        t0 = time.perf_counter()
+        try:
+            step = build()
+            build_s = time.perf_counter() - t0
+            extra: dict[str, Any] = dict(getattr(step, "notes", {}))
+            for i in range(warmup):
+                first = step()
+                if i == 0 and isinstance(first, (int, float)):
+                    extra["first"] = first
+            live[name] = (step, build_s, extra)
+        except Exception as e:  # recorded in the table; the next variant still runs
+            log.warning("variant %s failed: %s
+%s", name, e, traceback.format_exc())
+            failed[name] = Row(name, None, time.perf_counter() - t0, f"{type(e).__name__}: {e}")
+    samples: dict[str, list[float]] = {name: [] for name in live}
+    for _ in range(steps):
+        for name in [n for n, _ in variants if n in live]:
+            try:
+                if barrier:
+                    dist.barrier(group=group)
+                t0 = clock()
+                live[name][0]()
+                samples[name].append(clock() - t0)
+            except Exception as e:  # the variant stops; the others go on
+                log.warning("variant %s failed while timed: %s", name, e)
+                failed[name] = Row(name, None, live[name][1], f"{type(e).__name__}: {e}")
+                del live[name]
+    rows = []
+    for name, _ in variants:
+        if name in failed:
+            rows.append(failed[name])
+        else:
+            _, build_s, extra = live[name]
+            rows.append(Row(name, _timing(samples[name]), build_s, extra=extra))
+    return rows
+
+
 def _side_by_side_worker(rank: int, world_size: int, arg: tuple[Any, ...]) -> list[Row]:
-    make_variants, make_arg, steps, warmup = arg
+    make_variants, make_arg, steps, warmup, interleave = arg
     variants = make_variants(rank, world_size, make_arg)
-    return run_variants(variants, steps, warmup)
+    return run_variants(variants, steps, warmup, interleave=interleave)
 
 
 def side_by_side(
@@ -161,14 +221,15 @@ def side_by_side(
     *,
     launch: Callable[[int, Callable[[int, int, Any], Any], Any], list[Any]],
     arg: Any = None,
+    interleave: bool = False,
 ) -> list[Row]:
     """Run every variant of ``make_variants(rank, world_size, arg)`` in one launch of ``world_size`` ranks.
 
     ``make_variants`` must be a module-level function (it crosses a fork or a pickle) and return the same names
     on every rank; each variant's ``build`` runs on its rank (same seed, same weights, same global batch are the
-    caller's to arrange). Returns rank 0's rows.
+    caller's to arrange). ``interleave`` as for :func:`run_variants`. Returns rank 0's rows.
     """
-    results = launch(world_size, _side_by_side_worker, (make_variants, arg, steps, warmup))
+    results = launch(world_size, _side_by_side_worker, (make_variants, arg, steps, warmup, interleave))
     rows: list[Row] = results[0]
     names = [r.name for r in rows]
     for rank, other in enumerate(results[1:], start=1):

@@ -6,9 +6,10 @@
 
 CPU gloo, one thread per rank (``tests/harness.run_gloo``). Meshes: 2 ranks (2,) "dp"; 4 ranks (2, 2) "dp", "tp".
 A step is forward, backward and AdamW (``zero_grad(set_to_none=True)`` included), on the same global batch and
-the same initial weights in every variant (seeded builders). All variants of one mesh run in ONE launch, one
-after another (``autoshard.bench.side_by_side``); each row is the median of rank 0's step times after warm-up,
-with a barrier before every timed step.
+the same initial weights in every variant (seeded builders). All variants of one mesh run in ONE launch
+(``autoshard.bench.side_by_side``): every variant is built and warmed up, then the timed steps go round-robin
+over the variants (``--sequential``: one variant's steps after another's), so that a change in the machine's load
+falls on every row alike; each row is the median of rank 0's step times, with a barrier before every timed step.
 
 Variants (those that apply to the mesh, as ``autoshard.baselines.applicable`` says):
 
@@ -27,11 +28,12 @@ every row, it shows every variant trains the same model on the same batch.
 
 Not done (stated, not hidden): hand-written TP and FSDP2+TP for HF GPT-2 (its ``Conv1D`` layers and fused
 ``c_attn`` are not ``nn.Linear``: ColwiseParallel/RowwiseParallel do not apply without rewriting the model),
-so on HF only DDP and FSDP2 are twins; predicted step times next to the measured ones and the rank
-correlation of predicted vs measured order (issue 5 part 2, needs the calibrated profile). On the 2-D mesh the
-"TP" twin has no DDP wrapper: DDP does not take DTensor parameters, so its gradients are averaged over "dp" by
-a plain per-parameter all-reduce (unbucketed). Variants run one after another, not interleaved, so a change in
-the machine's load during the run shows up as a change between rows (p10-p90 shows the spread).
+so on HF only DDP and FSDP2 are twins. On the 2-D mesh the "TP" twin has no DDP wrapper: DDP does not take
+DTensor parameters, so its gradients are averaged over "dp" by a plain per-parameter all-reduce (unbucketed).
+
+Predicted: the plan's step time (calibrated profile, ``--profile``) plus the AdamW update over the device's state;
+a hand-written row gets its recipe's prediction. Below each table: rows within ±20% and Spearman's rank
+correlation of predicted vs measured.
 """
 
 from __future__ import annotations
@@ -357,6 +359,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", default="calibrate",
                     help="cluster profile autoshard plans and predicts with: 'calibrate' (measure this machine first, "
                     "`autoshard calibrate --quick`, per rank count), a profile JSON path, or a preset such as 'cpu'")
+    ap.add_argument("--sequential", action="store_true",
+                    help="time each variant's steps in a block (default: round-robin over the variants)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("autoshard.bench").setLevel(logging.INFO)  # which variant runs (to stderr)
@@ -379,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
                 profiles[world] = _profile(args.profile, world, tmp)
             cluster = profiles[world]
             rows = side_by_side(world, make_variants, steps, warmup, launch=run_gloo,
-                                arg=Setup(kind, shape, not args.quick, cluster))
+                                arg=Setup(kind, shape, not args.quick, cluster), interleave=not args.sequential)
             title = f"{'GPT' if kind == 'gpt' else 'HF GPT-2'}, {world} ranks, mesh {shape}, profile {cluster}"
             print(table(title, rows))
             print(f"\n({time.perf_counter() - t0:.0f} s including builds and compilation)\n", flush=True)

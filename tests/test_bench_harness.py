@@ -178,3 +178,33 @@ def test_runtime_table_predicted_column_and_rank_correlation() -> None:
     assert "| 45.0 | 2.25 |" in lines["DDP"]
     # 2 of 4 within 20% (1.10, 1.20); measured order 20<30<40<50 vs predicted 45,33,30,60 -> rho = 0.2
     assert "2 within ±20%" in text and "Spearman rank correlation 0.20" in text
+
+
+def test_interleaved_variants_are_timed_round_robin_after_all_warm_ups() -> None:
+    calls: list[str] = []
+    clock = FakeClock()
+
+    def make(name: str, cost: float, fail_at: int | None = None) -> Variant:
+        def build() -> Any:
+            n = [0]
+
+            def step() -> float:
+                n[0] += 1
+                if fail_at is not None and n[0] == fail_at:
+                    raise RuntimeError("boom")
+                calls.append(name)
+                clock.now += cost
+                return cost
+
+            return step
+
+        return name, build
+
+    rows = run_variants([make("a", 1.0), make("b", 3.0), make("c", 2.0, fail_at=4)], steps=3, warmup=1,
+                        barrier=False, clock=clock, interleave=True)
+    # warm-ups first (one per variant), then round-robin; c fails on its 4th call (2nd timed) and stops
+    assert calls == ["a", "b", "c", "a", "b", "c", "a", "b", "a", "b"]
+    assert [r.name for r in rows] == ["a", "b", "c"]
+    assert rows[0].timing is not None and rows[0].timing.samples == (1.0, 1.0, 1.0)
+    assert rows[1].timing is not None and rows[1].median_s == 3.0 and rows[1].extra["first"] == 3.0
+    assert rows[2].timing is None and "boom" in (rows[2].error or "")
