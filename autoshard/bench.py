@@ -181,8 +181,7 @@ def _run_interleaved(
                     extra["first"] = first
             live[name] = (step, build_s, extra)
         except Exception as e:  # recorded in the table; the next variant still runs
-            log.warning("variant %s failed: %s
-%s", name, e, traceback.format_exc())
+            log.warning("variant %s failed: %s\n%s", name, e, traceback.format_exc())
             failed[name] = Row(name, None, time.perf_counter() - t0, f"{type(e).__name__}: {e}")
     samples: dict[str, list[float]] = {name: [] for name in live}
     for _ in range(steps):

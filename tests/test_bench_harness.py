@@ -202,8 +202,8 @@ def test_interleaved_variants_are_timed_round_robin_after_all_warm_ups() -> None
 
     rows = run_variants([make("a", 1.0), make("b", 3.0), make("c", 2.0, fail_at=4)], steps=3, warmup=1,
                         barrier=False, clock=clock, interleave=True)
-    # warm-ups first (one per variant), then round-robin; c fails on its 4th call (2nd timed) and stops
-    assert calls == ["a", "b", "c", "a", "b", "c", "a", "b", "a", "b"]
+    # warm-ups first (one per variant), then round-robin; c fails on its 4th call (3rd timed) and stops
+    assert calls == ["a", "b", "c", "a", "b", "c", "a", "b", "c", "a", "b"]
     assert [r.name for r in rows] == ["a", "b", "c"]
     assert rows[0].timing is not None and rows[0].timing.samples == (1.0, 1.0, 1.0)
     assert rows[1].timing is not None and rows[1].median_s == 3.0 and rows[1].extra["first"] == 3.0
