@@ -7,7 +7,7 @@ Not a pass of its own: helpers of ``passes/lower.py``'s ``PlanInterpreter`` (whi
   all-reduced together, in buckets of <= 1 MiB (the first) and <= 25 MiB (the others), in the order the backward
   makes them.
 - Gather groups (FSDP's per-block all-gather): the parameters of one layer that a phase (forward or backward)
-  gathers from Shard(0) on one mesh axis to Replicate are gathered by ONE all-gather at the first use of any
+  gathers from Shard(0) on some mesh axes to Replicate are gathered by ONE all-gather per axis at the first use of any
   of them: local shards flattened and concatenated, gathered, and each parameter cut back out (rank-major, as
   ``all_gather_into_tensor`` along dim 0 would have laid it out). The forward and the backward gather
   separately (nothing gathered is kept from one to the other: the memory the plan counted).
@@ -69,20 +69,30 @@ def reduce_together(mesh: DeviceMesh, vals: list[DTensor], have: tuple, want: tu
     return [p.view(t.shape) for p, t in zip(pieces, locals_)]
 
 
-def gather_axis(have: tuple, want: tuple, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> int | None:
-    """The mesh axis of a move that is exactly one even all-gather along dim 0 (Shard(0) -> Replicate on that
-    axis, every other axis unchanged and not splitting dim 0); None for any other move."""
-    axes = [a for a, (h, w) in enumerate(zip(have, want)) if h != w]
-    if len(axes) != 1:
+def gather_axes(have: tuple, want: tuple, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The mesh axes of a move that is only even all-gathers along dim 0 (Shard(0) -> Replicate on each of them,
+    every other axis unchanged and not splitting dim 0: FSDP's [S(0)] or, on a 2-D mesh, [S(0), S(0)] -> [R, R]);
+    None for any other move."""
+    axes = tuple(a for a, (h, w) in enumerate(zip(have, want)) if h != w)
+    if not axes or any(have[a] != Shard(0) or not isinstance(want[a], Replicate) for a in axes):
         return None
-    a = axes[0]
-    if have[a] != Shard(0) or not isinstance(want[a], Replicate):
+    if any(isinstance(p, Shard) and p.dim == 0 for i, p in enumerate(have) if i not in axes):
         return None
-    if any(isinstance(p, Shard) and p.dim == 0 for i, p in enumerate(have) if i != a):
+    parts = 1
+    for a in axes:
+        parts *= mesh_shape[a]
+    if not shape or shape[0] % parts != 0:
         return None
-    if not shape or shape[0] % mesh_shape[a] != 0:
-        return None
-    return a
+    return axes
+
+
+def gather_all(mesh: DeviceMesh, axes: tuple[int, ...], vals: list[DTensor], wants: list[tuple]) -> list[DTensor]:
+    """:func:`gather_together` over several axes, innermost first (a dim split on mesh axes 0 and 1 is split by
+    axis 0 first, then each piece by axis 1, so axis 1's pieces are put back together first)."""
+    for a in sorted(axes, reverse=True):
+        nxt = [tuple(Replicate() if i == a else p for i, p in enumerate(v.placements)) for v in vals]
+        vals = gather_together(mesh, a, vals, nxt)
+    return [v if tuple(v.placements) == tuple(w) else tc.redistribute(v, mesh, w) for v, w in zip(vals, wants)]
 
 
 def gather_together(mesh: DeviceMesh, axis: int, vals: list[DTensor], wants: list[tuple]) -> list[DTensor]:
@@ -99,3 +109,36 @@ def gather_together(mesh: DeviceMesh, axis: int, vals: list[DTensor], wants: lis
         offset += n
         out.append(DTensor.from_local(piece, mesh, want, run_check=False, shape=v.shape, stride=v.stride()))
     return out
+
+
+def scatter_axes(have: tuple, want: tuple, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The mesh axes of a move that only reduce-scatters along dim 0 (Partial(sum) -> Shard(0) on each of them,
+    evenly, every other axis unchanged and not splitting dim 0: an FSDP gradient); None for any other move."""
+    axes = tuple(a for a, (h, w) in enumerate(zip(have, want)) if h != w)
+    if not axes or any(not (isinstance(have[a], Partial) and have[a].reduce_op == "sum") or want[a] != Shard(0)
+                       for a in axes):
+        return None
+    if any(isinstance(p, (Shard, Partial)) and p != want[i] for i, p in enumerate(have) if i not in axes):
+        return None
+    if any(isinstance(p, Shard) and p.dim == 0 for i, p in enumerate(want) if i not in axes):
+        return None
+    parts = 1
+    for a in axes:
+        parts *= mesh_shape[a]
+    if not shape or shape[0] % parts != 0:
+        return None
+    return axes
+
+
+def scatter_together(mesh: DeviceMesh, axes: tuple[int, ...], vals: list[DTensor]) -> list[torch.Tensor]:
+    """Reduce-scatter several gradients along dim 0 with ONE collective per axis (FSDP2's gradient reduce-scatter):
+    each local piece is cut into the axis' chunks, chunk r of every gradient goes to rank r together. Outer axis
+    first (a dim split on mesh axes 0 and 1 is split by axis 0 first). Returns this rank's local shards."""
+    locals_ = [v.to_local() for v in vals]
+    for a in sorted(axes):
+        k = mesh.size(a)
+        flat = torch.cat([t.reshape(k, -1) for t in locals_], dim=1)
+        mine = funcol.reduce_scatter_tensor(flat, "sum", 0, (mesh, a)).reshape(-1)
+        pieces = torch.split(mine, [t.numel() // k for t in locals_])
+        locals_ = [p.view(t.shape[0] // k, *t.shape[1:]) for p, t in zip(pieces, locals_)]
+    return locals_

@@ -40,9 +40,11 @@ from autoshard.passes.buckets import (
     FIRST_BUCKET_BYTES,
     bucketable,
     by_size,
-    gather_axis,
-    gather_together,
+    gather_all,
+    gather_axes,
     reduce_together,
+    scatter_axes,
+    scatter_together,
 )
 from autoshard.passes.coarsen import layer_key, tensor_args
 from autoshard.passes.context import PassContext
@@ -122,7 +124,7 @@ class PlanInterpreter:
         gkey, (member, views) = self.group_of[use]
         if member not in self.gathered:
             members = [m for m in self.groups[gkey] if m not in self.gathered]
-            vals = gather_together(self.mesh, gkey[2], [env[m[0]] for m in members], [m[2] for m in members])
+            vals = gather_all(self.mesh, gkey[2], [env[m[0]] for m in members], [m[2] for m in members])
             self.gathered.update(zip(members, vals))
         val = self.gathered[member]
         for view in views:
@@ -180,19 +182,23 @@ class PlanInterpreter:
                 val = val.redistribute(self.mesh, [Replicate()] * self.mesh.ndim)
             elif role.kind in ("grad", "input_grad"):
                 want = tuple(param_placements[role.name])
-                if bucketable(tuple(val.placements), want):
-                    buckets.setdefault((tuple(val.placements), want, val.dtype), []).append((len(result), val))
+                have = tuple(val.placements)
+                axes = scatter_axes(have, want, tuple(val.shape), tuple(self.mesh.shape))
+                if bucketable(have, want) or axes is not None:
+                    buckets.setdefault((have, want, val.dtype, axes), []).append((len(result), val))
                     order[len(result)] = made_at[src.name]
                     result.append(None)
                     continue
                 val = tc.redistribute(val, self.mesh, want)
             result.append(val.to_local())
-        for (have, want, _), members in buckets.items():
+        for (have, want, _, axes), members in buckets.items():
             # in the order the backward makes them, so that a bucket is complete (and its reduction can start,
             # see passes/overlap.py) while the backward goes on with earlier layers
             members.sort(key=lambda m: order[m[0]])
             for chunk in by_size(members, FIRST_BUCKET_BYTES, BUCKET_BYTES):
-                reduced = reduce_together(self.mesh, [v for _, v in chunk], have, want)
+                vals = [v for _, v in chunk]
+                reduced = (reduce_together(self.mesh, vals, have, want) if axes is None
+                           else scatter_together(self.mesh, axes, vals))
                 for slot, local in zip((i for i, _ in chunk), reduced):
                     result[slot] = local
         return result
@@ -204,8 +210,8 @@ _VIEWS = {_aten.t.default, _aten.view.default, _aten._unsafe_view.default, _aten
 
 
 def _gather_groups(nodes: Sequence[fx.Node], mesh_shape: tuple[int, ...]) -> tuple[dict[tuple, list], dict[tuple, tuple]]:
-    """Parameters gathered Shard(0) -> Replicate on one axis (directly, or through views such as the ``t`` before
-    a matmul), grouped by (phase, layer, axis, dtype).
+    """Parameters gathered Shard(0) -> Replicate on some axes (directly, or through views such as the ``t`` before
+    a matmul), grouped by (phase, layer, axes, dtype).
 
     Returns each group's members ``(parameter, phase, its placements once gathered)`` in order of first use, and
     for each use ``(value, phase, wanted placements)`` a pair (group, (member, the view nodes from it))."""
@@ -227,19 +233,18 @@ def _gather_groups(nodes: Sequence[fx.Node], mesh_shape: tuple[int, ...]) -> tup
             role = param.meta.get("autoshard_role")
             if param.op != "placeholder" or role is None or role.kind != "parameter":
                 continue
-            axes = [a for a, (h, w) in enumerate(zip(have, want)) if h != w]
-            if len(axes) != 1 or not isinstance(want[axes[0]], Replicate):
+            moved = tuple(a for a, (h, w) in enumerate(zip(have, want)) if h != w)
+            if not moved or any(not isinstance(want[a], Replicate) for a in moved):
                 continue
-            a = axes[0]
             p_have = tuple(param.meta["autoshard"].outputs[0])
-            p_want = tuple(Replicate() if i == a else p for i, p in enumerate(p_have))
-            if gather_axis(p_have, p_want, tuple(param.meta["val"].shape), mesh_shape) != a:
+            p_want = tuple(Replicate() if i in moved else p for i, p in enumerate(p_have))
+            if gather_axes(p_have, p_want, tuple(param.meta["val"].shape), mesh_shape) != moved:
                 continue
             use = (src.name, phase, want)
             if use in group_of:
                 continue
             member = (param.name, phase, p_want)
-            gkey = (phase, layer, a, param.meta["val"].dtype)
+            gkey = (phase, layer, moved, param.meta["val"].dtype)
             if member not in groups.setdefault(gkey, []):
                 groups[gkey].append(member)
             group_of[use] = (gkey, (member, tuple(views)))

@@ -41,8 +41,9 @@ BATCH = {"inputs": {"dp": Shard(0)}}
         ("mlp", (2,), ("dp",), {"constraints": BATCH, "backend": "eager"}),
         ("gpt", (4,), ("dp",), {"constraints": BATCH, "backend": "eager", "memory_budget": "900KiB"}),
         ("gpt", (2, 2), ("dp", "tp"), {"constraints": {"inputs": "[S(0), R]"}, "cluster": "h100-sxm", "backend": "eager"}),
+        ("gpt", (2, 2), ("dp", "tp"), {"recipe": "fsdp", "backend": "eager"}),  # [S(0), S(0)] gathered in groups
     ],
-    ids=["mlp-dp2-eager", "gpt-dp4-fsdp-eager", "gpt-2x2-tp-eager"],
+    ids=["mlp-dp2-eager", "gpt-dp4-fsdp-eager", "gpt-2x2-tp-eager", "gpt-2x2-fsdp-eager"],
 )
 def test_gloo_eager(name, shape, names, kw):
     _run(name, shape, names, **kw)
