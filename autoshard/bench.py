@@ -141,14 +141,8 @@ def run_variants(
         log.info("variant %s: building", name)
         t0 = time.perf_counter()
         try:
-            step = build()
-            build_s = time.perf_counter() - t0
-            extra: dict[str, Any] = dict(getattr(step, "notes", {}))  # what the variant says of itself
-            if warmup > 0:  # the first warm-up call's result is kept when it is a number (e.g. the loss)
-                first = step()
-                if isinstance(first, (int, float)):
-                    extra["first"] = first
-            timing = time_steps(step, steps, max(warmup - 1, 0), group=group, barrier=barrier, clock=clock)
+            step, build_s, extra = _build_and_warm(build, warmup)
+            timing = time_steps(step, steps, 0, group=group, barrier=barrier, clock=clock)
         except Exception as e:  # recorded in the table; the next variant still runs
             log.warning("variant %s failed: %s\n%s", name, e, traceback.format_exc())
             rows.append(Row(name, None, time.perf_counter() - t0, f"{type(e).__name__}: {e}"))
@@ -156,6 +150,20 @@ def run_variants(
         log.info("variant %s: median %.4f s over %d steps (build %.1f s)", name, timing.median_s, steps, build_s)
         rows.append(Row(name, timing, build_s, extra=extra))
     return rows
+
+
+def _build_and_warm(build: Callable[[], Callable[[], Any]], warmup: int) -> tuple[Callable[[], Any], float, dict[str, Any]]:
+    """(step, build seconds, notes) after ``warmup`` untimed calls; the notes are the step's own ``notes`` plus
+    the first warm-up call's result under ``"first"`` when it is a number (e.g. the loss)."""
+    t0 = time.perf_counter()
+    step = build()
+    build_s = time.perf_counter() - t0
+    extra: dict[str, Any] = dict(getattr(step, "notes", {}))
+    for i in range(warmup):
+        first = step()
+        if i == 0 and isinstance(first, (int, float)):
+            extra["first"] = first
+    return step, build_s, extra
 
 
 def _run_interleaved(
@@ -172,14 +180,7 @@ def _run_interleaved(
         log.info("variant %s: building", name)
         t0 = time.perf_counter()
         try:
-            step = build()
-            build_s = time.perf_counter() - t0
-            extra: dict[str, Any] = dict(getattr(step, "notes", {}))
-            for i in range(warmup):
-                first = step()
-                if i == 0 and isinstance(first, (int, float)):
-                    extra["first"] = first
-            live[name] = (step, build_s, extra)
+            live[name] = _build_and_warm(build, warmup)
         except Exception as e:  # recorded in the table; the next variant still runs
             log.warning("variant %s failed: %s\n%s", name, e, traceback.format_exc())
             failed[name] = Row(name, None, time.perf_counter() - t0, f"{type(e).__name__}: {e}")

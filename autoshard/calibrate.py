@@ -243,6 +243,19 @@ def _collective_worker(rank: int, cfg: CalibrationConfig, tmpdir: str) -> None:
             dist.destroy_process_group()
 
 
+def _run_all(procs: Sequence[Any], timeout_s: float) -> None:
+    """Start the child processes, wait for all of them up to ``timeout_s`` in all, and stop any still running."""
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(5)
+
+
 def measure_collectives(cfg: CalibrationConfig) -> tuple[CollectiveFit, ...]:
     """Fork ``cfg.ranks`` gloo ranks (FileStore) and time every collective on every mesh axis; per
     (axis, kind, size) the slowest rank's median, fitted per (axis, kind) with :func:`fit_ring`.
@@ -253,15 +266,7 @@ def measure_collectives(cfg: CalibrationConfig) -> tuple[CollectiveFit, ...]:
     with tempfile.TemporaryDirectory(prefix="autoshard_calibrate_") as tmpdir:
         procs = [ctx.Process(target=_collective_worker, args=(r, cfg, tmpdir), daemon=True)
                  for r in range(cfg.ranks)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + cfg.timeout_s
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
+        _run_all(procs, cfg.timeout_s)
         errors = sorted(Path(tmpdir).glob("error*.txt"))
         if errors or any(p.exitcode != 0 for p in procs):
             detail = "; ".join(e.read_text() for e in errors) or f"exit codes {[p.exitcode for p in procs]}"
@@ -324,15 +329,7 @@ def measure_compute(cfg: CalibrationConfig) -> dict[str, Any]:
         paths = [os.path.join(tmpdir, f"compute{r}.json") for r in range(cfg.ranks)]
         start = ctx.Barrier(cfg.ranks)
         procs = [ctx.Process(target=_compute_worker, args=(cfg, p, start), daemon=True) for p in paths]
-        for proc in procs:
-            proc.start()
-        deadline = time.monotonic() + cfg.timeout_s
-        for proc in procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in procs:
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(5)
+        _run_all(procs, cfg.timeout_s)
         if any(proc.exitcode != 0 for proc in procs) or not all(os.path.exists(p) for p in paths):
             errors = [Path(p + ".error").read_text() for p in paths if os.path.exists(p + ".error")]
             detail = "; ".join(errors) or f"exit codes {[proc.exitcode for proc in procs]}"

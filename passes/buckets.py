@@ -76,23 +76,26 @@ def gather_axes(have: tuple, want: tuple, shape: tuple[int, ...], mesh_shape: tu
     axes = tuple(a for a, (h, w) in enumerate(zip(have, want)) if h != w)
     if not axes or any(have[a] != Shard(0) or not isinstance(want[a], Replicate) for a in axes):
         return None
-    if any(isinstance(p, Shard) and p.dim == 0 for i, p in enumerate(have) if i not in axes):
-        return None
+    return axes if _dim0_only_on(axes, have, shape, mesh_shape) else None
+
+
+def _dim0_only_on(axes: tuple[int, ...], placements: tuple, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> bool:
+    """Whether dim 0 splits evenly over ``axes`` and no other axis of ``placements`` splits it."""
+    if any(isinstance(p, Shard) and p.dim == 0 for i, p in enumerate(placements) if i not in axes):
+        return False
     parts = 1
     for a in axes:
         parts *= mesh_shape[a]
-    if not shape or shape[0] % parts != 0:
-        return None
-    return axes
+    return bool(shape) and shape[0] % parts == 0
 
 
-def gather_all(mesh: DeviceMesh, axes: tuple[int, ...], vals: list[DTensor], wants: list[tuple]) -> list[DTensor]:
+def gather_all(mesh: DeviceMesh, axes: tuple[int, ...], vals: list[DTensor]) -> list[DTensor]:
     """:func:`gather_together` over several axes, innermost first (a dim split on mesh axes 0 and 1 is split by
     axis 0 first, then each piece by axis 1, so axis 1's pieces are put back together first)."""
     for a in sorted(axes, reverse=True):
         nxt = [tuple(Replicate() if i == a else p for i, p in enumerate(v.placements)) for v in vals]
         vals = gather_together(mesh, a, vals, nxt)
-    return [v if tuple(v.placements) == tuple(w) else tc.redistribute(v, mesh, w) for v, w in zip(vals, wants)]
+    return vals  # Replicate on every gathered axis, the rest unchanged: what the members want
 
 
 def gather_together(mesh: DeviceMesh, axis: int, vals: list[DTensor], wants: list[tuple]) -> list[DTensor]:
@@ -118,16 +121,7 @@ def scatter_axes(have: tuple, want: tuple, shape: tuple[int, ...], mesh_shape: t
     if not axes or any(not (isinstance(have[a], Partial) and have[a].reduce_op == "sum") or want[a] != Shard(0)
                        for a in axes):
         return None
-    if any(isinstance(p, (Shard, Partial)) and p != want[i] for i, p in enumerate(have) if i not in axes):
-        return None
-    if any(isinstance(p, Shard) and p.dim == 0 for i, p in enumerate(want) if i not in axes):
-        return None
-    parts = 1
-    for a in axes:
-        parts *= mesh_shape[a]
-    if not shape or shape[0] % parts != 0:
-        return None
-    return axes
+    return axes if _dim0_only_on(axes, want, shape, mesh_shape) else None
 
 
 def scatter_together(mesh: DeviceMesh, axes: tuple[int, ...], vals: list[DTensor]) -> list[torch.Tensor]:

@@ -124,7 +124,7 @@ class PlanInterpreter:
         gkey, (member, views) = self.group_of[use]
         if member not in self.gathered:
             members = [m for m in self.groups[gkey] if m not in self.gathered]
-            vals = gather_all(self.mesh, gkey[2], [env[m[0]] for m in members], [m[2] for m in members])
+            vals = gather_all(self.mesh, gkey[2], [env[m[0]] for m in members])
             self.gathered.update(zip(members, vals))
         val = self.gathered[member]
         for view in views:
