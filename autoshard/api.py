@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autoshard import _torch_compat as tc
 from autoshard.cluster import ClusterProfile, get_cluster
 from autoshard.config import PlanConfig
+from autoshard.inputs import as_call
 from autoshard.plan import Plan
 from autoshard.planner import plan_graph
 from autoshard.runtime.program import BACKENDS, CompiledProgram, InterpretedProgram
@@ -27,12 +28,10 @@ def _config(memory_budget: Any, constraints: Mapping | None, **kw: Any) -> PlanC
     return PlanConfig(memory_budget=memory_budget, constraints=dict(constraints or {}), **kw)
 
 
-def _check_inputs(example_inputs: Any) -> tuple:
-    if example_inputs is None:
-        raise ValueError("example_inputs is required: a tuple of global-shaped tensors (real, fake or meta) for forward")
-    if not isinstance(example_inputs, (tuple, list)):
-        example_inputs = (example_inputs,)
-    return tuple(example_inputs)
+def _check_inputs(example_inputs: Any) -> tuple | dict:
+    """The example call as given (positional tuple, or a dict of keyword arguments), checked."""
+    args, kwargs = as_call(example_inputs)
+    return dict(kwargs) if kwargs else args
 
 
 def plan(
@@ -161,7 +160,7 @@ def compile(  # noqa: A001 - the one-line API the project promises
     else:
         program = CompiledProgram(gm, ctx, backend)
     grad_names = [r.name for r in ctx.output_roles if r.kind == "grad"]
-    sharded = ShardedModule(model, mesh, p, program, grad_names)
+    sharded = ShardedModule(model, mesh, p, program, grad_names, ctx.signature)
     sharded.timings = dict(ctx.timings)
     return sharded
 

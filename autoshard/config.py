@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,9 @@ class PlanConfig:
     recipe: str | None = None
     sample_layers: int | None = None
     tie_axes: bool = True
+    # picks the scalar loss out of what forward returns; default: a tensor itself, a ModelOutput's or dict's
+    # "loss", a tuple's first element (passes/capture.py: loss_of)
+    loss_fn: Callable[[Any], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None:

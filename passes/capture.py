@@ -22,7 +22,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from collections.abc import Sequence
+import os
+import traceback
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,6 +33,13 @@ import torch.fx.traceback as fx_traceback
 from torch import nn
 
 from autoshard import _torch_compat as tc
+from autoshard.inputs import CallSignature, signature_of
+from autoshard.passes.capture_cleanup import (
+    constant_values,
+    drop_assertions,
+    drop_empty_concat_inputs,
+    merge_tied_parameters,
+)
 from autoshard.passes.context import PassContext
 
 log = logging.getLogger(__name__)
@@ -105,12 +114,14 @@ def _traceable(model: nn.Module, fake_mode: Any, device: torch.device) -> nn.Mod
 class _Outputs(nn.Module):
     """A pipeline stage: keeps every tensor the module returns (activations for the next stage, or the loss)."""
 
-    def __init__(self, inner: nn.Module) -> None:
+    def __init__(self, inner: nn.Module, signature: CallSignature) -> None:
         super().__init__()
         self.inner = inner
+        self.signature = signature
 
-    def forward(self, *args: Any) -> Any:
-        out = self.inner(*args)
+    def forward(self, *tensors: Any) -> Any:
+        args, kwargs = self.signature.unflatten(tensors)
+        out = self.inner(*args, **kwargs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         if not outs or not all(isinstance(o, torch.Tensor) for o in outs):
             raise TypeError(
@@ -120,26 +131,48 @@ class _Outputs(nn.Module):
         return tuple(outs)
 
 
-class _LossOnly(nn.Module):
-    """Keeps the traced program's first output (the loss) when forward returns a tuple or a HF-style output."""
+def loss_of(out: Any, model_name: str, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> torch.Tensor:
+    """The loss in what forward returned: ``loss_fn(out)`` when given; else the tensor itself, the ``loss``
+    of a ``ModelOutput``/dict/object, or a tuple's first element. Other outputs (logits, a KV cache) are
+    dropped: the traced program computes only what the loss needs."""
+    if loss_fn is not None:
+        loss = loss_fn(out)
+        where = "loss_fn(output)"
+    elif isinstance(out, torch.Tensor):
+        return out
+    elif isinstance(out, Mapping) or hasattr(out, "loss"):
+        loss = out.get("loss") if isinstance(out, Mapping) else out.loss
+        where = f"{type(out).__name__}.loss"
+        if loss is None:
+            raise ValueError(
+                f"{model_name}.forward returned a {type(out).__name__} whose loss is None: pass the targets the "
+                "model needs to compute its loss (labels=... for a Hugging Face model), or give loss_fn= (a "
+                "function of the output that returns the scalar loss)"
+            )
+    elif isinstance(out, (tuple, list)) and out:
+        loss, where = out[0], f"{type(out).__name__}[0]"
+    else:
+        loss, where = out, "the output"
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"{model_name}.forward must return the loss (a scalar tensor), a ModelOutput/dict with a 'loss', or a "
+            f"tuple whose first element is the loss, or loss_fn= must pick it; {where} is {type(loss).__name__}"
+        )
+    return loss
 
-    def __init__(self, inner: nn.Module) -> None:
+
+class _LossOnly(nn.Module):
+    """Calls the model as the example call did and keeps only the loss (see ``loss_of``)."""
+
+    def __init__(self, inner: nn.Module, signature: CallSignature, loss_fn: Callable[[Any], torch.Tensor] | None) -> None:
         super().__init__()
         self.inner = inner
+        self.signature = signature
+        self.loss_fn = loss_fn
 
-    def forward(self, *args: Any) -> torch.Tensor:
-        out = self.inner(*args)
-        if isinstance(out, torch.Tensor):
-            return out
-        loss = getattr(out, "loss", None)
-        if loss is None and isinstance(out, (tuple, list)) and out:
-            loss = out[0]
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(
-                f"{type(self.inner).__name__}.forward must return the loss (a scalar tensor), or a tuple / "
-                f"output object whose first element or .loss is the loss; got {type(out).__name__}"
-            )
-        return loss
+    def forward(self, *tensors: Any) -> torch.Tensor:
+        args, kwargs = self.signature.unflatten(tensors)
+        return loss_of(self.inner(*args, **kwargs), type(self.inner).__name__, self.loss_fn)
 
 
 def _inherit_modules(gm: fx.GraphModule) -> None:
@@ -155,15 +188,30 @@ def _inherit_modules(gm: fx.GraphModule) -> None:
             node.meta["autoshard_module"] = max(ins, key=order.__getitem__).meta["autoshard_module"]
 
 
-def _drop_assertions(gm: fx.GraphModule) -> None:
-    """Remove metadata assertions (``_assert_tensor_metadata`` from an exported ``.to()``, as in the stage modules
-    ``torch.distributed.pipelining`` cuts): checks of the traced program with no value to place or run."""
-    aten = torch.ops.aten
-    asserts = {aten._assert_tensor_metadata.default, aten._assert_scalar.default, aten._assert_async.msg}
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target in asserts and not node.users:
-            gm.graph.erase_node(node)
-    gm.recompile()
+class DataDependentError(RuntimeError):
+    """The model's Python branches on a tensor's value, which a trace with fake tensors cannot know."""
+
+    def __init__(self, model: str, op: str, cause: BaseException) -> None:
+        where = _user_frame(cause)
+        super().__init__(
+            f"capture: {model}.forward reads a tensor's value in Python ({op}){where}. autoshard traces the "
+            "training step once, with shapes but no values, into one program for every step, so a Python branch, "
+            "loop count or .item()/.tolist() on a tensor cannot be followed. Compute it with tensor ops instead "
+            "(torch.where, masks, torch.cond), or skip the check when torch.compiler.is_compiling() is true, as "
+            "Hugging Face models do."
+        )
+
+
+def _user_frame(e: BaseException) -> str:
+    """' at file:line (code)' of the innermost frame of the model's own code in the exception's traceback."""
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)),
+            os.path.dirname(os.path.abspath(tc.__file__)).rpartition(os.sep)[0], os.path.dirname(contextlib.__file__))
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(skip)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    code = f" `{f.line.strip()}`" if f.line else ""
+    return f" at {f.filename}:{f.lineno}{code}"
 
 
 def capture(model: nn.Module, example_inputs: Sequence[Any], ctx: PassContext) -> fx.GraphModule:
@@ -172,12 +220,23 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], ctx: PassContext) -
     device = torch.device(ctx.mesh.device_type)
     fake_mode = tc.new_fake_mode()
     traced = _traceable(model, fake_mode, device)
-    args = tuple(_fake_input(t, fake_mode, device, keep_grad=ctx.stage) for t in example_inputs)
-    wrapper = _Outputs(traced) if ctx.stage else _LossOnly(traced)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(_annotate_modules(traced))
-        gm = tc.export_joint(stack, wrapper, args, fake_mode, decompositions=tc.planning_decompositions())
-    _drop_assertions(gm)
+    signature, tensors = signature_of(example_inputs)
+    ctx.signature = signature
+    args = tuple(_fake_input(t, fake_mode, device, keep_grad=ctx.stage) for t in tensors)
+    wrapper = _Outputs(traced, signature) if ctx.stage else _LossOnly(traced, signature, ctx.config.loss_fn)
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_annotate_modules(traced))
+            gm = tc.export_joint(stack, wrapper, args, fake_mode, decompositions=tc.planning_decompositions())
+    except Exception as e:
+        op = tc.data_dependent_op(e)
+        if op is None:
+            raise
+        raise DataDependentError(type(model).__name__, op, e) from e
+    drop_assertions(gm)
+    constant_values(gm, fake_mode)
+    drop_empty_concat_inputs(gm)
+    merge_tied_parameters(gm, traced)
     out_node = gm.graph.find_nodes(op="output")[0]
     roles = tc.output_roles(out_node)
     loss_val = out_node.args[0][0].meta.get("val") if out_node.args[0] else None

@@ -9,7 +9,8 @@ Guarantees on exit:
   (``node.meta["autoshard_follow"]`` = the index of that input among the node's tensor args), chosen as the
   input with the output's shape whose producer is not a placeholder, else the first;
 - placeholders each start their own group (so a parameter and the ``t``/views of it form one group);
-- nodes with no tensor input (factories: arange, full, scalar_tensor ...) form their own "factory" groups;
+- nodes with no tensor input (factories: arange, full, scalar_tensor ...) and constants the model made
+  (``get_attr`` of a ``torch.tensor(...)``) form their own "factory" groups;
 - everything else (matmuls, attention, embedding, norms, reductions, losses) anchors a new "op" group.
 
 Before:  mm -> view -> add(., bias) -> relu ; layer_norm -> getitem
@@ -125,6 +126,11 @@ def coarsen(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             new_group(node, node.meta["autoshard_role"].kind)
+            continue
+        if node.op == "get_attr":  # a constant tensor the model made (torch.tensor(...)): replicated, like a factory
+            node.meta.setdefault("autoshard_module", "")
+            node.meta.setdefault("autoshard_phase", "forward")
+            new_group(node, "factory")
             continue
         if node.op != "call_function":
             continue

@@ -32,6 +32,7 @@ class PassContext:
     stage: bool = False  # a pipeline stage: tensor outputs with tangents, gradients of inputs (passes.capture)
     timings: dict[str, float] = field(default_factory=dict)
     # filled in by the passes, in pipeline order
+    signature: Any = None  # CallSignature of the example call (autoshard.inputs), set by capture
     output_roles: list[Any] = field(default_factory=list)
     groups: list[Any] = field(default_factory=list)
     strategies: dict[int, list[Any]] = field(default_factory=dict)

@@ -51,12 +51,17 @@ from autoshard.passes.context import PassContext
 from autoshard.passes.strategies import SDPA_CPU
 
 log = logging.getLogger(__name__)
+_VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
 
 
 def _wrap(t: torch.Tensor, mesh: DeviceMesh, placements: Sequence, global_val: torch.Tensor) -> DTensor:
     return DTensor.from_local(
         t, mesh, tuple(placements), run_check=False, shape=global_val.shape, stride=global_val.stride()
     )
+
+
+def _all_replicated(sh: NodeSharding) -> bool:
+    return all(all(isinstance(p, Replicate) for p in pl) for pl in list(sh.inputs) + list(sh.outputs) if pl)
 
 
 class PlanInterpreter:
@@ -115,7 +120,20 @@ class PlanInterpreter:
         kwargs = {k: sub(v) for k, v in node.kwargs.items()}
         if node.target in SDPA_CPU or not ins or not tc.has_sharding_rule(node.target):
             return self._run_local(node, sh, args, kwargs)
-        out = node.target(*args, **kwargs)
+        try:
+            out = node.target(*args, **kwargs)
+        except NotImplementedError:
+            # DTensor's propagation knew a rule (strategies asked it) that its dispatch does not (fill.Tensor):
+            # replicated inputs give replicated outputs however the op runs
+            if not _all_replicated(sh):
+                raise
+            return self._run_local(node, sh, args, kwargs)
+        except RuntimeError:
+            # a view traced on one memory layout, run on another (DTensor's local results need not keep the
+            # traced strides): the same values through a contiguous copy
+            if node.target not in _VIEWS or not isinstance(args[0], DTensor) or args[0].is_contiguous():
+                raise
+            out = node.target(args[0].contiguous(), *args[1:], **kwargs)
         return self._match(node, sh, out)
 
     def _gather_group(self, use: tuple, env: dict[str, Any]) -> DTensor:
@@ -140,7 +158,7 @@ class PlanInterpreter:
                 return type(a)(unwrap(x) for x in a)
             return a
 
-        out = node.target(*unwrap(args), **unwrap(kwargs))
+        out = node.target(*unwrap(args), **{k: unwrap(v) for k, v in kwargs.items()})
         vals = node.meta["val"]
         if isinstance(out, torch.Tensor):
             return _wrap(out, self.mesh, sh.outputs[0] or [Replicate()] * self.mesh.ndim, vals)

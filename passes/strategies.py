@@ -41,10 +41,8 @@ from autoshard.passes.context import PassContext
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-SDPA_CPU = {
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-}
+SDPA_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+SDPA_CPU = {aten._scaled_dot_product_flash_attention_for_cpu.default, SDPA_BWD}
 
 
 def shard_factor(placements: Placements | None, mesh_shape: Sequence[int]) -> int:
@@ -142,16 +140,22 @@ def _valid(
 
 
 def _sdpa_cpu_rules(node: fx.Node, ties: Sequence[int]) -> list[tc.RawStrategy]:
-    """Our rule for CPU flash attention (DTensor has none): every tensor sharded on batch, or on heads."""
-    n_in = len(tensor_args(node))
+    """Our rule for CPU flash attention (DTensor has none): every tensor sharded on batch, or on heads. An input
+    that broadcasts on that dimension (an attention mask ``[B, 1, T, T]`` has one head) stays whole on it."""
+    ins = [a.meta["val"] for a in tensor_args(node)]
+    q = ins[1] if node.target is SDPA_BWD else ins[0]
     outs = _vals(node)
     per_axis: list[Placement] = [Replicate(), Shard(0), Shard(1)]
     result = []
     free = sorted(set(ties))
+
+    def fit(pl: tuple, v: torch.Tensor) -> tuple:
+        return tuple(Replicate() if isinstance(p, Shard) and v.shape[p.dim] == 1 < q.shape[p.dim] else p for p in pl)
+
     for sub in itertools.product(per_axis, repeat=len(free)):
         pick = dict(zip(free, sub))
         pl = tuple(pick[t] for t in ties)
-        result.append(tc.RawStrategy(tuple(pl for _ in range(n_in)), tuple(pl if o is not None else None for o in outs)))
+        result.append(tc.RawStrategy(tuple(fit(pl, v) for v in ins), tuple(pl if o is not None else None for o in outs)))
     return result
 
 

@@ -15,6 +15,7 @@ Callers use the flat namespace: ``from autoshard import _torch_compat as tc``.
 from autoshard._torch_compat.capture import (
     InputRole,
     OutputRole,
+    data_dependent_op,
     decomposition_table,
     export_joint,
     inductor_compile,
@@ -24,6 +25,9 @@ from autoshard._torch_compat.capture import (
     partition_joint,
     placeholder_role,
     planning_decompositions,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_unflatten,
 )
 from autoshard._torch_compat.dtensor import (
     AxisRules,
@@ -53,9 +57,9 @@ from autoshard._torch_compat.worlds import (
 
 __all__ = [
     "AxisRules", "InputRole", "OpOverload", "OutputRole", "Placements", "RawStrategy", "all_placements",
-    "clear_dtensor_caches", "decomposition_table", "dtensor_like", "local_tensor", "detach_from_fake_modes", "export_joint", "fake_process_group",
+    "clear_dtensor_caches", "data_dependent_op", "decomposition_table", "dtensor_like", "local_tensor", "detach_from_fake_modes", "export_joint", "fake_process_group",
     "has_sharding_rule", "in_local_tensor_mode", "inductor_compile", "is_fake", "make_spec", "new_fake_mode",
     "op_strategies", "output_meta", "output_roles", "outside_local_tensor_mode", "partition_joint",
     "placeholder_role", "planning_decompositions", "propagate", "ranks_disagree", "redistribute",
-    "single_dim_rules", "tensor_meta",
+    "single_dim_rules", "tensor_meta", "tree_flatten", "tree_flatten_with_path", "tree_unflatten",
 ]  # fmt: skip

@@ -44,9 +44,10 @@ def export_joint(
     decompositions: dict | None = None,
 ) -> fx.GraphModule:
     """Trace ``module(*args)`` into one joint forward+backward ATen graph with fake tensors."""
+    from torch._export.utils import _compiling_state_context
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
-    with fake_mode:
+    with fake_mode, _compiling_state_context():
         jd = aot_export_joint_with_descriptors(
             stack, module, args, decompositions=decompositions, _record_nn_module_stack=True
         )
@@ -92,6 +93,43 @@ def output_roles(output_node: fx.Node) -> list[OutputRole]:
         else:
             raise NotImplementedError(f"autoshard does not support graph output descriptor {d!r}")
     return roles
+
+
+def data_dependent_op(e: BaseException) -> str | None:
+    """The op (or condition) whose value a fake-tensor trace needed, if ``e`` (or its cause) is that failure."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    seen = 0
+    cur: BaseException | None = e
+    while cur is not None and seen < 8:
+        if isinstance(cur, DataDependentOutputException):
+            return str(cur.func)
+        if isinstance(cur, GuardOnDataDependentSymNode):
+            return f"a condition on a data-dependent value: {str(cur).splitlines()[0][:120]}"
+        cur = cur.__cause__ or cur.__context__
+        seen += 1
+    return None
+
+
+def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
+    from torch.utils._pytree import tree_flatten as flatten
+
+    return flatten(tree)
+
+
+def tree_flatten_with_path(tree: Any) -> tuple[list[tuple[Any, Any]], Any]:
+    """(key path, leaf) pairs and the spec; key paths are tuples of SequenceKey(idx=) / MappingKey(key=) /
+    GetAttrKey(name=)."""
+    from torch.utils._pytree import tree_flatten_with_path as flatten
+
+    return flatten(tree)
+
+
+def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
+    from torch.utils._pytree import tree_unflatten as unflatten
+
+    return unflatten(leaves, spec)
 
 
 def is_fake(t: object) -> bool:
@@ -179,11 +217,27 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor])
 
 def planning_decompositions() -> dict:
     """Ops decomposed at capture because DTensor can only replicate them whole but shards their parts
-    (mse_loss with a sharded batch would otherwise force gathering predictions and targets)."""
+    (mse_loss with a sharded batch would otherwise force gathering predictions and targets), or because its
+    rule is wrong for some inputs (``nll_loss_forward``, below)."""
     from torch._decomp import get_decompositions
 
     aten = torch.ops.aten
-    return get_decompositions([aten.mse_loss, aten.mse_loss_backward])
+    table = get_decompositions([aten.mse_loss, aten.mse_loss_backward])
+    table[aten.nll_loss_forward.default] = _nll_loss_mean_as_sum
+    return table
+
+
+def _nll_loss_mean_as_sum(
+    self: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, reduction: int, ignore_index: int
+) -> Any:
+    """A mean cross-entropy as its sum over the counted targets divided by their count (what ATen computes).
+    DTensor's rule for the mean on a batch-sharded input averages the shards' means, which is the global mean
+    only when every shard counts as many targets: padding (``ignore_index``) makes them differ."""
+    aten = torch.ops.aten
+    if reduction != 1:  # 1 = mean
+        return NotImplemented
+    total, count = aten.nll_loss_forward.default(self, target, weight, 2, ignore_index)
+    return total / count, count
 
 
 def decomposition_table() -> dict:

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from autoshard import _torch_compat as tc
+from autoshard.inputs import CallSignature
 from autoshard.notation import local_shape, parse_placements, placements_str, tensor_str
 from autoshard.plan import Plan
 
@@ -83,9 +84,11 @@ def distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: dict[
 class ShardedModule(nn.Module):
     """A model sharded by a Plan. ``forward(*local_inputs)`` returns the loss, equal on every rank."""
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh, plan: Plan, program: Any, grad_names: Sequence[str]) -> None:
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, plan: Plan, program: Any, grad_names: Sequence[str],
+                 signature: CallSignature) -> None:
         super().__init__()
         self.plan = plan
+        self.signature = signature
         self.mesh = mesh
         self._program = program
         self.module = model
@@ -109,28 +112,38 @@ class ShardedModule(nn.Module):
     def expected_local_shapes(self) -> list[tuple[int, ...]]:
         return [local_shape(t.shape, t.placements, self.plan.mesh.shape) for t in self._inputs]
 
-    def shard_inputs(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """This rank's pieces of global-shaped inputs, as the plan's input placements say."""
-        if len(tensors) != len(self._inputs):
-            raise ValueError(f"shard_inputs takes {len(self._inputs)} global tensors, got {len(tensors)}")
+    def shard_inputs(self, *args: Any, **kwargs: Any) -> Any:
+        """This rank's pieces of a global-shaped call, as the plan's input placements say, shaped like the call:
+        a tuple for positional tensors (``sharded(*pieces)``), a dict for keyword arguments
+        (``sharded(**pieces)``), or ``(args, kwargs)`` for both."""
+        tensors = self.signature.flatten(args, kwargs)
         out = []
         rep = [Replicate()] * self.mesh.ndim
         for t, layout in zip(tensors, self._inputs):
             if tuple(t.shape) != tuple(layout.shape):
                 raise ValueError(
-                    f"{layout.name}: expected global shape {tensor_str(layout.dtype, layout.shape)}, got {tuple(t.shape)}"
+                    f"{self._label(layout.name)}: expected global shape {tensor_str(layout.dtype, layout.shape)}, got {tuple(t.shape)}"
                 )
             bad = tc.ranks_disagree(t)
             if bad:
                 raise ValueError(
-                    f"{layout.name}: shard_inputs takes the global value, equal on every rank, but simulated ranks "
+                    f"{self._label(layout.name)}: shard_inputs takes the global value, equal on every rank, but simulated ranks "
                     f"{bad} hold different values than rank 0 (a tensor drawn from a random generator inside "
                     "LocalTensorMode differs per rank). Make the global inputs before entering LocalTensorMode."
                 )
             pl = parse_placements(layout.placements)
             d = DTensor.from_local(t.to(self.mesh.device_type), self.mesh, rep, run_check=False)
             out.append(d.redistribute(self.mesh, pl).to_local())
-        return tuple(out)
+        local_args, local_kwargs = self.signature.unflatten(out)
+        if not local_kwargs:
+            return local_args
+        return local_kwargs if not local_args else (local_args, local_kwargs)
+
+    def _label(self, name: str) -> str:
+        """``attention_mask (input[1])``: the argument's place in the call and its name in the plan."""
+        i = int(name[len("input[") : -1])
+        arg = self.signature.names[i] if i < len(self.signature.names) else ""
+        return f"{arg} ({name})" if arg and arg != f"args[{i}]" else name
 
     def _check_inputs(self, args: Sequence[Any]) -> None:
         if len(args) != len(self._inputs):
@@ -140,27 +153,35 @@ class ShardedModule(nn.Module):
             )
         for a, layout, shape in zip(args, self._inputs, self.expected_local_shapes()):
             if not isinstance(a, torch.Tensor):
-                raise TypeError(f"{layout.name}: expected a tensor, got {type(a).__name__}")
+                raise TypeError(f"{self._label(layout.name)}: expected a tensor, got {type(a).__name__}")
             if isinstance(a, DTensor):
-                raise TypeError(f"{layout.name}: pass this rank's local tensor (use sharded.shard_inputs), not a DTensor")
+                raise TypeError(f"{self._label(layout.name)}: pass this rank's local tensor (use sharded.shard_inputs), not a DTensor")
             if tuple(a.shape) != tuple(shape) or str(a.dtype).replace("torch.", "") != layout.dtype:
                 raise ValueError(
-                    f"{layout.name}: expected this rank's local piece {tensor_str(layout.dtype, shape)} (global "
+                    f"{self._label(layout.name)}: expected this rank's local piece {tensor_str(layout.dtype, shape)} (global "
                     f"{tensor_str(layout.dtype, layout.shape)} placed {placements_str(layout.placements)} on mesh "
                     f"{self.plan.mesh}), got {tensor_str(a.dtype, tuple(a.shape))}. sharded.shard_inputs(*global) "
                     "returns the right pieces."
                 )
 
-    def forward(self, *args: torch.Tensor) -> torch.Tensor:
-        self._check_inputs(args)
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """This rank's pieces of the call (``shard_inputs``), called as the model is; returns the loss."""
+        tensors = self.signature.flatten(args, kwargs)
+        self._check_inputs(tensors)
         params = self._flat_params()
-        flat = params + self._buffers_local() + list(args)
+        flat = params + self._buffers_local() + list(tensors)
         return _RunProgram.apply(self._program, self._grad_slots, *flat)
 
-    def step(self, *inputs: torch.Tensor) -> torch.Tensor:
-        """One training step's forward and backward on global-shaped ``inputs`` (as ``PipelinedModule.step``):
+    def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """One training step's forward and backward on a global-shaped call (as ``PipelinedModule.step``):
         returns the loss; the gradients are then in ``.grad``."""
-        loss = self(*self.shard_inputs(*inputs))
+        pieces = self.shard_inputs(*args, **kwargs)
+        if isinstance(pieces, dict):
+            loss = self(**pieces)
+        elif args and kwargs:
+            loss = self(*pieces[0], **pieces[1])
+        else:
+            loss = self(*pieces)
         loss.backward()
         return loss.detach()
 
