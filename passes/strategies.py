@@ -209,6 +209,8 @@ class _Enumerator:
             for sub in itertools.product(rules.rules, repeat=len(free)):
                 pick = dict(zip(free, sub))
                 combo = [pick[t] for t in self.ties]
+                if any((combo[a][o] is None) != (combo[0][o] is None) for a in axes for o in range(nout)):
+                    continue  # an output some axes' rules place and others do not (an unused gradient)
                 outs = tuple(None if combo[0][o] is None else tuple(combo[a][o] for a in axes) for o in range(nout))
                 cins = tuple(tuple(combo[a][nout + i] for a in axes) for i in range(len(ins)))
                 c = tc.RawStrategy(cins, outs)

@@ -1,178 +1,142 @@
-"""Hugging Face causal LMs built from small configs (random init, nothing downloaded).
+"""Tiny stock Hugging Face models and batches, as their users build and call them (random init, nothing
+downloaded): the architectures ``benchmarks/hf_compat.py`` reports on and the tests train.
 
-``transformers`` is an optional dependency (the ``test`` extra); it is imported lazily.
-Every model is built with dropout 0, ``use_cache=False`` and SDPA attention so its
-forward is deterministic and traces with ``aot_export_joint_with_descriptors`` under
-``FakeTensorMode``.
+Each entry builds the stock ``transformers`` class from its config class with small sizes and otherwise the
+config's defaults (default attention implementation, ``use_cache``, tied embeddings), and a batch of keyword
+arguments the way the model is called in training: ``input_ids``, an ``attention_mask`` with real left
+padding and ``labels`` (-100 on the padding) for language models, ``pixel_values`` and ``labels`` for ViT.
 
-Loss convention (Hugging Face's ``ForCausalLMLoss``): ``labels`` has the same shape as
-``input_ids`` and is shifted *inside* the model, so the loss is::
-
-    F.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1))
-
-(labels equal to -100 are ignored). Pass ``labels=input_ids`` for plain LM training.
+``dropout=False`` sets the configs' dropout probabilities to 0: a sharded run draws other random masks than a
+single device does, so comparisons with one device turn dropout off (``transformers`` is imported lazily; it
+is in the ``test`` extra).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-__all__ = ["ATTN_IMPLEMENTATION", "CausalLMWithLoss", "hf_gpt2", "hf_llama", "init_rotary_buffers"]
+__all__ = ["TINY", "TinyModel", "build"]
 
+VOCAB = 256
+PAD, BOS, EOS = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """One architecture: how to build it and a batch for it."""
+
+    name: str
+    cls: str  # the transformers model class
+    task: str
+    make_config: Callable[[Any], Any]  # transformers module -> config
+    make_batch: Callable[[int, int, int], dict[str, torch.Tensor]]  # (batch, seq, seed) -> keyword arguments
 
 
 def _import_transformers() -> Any:
     try:
         import transformers
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "autoshard.models.hf needs the optional 'transformers' package: "
-            "pip install 'autoshard[test]' (or pip install transformers)"
-        ) from e
+        raise ImportError("autoshard.models.hf needs 'transformers': pip install 'autoshard[test]'") from e
     return transformers
 
 
-class CausalLMWithLoss(nn.Module):
-    """Wraps a ``transformers`` causal LM so that ``forward(input_ids, labels)`` returns the loss.
-
-    The wrapped model is ``self.model``; parameter names are prefixed ``model.``.
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: Tensor, labels: Tensor) -> Tensor:
-        # No attention_mask (plain causal LM); see _register_attention for why the mask
-        # machinery is bypassed so that the module traces under FakeTensorMode.
-        out = self.model(input_ids=input_ids, labels=labels, use_cache=False, return_dict=True)
-        return out.loss
+def _padded(batch: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    for row in range(0, batch, 2):  # every other sequence is left-padded by a different amount
+        pad = (row // 2 * 3 + 2) % max(seq // 2, 1) + 1
+        mask[row, :pad] = 0
+        ids[row, :pad] = PAD
+    return ids, mask
 
 
-#: Name under which transformers' own SDPA attention function is registered for our models.
-ATTN_IMPLEMENTATION = "autoshard_sdpa"
+def lm_batch(batch: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
+    """A causal-LM batch: labels are the inputs (the model shifts them), -100 on padding."""
+    ids, mask = _padded(batch, seq, seed)
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def _register_attention(tf: Any) -> str:
-    """Register transformers' SDPA kernel under :data:`ATTN_IMPLEMENTATION` (idempotent).
-
-    Why not plain ``"sdpa"``: for it, ``create_causal_mask`` inspects ``position_ids`` for
-    packed sequences with a data-dependent Python branch (``(...).all()``) that transformers
-    only skips under dynamo/FakeTensor inputs -- ``aot_export_joint_with_descriptors`` feeds
-    FunctionalTensors, so tracing fails with ``DataDependentOutputException``. Mask creation
-    is skipped for attention implementations without a registered mask function, so under
-    this name the attention mask is ``None`` and the same ``sdpa_attention_forward`` calls
-    ``F.scaled_dot_product_attention(..., is_causal=True)``: identical numerics, no mask
-    tensors or data-dependent code in the graph.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    interface = tf.AttentionInterface
-    if ATTN_IMPLEMENTATION not in interface._global_mapping:
-        interface.register(ATTN_IMPLEMENTATION, sdpa_attention_forward)
-    return ATTN_IMPLEMENTATION
+def mlm_batch(batch: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
+    """A masked-LM batch: every third real token is predicted."""
+    ids, mask = _padded(batch, seq, seed)
+    labels = torch.full_like(ids, -100)
+    labels[:, ::3] = ids[:, ::3]
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels.masked_fill(mask == 0, -100)}
 
 
-def _finish(model: nn.Module) -> CausalLMWithLoss:
-    # A literal loss_type avoids the "unrecognized loss_type" logger call (graph break
-    # under dynamo) and pins the standard next-token cross-entropy.
-    model.loss_type = "ForCausalLM"
-    model.train()  # no dropout anywhere (all probabilities are 0), so train == eval numerically
-    return CausalLMWithLoss(model)
+def seq2seq_batch(batch: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
+    """An encoder-decoder batch: padded source, targets half as long (the model makes decoder inputs)."""
+    ids, mask = _padded(batch, seq, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    labels = torch.randint(3, VOCAB, (batch, max(seq // 2, 1)), generator=g)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def hf_gpt2(
-    n_layer: int = 2,
-    d_model: int = 64,
-    n_head: int = 4,
-    vocab: int = 256,
-    n_positions: int = 64,
-    seed: int = 0,
-) -> CausalLMWithLoss:
-    """A randomly initialised ``GPT2LMHeadModel`` (tied LM head) wrapped to return the loss."""
-    tf = _import_transformers()
-    cfg = tf.GPT2Config(
-        n_layer=n_layer,
-        n_embd=d_model,
-        n_head=n_head,
-        vocab_size=vocab,
-        n_positions=n_positions,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        summary_first_dropout=0.0,
-        use_cache=False,
-        tie_word_embeddings=True,
-        bos_token_id=vocab - 1,
-        eos_token_id=vocab - 1,
+def image_batch(batch: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"pixel_values": torch.randn(batch, 3, 32, 32, generator=g), "labels": torch.randint(0, 10, (batch,), generator=g)}
+
+
+_DECODER = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                vocab_size=VOCAB, num_hidden_layers=2, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
+
+TINY: dict[str, TinyModel] = {
+    m.name: m
+    for m in (
+        TinyModel("gpt2", "GPT2LMHeadModel", "causal LM",
+                  lambda tf: tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, bos_token_id=BOS,
+                                           eos_token_id=EOS), lm_batch),
+        TinyModel("llama", "LlamaForCausalLM", "causal LM", lambda tf: tf.LlamaConfig(**_DECODER), lm_batch),
+        TinyModel("mistral", "MistralForCausalLM", "causal LM", lambda tf: tf.MistralConfig(**_DECODER), lm_batch),
+        TinyModel("qwen2", "Qwen2ForCausalLM", "causal LM", lambda tf: tf.Qwen2Config(**_DECODER), lm_batch),
+        TinyModel("gemma", "GemmaForCausalLM", "causal LM", lambda tf: tf.GemmaConfig(head_dim=16, **_DECODER), lm_batch),
+        TinyModel("phi3", "Phi3ForCausalLM", "causal LM", lambda tf: tf.Phi3Config(**_DECODER), lm_batch),
+        TinyModel("mixtral", "MixtralForCausalLM", "causal LM (MoE)",
+                  lambda tf: tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **_DECODER), lm_batch),
+        TinyModel("bert", "BertForMaskedLM", "masked LM",
+                  lambda tf: tf.BertConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                                           vocab_size=VOCAB, num_hidden_layers=2, pad_token_id=PAD), mlm_batch),
+        TinyModel("t5", "T5ForConditionalGeneration", "encoder-decoder",
+                  lambda tf: tf.T5Config(d_model=64, d_kv=16, num_heads=4, d_ff=128, vocab_size=VOCAB, num_layers=2,
+                                         pad_token_id=PAD, eos_token_id=EOS, decoder_start_token_id=PAD),
+                  seq2seq_batch),
+        TinyModel("vit", "ViTForImageClassification", "image classification",
+                  lambda tf: tf.ViTConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                                          num_hidden_layers=2, image_size=32, patch_size=8, num_labels=10),
+                  image_batch),
     )
-    cfg._attn_implementation = _register_attention(tf)
+}
+
+
+def _no_dropout(config: Any) -> Any:
+    for key, value in list(vars(config).items()):
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key or key.endswith("_dropout_prob")):
+            setattr(config, key, 0.0)
+    return config
+
+
+def build(name: str, *, batch: int = 4, seq: int = 16, seed: int = 0, dropout: bool = True,
+          device: str | torch.device | None = None) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """The stock model ``name`` (see ``TINY``) in train mode, seeded, and a batch of keyword arguments."""
+    if name not in TINY:
+        raise KeyError(f"no tiny Hugging Face model {name!r}; known: {sorted(TINY)}")
+    tf = _import_transformers()
+    spec = TINY[name]
+    config = spec.make_config(tf)
+    if not dropout:
+        config = _no_dropout(config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = tf.GPT2LMHeadModel(cfg)
-    return _finish(model)
-
-
-def hf_llama(
-    n_layer: int = 2,
-    d_model: int = 64,
-    n_head: int = 4,
-    n_kv_head: int = 2,
-    ffn: int = 128,
-    vocab: int = 256,
-    max_pos: int = 64,
-    seed: int = 0,
-) -> CausalLMWithLoss:
-    """A randomly initialised ``LlamaForCausalLM`` (GQA, untied head) wrapped to return the loss."""
-    tf = _import_transformers()
-    cfg = tf.LlamaConfig(
-        num_hidden_layers=n_layer,
-        hidden_size=d_model,
-        num_attention_heads=n_head,
-        num_key_value_heads=n_kv_head,
-        intermediate_size=ffn,
-        vocab_size=vocab,
-        max_position_embeddings=max_pos,
-        attention_dropout=0.0,
-        mlp_bias=False,
-        attention_bias=False,
-        use_cache=False,
-        tie_word_embeddings=False,
-    )
-    cfg._attn_implementation = _register_attention(tf)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = tf.LlamaForCausalLM(cfg)
-    return _finish(model)
-
-
-@torch.no_grad()
-def init_rotary_buffers(module: nn.Module) -> int:
-    """Recompute the rotary ``inv_freq`` / ``original_inv_freq`` buffers of every RoPE submodule.
-
-    These buffers are non-persistent (absent from ``state_dict``) and computed at construction,
-    so a model built on ``meta`` and materialised with ``to_empty`` holds garbage in them (and
-    ``load_state_dict`` does not fix it). Call this after ``to_empty``. Returns how many
-    rotary modules were re-initialised.
-    """
-    count = 0
-    for mod in module.modules():
-        inv_freq = getattr(mod, "inv_freq", None)
-        config = getattr(mod, "config", None)
-        if not isinstance(inv_freq, Tensor) or config is None or not hasattr(mod, "rope_type"):
-            continue
-        if mod.rope_type == "default" and hasattr(mod, "compute_default_rope_parameters"):
-            init_fn = mod.compute_default_rope_parameters
+        if device is not None:
+            with torch.device(device):
+                model = getattr(tf, spec.cls)(config)
         else:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            init_fn = ROPE_INIT_FUNCTIONS[mod.rope_type]
-        fresh, _ = init_fn(config, device=torch.device("cpu"))
-        mod.inv_freq.copy_(fresh)
-        if isinstance(getattr(mod, "original_inv_freq", None), Tensor):
-            mod.original_inv_freq.copy_(fresh)
-        count += 1
-    return count
+            model = getattr(tf, spec.cls)(config)
+    model.train()
+    return model, spec.make_batch(batch, seq, seed + 1)
