@@ -79,23 +79,37 @@ class Setup:
 
 
 def make_model(kind: str) -> nn.Module:
-    """The benchmark's model with fixed initial weights (same on every rank and in every variant)."""
+    """The benchmark's model with fixed initial weights (same on every rank and in every variant): the GPT
+    here, or a stock ``transformers`` GPT2LMHeadModel of the same sizes (dropout 0: every variant draws the
+    same numbers, so the first-step losses agree)."""
     if kind == "gpt":
         torch.manual_seed(0)
         return GPT(GPT_CFG)
-    from autoshard.models.hf import hf_gpt2
+    import transformers
 
     c = GPT_CFG
-    return hf_gpt2(n_layer=c.n_layer, d_model=c.d_model, n_head=c.n_head, vocab=c.vocab, n_positions=c.seq_len, seed=0)
+    cfg = transformers.GPT2Config(n_layer=c.n_layer, n_embd=c.d_model, n_head=c.n_head, vocab_size=c.vocab,
+                                  n_positions=c.seq_len, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg).train()
 
 
-def global_inputs(kind: str) -> tuple[Tensor, Tensor]:
+def global_inputs(kind: str) -> Any:
+    """Positional (tokens, targets) for the GPT; keyword arguments for the HF model, called as its users call it
+    (it shifts the labels itself)."""
     tokens, targets = gpt_example_inputs(GPT_CFG, BATCH)
-    return (tokens, targets) if kind == "gpt" else (tokens, tokens.clone())  # HF shifts the labels itself
+    return (tokens, targets) if kind == "gpt" else {"input_ids": tokens, "labels": tokens.clone()}
 
 
 def blocks(model: nn.Module, kind: str) -> list[nn.Module]:
-    return list(model.layers) if kind == "gpt" else list(model.model.transformer.h)
+    return list(model.layers) if kind == "gpt" else list(model.transformer.h)
+
+
+def _call(module: Any, inputs: Any) -> Tensor:
+    """The loss of one call, positional or keyword (a ModelOutput's ``loss``)."""
+    out = module(**inputs) if isinstance(inputs, dict) else module(*inputs)
+    return out if isinstance(out, Tensor) else out.loss
 
 
 def _global_loss(loss: Tensor, group: Any, size: int) -> float:
@@ -108,7 +122,7 @@ def _global_loss(loss: Tensor, group: Any, size: int) -> float:
 
 
 def _train_step(
-    module: nn.Module, opt: torch.optim.Optimizer, inputs: tuple[Tensor, ...], dp_group: Any, dp_size: int,
+    module: nn.Module, opt: torch.optim.Optimizer, inputs: Any, dp_group: Any, dp_size: int,
     grad_group: Any = None,
 ) -> Any:
     """One AdamW step; the first call returns the global loss (averaged over ``dp_group``), later calls 0.0.
@@ -116,7 +130,7 @@ def _train_step(
     calls = [0]
 
     def step() -> float:
-        loss = module(*inputs)
+        loss = _call(module, inputs)
         loss.backward()
         if grad_group is not None:
             _allreduce_grads(module, grad_group, dp_size)
@@ -128,7 +142,9 @@ def _train_step(
     return step
 
 
-def _local_batch(inputs: tuple[Tensor, ...], index: int, parts: int) -> tuple[Tensor, ...]:
+def _local_batch(inputs: Any, index: int, parts: int) -> Any:
+    if isinstance(inputs, dict):
+        return {k: t.chunk(parts, dim=0)[index].contiguous() for k, t in inputs.items()}
     return tuple(t.chunk(parts, dim=0)[index].contiguous() for t in inputs)
 
 
@@ -197,7 +213,7 @@ def make_variants(rank: int, world: int, setup: Setup) -> list[Variant]:
             opt = torch.optim.AdamW(sharded.parameters(), lr=LR, foreach=True)
 
             def step() -> float:
-                loss = sharded.step(*inputs)
+                loss = sharded.step(**inputs) if isinstance(inputs, dict) else sharded.step(*inputs)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 return float(loss)

@@ -140,6 +140,12 @@ def loss_of(out: Any, model_name: str, loss_fn: Callable[[Any], torch.Tensor] | 
         where = "loss_fn(output)"
     elif isinstance(out, torch.Tensor):
         return out
+    elif isinstance(out, Mapping) and "loss" not in out and not hasattr(out, "loss"):
+        raise TypeError(
+            f"{model_name}.forward returned a {type(out).__name__} with keys {sorted(map(str, out))} and no 'loss'; "
+            "return the loss under 'loss', or loss_fn= must pick it (a function of the output that returns the "
+            "scalar loss)"
+        )
     elif isinstance(out, Mapping) or hasattr(out, "loss"):
         loss = out.get("loss") if isinstance(out, Mapping) else out.loss
         where = f"{type(out).__name__}.loss"

@@ -41,6 +41,7 @@ __all__ = [
     "fake_world",
     "Reference",
     "single_device_reference",
+    "call_loss",
     "assert_close_to_reference",
 ]
 
@@ -198,9 +199,16 @@ class Reference:
     params: dict[str, Tensor]  # parameters after all steps
 
 
+def call_loss(model: Any, inputs: Any) -> Tensor:
+    """The loss of ``model`` called with positional ``inputs`` (a tuple) or keyword ``inputs`` (a dict); a
+    ModelOutput's ``loss`` when the model returns one."""
+    out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+    return out if isinstance(out, Tensor) else out.loss
+
+
 def single_device_reference(
     make_model: Callable[[], nn.Module],
-    inputs: tuple[Tensor, ...],
+    inputs: Any,
     steps: int = 3,
     lr: float = 1e-2,
     seed: int = 0,
@@ -219,7 +227,7 @@ def single_device_reference(
     grads: dict[str, Tensor] = {}
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        loss = model(*inputs)
+        loss = call_loss(model, inputs)
         loss.backward()
         losses.append(float(loss.detach()))
         if step == 0:

@@ -59,7 +59,7 @@ def _scalar(t: torch.Tensor) -> float:
 
 def train_sharded(
     make_model: Callable[[], nn.Module],
-    inputs: tuple[torch.Tensor, ...],
+    inputs: Any,
     mesh_shape: tuple[int, ...],
     names: tuple[str, ...],
     *,
@@ -73,8 +73,7 @@ def train_sharded(
     opt = torch.optim.AdamW(sharded.parameters(), lr=lr)
     losses, grads = [], {}
     for step in range(steps):
-        loss = sharded(*sharded.shard_inputs(*inputs))
-        loss.backward()
+        loss = sharded.step(**inputs) if isinstance(inputs, dict) else sharded.step(*inputs)
         if step == 0:
             grads = {n: _full(p.grad) for n, p in sharded.named_parameters()}
         opt.step()
