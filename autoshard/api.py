@@ -34,6 +34,23 @@ def _check_inputs(example_inputs: Any) -> tuple | dict:
     return dict(kwargs) if kwargs else args
 
 
+def _check_compilable(model: nn.Module, mesh: DeviceMesh, real_group: bool) -> None:
+    """What compile needs that plan does not: real parameter values, and a mesh over every rank."""
+    meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if meta:
+        raise ValueError(
+            f"{len(meta)} parameters are on the meta device ({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}); "
+            "autoshard.compile needs their values. Materialize the model first (model.to_empty(device=...) and "
+            "initialize or load the weights), or use autoshard.plan, which plans meta models."
+        )
+    if real_group and mesh.size() != dist.get_world_size():
+        raise ValueError(
+            f"the mesh {dict(zip(mesh.mesh_dim_names or range(mesh.ndim), mesh.shape))} holds {mesh.size()} ranks but "
+            f"the process group has {dist.get_world_size()}; autoshard.compile shards over every rank: make the mesh "
+            "with init_device_mesh over the whole world (its shape's product = the world size)"
+        )
+
+
 def plan(
     model: nn.Module | str | Any,
     mesh: DeviceMesh | Sequence[int] | Mapping[str, int] | None = None,
@@ -146,6 +163,7 @@ def compile(  # noqa: A001 - the one-line API the project promises
     # or a parent process this one was forked from): start from a clean cache
     tc.clear_dtensor_caches()
     real_group = dist.is_initialized() and dist.get_world_size() > 1 and not tc.in_local_tensor_mode()
+    _check_compilable(model, mesh, real_group)
     config = _config(memory_budget, constraints, **options)
     names = tuple(mesh.mesh_dim_names or ())
     if "pp" in names or pipeline == "auto":

@@ -74,13 +74,36 @@ class PlanConfig:
     def optimizer_factor(self) -> int:
         return OPTIMIZER_STATE_FACTOR[self.optimizer]
 
+    def check_constraints(self, params: Sequence[str], inputs: Sequence[str], mesh_names: Sequence[str]) -> None:
+        """Refuse a constraint that would be silently ignored: a key that names no input and whose glob matches
+        no parameter, or a mesh axis the mesh does not have. ``inputs`` are the arguments' names in the call
+        (``input_ids``, ``args[0]``); ``input[i]`` keys count the tensor inputs."""
+        for key, value in self.constraints.items():
+            _to_axis_list(value, mesh_names, key)
+            if key in ("inputs", "params") or key in inputs:
+                continue
+            if key.startswith("input[") and key.endswith("]"):
+                idx = key[len("input[") : -1]
+                if idx.isdigit() and int(idx) < len(inputs):
+                    continue
+                raise ValueError(f"constraint {key!r}: the model is called with {len(inputs)} tensor inputs "
+                                 f"({', '.join(inputs)}); use input[0] .. input[{len(inputs) - 1}] or their names")
+            if not any(fnmatch.fnmatchcase(p, key) for p in params):
+                close = sorted(params, key=lambda p: -_common(p, key))[:3]
+                raise ValueError(
+                    f"constraint {key!r} matches no parameter and no input; keys are 'inputs', 'params', an input "
+                    f"('input[i]' or an argument name: {', '.join(inputs) or 'none'}) or a glob over parameter names "
+                    f"(such as {', '.join(close)})"
+                )
+
     def constraint_for(
-        self, name: str, role: str, mesh_names: Sequence[str]
+        self, name: str, role: str, mesh_names: Sequence[str], alias: str = ""
     ) -> tuple[Placement | None, ...] | None:
-        """Pinned placement per mesh axis (None = free) for a parameter/input, or None when unconstrained."""
+        """Pinned placement per mesh axis (None = free) for a parameter/input, or None when unconstrained.
+        ``alias``: an input's argument name (``attention_mask``), which a constraint may use for it."""
         keys: list[str] = []
         if role == "input":
-            keys = ["inputs", name]
+            keys = ["inputs", name] + ([alias] if alias else [])
         elif role in ("parameter", "buffer"):
             keys = ["params"] + [k for k in self.constraints if k not in ("inputs", "params") and fnmatch.fnmatchcase(name, k)]
         found: list[Placement | None] | None = None
@@ -95,6 +118,15 @@ class PlanConfig:
                 if p is not None:
                     found[i] = p
         return None if found is None else tuple(found)
+
+
+def _common(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _to_axis_list(value: ConstraintValue, mesh_names: Sequence[str], key: str) -> list[Placement | None]:

@@ -231,7 +231,7 @@ class _Enumerator:
                     if _valid(c, ins, node, self.mesh_shape, partial_inputs=False, ties=self.ties):
                         found.setdefault((c.inputs, c.outputs), c)
         if not found:
-            if op not in self.warned:
+            if str(op) not in self.warned:
                 self.warned.add(str(op))
                 why = errors[0] if errors else "DTensor has no sharding rule for it"
                 log.warning(
@@ -330,7 +330,10 @@ def _placeholder_candidates(node: fx.Node, ctx: PassContext) -> list[tc.RawStrat
         cands = [rep]
     else:
         cands = [tuple(p) for p in tc.all_placements(nd, val.ndim) if evenly_divisible(val.shape, tuple(p), ctx.mesh_shape)]
-    pinned = ctx.config.constraint_for(role.name, role.kind, ctx.mesh_names)
+    alias = ""
+    if role.kind == "input" and ctx.signature is not None and role.index < ctx.signature.num_tensors:
+        alias = ctx.signature.names[role.index]
+    pinned = ctx.config.constraint_for(role.name, role.kind, ctx.mesh_names, alias)
     if pinned is not None:
         cands = [c for c in cands if all(q is None or q == p for p, q in zip(c, pinned))]
         if not cands:

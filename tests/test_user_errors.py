@@ -1,0 +1,111 @@
+"""What users get wrong gets an error that names it and says the fix; an op with no sharding rule runs
+replicated with one warning and the right result."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
+
+import autoshard
+from autoshard.models.mlp import MLP, mlp_example_inputs
+
+from harness import fake_world, local_ranks
+
+
+def _mlp_plan(constraints: dict) -> autoshard.Plan:
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        return autoshard.plan(MLP(16, 30, 16), mesh, mlp_example_inputs(8, 16, 16), constraints=constraints,
+                              warm_start=False)
+
+
+@pytest.mark.parametrize(
+    ("constraints", "message"),
+    [
+        ({"layers.*.weight": "[R, R]"}, r"'layers\.\*\.weight' matches no parameter.*such as fc"),
+        ({"input[5]": {"dp": Shard(0)}}, r"'input\[5\]'.*2 tensor inputs.*input\[0\] \.\. input\[1\]"),
+        ({"fc1.weight": {"pp": Shard(0)}}, r"'fc1\.weight' names mesh axis 'pp'.*\('dp', 'tp'\)"),
+        ({"fc1.weight": {"tp": Shard(1)}, "fc1.bias": "[S(0), S(0)]"}, r"fc1\.bias \(30,\).*does not divide"),
+    ],
+)
+def test_bad_constraints_are_refused(constraints: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _mlp_plan(constraints)
+
+
+def test_constraints_by_argument_name_and_glob() -> None:
+    p = _mlp_plan({"args[1]": "[S(0), R]", "fc*.weight": {"tp": Shard(0)}})
+    layouts = {t.name: t.placements for t in p.stages[0].tensors}
+    assert layouts["input[1]"] == ("S(0)", "R")
+    assert layouts["fc1.weight"][1] == "S(0)" and layouts["fc2.weight"][1] == "S(0)"
+
+
+def test_compile_refuses_meta_parameters() -> None:
+    with torch.device("meta"):
+        model = MLP(16, 32, 16)
+    with local_ranks(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        with pytest.raises(ValueError, match=r"parameters are on the meta device \(fc1\.weight.*to_empty"):
+            autoshard.compile(model, mesh, mlp_example_inputs(8, 16, 16))
+
+
+# ------------------------------------------------------------------ an op DTensor has no rule for
+
+
+@torch.library.custom_op("autoshard_test::scaled_tanh", mutates_args=())
+def scaled_tanh(x: Tensor, scale: float) -> Tensor:
+    return torch.tanh(x) * scale
+
+
+@scaled_tanh.register_fake
+def _(x: Tensor, scale: float) -> Tensor:
+    return torch.empty_like(x)
+
+
+def _setup(ctx: object, inputs: tuple, output: Tensor) -> None:
+    ctx.save_for_backward(inputs[0])  # type: ignore[attr-defined]
+    ctx.scale = inputs[1]  # type: ignore[attr-defined]
+
+
+def _backward(ctx: object, grad: Tensor) -> tuple:
+    (x,) = ctx.saved_tensors  # type: ignore[attr-defined]
+    return grad * ctx.scale * (1 - torch.tanh(x) ** 2), None  # type: ignore[attr-defined]
+
+
+scaled_tanh.register_autograd(_backward, setup_context=_setup)
+
+
+class _TwoCustom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        h = scaled_tanh(self.fc1(x), 0.5)
+        out = scaled_tanh(self.fc2(h), 2.0)
+        return (out - y).square().mean()
+
+
+def test_op_without_a_rule_runs_replicated_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    x, y = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)), torch.randn(8, 4)
+    torch.manual_seed(0)
+    ref = _TwoCustom()
+    loss_ref = ref(x, y)
+    loss_ref.backward()
+    torch.manual_seed(0)
+    model = _TwoCustom()
+    with caplog.at_level(logging.WARNING, logger="autoshard"), local_ranks(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        sharded = autoshard.compile(model, mesh, (x, y), constraints={"inputs": {"dp": Shard(0)}})
+        loss = sharded.step(x, y)
+        grads = {n: p.grad.full_tensor() for n, p in sharded.named_parameters()}
+    warned = [r.getMessage() for r in caplog.records if "no sharding strategy" in r.getMessage()]
+    assert len(warned) == 1 and "autoshard_test.scaled_tanh" in warned[0], warned
+    assert torch.allclose(loss._local_tensors[0], loss_ref.detach(), atol=1e-6)
+    for n, p in ref.named_parameters():
+        assert torch.allclose(grads[n]._local_tensors[0], p.grad, atol=1e-6), n
