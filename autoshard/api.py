@@ -14,10 +14,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from autoshard import _torch_compat as tc
 from autoshard.cluster import ClusterProfile, get_cluster
 from autoshard.config import PlanConfig
-from autoshard.inputs import as_call
+from autoshard.inputs import Call, as_call
 from autoshard.plan import Plan
 from autoshard.planner import plan_graph
 from autoshard.runtime.program import BACKENDS, CompiledProgram, InterpretedProgram
+from autoshard.runtime.lazy import LazyShardedModule, batch_constraint
 from autoshard.runtime.pipeline import PipelinedModule
 from autoshard.runtime.sharded_module import ShardedModule
 
@@ -28,9 +29,11 @@ def _config(memory_budget: Any, constraints: Mapping | None, **kw: Any) -> PlanC
     return PlanConfig(memory_budget=memory_budget, constraints=dict(constraints or {}), **kw)
 
 
-def _check_inputs(example_inputs: Any) -> tuple | dict:
-    """The example call as given (positional tuple, or a dict of keyword arguments), checked."""
+def _check_inputs(example_inputs: Any) -> tuple | dict | Call:
+    """The example call as given (positional tuple, dict of keyword arguments, or both as a Call), checked."""
     args, kwargs = as_call(example_inputs)
+    if args and kwargs:
+        return Call(args, kwargs)
     return dict(kwargs) if kwargs else args
 
 
@@ -69,8 +72,10 @@ def plan(
 
     Two ways in:
 
-    - ``plan(module, mesh, example_inputs)``: a DeviceMesh of this process's (possibly fake) group; every layer is
-      captured; the memory budget is only what you pass.
+    - ``plan(module, mesh, example_inputs)``: a DeviceMesh of this process's (possibly fake) group; the memory
+      budget is only what you pass. A model with a ``nn.ModuleList`` of 6 or more identical layers has three of
+      them captured, standing for all (costs and memory count every layer; ``Plan.sampled_layers`` says so);
+      ``sample_layers=None`` captures every layer, an int that many. ``compile`` always captures every layer.
     - ``plan("llama3-70b", cluster="h100-sxm:128x8", seq=8192, global_batch=512)``: a zoo name, a Hugging Face
       config.json path or a module with example inputs, for a cluster this process need not be part of. A fake
       process group and meta tensors stand in for it; ``mesh`` may be a shape (default: nodes x devices per
@@ -87,6 +92,13 @@ def plan(
         if pipeline != "none":
             raise ValueError("pipeline planning runs on the offline path: call autoshard.plan(model, "
                              "example_inputs=..., cluster=...) without a DeviceMesh (or compile with pipeline=)")
+        if "sample_layers" not in options:  # planning only: compile captures every layer (it runs them)
+            from autoshard.offline import DEFAULT_SAMPLE_LAYERS
+            from autoshard.planner import repeated_layers
+
+            found = repeated_layers(model)
+            long = found is not None and found[1] >= 2 * DEFAULT_SAMPLE_LAYERS
+            options["sample_layers"] = DEFAULT_SAMPLE_LAYERS if long else None
         p, _, _ = plan_graph(
             model, _check_inputs(example_inputs), mesh, get_cluster(cluster),
             _config(memory_budget, constraints, **options), progress=progress,
@@ -132,7 +144,7 @@ def baseline(
 def compile(  # noqa: A001 - the one-line API the project promises
     model: nn.Module,
     mesh: DeviceMesh,
-    example_inputs: Sequence[Any],
+    example_inputs: Sequence[Any] | Mapping[str, Any] | Call | None = None,
     *,
     cluster: str | ClusterProfile | None = None,
     memory_budget: int | str | None = None,
@@ -142,8 +154,12 @@ def compile(  # noqa: A001 - the one-line API the project promises
     microbatches: int | None = None,
     schedule: str | None = None,
     **options: Any,
-) -> ShardedModule | PipelinedModule:
+) -> ShardedModule | PipelinedModule | LazyShardedModule:
     """Plan, lower and compile ``model`` for this rank; returns a trainable ``ShardedModule``.
+
+    Without ``example_inputs``, planning happens on the first call, from the inputs it sees, with data
+    parallelism's convention: each rank passes its own shard of the batch (split on dim 0 over the mesh's
+    data-parallel axes), and the loss and gradients are the global batch's (``runtime/lazy.py``).
 
     ``example_inputs`` are global-shaped. The returned module takes this rank's local input pieces
     (``sharded.shard_inputs(*global_tensors)``) and returns the loss, equal on every rank; or
@@ -156,6 +172,10 @@ def compile(  # noqa: A001 - the one-line API the project promises
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not known; use one of {BACKENDS}")
+    if example_inputs is None:
+        return _compile_on_first_call(model, mesh, constraints, dict(
+            cluster=cluster, memory_budget=memory_budget, backend=backend, pipeline=pipeline,
+            microbatches=microbatches, schedule=schedule, **options))
     if pipeline not in (None, "auto", "none"):
         raise ValueError(f"pipeline={pipeline!r} is not known; use None/'none' (a 'pp' mesh axis decides) or 'auto'")
     inputs = _check_inputs(example_inputs)
@@ -183,6 +203,19 @@ def compile(  # noqa: A001 - the one-line API the project promises
     return sharded
 
 
+def _compile_on_first_call(model: nn.Module, mesh: DeviceMesh, constraints: Mapping[str, Any] | None,
+                           options: dict[str, Any]) -> LazyShardedModule:
+    """``compile`` without example inputs: DDP's input convention, planned when first called (runtime/lazy.py)."""
+    user = dict(constraints or {})
+    if any(k == "inputs" or k.startswith("input[") for k in user):
+        raise ValueError(
+            "compile without example_inputs splits every input over the data-parallel ranks (each rank passes its "
+            "batch shard); to place inputs otherwise, pass global-shaped example_inputs with your input constraints"
+        )
+    pinned = {**batch_constraint(mesh), **user}
+    return LazyShardedModule(model, mesh, lambda example: compile(model, mesh, example, constraints=pinned, **options))
+
+
 def _compile_pipelined(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -199,6 +232,11 @@ def _compile_pipelined(
     from autoshard.pipeline_compile import choose_pipeline, compile_pipelined
 
     names = tuple(mesh.mesh_dim_names or ())
+    if not isinstance(inputs, tuple):
+        raise NotImplementedError(
+            "pipeline stages take the model's inputs as positional tensors for now; call compile with a tuple of "
+            "example_inputs (keyword arguments and non-tensor arguments are planned without stages)"
+        )
     if not real_group or tc.in_local_tensor_mode():
         raise ValueError("pipeline stages run on a real process group (torchrun or gloo workers), one process per "
                          "rank; LocalTensorMode and single-process meshes cannot run a pipeline schedule")

@@ -22,9 +22,22 @@ from autoshard import _torch_compat as tc
 _NO_VALUE = object()
 
 
+@dataclass(frozen=True)
+class Call:
+    """Positional and keyword arguments together (``example_inputs=Call((x,), {"mask": m})``)."""
+
+    args: tuple
+    kwargs: Mapping[str, Any]
+
+    def __str__(self) -> str:
+        return describe(self.args, self.kwargs)
+
+
 def as_call(example_inputs: Any) -> tuple[tuple, dict[str, Any]]:
-    """``example_inputs`` as (args, kwargs): a tensor, a tuple/list of positional arguments, or a mapping of
-    keyword arguments (``dict(input_ids=ids, labels=ids)``, a tokenizer's ``BatchEncoding``)."""
+    """``example_inputs`` as (args, kwargs): a tensor, a tuple/list of positional arguments, a mapping of
+    keyword arguments (``dict(input_ids=ids, labels=ids)``, a tokenizer's ``BatchEncoding``) or a ``Call``."""
+    if isinstance(example_inputs, Call):
+        return tuple(example_inputs.args), dict(example_inputs.kwargs)
     if example_inputs is None:
         raise ValueError("example_inputs is required here: a tuple of positional arguments or a dict of keyword "
                          "arguments (global-shaped tensors, real, fake or meta), as forward is called")
@@ -175,4 +188,4 @@ def first_tensor(example_inputs: Any) -> torch.Tensor | None:
     return tensors[0] if tensors else None
 
 
-__all__ = ["CallSignature", "as_call", "describe", "first_tensor", "signature_of"]
+__all__ = ["Call", "CallSignature", "as_call", "describe", "first_tensor", "signature_of"]

@@ -52,6 +52,7 @@ from autoshard._torch_compat.worlds import (
     fake_process_group,
     in_local_tensor_mode,
     outside_local_tensor_mode,
+    per_rank_copies,
     ranks_disagree,
 )
 
@@ -59,7 +60,7 @@ __all__ = [
     "AxisRules", "InputRole", "OpOverload", "OutputRole", "Placements", "RawStrategy", "all_placements",
     "clear_dtensor_caches", "data_dependent_op", "decomposition_table", "dtensor_like", "local_tensor", "detach_from_fake_modes", "export_joint", "fake_process_group",
     "has_sharding_rule", "in_local_tensor_mode", "inductor_compile", "is_fake", "make_spec", "new_fake_mode",
-    "op_strategies", "output_meta", "output_roles", "outside_local_tensor_mode", "partition_joint",
+    "op_strategies", "output_meta", "output_roles", "outside_local_tensor_mode", "partition_joint", "per_rank_copies",
     "placeholder_role", "planning_decompositions", "propagate", "ranks_disagree", "redistribute",
     "single_dim_rules", "tensor_meta", "tree_flatten", "tree_flatten_with_path", "tree_unflatten",
 ]  # fmt: skip

@@ -32,6 +32,17 @@ def outside_local_tensor_mode() -> contextlib.AbstractContextManager:
     return stack
 
 
+def per_rank_copies(t: torch.Tensor) -> torch.Tensor:
+    """Under ``LocalTensorMode``: ``t`` as a local tensor holding one copy per simulated rank. A plain tensor
+    there stands for the same value on every rank and has one storage: an in-place update (an optimizer
+    step) runs once per rank on it. Outside the mode, ``t`` itself."""
+    if not in_local_tensor_mode() or hasattr(t, "_local_tensors"):
+        return t
+    from torch.distributed._local_tensor import local_tensor_mode
+
+    return local_tensor_mode().rank_map(lambda _rank: t.detach().clone())
+
+
 def fake_process_group(world_size: int) -> None:
     """Initialize a ``fake`` default process group (this process is rank 0): meshes and collective shapes
     work, nothing is communicated."""

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from autoshard import _torch_compat as tc
 from autoshard.notation import parse_placements
 from autoshard.plan import Plan
+from autoshard.runtime.rebind import rebind_optimizers
 from autoshard.runtime.sharded_module import distribute_parameters, scatter_grads
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class StageModule(nn.Module):
         self._program = program
         self._mesh = mesh
         stage = plan.stages[0]
-        distribute_parameters(module, mesh, plan.parameter_placements())
+        rebind_optimizers(self, distribute_parameters(module, mesh, plan.parameter_placements()))
         self._param_names = [t.name for t in stage.tensors if t.role == "parameter"]
         self._buffer_names = [t.name for t in stage.tensors if t.role == "buffer"]
         inputs = sorted((t for t in stage.tensors if t.role == "input"), key=lambda t: int(t.name[6:-1]))

@@ -22,6 +22,7 @@ from autoshard import _torch_compat as tc
 from autoshard.inputs import CallSignature
 from autoshard.notation import local_shape, parse_placements, placements_str, tensor_str
 from autoshard.plan import Plan
+from autoshard.runtime.rebind import rebind_optimizers, retire
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +60,13 @@ def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (module.get_submodule(path) if path else module), leaf
 
 
-def distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: dict[str, str]) -> None:
+def distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: dict[str, str]) -> dict[int, tuple[nn.Parameter, nn.Parameter]]:
     """Replace every parameter named in ``placements`` by an ``nn.Parameter`` holding a DTensor with those
     placements (a copy of its value), in place, as ``fully_shard`` does; aliases of one parameter (tied weights)
-    all get the same new parameter."""
+    all get the same new parameter. Returns id(old) -> (old, new); the old objects keep no storage
+    (``runtime/rebind.py`` points optimizers built on them at the new ones)."""
     seen: set[int] = set()
+    replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
     for name, p in list(module.named_parameters(remove_duplicate=False)):
         if id(p) in seen or name not in placements:
             continue
@@ -74,11 +77,19 @@ def distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: dict[
                 "model (to_empty + init) first, or use autoshard.plan for planning only."
             )
         dt = distribute_tensor(p.detach().to(mesh.device_type), mesh, parse_placements(placements[name]))
+        if tc.in_local_tensor_mode():
+            # simulated ranks of a replicated tensor share one storage: an in-place optimizer step would
+            # update it once per rank. Each rank gets its own copy, as each process has on a real group.
+            dt = tc.dtensor_like(tc.per_rank_copies(dt.to_local()), dt)
         new = nn.Parameter(dt, requires_grad=p.requires_grad)
         for alias, q in module.named_parameters(remove_duplicate=False):
             if q is p:
                 owner, leaf = _owner(module, alias)
                 setattr(owner, leaf, new)
+        replaced[id(p)] = (p, new)
+    for old, _ in replaced.values():
+        retire(old)
+    return replaced
 
 
 class ShardedModule(nn.Module):
@@ -99,7 +110,7 @@ class ShardedModule(nn.Module):
         self._buffer_names = [t.name for t in plan.stages[0].tensors if t.role == "buffer"]
         self._inputs = [t for t in plan.stages[0].tensors if t.role == "input"]
         self._inputs.sort(key=lambda t: int(t.name[len("input[") : -1]))
-        distribute_parameters(model, mesh, placements)
+        rebind_optimizers(self, distribute_parameters(model, mesh, placements))
 
     def _flat_params(self) -> list[torch.Tensor]:
         params = dict(self.module.named_parameters(remove_duplicate=False))

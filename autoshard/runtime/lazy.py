@@ -1,0 +1,122 @@
+"""``autoshard.compile(model, mesh)`` with no example inputs: planned and compiled on the first call.
+
+The input convention is data parallelism's (DDP, and ``torch.compile(backend="autoshard")``): every rank passes
+its own shard of the batch, and the global batch is the ranks' shards stacked along dim 0 over the mesh's
+data-parallel axes (``dp``-like names, or the one axis of a 1-D mesh), the same on the other axes. The first
+call plans from what it sees (global shapes: dim 0 times the data-parallel size) with every input pinned to
+that layout, so each rank's shard is exactly its local piece and later calls pass straight through.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+
+from autoshard import _torch_compat as tc
+from autoshard.inputs import Call
+
+log = logging.getLogger(__name__)
+
+DATA_PARALLEL_NAMES = ("dp", "ddp", "fsdp", "hsdp", "dp_shard", "dp_replicate", "data", "batch")
+
+
+def data_parallel_axes(mesh: DeviceMesh) -> tuple[int, ...]:
+    """The mesh axes the batch is split over: those with a data-parallel name, or the only axis of a 1-D mesh."""
+    names = tuple(mesh.mesh_dim_names or ())
+    axes = tuple(i for i, n in enumerate(names) if n in DATA_PARALLEL_NAMES)
+    if axes:
+        return axes
+    if mesh.ndim == 1:
+        return (0,)
+    raise ValueError(
+        f"mesh axes {names or tuple(mesh.shape)}: none is named as a data-parallel axis ({', '.join(DATA_PARALLEL_NAMES)}), "
+        "so which axis splits the batch is unknown. Name it, e.g. init_device_mesh('cpu', (2, 2), "
+        "mesh_dim_names=('dp', 'tp')), or pass example_inputs (global-shaped) to compile."
+    )
+
+
+def batch_constraint(mesh: DeviceMesh) -> dict[str, Any]:
+    """Every input split on dim 0 over the data-parallel axes and whole on the others."""
+    dp = data_parallel_axes(mesh)
+    names = tuple(mesh.mesh_dim_names or (f"d{i}" for i in range(mesh.ndim)))
+    return {"inputs": {names[a]: (Shard(0) if a in dp else Replicate()) for a in range(mesh.ndim)}}
+
+
+def global_example(args: tuple, kwargs: dict[str, Any], mesh: DeviceMesh) -> Call:
+    """The global call the ranks' shards make: meta tensors with dim 0 scaled by the data-parallel size."""
+    size = 1
+    for a in data_parallel_axes(mesh):
+        size *= mesh.shape[a]
+
+    def scale(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if t.ndim == 0:
+            raise ValueError("a 0-d tensor argument has no batch dimension to split over the data-parallel ranks; "
+                             "pass it as a Python number, or compile with global example_inputs")
+        return torch.empty((t.shape[0] * size, *t.shape[1:]), dtype=t.dtype, device="meta")
+
+    with tc.outside_local_tensor_mode():
+        leaves, spec = tc.tree_flatten((tuple(args), dict(kwargs)))
+        g_args, g_kwargs = tc.tree_unflatten([scale(x) for x in leaves], spec)
+    return Call(tuple(g_args), dict(g_kwargs))
+
+
+class LazyShardedModule(nn.Module):
+    """What ``compile(model, mesh)`` returns without example inputs; the ``ShardedModule`` once called.
+
+    ``module(*shard, **shard_kwargs)``: this rank's batch shard, as with DDP; returns the global batch's loss.
+    ``step(*global_inputs)``: forward and backward on the global batch (every rank passes the same values).
+    """
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, build: Callable[[Call], nn.Module]) -> None:
+        super().__init__()
+        self.module = model
+        self.mesh = mesh
+        self._build = build
+        self._compiled: nn.Module | None = None
+        data_parallel_axes(mesh)  # a mesh with no batch axis is refused now, not at the first step
+
+    @property
+    def compiled(self) -> nn.Module:
+        if self._compiled is None:
+            raise RuntimeError("not compiled yet: autoshard.compile(model, mesh) plans on the first call; call the "
+                               "module with this rank's batch shard (or .step with the global batch) first")
+        return self._compiled
+
+    @property
+    def plan(self) -> Any:
+        return self.compiled.plan
+
+    def _ensure(self, example: Call) -> nn.Module:
+        if self._compiled is None:
+            log.info("compile: planning on the first call, global inputs %s", example)
+            self._compiled = self._build(example)
+        return self._compiled
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self._ensure(global_example(args, kwargs, self.mesh))(*args, **kwargs)
+
+    def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self._ensure(Call(tuple(args), dict(kwargs))).step(*args, **kwargs)
+
+    def shard_inputs(self, *args: Any, **kwargs: Any) -> Any:
+        return self.compiled.shard_inputs(*args, **kwargs)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:  # type: ignore[override]
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):  # type: ignore[override]
+        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
