@@ -153,6 +153,7 @@ def compile(  # noqa: A001 - the one-line API the project promises
     pipeline: str | None = None,
     microbatches: int | None = None,
     schedule: str | None = None,
+    parameters: str = "dtensor",
     **options: Any,
 ) -> ShardedModule | PipelinedModule | LazyShardedModule:
     """Plan, lower and compile ``model`` for this rank; returns a trainable ``ShardedModule``.
@@ -169,13 +170,20 @@ def compile(  # noqa: A001 - the one-line API the project promises
     of the other axes; ``pipeline="auto"`` weighs splitting the outermost axis into stages against no pipeline.
     ``microbatches`` and ``schedule`` ("GPipe", "1F1B", "Interleaved1F1B") are chosen unless given. A pipelined
     result is a :class:`PipelinedModule`: ``step(*global_inputs)`` trains one step over all micro-batches.
+
+    ``parameters="dtensor"`` (default) replaces each parameter by a DTensor parameter (optimizers built before
+    are pointed at them on their next step); ``"local"`` keeps the parameter objects and makes each hold this
+    rank's shard as a plain tensor (what the ``torch.compile`` backend does; ``state_dict()`` still gives DTensors).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not known; use one of {BACKENDS}")
+    if parameters not in ("dtensor", "local"):
+        raise ValueError(f"parameters={parameters!r}: use 'dtensor' (new DTensor parameters) or 'local' (the same "
+                         "parameter objects, holding this rank's shard)")
     if example_inputs is None:
         return _compile_on_first_call(model, mesh, constraints, dict(
             cluster=cluster, memory_budget=memory_budget, backend=backend, pipeline=pipeline,
-            microbatches=microbatches, schedule=schedule, **options))
+            microbatches=microbatches, schedule=schedule, parameters=parameters, **options))
     if pipeline not in (None, "auto", "none"):
         raise ValueError(f"pipeline={pipeline!r} is not known; use None/'none' (a 'pp' mesh axis decides) or 'auto'")
     inputs = _check_inputs(example_inputs)
@@ -198,7 +206,7 @@ def compile(  # noqa: A001 - the one-line API the project promises
     else:
         program = CompiledProgram(gm, ctx, backend)
     grad_names = [r.name for r in ctx.output_roles if r.kind == "grad"]
-    sharded = ShardedModule(model, mesh, p, program, grad_names, ctx.signature)
+    sharded = ShardedModule(model, mesh, p, program, grad_names, ctx.signature, parameters)
     sharded.timings = dict(ctx.timings)
     return sharded
 

@@ -7,6 +7,7 @@ upgrade (2.11 on the GPU machines, 2.13 on CPU) is mended here:
   descriptors; the forward/backward partitioner and Inductor's graph compiler;
 - ``dtensor``: DTensor's sharding-strategy registries (the candidate source of the planner), redistribution
   and its caches;
+- ``dynamo``: the module a ``torch.compile`` backend is compiling;
 - ``worlds``: ``LocalTensorMode`` (several simulated ranks in one process) and the fake process group.
 
 Callers use the flat namespace: ``from autoshard import _torch_compat as tc``.
@@ -47,6 +48,7 @@ from autoshard._torch_compat.dtensor import (
     single_dim_rules,
     tensor_meta,
 )
+from autoshard._torch_compat.dynamo import compiling_call, forget_guards_on, outside_dynamo
 from autoshard._torch_compat.worlds import (
     detach_from_fake_modes,
     fake_process_group,
@@ -58,9 +60,9 @@ from autoshard._torch_compat.worlds import (
 
 __all__ = [
     "AxisRules", "InputRole", "OpOverload", "OutputRole", "Placements", "RawStrategy", "all_placements",
-    "clear_dtensor_caches", "data_dependent_op", "decomposition_table", "dtensor_like", "local_tensor", "detach_from_fake_modes", "export_joint", "fake_process_group",
+    "clear_dtensor_caches", "compiling_call", "forget_guards_on", "data_dependent_op", "decomposition_table", "dtensor_like", "local_tensor", "detach_from_fake_modes", "export_joint", "fake_process_group",
     "has_sharding_rule", "in_local_tensor_mode", "inductor_compile", "is_fake", "make_spec", "new_fake_mode",
-    "op_strategies", "output_meta", "output_roles", "outside_local_tensor_mode", "partition_joint", "per_rank_copies",
+    "op_strategies", "output_meta", "output_roles", "outside_dynamo", "outside_local_tensor_mode", "partition_joint", "per_rank_copies",
     "placeholder_role", "planning_decompositions", "propagate", "ranks_disagree", "redistribute",
     "single_dim_rules", "tensor_meta", "tree_flatten", "tree_flatten_with_path", "tree_unflatten",
 ]  # fmt: skip

@@ -92,11 +92,50 @@ def distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: dict[
     return replaced
 
 
+def shard_parameters_in_place(module: nn.Module, mesh: DeviceMesh, placements: dict[str, str]) -> None:
+    """Keep every parameter object and make it hold this rank's shard (a plain tensor) under ``placements``.
+    For the ``torch.compile`` backend: dynamo guards the parameter objects it traced, and an optimizer built
+    before the call keeps stepping them (elementwise optimizers are exact on shards; a global gradient norm is
+    not: ``ShardedModule.state_dict`` gives DTensors)."""
+    seen: set[int] = set()
+    for name, p in list(module.named_parameters(remove_duplicate=False)):
+        if id(p) in seen or name not in placements:
+            continue
+        seen.add(id(p))
+        dt = distribute_tensor(p.detach().to(mesh.device_type), mesh, parse_placements(placements[name]))
+        with torch.no_grad():
+            p.data = tc.per_rank_copies(dt.to_local())
+        p._autoshard_layout = (mesh, tuple(dt.placements), dt.shape)  # type: ignore[attr-defined]
+
+
+def as_dtensor(param: torch.Tensor, value: torch.Tensor | None = None) -> DTensor:
+    """A parameter held as this rank's shard (``parameters="local"``, the ``torch.compile`` backend), or a
+    tensor laid out like it (``value``, e.g. ``param.grad``), as the DTensor it is a piece of:
+    ``as_dtensor(p).full_tensor()`` is the whole parameter."""
+    layout = getattr(param, "_autoshard_layout", None)
+    if layout is None:
+        if isinstance(param, DTensor):
+            return param if value is None else tc.dtensor_like(value, param)
+        raise ValueError("as_dtensor takes a parameter autoshard holds as a local shard (parameters='local' or the "
+                         "torch.compile backend); this one is not")
+    mesh, placements, shape = layout
+    return DTensor.from_local(param.detach() if value is None else value, mesh, placements, run_check=False,
+                              shape=shape, stride=_contiguous(shape))
+
+
+def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= n
+    return tuple(reversed(stride))
+
+
 class ShardedModule(nn.Module):
     """A model sharded by a Plan. ``forward(*local_inputs)`` returns the loss, equal on every rank."""
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, plan: Plan, program: Any, grad_names: Sequence[str],
-                 signature: CallSignature) -> None:
+                 signature: CallSignature, parameters: str = "dtensor") -> None:
         super().__init__()
         self.plan = plan
         self.signature = signature
@@ -110,7 +149,11 @@ class ShardedModule(nn.Module):
         self._buffer_names = [t.name for t in plan.stages[0].tensors if t.role == "buffer"]
         self._inputs = [t for t in plan.stages[0].tensors if t.role == "input"]
         self._inputs.sort(key=lambda t: int(t.name[len("input[") : -1]))
-        rebind_optimizers(self, distribute_parameters(model, mesh, placements))
+        self._local_params = parameters == "local"
+        if self._local_params:
+            shard_parameters_in_place(model, mesh, placements)
+        else:
+            rebind_optimizers(self, distribute_parameters(model, mesh, placements))
 
     def _flat_params(self) -> list[torch.Tensor]:
         params = dict(self.module.named_parameters(remove_duplicate=False))
@@ -197,7 +240,20 @@ class ShardedModule(nn.Module):
         return loss.detach()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        return self.module.state_dict(*args, **kwargs)
+        """The model's state dict; parameters as DTensors with the plan's placements (for DCP), also when they
+        are held as plain local shards (``parameters="local"``)."""
+        state = self.module.state_dict(*args, **kwargs)
+        if self._local_params:
+            placements = self.plan.parameter_placements()
+            layouts = {t.name: t for t in self.plan.stages[0].tensors if t.role == "parameter"}
+            prefix = kwargs.get("prefix", "")
+            for name, t in layouts.items():
+                key = prefix + name
+                if key in state and not isinstance(state[key], DTensor):
+                    state[key] = DTensor.from_local(state[key], self.mesh, parse_placements(placements[name]),
+                                                    run_check=False, shape=torch.Size(t.shape),
+                                                    stride=_contiguous(t.shape))
+        return state
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)

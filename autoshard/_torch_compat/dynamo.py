@@ -1,0 +1,65 @@
+"""What a ``torch.compile`` backend needs from dynamo's internals: the module being compiled."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+
+def compiling_call(example_inputs: Sequence[Any]) -> tuple[nn.Module, tuple, dict[str, Any]] | None:
+    """The ``nn.Module`` whose call dynamo is compiling (the one ``torch.compile`` was given) and the arguments
+    of this call, found among the frames' locals: the module that owns parameters passed to the graph, and the
+    ``args``/``kwargs`` it was called with (or the named arguments of its ``forward``). None when not found."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx = InstructionTranslator.current_tx()
+    if tx is None:
+        return None
+    inputs = {id(x) for x in example_inputs}
+    frames = [tx]
+    parent = getattr(tx, "parent", None)
+    while parent is not None:
+        frames.append(parent)
+        parent = getattr(parent, "parent", None)
+    for frame in reversed(frames):  # the outermost frame first: the module torch.compile wraps
+        local = frame.f_locals
+        for key, value in local.items():
+            if isinstance(value, nn.Module) and any(id(p) in inputs for p in value.parameters()):
+                if "args" in local or "kwargs" in local:
+                    return value, tuple(local.get("args", ())), dict(local.get("kwargs", {}))
+                return value, (), {k: v for k, v in local.items() if k != key}
+    return None
+
+
+def forget_guards_on(gm: Any, tensors: Sequence[Any]) -> int:
+    """Drop the guards dynamo recorded on graph inputs that are ``tensors`` (by identity): the parameters a
+    backend re-lays out in place (same objects, new shapes). Their shapes were recorded while tracing, so the
+    guards would fail on the very frame they are built for; the backend's program reads the parameters by name
+    and never runs dynamo's graph, which they protected. Returns how many inputs were freed."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx = InstructionTranslator.current_tx()
+    if tx is None:
+        return 0
+    ids = {id(t) for t in tensors}
+    freed = 0
+    for node in gm.graph.find_nodes(op="placeholder"):
+        arg = node.meta.get("grapharg")
+        if arg is not None and id(arg.example) in ids:
+            tx.output.guards.remove_guards_with_source(arg.source)
+            freed += 1
+    return freed
+
+
+def outside_dynamo() -> Any:
+    """A context in which a backend can trace and compile programs of its own: without dynamo's tracing
+    context (its fake mode and guards), as if called outside ``torch.compile``."""
+    import contextlib
+
+    import torch._guards
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._guards.tracing(None))
+    return stack

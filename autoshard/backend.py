@@ -1,0 +1,109 @@
+"""``torch.compile(model, backend="autoshard", options={"mesh": mesh, ...})``.
+
+Registered through the ``torch_dynamo_backends`` entry point (``pyproject.toml``), so it works without
+importing autoshard first. The options are ``autoshard.compile``'s (``mesh`` required; ``backend`` is the
+per-rank compiler, "inductor" or "eager").
+
+The loop is the ordinary one, with data parallelism's input convention::
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)       # built before the first call
+    compiled = torch.compile(model, backend="autoshard", options={"mesh": mesh})
+    for x, y in batches:                                        # each rank passes its own batch shard
+        loss = compiled(x, y); loss.backward(); opt.step(); opt.zero_grad()
+
+Dynamo hands the backend one graph of the forward, specialized to this rank's shapes. The backend plans the
+module itself instead, called as dynamo saw it called but at global shapes (the ranks' shards stacked on dim 0
+over the data-parallel axes, ``runtime/lazy.py``), compiles it with ``autoshard.compile`` and makes each of the module's parameter objects hold this rank's
+shard (``parameters="local"``), and drops dynamo's guards on them (their shapes were recorded while tracing;
+the program reads the parameters by name and never runs dynamo's graph), so later calls do not recompile.
+Dynamo's graph only says which of its inputs are the call's tensors. An optimizer built before the
+first call steps the same objects: elementwise optimizers (SGD, Adam, AdamW, ...) are exact on shards; a
+global gradient norm over ``model.parameters()`` would be this rank's part only. The graph's first output must be the loss; other outputs (a model output's logits
+and cache) are not computed: they come back as ``None``, with one warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from autoshard import _torch_compat as tc
+from autoshard.inputs import Call, signature_of
+from autoshard.runtime.lazy import batch_constraint, global_example
+
+log = logging.getLogger(__name__)
+
+
+def _leaf_sources(example_inputs: Sequence[Any], leaves: Sequence[Any]) -> list[int]:
+    """For each tensor leaf of the call, the position of the graph input that is that tensor."""
+    where = {id(x): k for k, x in enumerate(example_inputs)}
+    out = []
+    for i, leaf in enumerate(leaves):
+        if id(leaf) not in where:
+            raise RuntimeError(
+                f"autoshard backend: tensor argument {i} of the call is not an input of dynamo's graph (unused by "
+                "forward?); autoshard plans the module's call as a whole: pass only what forward uses"
+            )
+        out.append(where[id(leaf)])
+    return out
+
+
+def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict[str, Any] | None = None,
+                      mode: str | None = None) -> Callable[..., Any]:
+    """The ``torch.compile`` backend (see the module docstring)."""
+    from autoshard.api import compile as autoshard_compile
+
+    opts = dict(options or {})
+    mesh = opts.pop("mesh", None)
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError("torch.compile(model, backend='autoshard', options={'mesh': mesh}) needs the DeviceMesh "
+                         f"to shard over in options['mesh'] (got {type(mesh).__name__})")
+    if mode not in (None, "default"):
+        log.warning("autoshard backend: mode=%r is ignored (the plan chooses what to run)", mode)
+    if any(isinstance(x, DTensor) for x in example_inputs):
+        raise RuntimeError(
+            "autoshard backend: this graph reads parameters that autoshard already sharded for another graph. "
+            "Either the model is split into several graphs by a graph break (torch.compile(..., fullgraph=True) "
+            "names where), or the input shapes changed and dynamo recompiled (autoshard plans static shapes: keep "
+            "every batch the same shape, e.g. drop_last=True)"
+        )
+    if any(isinstance(s, torch.SymInt) for x in example_inputs if isinstance(x, torch.Tensor) for s in x.shape):
+        raise RuntimeError("autoshard backend: dynamic shapes are not planned; compile with dynamic=False and keep "
+                           "every batch the same shape")
+    found = tc.compiling_call(example_inputs)
+    if found is None:
+        raise RuntimeError("autoshard backend: torch.compile must be given an nn.Module (its parameters are what "
+                           "autoshard shards); it was given a function whose graph takes no module's parameters")
+    root, args, kwargs = found
+    signature, tensors = signature_of(Call(args, kwargs))
+    sources = _leaf_sources(example_inputs, tensors)
+    constraints = {**batch_constraint(mesh), **dict(opts.pop("constraints", None) or {})}
+    example = global_example(args, kwargs, mesh)
+    # the module itself is planned at global shapes (dynamo's graph is specialized to this rank's shapes)
+    with tc.outside_dynamo():
+        sharded = autoshard_compile(root, mesh, example, constraints=constraints, parameters="local", **opts)
+    freed = tc.forget_guards_on(gm, list(root.parameters()))
+    log.info("autoshard backend: %d parameters re-laid out in place; dynamo's guards on them dropped", freed)
+    log.info("autoshard backend: planned %s on mesh %s: predicted step %.3g s", type(root).__name__,
+             dict(zip(mesh.mesh_dim_names or (), mesh.shape)), sharded.plan.step_time_s)
+    out = gm.graph.find_nodes(op="output")[0].args[0]
+    extra = (len(out) if isinstance(out, (tuple, list)) else 1) - 1
+    warned: list[bool] = []
+
+    def run(*flat: Any) -> tuple:
+        call_args, call_kwargs = signature.unflatten([flat[k] for k in sources])
+        loss = sharded(*call_args, **call_kwargs)
+        if extra and not warned:
+            warned.append(True)
+            log.warning("autoshard backend: the compiled graph returns %d outputs besides the loss (logits, cache); "
+                        "autoshard computes only the loss and returns None for them", extra)
+        return (loss, *([None] * extra))
+
+    run.sharded = sharded  # type: ignore[attr-defined]  # the ShardedModule (its plan, report)
+    return run
