@@ -10,6 +10,6 @@
 from autoshard.api import baseline, compile, plan
 from autoshard.config import PlanConfig
 from autoshard.plan import Plan
-from autoshard.runtime.sharded_module import ShardedModule, as_dtensor
+from autoshard.runtime.sharded_module import ShardedModule, as_dtensor, clip_grad_norm_
 
-__all__ = ["baseline", "compile", "plan", "Plan", "PlanConfig", "ShardedModule", "as_dtensor"]
+__all__ = ["baseline", "clip_grad_norm_", "compile", "plan", "Plan", "PlanConfig", "ShardedModule", "as_dtensor"]

@@ -13,13 +13,14 @@ The loop is the ordinary one, with data parallelism's input convention::
 
 Dynamo hands the backend one graph of the forward, specialized to this rank's shapes. The backend plans the
 module itself instead, called as dynamo saw it called but at global shapes (the ranks' shards stacked on dim 0
-over the data-parallel axes, ``runtime/lazy.py``), compiles it with ``autoshard.compile`` and makes each of the module's parameter objects hold this rank's
-shard (``parameters="local"``), and drops dynamo's guards on them (their shapes were recorded while tracing;
-the program reads the parameters by name and never runs dynamo's graph), so later calls do not recompile.
-Dynamo's graph only says which of its inputs are the call's tensors. An optimizer built before the
-first call steps the same objects: elementwise optimizers (SGD, Adam, AdamW, ...) are exact on shards; a
-global gradient norm over ``model.parameters()`` would be this rank's part only. The graph's first output must be the loss; other outputs (a model output's logits
-and cache) are not computed: they come back as ``None``, with one warning.
+over the data-parallel axes, ``runtime/lazy.py``), compiles it with ``autoshard.compile`` and makes each of the
+module's parameter objects hold this rank's shard (``parameters="local"``), and drops dynamo's guards on them
+(their shapes were recorded while tracing; the program reads the parameters by name and never runs dynamo's
+graph), so later calls do not recompile. Dynamo's graph only says which of its inputs are the call's tensors. An
+optimizer built before the first call steps the same objects: elementwise optimizers (SGD, Adam, AdamW, ...) are
+exact on shards; a global gradient norm over ``model.parameters()`` would be this rank's part only. The graph's
+first output must be the loss; other outputs (a model output's logits and cache) are not computed: they come
+back as ``None``, with one warning.
 """
 
 from __future__ import annotations

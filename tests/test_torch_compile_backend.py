@@ -18,8 +18,6 @@ from numerics_utils import LR, MODELS, PARAM_ATOL
 
 def _full(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a parameter the backend holds as this rank's shard (or of its gradient)."""
-    import autoshard
-
     return autoshard.as_dtensor(p, value).full_tensor().detach().clone()
 
 
@@ -41,6 +39,7 @@ def _worker(rank: int, world: int, arg: tuple) -> dict:
         loss.backward()
         if step == 0:
             grads = {n: _full(p, p.grad) for n, p in model.named_parameters()}
+            norm = float(autoshard.clip_grad_norm_(model.parameters(), 1e9))  # the whole model's, not a shard's
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
@@ -48,7 +47,7 @@ def _worker(rank: int, world: int, arg: tuple) -> dict:
     sharded = sum(p.numel() < autoshard.as_dtensor(p).numel() for p in model.parameters())
     counts = torch._dynamo.utils.counters["stats"]
     return {"losses": losses, "grads": grads, "params": params, "frames": int(counts["unique_graphs"]),
-            "sharded": sharded}
+            "sharded": sharded, "norm": norm}
 
 
 def test_backend_trains_like_one_device_on_2x2() -> None:
@@ -60,6 +59,8 @@ def test_backend_trains_like_one_device_on_2x2() -> None:
         assert_close_to_reference(ref, got["losses"], got["grads"], got["params"], param_atol=PARAM_ATOL)
         assert got["frames"] == 1, "dynamo recompiled after the parameters became shards"
         assert got["sharded"] > 0
+        want = torch.linalg.vector_norm(torch.stack([g.norm() for g in ref.grads.values()]))
+        assert abs(got["norm"] - float(want)) < 1e-4 * float(want), (got["norm"], float(want))
 
 
 def test_backend_is_registered_by_entry_point() -> None:

@@ -123,6 +123,23 @@ def as_dtensor(param: torch.Tensor, value: torch.Tensor | None = None) -> DTenso
                               shape=shape, stride=_contiguous(shape))
 
 
+def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for sharded parameters, DTensor or held as local shards (the
+    ``torch.compile`` backend's): the norm is the whole model's on every rank, not this rank's part."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = [as_dtensor(p, p.grad) if hasattr(p, "_autoshard_layout") else p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    total = torch.nn.utils.get_total_norm(grads, norm_type)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.device) if not isinstance(p.grad, DTensor) else coef.item())
+    return total
+
+
 def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
     stride, acc = [], 1
     for n in reversed(tuple(shape)):
