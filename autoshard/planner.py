@@ -125,10 +125,39 @@ def _truncated(model: nn.Module, path: str, keep: int) -> nn.Module:
     return root
 
 
+def _constraints_uneven(model: nn.Module, path: str, total: int, config: PlanConfig) -> str | None:
+    """A constraint over parameter names that pins some of the repeated layers at ``path`` but not the same
+    parameters in all of them (``model.layers.1*.mlp.*``): the captured layers could not stand for the rest.
+    Returns that constraint's key, or None."""
+    import fnmatch
+
+    keys = [k for k in config.constraints if k not in ("inputs", "params") and not k.startswith("input[")]
+    if not keys:
+        return None
+    prefix = f"{path}."
+    rel: dict[int, list[str]] = {i: [] for i in range(total)}
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        if name.startswith(prefix):
+            idx, _, tail = name[len(prefix):].partition(".")
+            if idx.isdigit():
+                rel[int(idx)].append(tail)
+    for key in keys:
+        pinned = {frozenset(t for t in tails if fnmatch.fnmatchcase(f"{prefix}{i}.{t}", key)) for i, tails in rel.items()}
+        if len(pinned) > 1:
+            return key
+    return None
+
+
 def _capture(model: nn.Module, example_inputs: Sequence[Any], ctx: PassContext) -> fx.GraphModule:
     """Capture the whole model, or (``config.sample_layers``) only the first few of its repeated layers."""
     k = ctx.config.sample_layers
     found = repeated_layers(model) if k and ctx.config.share_layers else None
+    if found is not None and found[0]:
+        uneven = _constraints_uneven(model, found[0], found[1], ctx.config)
+        if uneven is not None:
+            log.info("capture: constraint %r pins some of the layers in %s but not others; capturing every layer",
+                     uneven, found[0])
+            found = None
     if found is not None and found[1] > k and found[0]:
         path, total = found
         try:

@@ -2,6 +2,7 @@
 
     python benchmarks/plan_time.py                          # every zoo model x (8,), (8, 8), (16, 8, 8)
     python benchmarks/plan_time.py --models llama3-8b --meshes 8x8
+    python benchmarks/plan_time.py --models llama3-8b hf-llama3-8b --meshes 8x8    # zoo vs a user's HF module
     python benchmarks/plan_time.py --profile                # cProfile the first case (top 25, cumulative)
 
 Each case builds the model on the meta device, puts the mesh on a fake process group of that many ranks and
@@ -12,8 +13,18 @@ solver, not whether the model fits). Columns: graph nodes captured, decision gro
 that carry variables after identical layers share them, solver variables, seconds per stage (capture,
 strategies, the solve pass = the manual-recipe solves that warm-start it + the plan's own build and solve),
 total, the objective and the proven gap. Goals on this 2-core machine: Llama-3-8B on (8, 8) <= 5 s;
-Llama-3-70B on 1024 devices <= 30 s. Reference: Meta's autoparallel plans Llama-3-8B on a 64-GPU 2-D mesh in
-~52 s (ILP build ~15 s + CBC solve ~37 s, /work/shared/data/README.md).
+Llama-3-70B on 1024 devices <= 30 s; the same goal as the zoo's Llama-3-8B for a user's own stock module.
+
+``hf-llama3-8b`` is that user's module: a stock ``transformers.LlamaForCausalLM`` of Llama-3-8B's shape built on
+the meta device (bf16), called with keywords ``input_ids=ids, labels=ids`` (meta int64, batch = devices, seq 8192
+like the zoo row) and planned through the public DeviceMesh path, ``autoshard.plan(model, mesh, inputs)``, with
+its defaults (three of the 32 layers captured there too). That path returns only the Plan, so its row has no
+node or decision-group counts, and its stage times come from ``plan``'s progress callback; ``vs zoo`` is its
+total over the zoo row's on the same mesh in the same run. ``cpu`` is the process's CPU seconds (all threads:
+the solve pass runs two solves at a time), steadier than wall time on a busy machine.
+
+Reference: Meta's autoparallel plans Llama-3-8B on a 64-GPU 2-D mesh in ~52 s (ILP build ~15 s + CBC solve
+~37 s, /work/shared/data/README.md).
 """
 
 from __future__ import annotations
@@ -35,7 +46,69 @@ from autoshard.cluster import get_cluster
 log = logging.getLogger("plan_time")
 
 DEFAULT_MESHES = ("8", "8x8", "16x8x8")
-GOALS = {("llama3-8b", (8, 8)): 5.0, ("llama3-70b", (16, 8, 8)): 30.0, ("llama3-70b", (128, 8)): 30.0}
+GOALS = {("llama3-8b", (8, 8)): 5.0, ("hf-llama3-8b", (8, 8)): 5.0, ("llama3-70b", (16, 8, 8)): 30.0,
+         ("llama3-70b", (128, 8)): 30.0}
+HF_MODELS = {"hf-llama3-8b": "llama3-8b"}  # stock transformers module -> the zoo model whose shape it takes
+
+
+def hf_llama3_8b(batch: int) -> tuple:
+    """A stock ``transformers.LlamaForCausalLM`` of Llama-3-8B's shape on meta (bf16) and its keyword inputs."""
+    import torch
+    import transformers
+
+    seq = get_model("llama3-8b").default_seq
+    cfg = transformers.LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                                   num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                                   max_position_embeddings=seq, rope_theta=500000.0, rms_norm_eps=1e-5,
+                                   dtype=torch.bfloat16)
+    with torch.device("meta"):
+        module = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    ids = torch.empty(batch, seq, dtype=torch.int64, device="meta")
+    return module, dict(input_ids=ids, labels=ids)
+
+
+def run_hf_case(model: str, shape: tuple[int, ...], warm_start: bool, time_limit: float, profile: bool = False) -> dict:
+    """A user's own module on the public DeviceMesh path (``autoshard.plan(module, mesh, inputs)``)."""
+    import autoshard
+
+    world = math.prod(shape)
+    per_node = 8 if world >= 8 else world
+    module, inputs = hf_llama3_8b(world)
+    started: dict[str, float] = {}
+    timings: dict[str, float] = {}
+
+    def progress(stage: str, fraction: float, message: str) -> None:
+        now = time.perf_counter()
+        if fraction == 0.0:
+            started.setdefault(stage, now)
+        elif fraction >= 1.0 and stage in started:
+            timings[stage] = now - started[stage]
+
+    prof = cProfile.Profile() if profile else None
+    with fake_world(world):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=mesh_names(shape))
+        t0, c0 = time.perf_counter(), time.process_time()
+        if prof:
+            prof.enable()
+        plan = autoshard.plan(module, mesh, inputs, cluster=f"h100-sxm:{world // per_node}x{per_node}",
+                              warm_start=warm_start, time_limit_s=time_limit, progress=progress)
+        if prof:
+            prof.disable()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    s = plan.solver
+    if prof:
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(25)
+        print(out.getvalue())
+    return {
+        "model": model, "mesh": "x".join(map(str, shape)), "nodes": "-", "groups": s.groups, "decision": "-",
+        "vars": s.variables, "capture": timings.get("capture", 0.0), "strategies": timings.get("strategies", 0.0),
+        "solve": timings.get("solve", 0.0), "total": wall, "cpu": cpu, "objective": s.objective_s,
+        "gap": (s.objective_s - s.bound_s) / s.objective_s if s.objective_s else math.nan, "status": s.status,
+        "sampled": plan.sampled_layers,
+    }
 
 
 def run_case(model: str, shape: tuple[int, ...], warm_start: bool, time_limit: float, profile: bool = False) -> dict:
@@ -49,20 +122,20 @@ def run_case(model: str, shape: tuple[int, ...], warm_start: bool, time_limit: f
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=mesh_names(shape))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if prof:
             prof.enable()
         plan, _, ctx = plan_graph(job.module, job.inputs, mesh, cluster, config)
         if prof:
             prof.disable()
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     canon = ctx.layer_of_group or {}
     s = plan.solver
     row = {
         "model": model, "mesh": "x".join(map(str, shape)), "nodes": ctx.stats.get("nodes_captured"),
         "groups": len(ctx.groups), "decision": sum(1 for g, c in canon.items() if g == c), "vars": s.variables,
         "capture": ctx.timings.get("capture", 0.0), "strategies": ctx.timings.get("strategies", 0.0),
-        "solve": ctx.timings.get("solve", 0.0), "total": wall, "objective": s.objective_s,
+        "solve": ctx.timings.get("solve", 0.0), "total": wall, "cpu": cpu, "objective": s.objective_s,
         "gap": (s.objective_s - s.bound_s) / s.objective_s if s.objective_s else math.nan, "status": s.status,
     }
     if prof:
@@ -74,7 +147,10 @@ def run_case(model: str, shape: tuple[int, ...], warm_start: bool, time_limit: f
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", nargs="*", default=list(known_models()))
+    zoo = list(known_models())
+    default_models = [m for z in zoo for m in [z] + [h for h, base in HF_MODELS.items() if base == z]]
+    p.add_argument("--models", nargs="*", default=default_models,
+                   help=f"zoo models and user modules ({', '.join(HF_MODELS)}: a stock HF module, DeviceMesh path)")
     p.add_argument("--meshes", nargs="*", default=list(DEFAULT_MESHES))
     p.add_argument("--no-warm-start", action="store_true", help="skip the baseline solves")
     p.add_argument("--time-limit", type=float, default=30.0)
@@ -82,23 +158,30 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     head = (f"{'model':<13}{'mesh':>8}{'nodes':>7}{'groups':>7}{'decide':>7}{'vars':>8}{'capture':>9}"
-            f"{'strateg':>9}{'solve':>8}{'total':>8}  {'objective':>10}{'gap':>7}  goal")
+            f"{'strateg':>9}{'solve':>8}{'total':>8}{'cpu':>7}  {'objective':>10}{'gap':>7}  goal")
     print(f"autoshard plan time: zoo models on h100-sxm meshes (fake process group), warm start "
           f"{'off' if a.no_warm_start else 'on'}; seconds on this machine")
     print(head)
+    zoo_total: dict[tuple[str, str], float] = {}
     for i, model in enumerate(a.models):
-        get_model(model)
+        case = run_hf_case if model in HF_MODELS else run_case
+        if model not in HF_MODELS:
+            get_model(model)
         for mesh in a.meshes:
             shape = parse_mesh(mesh)
             try:
-                r = run_case(model, shape, not a.no_warm_start, a.time_limit, a.profile and i == 0)
+                r = case(model, shape, not a.no_warm_start, a.time_limit, a.profile and i == 0)
             except Exception as e:  # report and go on: one case must not hide the others
                 print(f"{model:<13}{mesh:>8}  failed: {type(e).__name__}: {str(e)[:150]}")
                 continue
             goal = GOALS.get((model, shape))
             verdict = "" if goal is None else f"<= {goal:.0f} s {'met' if r['total'] <= goal else 'NOT met'}"
+            zoo_total[(model, mesh)] = r["total"]
+            base = zoo_total.get((HF_MODELS.get(model, ""), mesh))
+            if base:
+                verdict += f"  vs zoo x{r['total'] / base:.2f}"
             print(f"{r['model']:<13}{r['mesh']:>8}{r['nodes']:>7}{r['groups']:>7}{r['decision']:>7}{r['vars']:>8}"
-                  f"{r['capture']:>9.2f}{r['strategies']:>9.2f}{r['solve']:>8.2f}{r['total']:>8.2f}  "
+                  f"{r['capture']:>9.2f}{r['strategies']:>9.2f}{r['solve']:>8.2f}{r['total']:>8.2f}{r['cpu']:>7.2f}  "
                   f"{r['objective'] * 1e3:>8.1f}ms{r['gap']:>7.1%}  {verdict}", flush=True)
 
 

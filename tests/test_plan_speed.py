@@ -1,0 +1,106 @@
+"""Planning a user's own module on a DeviceMesh samples its repeated layers (``autoshard.plan``), without
+changing the plan: three of a stock Hugging Face Llama's six identical decoder layers are captured and stand
+for all six, and the predicted step time, the memory and each layer's placements are those of capturing
+every layer. ``compile`` runs the program, so it captures every layer."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+import autoshard
+import autoshard.api
+from autoshard.planner import repeated_layers
+
+from harness import fake_world
+
+pytest.importorskip("transformers")
+
+from autoshard.models import hf  # noqa: E402
+
+LAYERS = 6
+# small sizes and the planner's fast settings: this file times in seconds, not minutes
+FAST = dict(warm_start=False, time_limit_s=20.0)
+
+
+def _tiny_llama(device: str = "meta"):
+    import transformers
+
+    cfg = transformers.LlamaConfig(**{**hf._DECODER, "num_hidden_layers": LAYERS})
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(3, hf.VOCAB, (4, 16))
+    return model, dict(input_ids=ids, labels=ids)
+
+
+def _per_layer(plan: autoshard.Plan) -> dict[int, tuple]:
+    """Each decoder layer's decisions (op, phase, shape, placements), in order, by layer index."""
+    out: dict[int, list] = {}
+    for o in plan.stages[0].ops:
+        m = re.match(r"model\.layers\.(\d+)(\.|$)", o.module)
+        if m:
+            rel = o.module[m.end(1):]
+            out.setdefault(int(m.group(1)), []).append((rel, o.op, o.phase, o.shape, o.output, o.inputs))
+    return {i: tuple(v) for i, v in out.items()}
+
+
+def test_plan_samples_stock_llama_layers_and_matches_full_capture() -> None:
+    model, batch = _tiny_llama()
+    assert repeated_layers(model) == ("model.layers", LAYERS)
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        sampled = autoshard.plan(model, mesh, batch, **FAST)
+        full = autoshard.plan(model, mesh, batch, sample_layers=None, **FAST)
+    assert sampled.sampled_layers.startswith(f"model.layers: 3 of {LAYERS} identical layers captured")
+    assert "repeated layers: model.layers: 3 of 6" in sampled.report()
+    assert full.sampled_layers == ""
+    assert sampled.solver.status == full.solver.status == "OPTIMAL"
+    assert sampled.step_time_s == pytest.approx(full.step_time_s, rel=0.01)
+    assert sampled.peak_memory.total == pytest.approx(full.peak_memory.total, rel=0.01)
+    for part in ("parameters", "gradients", "optimizer", "activations"):
+        assert getattr(sampled.peak_memory, part) == pytest.approx(getattr(full.peak_memory, part), rel=0.01)
+    # the sampled plan decides for layers 0..2 only; every layer of the full plan decides like one of them
+    got, want = _per_layer(sampled), _per_layer(full)
+    assert sorted(got) == [0, 1, 2] and sorted(want) == list(range(LAYERS))
+    assert all(want[i] == got[i] for i in range(3))
+    assert {want[i] for i in range(LAYERS)} <= set(got.values())
+    # the shallow copy planned is not the user's model: every layer is still there
+    assert len(model.model.layers) == LAYERS and model.config.num_hidden_layers == LAYERS
+
+
+def test_compile_captures_every_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``plan`` hands the planner ``sample_layers=3``; ``compile`` (same model, same mesh) hands it None."""
+    seen: dict[str, object] = {}
+
+    class Stop(Exception):
+        pass
+
+    def spy(model, inputs, mesh, cluster, config, *args, **kwargs):
+        seen["sample_layers"] = config.sample_layers
+        raise Stop
+
+    model, batch = _tiny_llama(device="cpu")
+    monkeypatch.setattr(autoshard.api, "plan_graph", spy)
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        with pytest.raises(Stop):
+            autoshard.plan(model, mesh, batch)
+        assert seen.pop("sample_layers") == 3
+        with pytest.raises(Stop):
+            autoshard.compile(model, mesh, batch, backend="eager")
+        assert seen.pop("sample_layers") is None
+
+
+def test_constraint_on_some_layers_only_keeps_every_layer() -> None:
+    """A constraint that pins layers 1 and 10-19 but not the others: sampled layers could not stand for them."""
+    from autoshard.config import PlanConfig
+    from autoshard.planner import _constraints_uneven
+
+    model, _ = _tiny_llama()
+    some = PlanConfig(constraints={"model.layers.1*.mlp.*": "[R, R]", "inputs": "[S(0), R]"})
+    every = PlanConfig(constraints={"model.layers.*.mlp.*": "[R, R]", "params": "[R, R]"})
+    assert _constraints_uneven(model, "model.layers", LAYERS, some) == "model.layers.1*.mlp.*"
+    assert _constraints_uneven(model, "model.layers", LAYERS, every) is None
