@@ -33,6 +33,17 @@ def constant_values(gm: fx.GraphModule, fake_mode: Any) -> None:
         t = getattr(gm, node.target, None)
         if isinstance(t, torch.Tensor) and not isinstance(node.meta.get("val"), torch.Tensor):
             node.meta["val"] = fake_mode.from_tensor(t)
+    # a one-element constant becomes the factory op that makes it: no real tensor inside the graph, which
+    # the per-rank trace (make_fx under fake tensors) could not take
+    for node in list(gm.graph.find_nodes(op="get_attr")):
+        t = getattr(gm, node.target, None)
+        if isinstance(t, torch.Tensor) and t.numel() == 1:
+            with gm.graph.inserting_before(node):
+                made = gm.graph.call_function(torch.ops.aten.full.default, (list(t.shape), t.item()),
+                                              {"dtype": t.dtype, "device": t.device})
+            made.meta.update(node.meta)
+            node.replace_all_uses_with(made)
+            gm.graph.erase_node(node)
     # the copy torch.tensor(...) makes of its constant is a clone, which has a sharding rule
     for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.lift_fresh_copy.default):
         node.target = torch.ops.aten.clone.default
