@@ -204,9 +204,24 @@ def _tag_forward(gm: fx.GraphModule, num_fwd_outputs: int) -> None:
 
 def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Callable[..., Any]:
     """Compile an ATen graph (already functional, no autograd) with Inductor; returns f(list) -> outputs."""
+    import copy
+    import logging
+
+    from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
 
-    compiled = compile_fx_inner(gm, list(example_inputs))
+    try:
+        compiled = compile_fx_inner(copy.deepcopy(gm), list(example_inputs))
+    except Exception as e:
+        if "CppCSEVariable" not in str(e) or example_inputs and example_inputs[0].device.type != "cpu":
+            raise
+        # Inductor's vectorized C++ code generation asserts on some int64 masks (seen on vocab-parallel
+        # embeddings and losses, torch 2.13): the same graph without vectorization
+        logging.getLogger(__name__).warning(
+            "Inductor's vectorized C++ code generation failed (%s); compiling this graph without vectorization",
+            str(e).splitlines()[0][:160])
+        with inductor_config.patch({"cpp.simdlen": 1}):
+            compiled = compile_fx_inner(gm, list(example_inputs))
 
     def run(args: list[torch.Tensor]) -> Any:
         return compiled(list(args))
