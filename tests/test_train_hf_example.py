@@ -1,0 +1,65 @@
+"""``examples/train_hf.py`` launched as clusters launch it: torchrun, 2 gloo ranks, a tiny stock Llama.
+
+    python -m pytest -q tests/test_train_hf_example.py
+
+The first launch trains 5 steps, checkpointing after step 3 and at the end. The step-5 checkpoint is then
+removed, as if the job had stopped after its step-3 save. The second launch resumes from the latest complete
+checkpoint. It must say so, and its losses at steps 3 and 4 must equal the first launch's: step 3 checks the
+restored weights, step 4 the restored AdamW state. About a minute on 2 CPU cores
+(torchrun's start, ~8 s, and planning on the first call, twice; ``--backend eager`` skips Inductor).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train_hf.py"
+TINY = ["--backend", "eager", "--hidden", "64", "--seq", "32", "--batch", "4"]
+STEP = re.compile(r"^step +(\d+) +loss +(\S+) +tokens/s +(\S+) +step time +(\S+) ms", re.M)
+
+
+def _launch(*args: str, timeout: float = 240) -> tuple[str, dict[int, float]]:
+    """Run the example under torchrun with 2 ranks; returns its output and rank 0's loss per step."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE),
+           *TINY, *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, f"{' '.join(cmd[3:])} exited {out.returncode}:\n{text[-6000:]}"
+    losses: dict[int, float] = {}
+    for m in STEP.finditer(out.stdout):
+        step = int(m.group(1))
+        assert step not in losses, f"step {step} reported twice:\n{out.stdout[-3000:]}"
+        losses[step] = float(m.group(2))
+    return text, losses
+
+
+def test_torchrun_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    text, first = _launch("--steps", "5", "--ckpt", str(ckpt), "--ckpt-every", "3")
+    assert sorted(first) == [0, 1, 2, 3, 4], f"one progress line per step expected:\n{text[-4000:]}"
+    assert all(math.isfinite(v) for v in first.values()), first
+    assert first[0] > 5.0, f"an untrained byte model starts near ln(257) = 5.55: {first}"
+    assert first[3] < first[0] - 0.3, f"the loss does not go down on real text: {first}"
+    assert (ckpt / "step-000003" / ".metadata").exists() and (ckpt / "step-000005" / ".metadata").exists(), text[-3000:]
+
+    shutil.rmtree(ckpt / "step-000005")  # as if the job stopped after its step-3 checkpoint
+    text, resumed = _launch("--steps", "2", "--ckpt", str(ckpt), "--resume")
+    assert "resumed at step 3" in text, text[-4000:]
+    assert sorted(resumed) == [3, 4], f"one progress line per step, from the saved step on:\n{text[-4000:]}"
+    assert all(math.isfinite(v) for v in resumed.values()), resumed
+    # the same steps on the same batches from the restored weights (step 3) and AdamW state (step 4)
+    for step in (3, 4):
+        assert resumed[step] == pytest.approx(first[step], abs=1e-3), f"{first=} {resumed=}\n{text[-3000:]}"
+    assert (ckpt / "step-000005" / ".metadata").exists(), text[-3000:]
