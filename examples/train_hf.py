@@ -40,11 +40,9 @@ It then continues from the saved step with the losses an uninterrupted run has. 
 from those of the saving run: DCP reshards on load (2 ranks with ``autoshard.compile`` -> 4 ranks with
 ``--torch-compile`` was checked). ``--steps`` counts the steps this launch runs.
 
-Two work-arounds for problems outside this file (see each place): with ``--torch-compile`` the model is called
-with ``use_cache=False``, so that the loss is the first output of dynamo's graph (the autoshard backend takes
-the first output to be the loss, and a KV cache's tensors come before it). With ``--backend inductor`` on
-CPU, Inductor's C++ kernels are generated without SIMD vectors, because its vectorized codegen fails on the
-bool attention mask the plan all-gathers.
+One work-around for a problem outside this file: with ``--torch-compile`` the model is called with
+``use_cache=False``, so that the loss is the first output of dynamo's graph (the autoshard backend takes the
+first output to be the loss, and a KV cache's tensors come before it).
 """
 
 from __future__ import annotations
@@ -144,16 +142,6 @@ def init_distributed() -> torch.device:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     dist.init_process_group("gloo")
     return torch.device("cpu")
-
-
-def avoid_inductor_bool_gather_bug() -> None:
-    """torch 2.13's vectorized C++ (CPU) codegen fails on a bool tensor that comes out of an all_gather and feeds
-    a ``where`` (``AssertionError: CppCSEVariable(... dtype: torch.int64 ...)`` in ``_get_mask_cast``). The plan
-    all-gathers the attention mask as bool (HF indexes it with a whole-batch ``arange``), so on CPU with
-    ``--backend inductor`` its kernels are generated without SIMD vectors. GPUs (Triton) are not affected."""
-    import torch._inductor.config as inductor_config
-
-    inductor_config.cpp.simdlen = 1
 
 
 def make_mesh(spec: str | None, device: torch.device) -> tuple[DeviceMesh, int, int]:
@@ -263,8 +251,6 @@ def main(argv: list[str] | None = None) -> None:
     device = init_distributed()
     rank = dist.get_rank()
     mesh, coord, dp = make_mesh(args.mesh, device)
-    if device.type == "cpu" and args.backend == "inductor":
-        avoid_inductor_bool_gather_bug()
     if args.batch % dp:
         raise SystemExit(f"--batch {args.batch} does not split over {dp} data-parallel ranks")
 
