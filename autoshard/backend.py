@@ -18,8 +18,8 @@ module's parameter objects hold this rank's shard (``parameters="local"``), and 
 (their shapes were recorded while tracing; the program reads the parameters by name and never runs dynamo's
 graph), so later calls do not recompile. Dynamo's graph only says which of its inputs are the call's tensors. An
 optimizer built before the first call steps the same objects: elementwise optimizers (SGD, Adam, AdamW, ...) are
-exact on shards; a global gradient norm over ``model.parameters()`` would be this rank's part only. The graph's
-first output must be the loss; other outputs (a model output's logits and cache) are not computed: they come
+exact on shards; a global gradient norm over ``model.parameters()`` would be this rank's part only. The loss is the
+graph's first scalar floating-point output; other outputs (a model output's logits and cache) are not computed: they come
 back as ``None``, with one warning.
 """
 
@@ -53,6 +53,16 @@ def _leaf_sources(example_inputs: Sequence[Any], leaves: Sequence[Any]) -> list[
             )
         out.append(where[id(leaf)])
     return out
+
+
+def _loss_position(outs: Sequence[Any]) -> int:
+    """Where the loss sits among dynamo's graph outputs: the first scalar floating-point one (a ModelOutput with a
+    KV cache puts the cache's tensors before the loss), else the first output."""
+    for i, o in enumerate(outs):
+        v = o.meta.get("val") if isinstance(o, fx.Node) else None
+        if isinstance(v, torch.Tensor) and v.ndim == 0 and v.is_floating_point():
+            return i
+    return 0
 
 
 def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict[str, Any] | None = None,
@@ -94,7 +104,9 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, opti
     log.info("autoshard backend: planned %s on mesh %s: predicted step %.3g s", type(root).__name__,
              dict(zip(mesh.mesh_dim_names or (), mesh.shape)), sharded.plan.step_time_s)
     out = gm.graph.find_nodes(op="output")[0].args[0]
-    extra = (len(out) if isinstance(out, (tuple, list)) else 1) - 1
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    extra = len(outs) - 1
+    at = _loss_position(outs)
     warned: list[bool] = []
 
     def run(*flat: Any) -> tuple:
@@ -104,7 +116,9 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, opti
             warned.append(True)
             log.warning("autoshard backend: the compiled graph returns %d outputs besides the loss (logits, cache); "
                         "autoshard computes only the loss and returns None for them", extra)
-        return (loss, *([None] * extra))
+        result: list[Any] = [None] * len(outs)
+        result[at] = loss
+        return tuple(result)
 
     run.sharded = sharded  # type: ignore[attr-defined]  # the ShardedModule (its plan, report)
     return run
