@@ -67,6 +67,28 @@ def hf_llama3_8b(batch: int) -> tuple:
     return module, dict(input_ids=ids, labels=ids)
 
 
+def _timed_plan(shape: tuple[int, ...], profile: bool, make_plan) -> tuple:
+    """``make_plan(mesh)`` on a fake world of ``shape``: its result, wall and CPU seconds; with ``profile`` the
+    25 most expensive calls are printed."""
+    prof = cProfile.Profile() if profile else None
+    with fake_world(math.prod(shape)):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=mesh_names(shape))
+        t0, c0 = time.perf_counter(), time.process_time()
+        if prof:
+            prof.enable()
+        result = make_plan(mesh)
+        if prof:
+            prof.disable()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    if prof:
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(25)
+        print(out.getvalue())
+    return result, wall, cpu
+
+
 def run_hf_case(model: str, shape: tuple[int, ...], warm_start: bool, time_limit: float, profile: bool = False) -> dict:
     """A user's own module on the public DeviceMesh path (``autoshard.plan(module, mesh, inputs)``)."""
     import autoshard
@@ -84,24 +106,10 @@ def run_hf_case(model: str, shape: tuple[int, ...], warm_start: bool, time_limit
         elif fraction >= 1.0 and stage in started:
             timings[stage] = now - started[stage]
 
-    prof = cProfile.Profile() if profile else None
-    with fake_world(world):
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=mesh_names(shape))
-        t0, c0 = time.perf_counter(), time.process_time()
-        if prof:
-            prof.enable()
-        plan = autoshard.plan(module, mesh, inputs, cluster=f"h100-sxm:{world // per_node}x{per_node}",
-                              warm_start=warm_start, time_limit_s=time_limit, progress=progress)
-        if prof:
-            prof.disable()
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    plan, wall, cpu = _timed_plan(shape, profile, lambda mesh: autoshard.plan(
+        module, mesh, inputs, cluster=f"h100-sxm:{world // per_node}x{per_node}", warm_start=warm_start,
+        time_limit_s=time_limit, progress=progress))
     s = plan.solver
-    if prof:
-        out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(25)
-        print(out.getvalue())
     return {
         "model": model, "mesh": "x".join(map(str, shape)), "nodes": "-", "groups": s.groups, "decision": "-",
         "vars": s.variables, "capture": timings.get("capture", 0.0), "strategies": timings.get("strategies", 0.0),
@@ -117,18 +125,8 @@ def run_case(model: str, shape: tuple[int, ...], warm_start: bool, time_limit: f
     cluster = get_cluster(f"h100-sxm:{world // per_node}x{per_node}")
     job = resolve_model(model, None, seq=None, global_batch=world)
     config = PlanConfig(sample_layers=3, warm_start=warm_start, time_limit_s=time_limit)
-    prof = cProfile.Profile() if profile else None
-    with fake_world(world):
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=mesh_names(shape))
-        t0, c0 = time.perf_counter(), time.process_time()
-        if prof:
-            prof.enable()
-        plan, _, ctx = plan_graph(job.module, job.inputs, mesh, cluster, config)
-        if prof:
-            prof.disable()
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    (plan, _, ctx), wall, cpu = _timed_plan(shape, profile,
+                                            lambda mesh: plan_graph(job.module, job.inputs, mesh, cluster, config))
     canon = ctx.layer_of_group or {}
     s = plan.solver
     row = {
@@ -138,10 +136,6 @@ def run_case(model: str, shape: tuple[int, ...], warm_start: bool, time_limit: f
         "solve": ctx.timings.get("solve", 0.0), "total": wall, "cpu": cpu, "objective": s.objective_s,
         "gap": (s.objective_s - s.bound_s) / s.objective_s if s.objective_s else math.nan, "status": s.status,
     }
-    if prof:
-        out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(25)
-        print(out.getvalue())
     return row
 
 
