@@ -169,7 +169,8 @@ def compile(  # noqa: A001 - the one-line API the project promises
     Pipeline stages: a mesh whose outermost axis is named ``"pp"`` runs that many stages, each on the sub-mesh
     of the other axes; ``pipeline="auto"`` weighs splitting the outermost axis into stages against no pipeline.
     ``microbatches`` and ``schedule`` ("GPipe", "1F1B", "Interleaved1F1B") are chosen unless given. A pipelined
-    result is a :class:`PipelinedModule`: ``step(*global_inputs)`` trains one step over all micro-batches.
+    result is a :class:`PipelinedModule`: ``step(...)`` (the global batch, called as the model is) trains one step
+    over all micro-batches; ``ShardedModule.step`` takes the same call, so one training loop serves both.
 
     ``parameters="dtensor"`` (default) replaces each parameter by a DTensor parameter (optimizers built before
     are pointed at them on their next step); ``"local"`` keeps the parameter objects and makes each hold this
@@ -220,6 +221,10 @@ def _compile_on_first_call(model: nn.Module, mesh: DeviceMesh, constraints: Mapp
             "compile without example_inputs splits every input over the data-parallel ranks (each rank passes its "
             "batch shard); to place inputs otherwise, pass global-shaped example_inputs with your input constraints"
         )
+    if "pp" in tuple(mesh.mesh_dim_names or ()) or options.get("pipeline") == "auto":
+        # pipelines take the global batch on every rank (step): nothing to pin
+        return LazyShardedModule(model, mesh, lambda example: compile(model, mesh, example, constraints=user, **options),
+                                 pipelined=True)
     pinned = {**batch_constraint(mesh), **user}
     return LazyShardedModule(model, mesh, lambda example: compile(model, mesh, example, constraints=pinned, **options))
 
@@ -227,7 +232,7 @@ def _compile_on_first_call(model: nn.Module, mesh: DeviceMesh, constraints: Mapp
 def _compile_pipelined(
     model: nn.Module,
     mesh: DeviceMesh,
-    inputs: tuple,
+    inputs: tuple | dict | Call,
     cluster: ClusterProfile,
     config: PlanConfig,
     backend: str,
@@ -240,11 +245,6 @@ def _compile_pipelined(
     from autoshard.pipeline_compile import choose_pipeline, compile_pipelined
 
     names = tuple(mesh.mesh_dim_names or ())
-    if not isinstance(inputs, tuple):
-        raise NotImplementedError(
-            "pipeline stages take the model's inputs as positional tensors for now; call compile with a tuple of "
-            "example_inputs (keyword arguments and non-tensor arguments are planned without stages)"
-        )
     if not real_group or tc.in_local_tensor_mode():
         raise ValueError("pipeline stages run on a real process group (torchrun or gloo workers), one process per "
                          "rank; LocalTensorMode and single-process meshes cannot run a pipeline schedule")

@@ -18,26 +18,25 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate
 
-from autoshard import _torch_compat as tc
 from autoshard.cluster import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.pipeline_costs import piece_costs
-from autoshard.pipeline_search import _boundary_bytes, _p2p_s, _with_optimizer, micro_inputs
+from autoshard.inputs import Call, signature_of
+from autoshard.pipeline_search import _boundary_bytes, _p2p_s, _with_optimizer
+from autoshard.pipeline_wiring import StageWiring, loss_counter, split_model, stage_examples
 from autoshard.plan import MeshSpec, Plan
 from autoshard.planner import plan_graph, repeated_layers
-from autoshard.runtime.pipeline import EXECUTABLE_SCHEDULES, LastStage, PipelinedModule, StageModule, TiedParameter
+from autoshard.runtime.pipeline import EXECUTABLE_SCHEDULES, LossWeighting, PipelinedModule, StageModule, TiedParameter
 from autoshard.runtime.program import CompiledProgram
 from autoshard.solver.inter_op import PieceCost, StageSplit, best_split
 
@@ -75,7 +74,7 @@ def _sub_of(mesh: DeviceMesh, stages: int) -> tuple[tuple[int, ...], tuple[str, 
 
 def choose_pipeline(
     model: nn.Module,
-    inputs: Sequence[torch.Tensor],
+    inputs: Any,
     mesh: DeviceMesh,
     cluster: ClusterProfile,
     config: PlanConfig,
@@ -91,7 +90,7 @@ def choose_pipeline(
             "identical blocks; compile it without pipeline= (or with a mesh without a 'pp' axis)"
         )
     container = found[0]
-    batch = int(inputs[0].shape[0])
+    batch = int(signature_of(inputs)[1][0].shape[0])
     schedules = (schedule,) if schedule else EXECUTABLE_SCHEDULES
     inner = dataclasses.replace(config, memory_budget=None, warm_start=False)
     best: tuple[float, PipelineChoice] | None = None
@@ -102,7 +101,7 @@ def choose_pipeline(
         for b in counts:
             if batch % b:
                 raise ValueError(f"microbatches={b} does not divide the global batch {batch}")
-            _, gm, ctx = plan_graph(model, micro_inputs(inputs, b), submesh, cluster, inner, broadcast_solution=True)
+            _, gm, ctx = plan_graph(model, micro_call(inputs, b), submesh, cluster, inner, broadcast_solution=True)
             dev, f = cluster.device, config.optimizer_factor
             head, layers, tail = piece_costs(gm, ctx)  # each piece also runs its optimizer step once per step
             head, tail = _with_optimizer(head, dev, f), _with_optimizer(tail, dev, f)
@@ -136,66 +135,48 @@ def _submesh(device_type: str, stages: int, sub_shape: Sequence[int], sub_names:
     return mesh[tuple(sub_names)] if len(sub_names) > 1 else mesh[sub_names[0]]
 
 
-def _wiring(pipe: Any, n_stages: int, n_inputs: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Which model inputs stage 0 takes and which the last stage takes as its loss target; checks that every
-    other stage takes exactly what its predecessor returns."""
-    graph = pipe.split_gm.graph
-    root = {n: i for i, n in enumerate(graph.find_nodes(op="placeholder"))}
-    calls = [n for n in graph.nodes if n.op == "call_module" and n.target.startswith("submod_")]
-    first, target = [], []
-    for k, call in enumerate(calls):
-        for a in call.args:
-            src = a.args[0] if isinstance(a, fx.Node) and a.op == "call_function" and a.target is operator.getitem else a
-            if src in root:
-                if k == 0:
-                    first.append(root[src])
-                elif k == n_stages - 1:
-                    target.append(root[src])
-                else:
-                    raise ValueError(f"model input {root[src]} is used inside pipeline stage {k}; autoshard runs "
-                                     "model inputs into the first stage and one target into the last")
-            elif k == 0 or src is not calls[k - 1]:
-                raise ValueError(f"pipeline stage {k} uses a value of stage {calls.index(src) if src in calls else '?'}"
-                                 f", not only of stage {k - 1}; torch.distributed.pipelining passes values stage to stage")
-    if len(target) > 1 or set(first) & set(target):
-        raise ValueError(f"the last pipeline stage takes model inputs {target} (stage 0 takes {first}); autoshard "
-                         "routes exactly one input (the loss target) straight to the last stage")
-    if len(first) + len(target) != n_inputs:
-        raise ValueError(f"{n_inputs - len(first) - len(target)} model inputs are used by no pipeline stage")
-    return tuple(first), tuple(target)
+def micro_call(call: Any, parts: int) -> Any:
+    """The first of ``parts`` micro-batches of a call (every tensor cut along dim 0), shaped like the call."""
+    sig, tensors = signature_of(call)
+    for name, t in zip(sig.names, tensors):
+        if t.ndim == 0 or t.shape[0] % parts:
+            raise ValueError(f"argument {name} of shape {tuple(t.shape)}: pipeline micro-batches cut every input "
+                             f"along dim 0 into {parts}, which must divide it")
+    args, kwargs = sig.unflatten([t[: t.shape[0] // parts] for t in tensors])
+    return Call(args, kwargs) if kwargs else args
 
 
-def _stage_examples(pipe: Any, mb_inputs: Sequence[torch.Tensor], routes: tuple) -> tuple[list[tuple], list[tuple]]:
-    """Per stage: its inputs and outputs as real tensors of the micro-batch shapes (fake-run, no compute)."""
-    first, target = routes
-    fake = tc.new_fake_mode()
-    ins, outs = [], []
-    cur: tuple = tuple(mb_inputs[i] for i in first)
-    for k in range(pipe.num_stages):
-        args = cur + ((mb_inputs[target[0]],) if k == pipe.num_stages - 1 and target else ())
-        with fake:
-            out = pipe.get_stage_module(k)(*[fake.from_tensor(a) for a in args])
-        out = out if isinstance(out, tuple) else (out,)
-        ins.append(tuple(_like(a) for a in args))
-        cur = tuple(_like(o) for o in out)  # a float output derived from parameters requires grad
-        outs.append(cur)
-    return ins, outs
+def _stage_constraints(config: PlanConfig, sig: Any, w: StageWiring, names: Sequence[str]) -> dict[str, Any]:
+    """The user's constraints for one stage: parameter globs as given, a model input's constraint moved to the
+    stage argument it feeds; received activations whole (Replicate)."""
+    per_input = {"inputs", *(f"input[{i}]" for i in range(sig.num_tensors)), *sig.names}
+    pins = {k: v for k, v in config.constraints.items() if k not in per_input}
+    for pos, (kind, i) in enumerate(w.args):
+        if kind == "recv":
+            pins[f"input[{pos}]"] = [Replicate()] * len(names)
+            continue
+        for key in ("inputs", f"input[{i}]", sig.names[i]):
+            if key in config.constraints:
+                pins[f"input[{pos}]"] = config.constraints[key]
+    return pins
 
 
-def _like(t: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(t.shape, dtype=t.dtype).requires_grad_(t.requires_grad)
+def _canonical_names(model: nn.Module) -> dict[str, str]:
+    """Every name of every parameter -> its first name (tied parameters have several)."""
+    first: dict[int, str] = {}
+    return {n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 def compile_pipelined(
     model: nn.Module,
     mesh: DeviceMesh,
-    inputs: Sequence[torch.Tensor],
+    inputs: Any,
     cluster: ClusterProfile,
     config: PlanConfig,
     backend: str,
     choice: PipelineChoice,
 ) -> PipelinedModule:
-    from torch.distributed.pipelining import SplitPoint, pipeline
+    from torch.distributed.pipelining import SplitPoint
 
     split = choice.split
     assert split is not None
@@ -206,30 +187,28 @@ def compile_pipelined(
     k_sub = math.prod(choice.sub_shape)
     rank = dist.get_rank()
     pp_rank, local_index = divmod(rank, k_sub)
-    mb = micro_inputs(inputs, M)
+    sig, _ = signature_of(inputs)
+    _, mb = signature_of(micro_call(inputs, M))
     spec = {f"{choice.container}.{start}": SplitPoint.BEGINNING for start, _ in split.layers[1:]}
-    pipe = pipeline(model, mb_args=tuple(mb), split_spec=spec)
+    pipe, wiring = split_model(model, sig, mb, spec, config.loss_fn)
     n = pipe.num_stages
-    routes = _wiring(pipe, n, len(inputs))
-    ex_in, ex_out = _stage_examples(pipe, mb, routes)
-    placements: dict[str, str] = {}  # parameter -> layout of the first stage holding it
+    ex_args, ex_sends = stage_examples(pipe, wiring, mb)
+    canon = _canonical_names(model)
+    placements: dict[str, str] = {}  # parameter (first name) -> layout of the first stage holding it
     holders: dict[str, list[int]] = {}
     stage_plans: list[Plan] = []
     stage_specs: list[Any] = []
-    local: dict[int, nn.Module] = {}
-    rep = [Replicate()] * len(names)
+    local: dict[int, StageModule] = {}
     for k in range(n):
         mod = pipe.get_stage_module(k)
         pnames = [p for p, _ in mod.named_parameters(remove_duplicate=False)]
-        pins: dict[str, Any] = dict(config.constraints)
-        n_recv = 0 if k == 0 else len(ex_out[k - 1])
-        pins.update({f"input[{i}]": rep for i in range(n_recv)})
-        pins.update({p: placements[p] for p in pnames if p in placements})
+        pins = _stage_constraints(config, sig, wiring[k], names)
+        pins.update({p: placements[canon.get(p, p)] for p in pnames if canon.get(p, p) in placements})
         cfg = dataclasses.replace(config, constraints=pins, warm_start=False)
-        plan, gm, ctx = plan_graph(mod, ex_in[k], submesh, cluster, cfg, broadcast_solution=True, stage=True)
+        plan, gm, ctx = plan_graph(mod, ex_args[k], submesh, cluster, cfg, broadcast_solution=True, stage=True)
         for p, pl in plan.parameter_placements().items():
-            placements.setdefault(p, pl)
-        for p in pnames:
+            placements.setdefault(canon.get(p, p), pl)
+        for p in dict.fromkeys(canon.get(p, p) for p in pnames):
             holders.setdefault(p, []).append(k)
         start, stop = split.layers[k]
         # the stage's modules outside the repeated layers (embeddings first on stage 0, the head last)
@@ -242,8 +221,7 @@ def compile_pipelined(
                                                microbatch_time_s=choice.stage_times[k]))
         if k % S == pp_rank:
             grad_names = [r.name for r in ctx.output_roles if r.kind in ("grad", "input_grad")]
-            sm = StageModule(mod, submesh, plan, CompiledProgram(gm, ctx, backend), grad_names)
-            local[k] = LastStage(sm) if k == n - 1 else sm
+            local[k] = StageModule(mod, submesh, plan, CompiledProgram(gm, ctx, backend), grad_names, wiring[k])
     tied = _tied_groups(holders, S, k_sub)
     combined = Plan(
         mesh=MeshSpec((S, *choice.sub_shape), ("pp", *names)),
@@ -258,17 +236,18 @@ def compile_pipelined(
         model=type(model).__name__,
         memory_budget_bytes=stage_plans[0].memory_budget_bytes,
     )
-    # what each stage receives and sends (the last one's target comes from the schedule, not a send); received
-    # float activations need their gradient, which pipelining reads off this metadata
+
+    # what each stage receives and sends, as metadata for the schedule; received float activations need their
+    # gradient, which pipelining reads off requires_grad
     def meta(ts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return tuple(t.detach().requires_grad_(t.requires_grad) for t in ts)
 
-    received = {k: ex_in[k][:-1] if k == n - 1 and routes[1] else ex_in[k] for k in local}
-    stage_in = {k: meta(v) if k > 0 else tuple(t.detach() for t in v) for k, v in received.items()}
-    stage_out = {k: meta(ex_out[k]) if k < n - 1 else stage_in[k] for k in local}
+    stage_in = {k: meta(ex_sends[k - 1]) if k else () for k in local}
+    stage_out = {k: meta(ex_sends[k]) for k in local}
+    weighting = LossWeighting(*loss_counter(pipe.get_stage_module(n - 1), wiring[n - 1]))
     device = torch.device(mesh.device_type)
-    return PipelinedModule(combined, local, n, full.get_group("pp"), pp_rank, stage_in, stage_out, routes, tied,
-                           local_index, device, frozenset(model.state_dict()))
+    return PipelinedModule(combined, local, n, full.get_group("pp"), pp_rank, stage_in, stage_out, sig, weighting,
+                           tied, local_index, device, canon, frozenset(model.state_dict()))
 
 
 def _tied_groups(holders: dict[str, list[int]], S: int, k_sub: int) -> list[TiedParameter]:

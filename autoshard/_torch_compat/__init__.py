@@ -26,6 +26,7 @@ from autoshard._torch_compat.capture import (
     partition_joint,
     placeholder_role,
     planning_decompositions,
+    split_for_pipeline,
     tree_flatten,
     tree_flatten_with_path,
     tree_unflatten,
@@ -63,6 +64,6 @@ __all__ = [
     "clear_dtensor_caches", "compiling_call", "forget_guards_on", "data_dependent_op", "decomposition_table", "dtensor_like", "local_tensor", "detach_from_fake_modes", "export_joint", "fake_process_group",
     "has_sharding_rule", "in_local_tensor_mode", "inductor_compile", "is_fake", "make_spec", "new_fake_mode",
     "op_strategies", "output_meta", "output_roles", "outside_dynamo", "outside_local_tensor_mode", "partition_joint", "per_rank_copies",
-    "placeholder_role", "planning_decompositions", "propagate", "ranks_disagree", "redistribute",
+    "placeholder_role", "planning_decompositions", "propagate", "split_for_pipeline", "ranks_disagree", "redistribute",
     "single_dim_rules", "tensor_meta", "tree_flatten", "tree_flatten_with_path", "tree_unflatten",
 ]  # fmt: skip

@@ -54,6 +54,43 @@ def export_joint(
     return jd.graph_module
 
 
+def split_for_pipeline(module: torch.nn.Module, args: tuple[Any, ...], split_spec: dict[str, Any]) -> Any:
+    """``torch.distributed.pipelining.pipeline`` traced under torch.export's compiling state (as ``export_joint``
+    is), so that model code which checks ``torch.compiler.is_compiling()`` takes its traceable path."""
+    from unittest import mock
+
+    from torch._export.utils import _compiling_state_context
+    from torch.distributed.pipelining import _IR, pipeline
+
+    # pipelining rebuilds each stage's module hierarchy from the trace's module stack ("outlining"); on modules
+    # called with values computed inside the model (HF rotary embeddings) the rebuilt calls lose their
+    # arguments. Each stage stays one flat graph here (parameter names are the model's either way).
+    # A tied parameter has several names and pipelining resolves it in each stage by the first of a *set* of
+    # them (an order that changes with the process's hash seed): a stage holding only the LM head then looks up
+    # the embedding's path and fails. Each stage gets the names it can resolve first.
+    sink = getattr(_IR, "_sink_params", None)
+
+    def resolvable_first(mod: torch.nn.Module, inputs_to_state: dict, scope: list, *rest: Any, **kw: Any) -> Any:
+        ordered = {k: sorted(sorted(v), key=lambda fqn: not _has_path(mod, fqn)) for k, v in inputs_to_state.items()}
+        return sink(mod, ordered, scope, *rest, **kw)
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_compiling_state_context())
+        if hasattr(_IR, "_outline_submodules"):
+            stack.enter_context(mock.patch.object(_IR, "_outline_submodules", lambda graph: graph.owning_module))
+        if sink is not None:
+            stack.enter_context(mock.patch.object(_IR, "_sink_params", resolvable_first))
+        return pipeline(module, mb_args=args, split_spec=split_spec)
+
+
+def _has_path(mod: Any, fqn: str) -> bool:
+    for atom in fqn.split("."):
+        if not hasattr(mod, atom):
+            return False
+        mod = getattr(mod, atom)
+    return True
+
+
 def placeholder_role(node: fx.Node) -> InputRole:
     desc = node.meta.get("desc")
     cls = type(desc).__name__

@@ -122,8 +122,9 @@ def _no_dropout(config: Any) -> Any:
 
 
 def build(name: str, *, batch: int = 4, seq: int = 16, seed: int = 0, dropout: bool = True,
-          device: str | torch.device | None = None) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """The stock model ``name`` (see ``TINY``) in train mode, seeded, and a batch of keyword arguments."""
+          device: str | torch.device | None = None, layers: int | None = None) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """The stock model ``name`` (see ``TINY``) in train mode, seeded, and a batch of keyword arguments;
+    ``layers`` overrides the number of blocks (2 by default)."""
     if name not in TINY:
         raise KeyError(f"no tiny Hugging Face model {name!r}; known: {sorted(TINY)}")
     tf = _import_transformers()
@@ -131,6 +132,10 @@ def build(name: str, *, batch: int = 4, seq: int = 16, seed: int = 0, dropout: b
     config = spec.make_config(tf)
     if not dropout:
         config = _no_dropout(config)
+    if layers is not None:
+        for key in ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers"):
+            if hasattr(config, key):
+                setattr(config, key, layers)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if device is not None:

@@ -73,15 +73,19 @@ class LazyShardedModule(nn.Module):
 
     ``module(*shard, **shard_kwargs)``: this rank's batch shard, as with DDP; returns the global batch's loss.
     ``step(*global_inputs)``: forward and backward on the global batch (every rank passes the same values).
+    ``pipelined=True`` (a mesh with a ``pp`` axis): only ``step`` applies, as for a ``PipelinedModule``.
     """
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh, build: Callable[[Call], nn.Module]) -> None:
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, build: Callable[[Call], nn.Module],
+                 pipelined: bool = False) -> None:
         super().__init__()
         self.module = model
         self.mesh = mesh
         self._build = build
         self._compiled: nn.Module | None = None
-        data_parallel_axes(mesh)  # a mesh with no batch axis is refused now, not at the first step
+        self._pipelined = pipelined
+        if not pipelined:
+            data_parallel_axes(mesh)  # a mesh with no batch axis is refused now, not at the first step
 
     @property
     def compiled(self) -> nn.Module:
@@ -101,6 +105,9 @@ class LazyShardedModule(nn.Module):
         return self._compiled
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._pipelined:
+            raise TypeError("a pipelined model trains one step at a time over micro-batches: call "
+                            "sharded.step(...) with the global batch, as you call the model (it returns the loss)")
         return self._ensure(global_example(args, kwargs, self.mesh))(*args, **kwargs)
 
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -109,14 +116,18 @@ class LazyShardedModule(nn.Module):
     def shard_inputs(self, *args: Any, **kwargs: Any) -> Any:
         return self.compiled.shard_inputs(*args, **kwargs)
 
+    def _target(self) -> nn.Module:
+        return self._compiled if self._compiled is not None else self.module
+
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:  # type: ignore[override]
-        return self.module.parameters(recurse)
+        for _, p in self.named_parameters(recurse=recurse):
+            yield p
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):  # type: ignore[override]
-        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+        return self._target().named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        return self.module.state_dict(*args, **kwargs)
+        return self._target().state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        return self._target().load_state_dict(state_dict, strict=strict, assign=assign)

@@ -7,12 +7,11 @@ gradients (``passes.capture`` with ``ctx.stage``). Here:
 - ``StageModule`` runs one stage's compiled program under autograd (``_RunStage``): forward gives the stage's
   outputs, backward takes their gradients and returns the parameters' and the received activations' gradients.
   Its parameters are DTensors with the stage plan's placements, under the model's own names.
-- ``LastStage`` makes the last stage fit the pipelining API, whose last stage hands its output to a loss
-  function with the micro-batch's target: its module forwards the received activations unchanged and its loss
-  function runs the stage program on (activations, target), which ends in the model's own loss.
+- The last stage returns the model's loss; the schedule's loss function weights it per micro-batch so that the
+  mean over micro-batches is the whole batch's loss (``pipeline_wiring.loss_weights``).
 - ``PipelinedModule`` holds this rank's stages and the schedule (GPipe, 1F1B or interleaved 1F1B, all from
-  ``torch.distributed.pipelining``); ``step(*global_inputs)`` trains one step over all micro-batches (gradients
-  averaged over them: the full batch's gradient) and returns the loss on every rank. A parameter tied across
+  ``torch.distributed.pipelining``); ``step(...)`` trains one step over all micro-batches (the whole batch's loss
+  and gradients) and returns the loss on every rank. A parameter tied across
   stages (an embedding shared with the LM head) has its gradient summed over its copies after the step.
 
 Stage boundaries carry whole (Replicate) activations: rank r of a stage sends to rank r of the next one.
@@ -21,7 +20,7 @@ Stage boundaries carry whole (Replicate) activations: rank r of a stage sends to
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +32,8 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from autoshard import _torch_compat as tc
 from autoshard.notation import parse_placements
+from autoshard.inputs import CallSignature
+from autoshard.pipeline_wiring import StageWiring, loss_weights, stage_args, stage_sends
 from autoshard.plan import Plan
 from autoshard.runtime.rebind import rebind_optimizers
 from autoshard.runtime.sharded_module import distribute_parameters, scatter_grads
@@ -66,15 +67,24 @@ class _RunStage(torch.autograd.Function):
         return (None, None, *scatter_grads(grads, ctx.grad_slots, ctx.like))
 
 
-class StageModule(nn.Module):
-    """One pipeline stage on this rank: global-shaped micro-batch tensors in, the stage's outputs out."""
+def input_key(i: int) -> str:
+    """The keyword under which the schedule hands model input ``i`` (its micro-batch) to every stage."""
+    return f"autoshard_input_{i}"
 
-    def __init__(self, module: nn.Module, mesh: DeviceMesh, plan: Plan, program: Any, grad_names: Sequence[str]) -> None:
+
+class StageModule(nn.Module):
+    """One pipeline stage on this rank: ``forward(*received, **model_inputs)`` with global-shaped micro-batch
+    tensors returns what the stage sends on (the last stage: its loss). ``wiring`` says which of the stage
+    graph's arguments are received values and which are model inputs, and which received values it relays."""
+
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, plan: Plan, program: Any, grad_names: Sequence[str],
+                 wiring: StageWiring) -> None:
         super().__init__()
         self.module = module
         self.plan = plan
         self._program = program
         self._mesh = mesh
+        self._wiring = wiring
         stage = plan.stages[0]
         rebind_optimizers(self, distribute_parameters(module, mesh, plan.parameter_placements()))
         self._param_names = [t.name for t in stage.tensors if t.role == "parameter"]
@@ -92,31 +102,19 @@ class StageModule(nn.Module):
         rep = [Replicate()] * self._mesh.ndim
         return DTensor.from_local(x, self._mesh, rep, run_check=False).redistribute(self._mesh, placements).to_local()
 
-    def forward(self, *args: torch.Tensor) -> Any:
-        if len(args) != len(self._input_placements):
-            raise TypeError(f"pipeline stage takes {len(self._input_placements)} tensors, got {len(args)}")
+    def forward(self, *received: torch.Tensor, **model_inputs: torch.Tensor) -> Any:
+        if len(received) != self._wiring.received:
+            raise TypeError(f"pipeline stage receives {self._wiring.received} tensors, got {len(received)}")
+        inputs = {i: model_inputs[input_key(i)] for kind, i in self._wiring.args if kind == "input"}
+        args = stage_args(self._wiring, received, inputs)
         params = dict(self.module.named_parameters(remove_duplicate=False))
         flat = [params[n] for n in self._param_names]  # DTensors: _RunStage takes their local shards
         bufs = dict(self.module.named_buffers())
         flat += [bufs[n] for n in self._buffer_names]
         flat += [self._local(a, pl) for a, pl in zip(args, self._input_placements)]
-        return _RunStage.apply(self._program, self._grad_slots, *flat)
-
-
-class LastStage(nn.Module):
-    """The last stage as ``torch.distributed.pipelining`` wants it: forward passes the received activations on;
-    ``loss(output, target)`` runs the stage (which ends in the model's loss) on them and the target."""
-
-    def __init__(self, inner: StageModule) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, *acts: torch.Tensor) -> Any:
-        return acts if len(acts) > 1 else acts[0]
-
-    def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        acts = output if isinstance(output, tuple) else (output,)
-        return self.inner(*acts, target)
+        outs = _RunStage.apply(self._program, self._grad_slots, *flat)
+        sends = stage_sends(self._wiring, outs if isinstance(outs, tuple) else (outs,), received)
+        return sends if len(sends) > 1 else sends[0]
 
 
 @dataclass(frozen=True)
@@ -140,68 +138,93 @@ def schedule_class(name: str) -> Any:
     return table[name]
 
 
+@dataclass(frozen=True)
+class LossWeighting:
+    """How the last stage's per-micro-batch losses make the whole batch's (``pipeline_wiring.loss_weights``)."""
+
+    reduction: int
+    counter: Callable[..., torch.Tensor] | None
+
+
 class PipelinedModule(nn.Module):
-    """This rank's stages of a pipelined plan and their schedule. ``step(*global_inputs)`` trains one step and
-    returns the loss (the mean over micro-batches, equal to the full batch's) on every rank; the gradients are
-    then in ``.grad`` of :meth:`parameters`, ready for any ``torch.optim`` optimizer."""
+    """This rank's stages of a pipelined plan and their schedule. ``step(*args, **kwargs)`` takes the global
+    batch, called as the model is (every rank passes the same tensors), trains one step over all micro-batches
+    and returns the whole batch's loss on every rank; the gradients are then in ``.grad`` of
+    :meth:`parameters`, ready for any ``torch.optim`` optimizer. The same loop serves a ``ShardedModule``."""
 
     def __init__(
         self,
         plan: Plan,
-        stages: dict[int, nn.Module],
+        stages: dict[int, StageModule],
         num_stages: int,
         pp_group: Any,
         pp_rank: int,
         stage_inputs: dict[int, tuple[torch.Tensor, ...]],
         stage_outputs: dict[int, tuple[torch.Tensor, ...]],
-        input_routes: tuple[tuple[int, ...], tuple[int, ...]],
+        signature: CallSignature,
+        weighting: LossWeighting,
         tied: Sequence[TiedParameter],
         local_index: int,
         device: torch.device,
+        canonical: dict[str, str],
         state_names: frozenset[str] | None = None,
     ) -> None:
         super().__init__()
         from torch.distributed.pipelining import PipelineStage
 
         self.plan = plan
+        self.signature = signature
         self.stage_modules = nn.ModuleDict({str(k): m for k, m in sorted(stages.items())})
         self._num_stages = num_stages
         self._pp_group = pp_group
-        self._pp_rank = pp_rank
-        self._first_inputs, self._target_inputs = input_routes
+        self._weighting = weighting
         self._tied = tuple(tied)
         self._local_index = local_index
+        self._canonical = canonical  # every name of a parameter (tied ones have several) -> the model's first
         self._state_names = state_names  # the model's own state_dict keys
+        self._used_inputs = sorted({i for m in stages.values() for kind, i in m._wiring.args if kind == "input"})
         pp_size = dist.get_world_size(pp_group)
         self._last_owner = dist.get_global_rank(pp_group, (num_stages - 1) % pp_size)
-        self._has_first = 0 in stages
-        last = stages.get(num_stages - 1)
+        self._has_last = num_stages - 1 in stages
         pstages = [
             PipelineStage(m, k, num_stages, device, input_args=stage_inputs[k], output_args=stage_outputs[k],
                           group=pp_group)
             for k, m in sorted(stages.items())
         ]
         cls = schedule_class(plan.schedule or "1F1B")
-        loss_fn = last.loss if isinstance(last, LastStage) else _no_loss
         multi = plan.schedule == "Interleaved1F1B"
-        self.schedule = cls(pstages if multi else pstages[0], n_microbatches=plan.microbatches, loss_fn=loss_fn,
+        self.schedule = cls(pstages if multi else pstages[0], n_microbatches=plan.microbatches, loss_fn=_weighted,
                             scale_grads=True)
 
-    def forward(self, *args: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(
             "a pipelined module runs forward and backward together, one micro-batch after another: call "
-            "sharded.step(*global_inputs) (it returns the loss; the gradients are then in .grad)"
+            "sharded.step(...) with the global batch, as you call the model (it returns the loss; the gradients "
+            "are then in .grad)"
         )
 
-    def step(self, *inputs: torch.Tensor) -> torch.Tensor:
-        """One training step on the global batch ``inputs`` (every rank passes the same tensors)."""
-        n = len(self._first_inputs) + len(self._target_inputs)
-        if len(inputs) != n:
-            raise TypeError(f"the pipelined module takes the model's {n} global input tensors, got {len(inputs)}")
-        first = [inputs[i] for i in self._first_inputs] if self._has_first else []
-        target = inputs[self._target_inputs[0]] if self._target_inputs else None
+    def shard_inputs(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            "a pipelined module takes the global batch on every rank (the schedule cuts it into micro-batches and "
+            "each stage takes its part): call sharded.step(...) with the global batch, not its shards"
+        )
+
+    def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """One training step on the global batch, called as the model is (every rank passes the same tensors)."""
+        tensors = self.signature.flatten(args, kwargs)
+        m = self.plan.microbatches
+        for i in self._used_inputs:
+            t = tensors[i]
+            if t.ndim == 0 or t.shape[0] % m:
+                raise ValueError(
+                    f"argument {self.signature.names[i]} of shape {tuple(t.shape)}: the pipeline cuts every input "
+                    f"into {m} micro-batches along dim 0, which must divide by {m}"
+                )
+        target = None
+        if self._has_last:  # the schedule hands each micro-batch's weight to the loss function as its "target"
+            target = loss_weights(self._weighting.reduction, self._weighting.counter, tensors, m)
         losses: list[torch.Tensor] = []
-        self.schedule.step(*first, target=target, losses=losses)
+        self.schedule.step(target=target, losses=losses, **{input_key(i): tensors[i] for i in self._used_inputs})
         self._sum_tied_grads()
         loss = torch.zeros((), dtype=torch.float32)
         if losses:
@@ -209,17 +232,26 @@ class PipelinedModule(nn.Module):
         dist.broadcast(loss, src=self._last_owner, group=self._pp_group)
         return loss
 
+    def _copies(self, name: str) -> list[torch.Tensor]:
+        """This rank's copies of the model parameter ``name`` (one per local stage holding it, under any alias)."""
+        out: dict[int, torch.Tensor] = {}
+        for m in self.stage_modules.values():
+            for alias, p in m.named_parameters(remove_duplicate=False):
+                if self._canonical.get(_base_name(alias), _base_name(alias)) == name:
+                    out.setdefault(id(p), p)
+        return list(out.values())
+
     @torch.no_grad()
     def _sum_tied_grads(self) -> None:
+        local = {int(k) for k in self.stage_modules}
         for t in self._tied:
-            copies = [
-                p for k, m in self.stage_modules.items() if int(k) in t.stages
-                for name, p in m.named_parameters() if _base_name(name) == t.name
-            ]
+            if not local & set(t.stages):
+                continue  # no copy here (the group's ranks are those of the stages holding one)
+            copies = self._copies(t.name)
             # to_local() of a DTensor is a view of its local shard: writing it writes the gradient
-            locals_ = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in copies if p.grad is not None]
-            if not locals_:
-                continue
+            locals_ = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in copies]
+            if not locals_ or any(g is None for g in locals_):
+                raise RuntimeError(f"internal: tied parameter {t.name} has no gradient in a stage that holds it here")
             total = torch.stack(locals_).sum(0)
             group = t.groups[self._local_index]
             if group is not None:
@@ -237,23 +269,35 @@ class PipelinedModule(nn.Module):
                     out[name] = value
         return out
 
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+        """Load this rank's stages' entries of ``state_dict`` (the model's names, as :meth:`state_dict` gives)."""
+        used: set[str] = set()
+        for m in self.stage_modules.values():
+            own = {_base_name(k) for k in m.module.state_dict()}
+            part = {k: v for k, v in state_dict.items() if k in own}
+            used |= set(part)
+            m.module.load_state_dict(part, strict=strict, assign=assign)
+        unknown = sorted(set(state_dict) - used - set(self._state_names or ()))
+        if strict and unknown:
+            raise KeyError(f"state_dict entries {unknown[:5]} name nothing in the model")
+
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):  # type: ignore[override]
-        """Parameters under the model's names (a tied one appears once per stage copy held here)."""
-        for k, m in self.stage_modules.items():
+        """Parameters under the model's names (a tied one under its first name, once per stage copy held here)."""
+        for m in self.stage_modules.values():
             for name, p in m.named_parameters(prefix="", recurse=recurse, remove_duplicate=remove_duplicate):
-                yield prefix + _base_name(name), p
+                base = _base_name(name)
+                yield prefix + self._canonical.get(base, base), p
+
+
+def _weighted(output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The last stage's loss for one micro-batch times its weight (see ``pipeline_wiring.loss_weights``)."""
+    return (output * weight).reshape(())
 
 
 def _base_name(name: str) -> str:
-    """``inner.module.layers.0.w`` or ``module.layers.0.w`` (the stage wrappers' prefixes) -> ``layers.0.w``."""
-    for head in ("inner.module.", "module."):
-        if name.startswith(head):
-            return name[len(head):]
-    return name
+    """``module.layers.0.w`` (the stage wrapper's prefix) -> ``layers.0.w``."""
+    return name[len("module."):] if name.startswith("module.") else name
 
 
-def _no_loss(output: Any, target: Any) -> Any:
-    raise RuntimeError("internal: only the last pipeline stage computes the loss")
-
-
-__all__ = ["EXECUTABLE_SCHEDULES", "LastStage", "PipelinedModule", "StageModule", "TiedParameter", "schedule_class"]
+__all__ = ["EXECUTABLE_SCHEDULES", "LossWeighting", "PipelinedModule", "StageModule", "TiedParameter", "input_key",
+           "schedule_class"]

@@ -1,0 +1,227 @@
+"""Cutting a model into pipeline stages, and how values travel between the stages.
+
+``torch.distributed.pipelining.pipeline`` traces the model, called as the user calls it (positional or keyword
+arguments, a ``ModelOutput`` of which only the loss is kept), and splits the traced graph at the chosen layers
+into one ``GraphModule`` per stage. Each stage's arguments are model inputs or values made by earlier stages.
+torch's schedules send activations from stage k to stage k+1 only, so here:
+
+- a model input goes straight to every stage that uses it (every rank has the global batch, and the schedule
+  cuts keyword arguments into micro-batches for each of its stages): the attention mask in every layer's stage,
+  the labels in the last;
+- a value made in stage j and used in a stage k > j+1 (rotary tables, a causal mask built once from the
+  attention mask) is relayed: each stage in between sends it on with its own outputs.
+
+``StageWiring`` says, per stage, where each argument of its graph comes from and what it sends on.
+
+The last stage ends in the model's loss, one per micro-batch. The schedule averages them; that equals the
+whole batch's loss when every micro-batch counts alike. A mean cross-entropy with ignored targets (padding)
+does not: ``loss_weights`` finds how many targets each micro-batch counts and weights its loss so that the
+step's loss and gradients are the whole batch's, as on one device.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from autoshard import _torch_compat as tc
+from autoshard.inputs import CallSignature
+
+Source = tuple[str, int]  # ("input", i): model input i; ("recv", p): received value p; ("out", j): own output j
+
+
+@dataclass(frozen=True)
+class StageWiring:
+    """One stage: where each argument of its graph comes from, and what it sends to the next stage."""
+
+    args: tuple[Source, ...]  # ("input", i) or ("recv", p)
+    sends: tuple[Source, ...]  # ("out", j) or ("recv", p); the last stage sends its loss, ("out", 0)
+    received: int  # how many values it receives from the previous stage
+    last: bool = False  # sends the loss, shaped (1,) (the schedule concatenates the micro-batches' outputs)
+
+
+def _loss_call(model: nn.Module, signature: CallSignature, loss_fn: Callable[[Any], torch.Tensor] | None) -> nn.Module:
+    """The model called as the example call did (flat tensors in), returning only its loss: a shallow copy that
+    shares the model's parameters, buffers and children (traced names are the model's own) with a forward that
+    runs the model's and keeps the loss (``passes.capture.loss_of``)."""
+    from autoshard.passes.capture import loss_of
+
+    wrapper = copy.copy(model)
+    cls_forward = type(model).forward
+
+    def forward(*tensors: torch.Tensor) -> torch.Tensor:
+        args, kwargs = signature.unflatten(tensors)
+        return loss_of(cls_forward(wrapper, *args, **kwargs), type(model).__name__, loss_fn)
+
+    wrapper.forward = forward  # type: ignore[method-assign]
+    return wrapper
+
+
+def split_model(model: nn.Module, signature: CallSignature, tensors: Sequence[torch.Tensor], split_spec: dict[str, Any],
+                loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[Any, list[StageWiring]]:
+    """The ``torch.distributed.pipelining`` Pipe of ``model`` cut at ``split_spec`` (traced on the micro-batch
+    ``tensors``, the call's tensors in ``signature`` order) and each stage's wiring."""
+    pipe = tc.split_for_pipeline(_loss_call(model, signature, loss_fn), tuple(tensors), split_spec)
+    return pipe, wiring_of(pipe.split_gm.graph)
+
+
+def wiring_of(graph: fx.Graph) -> list[StageWiring]:
+    """Each stage's wiring from the Pipe's top-level graph (placeholders: model inputs; ``submod_*`` calls: the
+    stages, in order; ``getitem`` on a call: one output of a stage with several)."""
+    root = {n: i for i, n in enumerate(graph.find_nodes(op="placeholder"))}
+    calls = [n for n in graph.nodes if n.op == "call_module" and n.target.startswith("submod_")]
+    index = {c: k for k, c in enumerate(calls)}
+
+    def source(a: Any) -> tuple[str, Any]:
+        if a in root:
+            return ("input", root[a])
+        if isinstance(a, fx.Node) and a.op == "call_function" and a.target is operator.getitem and a.args[0] in index:
+            return ("value", (index[a.args[0]], int(a.args[1])))
+        if a in index:
+            return ("value", (index[a], 0))
+        raise ValueError(f"pipeline stage argument {a} is neither a model input nor a stage's output")
+
+    uses = []
+    for call in calls:
+        if call.kwargs:
+            raise ValueError(f"pipeline stage {call.target} takes keyword arguments {sorted(call.kwargs)}")
+        uses.append([source(a) for a in call.args])
+    out = graph.find_nodes(op="output")[0].args[0]
+    out = out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
+    if out is not calls[-1]:
+        raise ValueError("the model's loss must be the last pipeline stage's only output; here it is "
+                         f"{out}, not stage {len(calls) - 1}'s")
+    n = len(calls)
+    # carry[k]: the values sent from stage k to k+1 (made at or before k, used after k), in a fixed order
+    carry: list[list[tuple[int, int]]] = []
+    for k in range(n - 1):
+        later = {v for m in range(k + 1, n) for kind, v in uses[m] if kind == "value" and v[0] <= k}
+        carry.append(sorted(later))
+    wiring = []
+    for k in range(n):
+        prev = carry[k - 1] if k else []
+        args = tuple(("input", v) if kind == "input" else ("recv", prev.index(v)) for kind, v in uses[k])
+        if k == n - 1:
+            sends: tuple[Source, ...] = (("out", 0),)
+        else:
+            sends = tuple(("out", v[1]) if v[0] == k else ("recv", prev.index(v)) for v in carry[k])
+        wiring.append(StageWiring(args, sends, len(prev), k == n - 1))
+    return wiring
+
+
+def stage_args(w: StageWiring, received: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:
+    """The stage graph's arguments from what it received and the (micro-batch) model inputs."""
+    return [inputs[i] if kind == "input" else received[i] for kind, i in w.args]
+
+
+def stage_sends(w: StageWiring, outputs: Sequence[Any], received: Sequence[Any]) -> tuple[Any, ...]:
+    """What the stage sends on: its own outputs and the values it relays (the last stage: its loss, shape (1,))."""
+    if w.last:
+        return (outputs[0].reshape(1),)
+    return tuple(outputs[i] if kind == "out" else received[i] for kind, i in w.sends)
+
+
+def stage_examples(pipe: Any, wiring: Sequence[StageWiring], mb_tensors: Sequence[torch.Tensor]
+                   ) -> tuple[list[tuple[torch.Tensor, ...]], list[tuple[torch.Tensor, ...]]]:
+    """Per stage: its graph's arguments and what it sends, as zero tensors of the micro-batch shapes (a
+    fake-tensor run, no compute); a float value derived from parameters requires grad."""
+    fake = tc.new_fake_mode()
+    args_out, sends_out = [], []
+    received: tuple[torch.Tensor, ...] = ()
+    for k, w in enumerate(wiring):
+        args = stage_args(w, received, mb_tensors)
+        with fake:
+            out = pipe.get_stage_module(k)(*[fake.from_tensor(a) for a in args])
+        outs = tuple(_like(o) for o in (out if isinstance(out, tuple) else (out,)))
+        args_out.append(tuple(_like(a) for a in args))
+        received = stage_sends(w, outs, received)
+        sends_out.append(received)
+    return args_out, sends_out
+
+
+def _like(t: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(t.shape, dtype=t.dtype).requires_grad_(t.requires_grad)
+
+
+# ------------------------------------------------------------------------------------------- loss weights
+
+_MEAN, _SUM = 1, 2  # aten's reduction enum
+
+
+def loss_counter(stage: fx.GraphModule, wiring: StageWiring) -> tuple[int, Callable[..., torch.Tensor] | None]:
+    """The last stage's loss reduction and, for a mean cross-entropy / NLL loss with ignored targets, a function
+    of the model inputs (micro-batch tensors) that counts the targets the loss averages over. (0, None) when the
+    loss is something else: the micro-batches' losses are then averaged."""
+    out = stage.graph.find_nodes(op="output")[0].args[0]
+    loss = out[0] if isinstance(out, (tuple, list)) else out
+    ops = {torch.ops.aten.cross_entropy_loss.default: (3, 4), torch.ops.aten.nll_loss.default: (3, 4),
+           torch.ops.aten.nll_loss_nd.default: (3, 4)}
+    if not isinstance(loss, fx.Node) or loss.target not in ops:
+        return 0, None
+    r_at, ig_at = ops[loss.target]
+    reduction = _arg(loss, r_at, "reduction", _MEAN)
+    weight = _arg(loss, 2, "weight", None)
+    if reduction != _MEAN or weight is not None:
+        return (reduction if weight is None else 0), None
+    ignore = _arg(loss, ig_at, "ignore_index", -100)
+    target = loss.args[1]
+    placeholders = stage.graph.find_nodes(op="placeholder")
+    which = {placeholders[pos]: i for pos, (kind, i) in enumerate(wiring.args) if kind == "input"}
+    needed = _ancestors(target)
+    if any(n.op == "placeholder" and n not in which for n in needed):
+        return _MEAN, None  # the targets depend on received values: cannot be counted from the inputs
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    used = [p for p in placeholders if p in needed]
+    for p in used:
+        env[p] = g.placeholder(p.name)
+    for n in stage.graph.nodes:
+        if n in needed and n.op != "placeholder":
+            env[n] = g.node_copy(n, lambda a: env[a])
+    ne = g.call_function(torch.ops.aten.ne.Scalar, (env[target], ignore))
+    g.output(g.call_function(torch.ops.aten.sum.default, (ne,)))
+    counter = fx.GraphModule(stage, g)
+    order = [which[p] for p in used]
+    return _MEAN, lambda inputs: counter(*[inputs[i] for i in order])
+
+
+def _arg(node: fx.Node, pos: int, name: str, default: Any) -> Any:
+    if len(node.args) > pos:
+        return node.args[pos]
+    return node.kwargs.get(name, default)
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        todo.extend(n.all_input_nodes)
+    return seen
+
+
+def loss_weights(reduction: int, counter: Callable[..., torch.Tensor] | None, tensors: Sequence[torch.Tensor],
+                 microbatches: int) -> torch.Tensor:
+    """Per micro-batch, the factor on its loss such that the schedule's mean over micro-batches is the whole
+    batch's loss: M * count_i / count for a mean over counted targets, M for a sum, else 1."""
+    if reduction == _SUM:
+        return torch.full((microbatches,), float(microbatches))
+    if counter is None:
+        return torch.ones(microbatches)
+    pieces = [torch.tensor_split(t, microbatches) for t in tensors]
+    counts = torch.stack([counter([p[i] for p in pieces]).float() for i in range(microbatches)])
+    return counts * microbatches / counts.sum().clamp_min(1.0)
+
+
+__all__ = ["StageWiring", "loss_counter", "loss_weights", "split_model", "stage_args", "stage_examples",
+           "stage_sends", "wiring_of"]
