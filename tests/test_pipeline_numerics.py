@@ -9,6 +9,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
+from autoshard.models import hf
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.models.llama import Llama, LlamaConfig, llama_example_inputs
 from harness import Reference, assert_close_to_reference, run_gloo, single_device_reference
@@ -35,8 +36,16 @@ def make_pp_llama() -> Llama:
     return Llama(LLAMA_CFG)
 
 
+def _hf(name: str, layers: int) -> tuple:
+    """A stock transformers model (default config, default attention, use_cache on) and its padded batch of
+    keyword arguments (labels -100 on the padding: micro-batches count different numbers of targets)."""
+    return (lambda: hf.build(name, batch=BATCH, dropout=False, layers=layers)[0],
+            lambda: hf.build(name, batch=BATCH, dropout=False, layers=layers)[1])
+
+
 # name -> (make model, make global inputs); Llama's rotary tables cross stage boundaries as gradient-free outputs
-MODELS = {"gpt": (make_pp_gpt, _inputs), "llama": (make_pp_llama, lambda: llama_example_inputs(LLAMA_CFG, BATCH))}
+MODELS = {"gpt": (make_pp_gpt, _inputs), "llama": (make_pp_llama, lambda: llama_example_inputs(LLAMA_CFG, BATCH)),
+          "hf-gpt2": _hf("gpt2", 2), "hf-llama": _hf("llama", 4)}
 
 
 def _train(rank: int, world: int, arg: tuple) -> dict:
@@ -47,16 +56,20 @@ def _train(rank: int, world: int, arg: tuple) -> dict:
     sharded = autoshard.compile(make(), mesh, inputs, **kw)
     opt = torch.optim.AdamW(sharded.parameters(), lr=LR)
     losses, grads = [], {}
-    for step in range(3):
-        loss = sharded.step(*inputs)
+    for step in range(3):  # one loop for ShardedModule and PipelinedModule: step takes the call as the model does
+        loss = sharded.step(**inputs) if isinstance(inputs, dict) else sharded.step(*inputs)
         if step == 0:
             grads = {n: _full(p.grad) for n, p in sharded.named_parameters()}
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
     params = {n: _full(p.data) for n, p in sharded.named_parameters()}
+    state = sharded.state_dict()  # the model's keys: a tied parameter under the name its stage uses
+    sharded.load_state_dict(state)
+    seen: dict[int, str] = {}
+    first = {n: seen.setdefault(id(p), n) for n, p in make().named_parameters(remove_duplicate=False)}
     return {"losses": losses, "grads": grads, "params": params, "plan": sharded.plan.to_json(),
-            "state_keys": sorted(sharded.state_dict())}
+            "state_keys": sorted({first.get(n, n) for n in state} & set(params)), "kind": type(sharded).__name__}
 
 
 def _only(ref: Reference, names: set[str]) -> Reference:
@@ -144,3 +157,48 @@ def _no_layers(rank: int, world: int, arg: None) -> str:
 def test_pp_axis_on_a_model_without_repeated_layers_is_a_clear_error():
     msg = run_gloo(2, _no_layers, None)[0]
     assert "MLP has no nn.ModuleList of identical blocks" in msg and "pp" in msg
+
+
+@pytest.mark.parametrize(
+    "model,shape,names,kw",
+    [
+        ("hf-gpt2", (2, 2), ("pp", "tp"), {"schedule": "1F1B", "microbatches": 4}),
+        ("hf-llama", (2,), ("pp",), {"schedule": "Interleaved1F1B", "microbatches": 4}),
+        ("hf-gpt2", (2,), ("dp",), {}),
+    ],
+    ids=["gpt2-tied-pp2xtp2", "llama-4-stages-relayed", "gpt2-same-loop-no-pp"],
+)
+def test_stock_hf_models_in_pipeline_stages(model, shape, names, kw):
+    """Stock transformers models as their users call them (keyword arguments, padded attention mask, labels
+    with -100, a ModelOutput): GPT-2's embedding tied to its LM head across stages and tensor-parallel inside
+    them; Llama cut into 4 stages on 2 ranks, its rotary tables and causal mask made in stage 0 and relayed to
+    stages 2 and 3; and the same training loop over a plan without stages."""
+    results = _run(shape, names, model=model, **kw)
+    plan = autoshard.Plan.from_json(results[0]["plan"])
+    if kw:
+        assert results[0]["kind"] == "PipelinedModule" and plan.microbatches == 4
+        assert len(plan.stages) == (4 if kw["schedule"] == "Interleaved1F1B" else 2)
+    else:
+        assert results[0]["kind"] == "ShardedModule"
+
+
+def _misuse(rank: int, world: int, arg: None) -> list[str]:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    model, batch = hf.build("gpt2", batch=BATCH, dropout=False)
+    sharded = autoshard.compile(model, mesh, batch, backend="eager", microbatches=2, schedule="GPipe")
+    out = []
+    for call in (lambda: sharded(**batch), lambda: sharded.shard_inputs(**batch),
+                 lambda: sharded.step(input_ids=batch["input_ids"])):
+        try:
+            call()
+            out.append("no error")
+        except (TypeError, ValueError) as e:
+            out.append(str(e))
+    return out
+
+
+def test_pipelined_module_says_what_to_call_instead():
+    msgs = run_gloo(2, _misuse, None)[0]
+    assert "sharded.step(" in msgs[0] and "global batch" in msgs[0]
+    assert "sharded.step(" in msgs[1] and "not its shards" in msgs[1]
+    assert "not shaped like the traced call" in msgs[2]
