@@ -59,7 +59,7 @@ def _loss_position(outs: Sequence[Any]) -> int:
     """Where the loss sits among dynamo's graph outputs: the first scalar floating-point one (a ModelOutput with a
     KV cache puts the cache's tensors before the loss), else the first output."""
     for i, o in enumerate(outs):
-        v = o.meta.get("val") if isinstance(o, fx.Node) else None
+        v = (o.meta.get("val", o.meta.get("example_value")) if isinstance(o, fx.Node) else None)  # dynamo: example_value
         if isinstance(v, torch.Tensor) and v.ndim == 0 and v.is_floating_point():
             return i
     return 0

@@ -63,3 +63,17 @@ def test_torchrun_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
     for step in (3, 4):
         assert resumed[step] == pytest.approx(first[step], abs=1e-3), f"{first=} {resumed=}\n{text[-3000:]}"
     assert (ckpt / "step-000005" / ".metadata").exists(), text[-3000:]
+
+
+def test_torchrun_pipeline_stages_and_backend_train_like_the_plain_compile() -> None:
+    """The same stock model and batches through pipeline stages (``--pp 2``: two stages, padded rows weighted by
+    their tokens) and through ``torch.compile(backend="autoshard")`` with the config's default KV cache: the
+    same losses as ``autoshard.compile`` on a data-parallel mesh."""
+    _, plain = _launch("--steps", "3")
+    text, piped = _launch("--steps", "3", "--pp", "2")
+    assert sorted(piped) == [0, 1, 2], text[-4000:]
+    text, backend = _launch("--steps", "3", "--torch-compile")
+    assert sorted(backend) == [0, 1, 2], text[-4000:]
+    for step in range(3):
+        assert piped[step] == pytest.approx(plain[step], abs=1e-3), f"{plain=} {piped=}"
+        assert backend[step] == pytest.approx(plain[step], abs=1e-3), f"{plain=} {backend=}"
