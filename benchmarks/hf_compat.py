@@ -23,6 +23,9 @@ stopped after ``--timeout`` seconds and the row says so):
   (planning, lowering, and the backend's compilation, which happens on the first call). **params split**: how
   many of the parameters the 2×2 plan shards on some axis (the solver may keep a tiny model whole on 4 CPU
   ranks; ``--recipe fsdp+tp`` trains the manual FSDP x TP recipe instead, which shards them).
+- **pp=2 equal**: 2 forked gloo ranks, mesh (2,) named ("pp",): the model in 2 pipeline stages, 4 micro-batches,
+  1F1B, trained and compared like the 2×2 run (on a rank, the parameters its stage holds); **pp=2 max err**: the
+  largest of its loss, gradient and parameter differences.
 - **note**: why a row failed (the exception's type and first line, or the check that failed).
 """
 
@@ -51,6 +54,7 @@ STEPS = 3
 ATOL, RTOL = 1e-5, 1e-5  # loss and gradients
 PARAM_ATOL = 2e-4  # parameters after the AdamW steps
 PLAN_MESH, TRAIN_MESH, NAMES = (8, 8), (2, 2), ("dp", "tp")
+PP_MESH, PP_NAMES, PP_MICROBATCHES = (2,), ("pp",), 4
 
 
 @dataclasses.dataclass
@@ -70,11 +74,13 @@ class Row:
     param_err: float | None = None
     compile_s: float | None = None
     split: str = ""  # parameters the 2x2 plan shards / all parameters
+    pp_equal: bool | None = None  # 2 pipeline stages on 2 gloo ranks equal one device
+    pp_err: float | None = None  # the largest of its loss, gradient and parameter errors
     notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def passed(self) -> bool:
-        return bool(self.captures and self.plans and self.equal)
+        return bool(self.captures and self.plans and self.equal and self.pp_equal)
 
 
 # ------------------------------------------------------------------------------------------------ fork launcher
@@ -183,11 +189,14 @@ def _train_case(rank: int, world: int, arg: tuple[str, int, int, str, int]) -> d
     from autoshard.models.hf import build
     from torch.distributed.device_mesh import init_device_mesh
 
-    name, batch, seq, backend, seed, recipe = arg
-    mesh = init_device_mesh("cpu", TRAIN_MESH, mesh_dim_names=NAMES)
+    name, batch, seq, backend, seed, recipe, shape, names = arg
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     model, inputs = build(name, batch=batch, seq=seq, seed=seed, dropout=False)
     t0 = time.perf_counter()
-    sharded = autoshard.compile(model, mesh, inputs, backend=backend, **({"recipe": recipe} if recipe else {}))
+    options: dict[str, Any] = {"recipe": recipe} if recipe else {}
+    if "pp" in names:
+        options.update(microbatches=PP_MICROBATCHES, schedule="1F1B")
+    sharded = autoshard.compile(model, mesh, inputs, backend=backend, **options)
     placements = sharded.plan.parameter_placements().values()
     split = f"{sum(any(p.startswith('S') for p in pl) for pl in placements)}/{len(placements)}"
     opt = torch.optim.AdamW(sharded.parameters(), lr=LR)
@@ -203,7 +212,8 @@ def _train_case(rank: int, world: int, arg: tuple[str, int, int, str, int]) -> d
         opt.zero_grad()
         losses.append(float(_full(loss)))
     params = {n: _full(p.data) for n, p in sharded.named_parameters()}
-    if rank != 0:
+    piped = "pp" in names
+    if rank != 0 and not piped:
         return {"losses": losses}
     ref_model, _ = build(name, batch=batch, seq=seq, seed=seed, dropout=False)  # after the fork, on rank 0
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=LR)
@@ -219,8 +229,13 @@ def _train_case(rank: int, world: int, arg: tuple[str, int, int, str, int]) -> d
         ref_opt.zero_grad()
         ref_losses.append(ref_loss.item())
     ref_params = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
+    everything = sorted(ref_params)
+    if piped:  # each rank holds its stage's parameters
+        ref_grads = {n: g for n, g in ref_grads.items() if n in params}
+        ref_params = {n: p for n, p in ref_params.items() if n in params}
     compared = compare(ref_losses, ref_grads, ref_params, losses, grads, params)
-    return {"losses": losses, "compile_s": compile_s, "split": split, **compared}
+    return {"losses": losses, "compile_s": compile_s, "split": split, "held": sorted(params), "all": everything,
+            **compared}
 
 
 def _max_err(kind: str, want: dict[str, torch.Tensor | None], got: dict[str, torch.Tensor | None], atol: float,
@@ -291,8 +306,10 @@ def check_architecture(name: str, *, batch: int = 8, seq: int = 16, backend: str
         else:
             row.notes.append(f"{'planning' if row.captures else 'capture'}: {planned['error']}")
             log.warning("%s planning failed:\n%s", name, planned["traceback"])
+    _pipeline_row(row, name, batch, seq, backend, seed, timeout)
     try:
-        ranks = launch(4, _train_case, (name, batch, seq, backend, seed, recipe), timeout=timeout, gloo=True)
+        ranks = launch(4, _train_case, (name, batch, seq, backend, seed, recipe, TRAIN_MESH, NAMES), timeout=timeout,
+                       gloo=True)
     except LaunchError as e:
         row.notes.append(f"gloo 2x2: {e}")
         log.warning("%s gloo 2x2 failed: %s\n%s", name, e, e.detail)
@@ -311,6 +328,25 @@ def check_architecture(name: str, *, batch: int = 8, seq: int = 16, backend: str
     return row
 
 
+def _pipeline_row(row: Row, name: str, batch: int, seq: int, backend: str, seed: int, timeout: float) -> None:
+    """The pipeline column: 2 stages on 2 gloo ranks, 4 micro-batches, 1F1B, against one device."""
+    try:
+        ranks = launch(2, _train_case, (name, batch, seq, backend, seed, None, PP_MESH, PP_NAMES), timeout=timeout,
+                       gloo=True)
+    except LaunchError as e:
+        row.pp_equal = False
+        row.notes.append(f"pp=2: {e}")
+        log.warning("%s pp=2 failed: %s\n%s", name, e, e.detail)
+        return
+    row.pp_err = max(max(r["loss_err"], r["grad_err"], r["param_err"]) for r in ranks)
+    problems = [f"rank {k}: {p}" for k, r in enumerate(ranks) for p in r["problems"]]
+    orphans = sorted(set(ranks[0]["all"]) - {n for r in ranks for n in r["held"]})
+    if orphans:
+        problems.append(f"parameters held by no stage: {orphans[:3]}")
+    row.pp_equal = not problems
+    row.notes += [f"pp=2: {p}" for p in problems]
+
+
 def _mark(ok: bool | None) -> str:
     return "—" if ok is None else ("yes" if ok else "**no**")
 
@@ -322,7 +358,7 @@ def _num(x: float | None, fmt: str, unit: str = "") -> str:
 def table(rows: list[Row], backend: str) -> str:
     head = ("| architecture | class | task | captures | plans (8×8) | plan time | predicted step | "
             f"gloo 2×2 equal ({backend}) | params split | max loss err | max grad err | max param err | "
-            "compile time | note |")
+            "compile time | pp=2 equal | pp=2 max err | note |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
         note = "; ".join(r.notes).replace("|", "\\|") or "ok"
@@ -331,7 +367,8 @@ def table(rows: list[Row], backend: str) -> str:
             f"{_num(r.plan_s, '.1f', ' s')} | "
             f"{_num(None if r.predicted_step_s is None else r.predicted_step_s * 1e3, '.3f', ' ms')} | "
             f"{_mark(r.equal)} | {r.split or '—'} | {_num(r.loss_err, '.1e')} | {_num(r.grad_err, '.1e')} | "
-            f"{_num(r.param_err, '.1e')} | {_num(r.compile_s, '.1f', ' s')} | {note} |")
+            f"{_num(r.param_err, '.1e')} | {_num(r.compile_s, '.1f', ' s')} | {_mark(r.pp_equal)} | "
+            f"{_num(r.pp_err, '.1e')} | {note} |")
     return "\n".join(lines)
 
 
