@@ -35,7 +35,7 @@ from autoshard.inputs import Call, signature_of
 from autoshard.pipeline_search import _boundary_bytes, _p2p_s, _with_optimizer
 from autoshard.pipeline_wiring import StageWiring, loss_counter, split_model, stage_examples
 from autoshard.plan import MeshSpec, Plan
-from autoshard.planner import plan_graph, repeated_layers
+from autoshard.planner import pipeline_layers, plan_graph
 from autoshard.runtime.pipeline import EXECUTABLE_SCHEDULES, LossWeighting, PipelinedModule, StageModule, TiedParameter
 from autoshard.runtime.program import CompiledProgram
 from autoshard.solver.inter_op import PieceCost, StageSplit, best_split
@@ -83,11 +83,11 @@ def choose_pipeline(
     schedule: str | None,
 ) -> PipelineChoice | None:
     """The fastest (stages, micro-batches, schedule, split) over ``stage_counts``; None when none applies."""
-    found = repeated_layers(model)
+    found = pipeline_layers(model)
     if found is None or not found[0]:
         raise ValueError(
             f"pipeline stages go between repeated layers, and {type(model).__name__} has no nn.ModuleList of "
-            "identical blocks; compile it without pipeline= (or with a mesh without a 'pp' axis)"
+            "blocks of one class; compile it without pipeline= (or with a mesh without a 'pp' axis)"
         )
     container = found[0]
     batch = int(signature_of(inputs)[1][0].shape[0])
@@ -103,7 +103,7 @@ def choose_pipeline(
                 raise ValueError(f"microbatches={b} does not divide the global batch {batch}")
             _, gm, ctx = plan_graph(model, micro_call(inputs, b), submesh, cluster, inner, broadcast_solution=True)
             dev, f = cluster.device, config.optimizer_factor
-            head, layers, tail = piece_costs(gm, ctx)  # each piece also runs its optimizer step once per step
+            head, layers, tail = piece_costs(gm, ctx, container=container)  # each also steps its optimizer once
             head, tail = _with_optimizer(head, dev, f), _with_optimizer(tail, dev, f)
             layers = [_with_optimizer(c, dev, f) for c in layers]
             # boundaries here are whole (Replicate): every device sends the whole activation, not its share

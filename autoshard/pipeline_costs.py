@@ -95,13 +95,14 @@ def _input_bytes(gm: fx.GraphModule, ctx: PassContext, group_piece: dict[int, An
     return out
 
 
-def piece_costs(gm: fx.GraphModule, ctx: PassContext, solution: Any = None) -> tuple[PieceCost, list[PieceCost], PieceCost]:
+def piece_costs(gm: fx.GraphModule, ctx: PassContext, solution: Any = None,
+                container: str | None = None) -> tuple[PieceCost, list[PieceCost], PieceCost]:
     """(head, per-layer costs in order at full depth, tail) of ``solution`` (default ``ctx.solution``), which
-    must be the one annotated onto ``gm``."""
+    must be the one annotated onto ``gm``; the layers are those of ``container`` (default: ``container_of``)."""
     from autoshard.planner import _collectives  # the plan's own collective list: one accounting
 
     sol = solution if solution is not None else ctx.solution
-    container = container_of(ctx)
+    container = container or container_of(ctx)
     if container is None:
         raise ValueError("the model has no repeated layers (modules named like 'layers.0', 'h.1'): nothing to split "
                          "into pipeline stages")

@@ -45,7 +45,7 @@ def _hf(name: str, layers: int) -> tuple:
 
 # name -> (make model, make global inputs); Llama's rotary tables cross stage boundaries as gradient-free outputs
 MODELS = {"gpt": (make_pp_gpt, _inputs), "llama": (make_pp_llama, lambda: llama_example_inputs(LLAMA_CFG, BATCH)),
-          "hf-gpt2": _hf("gpt2", 2), "hf-llama": _hf("llama", 4)}
+          "hf-gpt2": _hf("gpt2", 2), "hf-llama": _hf("llama", 4), "hf-t5": _hf("t5", 2), "hf-vit": _hf("vit", 2)}
 
 
 def _train(rank: int, world: int, arg: tuple) -> dict:
@@ -156,7 +156,7 @@ def _no_layers(rank: int, world: int, arg: None) -> str:
 
 def test_pp_axis_on_a_model_without_repeated_layers_is_a_clear_error():
     msg = run_gloo(2, _no_layers, None)[0]
-    assert "MLP has no nn.ModuleList of identical blocks" in msg and "pp" in msg
+    assert "MLP has no nn.ModuleList of blocks of one class" in msg and "pp" in msg
 
 
 @pytest.mark.parametrize(
@@ -164,19 +164,24 @@ def test_pp_axis_on_a_model_without_repeated_layers_is_a_clear_error():
     [
         ("hf-gpt2", (2, 2), ("pp", "tp"), {"schedule": "1F1B", "microbatches": 4}),
         ("hf-llama", (2,), ("pp",), {"schedule": "Interleaved1F1B", "microbatches": 4}),
+        ("hf-t5", (2,), ("pp",), {"schedule": "GPipe", "microbatches": 2}),
+        ("hf-vit", (2,), ("pp",), {"schedule": "1F1B", "microbatches": 2}),
         ("hf-gpt2", (2,), ("dp",), {}),
     ],
-    ids=["gpt2-tied-pp2xtp2", "llama-4-stages-relayed", "gpt2-same-loop-no-pp"],
+    ids=["gpt2-tied-pp2xtp2", "llama-4-stages-relayed", "t5-encoder-decoder", "vit", "gpt2-same-loop-no-pp"],
 )
 def test_stock_hf_models_in_pipeline_stages(model, shape, names, kw):
     """Stock transformers models as their users call them (keyword arguments, padded attention mask, labels
     with -100, a ModelOutput): GPT-2's embedding tied to its LM head across stages and tensor-parallel inside
     them; Llama cut into 4 stages on 2 ranks, its rotary tables and causal mask made in stage 0 and relayed to
-    stages 2 and 3; and the same training loop over a plan without stages."""
+    stages 2 and 3; T5 cut in its encoder (blocks of one class, not identical: the first holds the relative
+    position table, whose gradient comes back from stage 1 next to a gradient-free mask), the decoder and the
+    shared embedding in the last stage; ViT, whose stage sends a non-contiguous activation; and the same
+    training loop over a plan without stages."""
     results = _run(shape, names, model=model, **kw)
     plan = autoshard.Plan.from_json(results[0]["plan"])
     if kw:
-        assert results[0]["kind"] == "PipelinedModule" and plan.microbatches == 4
+        assert results[0]["kind"] == "PipelinedModule" and plan.microbatches == kw["microbatches"]
         assert len(plan.stages) == (4 if kw["schedule"] == "Interleaved1F1B" else 2)
     else:
         assert results[0]["kind"] == "ShardedModule"

@@ -114,6 +114,7 @@ class StageModule(nn.Module):
         flat += [self._local(a, pl) for a, pl in zip(args, self._input_placements)]
         outs = _RunStage.apply(self._program, self._grad_slots, *flat)
         sends = stage_sends(self._wiring, outs if isinstance(outs, tuple) else (outs,), received)
+        sends = tuple(t.contiguous() for t in sends)  # the program's outputs may be views; sends need whole buffers
         return sends if len(sends) > 1 else sends[0]
 
 

@@ -44,8 +44,9 @@ class CompiledProgram:
                 for k, v in schedule_overlap(part).items():
                     ctx.stats[f"overlap_{k}"] = ctx.stats.get(f"overlap_{k}", 0) + v
         # which forward outputs have a tangent (those that require grad), in tangent order
-        self.tangent_of = [n.meta["autoshard_role"].index for n in gm.graph.find_nodes(op="placeholder")
-                           if n.meta["autoshard_role"].kind == "tangent"]
+        # (a tangent's name is tangent[i] for forward output i; its role's index counts the tangents)
+        self.tangent_of = [int(n.meta["autoshard_role"].name[len("tangent["):-1])
+                           for n in gm.graph.find_nodes(op="placeholder") if n.meta["autoshard_role"].kind == "tangent"]
         self.backend = backend
         self.n_saved = len(self.fw_gm.graph.find_nodes(op="output")[0].args[0]) - self.n_out
         self._fw = self._bw = None
