@@ -20,7 +20,8 @@ graph), so later calls do not recompile. Dynamo's graph only says which of its i
 optimizer built before the first call steps the same objects: elementwise optimizers (SGD, Adam, AdamW, ...) are
 exact on shards; a global gradient norm over ``model.parameters()`` would be this rank's part only. The loss is the
 graph's first scalar floating-point output; other outputs (a model output's logits and cache) are not computed: they come
-back as ``None``, with one warning.
+back as ``None``, with one warning. A graph break (dynamo hands over the forward in pieces) is an error that
+names the break: planning one piece as if it were the whole forward would train the wrong thing.
 """
 
 from __future__ import annotations
@@ -92,6 +93,16 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, opti
         raise RuntimeError("autoshard backend: torch.compile must be given an nn.Module (its parameters are what "
                            "autoshard shards); it was given a function whose graph takes no module's parameters")
     root, args, kwargs = found
+    broke = tc.graph_break_reason()
+    if broke is not None:
+        held = {id(x) for x in example_inputs}
+        n_read = sum(1 for p in root.parameters() if id(p) in held)
+        raise RuntimeError(
+            f"autoshard backend: dynamo splits {type(root).__name__}.forward into several graphs, and this one (which "
+            f"reads {n_read} of its {sum(1 for _ in root.parameters())} parameters) ends at a graph break: {broke}. "
+            "autoshard plans the whole forward as one program: remove the break (torch.compile(..., fullgraph=True) "
+            "reports every one), or use autoshard.compile(model, mesh), which traces without dynamo"
+        )
     signature, tensors = signature_of(Call(args, kwargs))
     sources = _leaf_sources(example_inputs, tensors)
     constraints = {**batch_constraint(mesh), **dict(opts.pop("constraints", None) or {})}

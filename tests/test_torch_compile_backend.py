@@ -68,3 +68,33 @@ def test_backend_is_registered_by_entry_point() -> None:
     code = "import torch._dynamo as d; print('autoshard' in d.list_backends(exclude_tags=()))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "True", out.stderr[-2000:]
+
+
+class _Broken(torch.nn.Module):
+    """A user model whose forward breaks dynamo's graph between its two layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x).relu()
+        torch._dynamo.graph_break()
+        return self.b(h).pow(2).mean()
+
+
+def _graph_break(rank: int, world: int, arg: None) -> str:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    compiled = torch.compile(_Broken(), backend="autoshard", options={"mesh": mesh, "backend": "eager"})
+    try:
+        compiled(torch.randn(4, 8))
+    except Exception as e:  # dynamo wraps the backend's error
+        return str(e)
+    return "no error"
+
+
+def test_a_graph_break_is_a_clear_error_naming_it() -> None:
+    """Not a wrong result: the first graph must not stand for the whole forward."""
+    msg = run_gloo(2, _graph_break, None)[0]
+    assert "graph break" in msg and "reads 2 of its 4 parameters" in msg, msg
+    assert "fullgraph=True" in msg and "test_torch_compile_backend.py" in msg, msg

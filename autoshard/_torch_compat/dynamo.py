@@ -33,6 +33,23 @@ def compiling_call(example_inputs: Sequence[Any]) -> tuple[nn.Module, tuple, dic
     return None
 
 
+def graph_break_reason() -> str | None:
+    """Why dynamo ended the graph it is compiling, when that is a graph break (not the end of the frame): the
+    reason and the user's line, or None."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx = InstructionTranslator.current_tx()
+    reason = getattr(getattr(tx, "output", None), "compile_subgraph_reason", None) if tx is not None else None
+    if reason is None or not getattr(reason, "graph_break", False):
+        return None
+    where = ""
+    stack = getattr(reason, "user_stack", None) or []
+    if stack:
+        frame = stack[-1]
+        where = f" at {frame.filename}:{frame.lineno} ({frame.line})"
+    return f"{reason.reason}{where}"
+
+
 def forget_guards_on(gm: Any, tensors: Sequence[Any]) -> int:
     """Drop the guards dynamo recorded on graph inputs that are ``tensors`` (by identity): the parameters a
     backend re-lays out in place (same objects, new shapes). Their shapes were recorded while tracing, so the
