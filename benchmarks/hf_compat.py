@@ -23,9 +23,8 @@ stopped after ``--timeout`` seconds and the row says so):
   (planning, lowering, and the backend's compilation, which happens on the first call). **params split**: how
   many of the parameters the 2×2 plan shards on some axis (the solver may keep a tiny model whole on 4 CPU
   ranks; ``--recipe fsdp+tp`` trains the manual FSDP x TP recipe instead, which shards them).
-- **pp=2 equal**: 2 forked gloo ranks, mesh (2,) named ("pp",): the model in 2 pipeline stages, 4 micro-batches,
-  1F1B, trained and compared like the 2×2 run (on a rank, the parameters its stage holds); **pp=2 max err**: the
-  largest of its loss, gradient and parameter differences.
+- **pp=2 equal** / **max err**: 2 gloo ranks, mesh ("pp",) = (2,): 2 pipeline stages, 4 micro-batches, 1F1B,
+  compared like the 2×2 run (each rank on its stage's parameters); the largest loss, gradient or parameter error.
 - **note**: why a row failed (the exception's type and first line, or the check that failed).
 """
 
@@ -33,12 +32,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import logging
-import multiprocessing
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -46,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from autoshard.launch import LaunchError, launch
 
 log = logging.getLogger("hf_compat")
 
@@ -83,74 +81,6 @@ class Row:
         return bool(self.captures and self.plans and self.equal and self.pp_equal)
 
 
-# ------------------------------------------------------------------------------------------------ fork launcher
-
-
-class LaunchError(RuntimeError):
-    """A child process raised, died or timed out; the message is one line, ``detail`` the full traceback."""
-
-    def __init__(self, message: str, detail: str = "") -> None:
-        super().__init__(message)
-        self.detail = detail
-
-
-def _child(rank: int, world: int, fn: Callable[[int, int, Any], Any], arg: Any, tmpdir: str, timeout: float,
-           gloo: bool) -> None:
-    import torch.distributed as dist
-
-    if gloo:
-        torch.set_num_threads(1)  # 4 ranks on a few cores; ATen runs its parallel loops inline
-    code = 0
-    try:
-        if gloo:
-            dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(f"{tmpdir}/store", world),
-                                    timeout=datetime.timedelta(seconds=timeout))
-        torch.save(fn(rank, world, arg), f"{tmpdir}/result{rank}.pt")
-    except BaseException as e:  # noqa: BLE001 - reported to the parent through the file
-        first = (str(e).strip().splitlines() or [""])[0]
-        Path(tmpdir, f"error{rank}.txt").write_text(f"{time.time_ns()}\n{type(e).__name__}: {first}\n"
-                                                    f"{traceback.format_exc()}")
-        code = 1
-    finally:
-        if gloo and dist.is_initialized():
-            dist.destroy_process_group()
-    if code:
-        sys.exit(code)  # the parent sees the failure in the exit code and stops the other ranks
-
-
-def launch(world: int, fn: Callable[[int, int, Any], Any], arg: Any, *, timeout: float, gloo: bool) -> list[Any]:
-    """``fn(rank, world, arg)`` on ``world`` forked processes (joined into one gloo group when ``gloo``); their
-    results in rank order. The first failure stops the other ranks; past ``timeout`` seconds all are stopped."""
-    ctx = multiprocessing.get_context("fork")
-    with tempfile.TemporaryDirectory(prefix="autoshard_hf_compat_") as tmpdir:
-        procs = [ctx.Process(target=_child, args=(r, world, fn, arg, tmpdir, timeout, gloo)) for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                break
-            time.sleep(0.1)
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        errors = sorted(Path(tmpdir).glob("error*.txt"), key=lambda f: int(f.read_text().split("\n", 1)[0]))
-        if errors:  # the earliest is the cause; peers then fail in a collective
-            _, summary, rest = errors[0].read_text().split("\n", 2)
-            raise LaunchError(f"rank {errors[0].stem[5:]}: {summary}", rest)
-        if hung and time.monotonic() >= deadline:
-            raise LaunchError(f"timed out after {timeout:.0f} s (ranks {hung} still running, stopped)")
-        if any(p.exitcode != 0 for p in procs):
-            raise LaunchError(f"a child died without a Python exception: exit codes {[p.exitcode for p in procs]}")
-        return [torch.load(f"{tmpdir}/result{r}.pt", weights_only=False) for r in range(world)]
-
-
 # ------------------------------------------------------------------------------------------------ the two checks
 
 
@@ -183,6 +113,24 @@ def _full(t: torch.Tensor | None) -> torch.Tensor | None:
     return full.detach().clone()
 
 
+def _backward(loss: torch.Tensor) -> torch.Tensor:
+    loss.backward()
+    return loss
+
+
+def _steps(step: Callable[[], torch.Tensor], named: Callable[[], Any], opt: torch.optim.Optimizer) -> tuple:
+    """``STEPS`` optimizer steps: each step's loss, every gradient after the first, every parameter at the end."""
+    losses, grads = [], {}
+    for i in range(STEPS):
+        loss = step()
+        if i == 0:
+            grads = {n: _full(p.grad) for n, p in named()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(_full(loss)))
+    return losses, grads, {n: _full(p.data) for n, p in named()}
+
+
 def _train_case(rank: int, world: int, arg: tuple[str, int, int, str, int]) -> dict[str, Any]:
     """3 AdamW steps through ``autoshard.compile`` on this gloo rank; rank 0 then trains one device and compares."""
     import autoshard
@@ -200,35 +148,21 @@ def _train_case(rank: int, world: int, arg: tuple[str, int, int, str, int]) -> d
     placements = sharded.plan.parameter_placements().values()
     split = f"{sum(any(p.startswith('S') for p in pl) for pl in placements)}/{len(placements)}"
     opt = torch.optim.AdamW(sharded.parameters(), lr=LR)
-    losses: list[float] = []
-    grads: dict[str, torch.Tensor | None] = {}
-    compile_s = 0.0
-    for step in range(STEPS):
+    done: list[float] = []  # when the first step ended: planning, lowering and the backend's compilation
+
+    def step() -> torch.Tensor:
         loss = sharded.step(**inputs)
-        if step == 0:
-            compile_s = time.perf_counter() - t0
-            grads = {n: _full(p.grad) for n, p in sharded.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(_full(loss)))
-    params = {n: _full(p.data) for n, p in sharded.named_parameters()}
+        done.append(time.perf_counter())
+        return loss
+
+    losses, grads, params = _steps(step, sharded.named_parameters, opt)
+    compile_s = done[0] - t0
     piped = "pp" in names
     if rank != 0 and not piped:
         return {"losses": losses}
-    ref_model, _ = build(name, batch=batch, seq=seq, seed=seed, dropout=False)  # after the fork, on rank 0
-    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=LR)
-    ref_losses: list[float] = []
-    ref_grads: dict[str, torch.Tensor | None] = {}
-    for step in range(STEPS):
-        ref_loss = ref_model(**inputs).loss
-        ref_loss.backward()
-        if step == 0:
-            ref_grads = {n: None if p.grad is None else p.grad.detach().clone()
-                         for n, p in ref_model.named_parameters()}
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(ref_loss.item())
-    ref_params = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
+    ref_model, _ = build(name, batch=batch, seq=seq, seed=seed, dropout=False)  # after the fork
+    ref_losses, ref_grads, ref_params = _steps(lambda: _backward(ref_model(**inputs).loss), ref_model.named_parameters,
+                                               torch.optim.AdamW(ref_model.parameters(), lr=LR))
     everything = sorted(ref_params)
     if piped:  # each rank holds its stage's parameters
         ref_grads = {n: g for n, g in ref_grads.items() if n in params}
