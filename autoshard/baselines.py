@@ -39,6 +39,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from autoshard.config import ALIASES, RECIPES, normalize
 from autoshard.passes.context import PassContext
 from autoshard.solver.intra_op import InfeasibleBudget, Solution
 
@@ -46,8 +47,6 @@ T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
-RECIPES = ("ddp", "fsdp", "tp", "fsdp+tp")
-ALIASES = {"megatron": "tp", "megatron-tp": "tp", "zero3": "fsdp", "2d": "fsdp+tp", "fsdp+megatron": "fsdp+tp"}
 
 _COLUMN = re.compile(
     r"(^|\.)(wq|wk|wv|wqkv|qkv|q_proj|k_proj|v_proj|query|key|value|c_attn|in_proj|w1|w3|fc1|c_fc|gate_proj|up_proj|"
@@ -67,17 +66,6 @@ class BaselineResult:
     objective_s: float
     memory_bytes: int
     note: str
-
-
-def normalize(name: str) -> str:
-    key = name.strip().lower()
-    key = ALIASES.get(key, key)
-    if key not in RECIPES:
-        raise ValueError(
-            f"unknown baseline recipe {name!r}; known recipes: {', '.join(RECIPES)} "
-            f"(aliases: {', '.join(f'{a}={b}' for a, b in ALIASES.items())})"
-        )
-    return key
 
 
 def applicable(mesh_shape: Sequence[int]) -> tuple[str, ...]:
@@ -209,7 +197,7 @@ def _batch_pins(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int], dp_
     data-parallel axes such an op neither takes a batch-derived input whole (Replicate: an activation gather
     and the op computed whole on every rank, which the hand-written recipe never does) nor makes a Replicate
     output where its candidates could split it. Ops left with no such candidate keep all of theirs."""
-    from autoshard.passes.coarsen import tensor_args
+    from autoshard.ir import tensor_args
 
     batch: set[str] = set()
     for n in gm.graph.nodes:

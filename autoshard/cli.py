@@ -103,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _plan(a: argparse.Namespace) -> int:
     import autoshard
-    from autoshard.offline import parse_mesh_spec
+    from autoshard.meshes import parse_mesh_spec
 
     budget = parse_bytes(a.memory_per_device) if a.memory_per_device else None
     mesh = parse_mesh_spec(a.mesh) if a.mesh else None

@@ -21,6 +21,23 @@ OPTIMIZER_STATE_FACTOR = {"adamw": 2, "adam": 2, "adamw-mixed": 6, "sgd": 1, "no
 ConstraintValue = Any
 
 
+# the manual recipes a plan can be forced to (PlanConfig.recipe) and is compared with (autoshard.baselines)
+RECIPES = ("ddp", "fsdp", "tp", "fsdp+tp")
+ALIASES = {"megatron": "tp", "megatron-tp": "tp", "zero3": "fsdp", "2d": "fsdp+tp", "fsdp+megatron": "fsdp+tp"}
+
+
+def normalize(name: str) -> str:
+    """A recipe's canonical name (aliases such as "zero3" or "megatron" accepted)."""
+    key = name.strip().lower()
+    key = ALIASES.get(key, key)
+    if key not in RECIPES:
+        raise ValueError(
+            f"unknown baseline recipe {name!r}; known recipes: {', '.join(RECIPES)} "
+            f"(aliases: {', '.join(f'{a}={b}' for a, b in ALIASES.items())})"
+        )
+    return key
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlanConfig:
     """What the planner optimizes under.
@@ -62,8 +79,6 @@ class PlanConfig:
                 "(it sets how many optimizer-state bytes each parameter byte costs)"
             )
         if self.recipe is not None:
-            from autoshard.baselines import normalize
-
             object.__setattr__(self, "recipe", normalize(self.recipe))
         if self.sample_layers is not None and self.sample_layers < 2:
             raise ValueError(f"sample_layers must be >= 2 (or None to capture every layer), got {self.sample_layers}")

@@ -1,9 +1,12 @@
-"""Small value types shared by the planning passes (groups, strategies, per-node decisions)."""
+"""Small value types shared by the planning passes (groups, strategies, per-node decisions), the one notion of a
+repeated layer, and the tensor arguments of a graph node."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+import torch.fx as fx
 from torch.distributed.tensor.placement_types import Placement
 
 Placements = tuple[Placement, ...]
@@ -56,3 +59,38 @@ class NodeSharding:
     group: int
     outputs: NodeOut
     inputs: tuple[Placements | None, ...]
+
+
+def layer_parts(name: str) -> tuple[str, int, str] | None:
+    """``model.layers.3.attn.wq.weight`` -> ``("model.layers", 3, "attn.wq.weight")``: the repeated block a module
+    or parameter path belongs to (its first numbered component), and the rest of the path; None outside one."""
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        if parts[i].isdigit():
+            return ".".join(parts[:i]), int(parts[i]), ".".join(parts[i + 1 :])
+    return None
+
+
+def layer_key(name: str) -> tuple[str, int] | None:
+    """``("layers", 3)`` for ``layers.3.attn.wq``: the repeated block of ``layer_parts``, without the rest."""
+    found = layer_parts(name)
+    return None if found is None else (found[0], found[1])
+
+
+def tensor_args(node: fx.Node) -> list[fx.Node]:
+    """Tensor-valued input nodes of ``node`` in DTensor's flattened argument order (lists expanded)."""
+    out: list[fx.Node] = []
+
+    def visit(a: object) -> None:
+        if isinstance(a, fx.Node):
+            if isinstance(a.meta.get("val"), torch.Tensor):
+                out.append(a)
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                visit(x)
+
+    for a in node.args:
+        visit(a)
+    for v in node.kwargs.values():
+        visit(v)
+    return out

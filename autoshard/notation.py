@@ -28,6 +28,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from autoshard.ir import layer_parts
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -41,7 +43,6 @@ __all__ = [
     "tensor_str",
     "local_shape",
     "op_str",
-    "layer_key",
     "fold_layers",
     "format_bytes",
     "parse_bytes",
@@ -264,15 +265,6 @@ def op_str(op: str) -> str:
     return re.sub(r"\.default$", "", re.sub(r"^(aten|prims|_c10d_functional)\.", "", op))
 
 
-def layer_key(name: str) -> tuple[str, int, str] | None:
-    """``layers.3.attn.wq.weight`` -> ``("layers", 3, "attn.wq.weight")``: the first numbered path component."""
-    parts = name.split(".")
-    for i in range(1, len(parts)):
-        if parts[i].isdigit():
-            return ".".join(parts[:i]), int(parts[i]), ".".join(parts[i + 1 :])
-    return None
-
-
 def fold_layers(rows: Sequence[tuple[str, Hashable]]) -> list[int | str]:
     """Row indices to print, with ``"layers.1–31: same as layers.0"`` lines in place of repeated layers.
 
@@ -280,7 +272,7 @@ def fold_layers(rows: Sequence[tuple[str, Hashable]]) -> list[int | str]:
     earlier layer under the same prefix, so a 32-layer model prints one layer and one line, while a layer that
     differs (say the last) still prints in full.
     """
-    keys = [layer_key(name) for name, _ in rows]
+    keys = [layer_parts(name) for name, _ in rows]
     content: dict[tuple[str, int], list[Hashable]] = defaultdict(list)
     for k, (_, sig) in zip(keys, rows):
         if k is not None:

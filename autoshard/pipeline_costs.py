@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autoshard.passes.coarsen import layer_key
+from autoshard.ir import layer_key
 from autoshard.passes.context import PassContext
 from autoshard.solver.inter_op import PieceCost
 from autoshard.solver.intra_op import GRAD_SINK_CREDIT

@@ -36,7 +36,7 @@ from torch import nn
 from autoshard.cluster import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.notation import format_bytes, format_seconds
-from autoshard.offline import mesh_names
+from autoshard.meshes import mesh_names
 from autoshard.pipeline_costs import container_of, piece_costs
 from autoshard.pipeline_search import (
     BASELINE, PipelineOption, micro_inputs, optimizer_step_s, search_pipeline, stage_meshes,
@@ -76,7 +76,7 @@ def _container(ctx: Any) -> str:
 
 def _cut(gm: Any, ctx: Any, sub: Plan) -> _Cut:
     """Assign the sub-mesh plan's tensors, decisions and collectives to head / captured layer / tail pieces."""
-    from autoshard.passes.coarsen import layer_key
+    from autoshard.ir import layer_key
 
     container = _container(ctx)
     nodes = {n.name: n for n in gm.graph.nodes}
@@ -264,7 +264,7 @@ def pipelined_plan(
     ``pp`` x ``option.submesh``; ``axis_names`` names the sub-mesh axes (default ``offline.mesh_names``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autoshard.offline import fake_world
+    from autoshard.meshes import fake_world
     from autoshard.planner import plan_graph
 
     split = option.split

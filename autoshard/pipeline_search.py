@@ -46,7 +46,7 @@ from torch import nn
 
 from autoshard.cluster import ClusterProfile, DeviceSpec
 from autoshard.config import PlanConfig
-from autoshard.offline import fake_world, mesh_names
+from autoshard.meshes import fake_world, mesh_names
 from autoshard.pipeline_costs import piece_costs
 from autoshard.solver.inter_op import SCHEDULES, PieceCost, StageSplit, best_split
 
@@ -122,7 +122,7 @@ def _with_optimizer(c: PieceCost, device: DeviceSpec, factor: int) -> PieceCost:
 
 def _boundary_node(gm: Any, ctx: Any) -> Any:
     """The largest activation entering the first repeated layer from outside (what a stage boundary sends)."""
-    from autoshard.passes.coarsen import layer_key
+    from autoshard.ir import layer_key
 
     group_of = {name: g for g in ctx.groups for name in g.members}
     best, size = None, 0

@@ -215,6 +215,10 @@ class StagePlan:
                     f"for a {ndim}-axis mesh {self.mesh}; give one placement per mesh axis"
                 )
 
+    def collective_summary(self) -> list[CollectiveRow]:
+        """This stage's collectives per step by (kind, axis), most expensive first."""
+        return summarize_collectives(self.collectives)
+
 
 @dataclass(frozen=True)
 class BaselineSummary:
@@ -324,7 +328,7 @@ class Plan:
 
     def collective_summary(self) -> list[CollectiveRow]:
         """Collectives per step over all stages by (kind, axis), most expensive first."""
-        return _summarize(c for s in self.stages for c in s.collectives)
+        return summarize_collectives(c for s in self.stages for c in s.collectives)
 
     def report(self, *, collapse: bool = True, max_rows: int = 400) -> str:
         """A plain-text table of the plan; ``collapse`` folds repeated layers with identical placements."""
@@ -373,7 +377,8 @@ def _build(cls: type, d: Any, path: str) -> Any:
         raise ValueError(f"plan JSON at {path}: {e}") from None
 
 
-def _summarize(collectives: Iterable[CollectiveStat]) -> list[CollectiveRow]:
+def summarize_collectives(collectives: Iterable[CollectiveStat]) -> list[CollectiveRow]:
+    """Collectives added up by (kind, axis): count, bytes and time per step, most expensive first."""
     acc: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])
     for c in collectives:
         row = acc[(c.kind, c.axis)]

@@ -6,18 +6,19 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Hashable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
+from autoshard.ir import layer_parts
 from autoshard.notation import (
     fold_layers,
     format_bytes,
     format_seconds,
-    layer_key,
     op_str,
     placements_str,
     tensor_str,
 )
-from autoshard.plan import CollectiveStat, MemoryBreakdown, Plan, StagePlan, _summarize
+if TYPE_CHECKING:  # plan.py imports this module (Plan.report): types only here
+    from autoshard.plan import MemoryBreakdown, Plan, StagePlan
 
 # ---------------------------------------------------------------------------------------------------------------
 # report
@@ -112,10 +113,10 @@ def _backward_summary(stage: StagePlan) -> list[str]:
     return [f"decisions (backward): {sum(ops.values())} anchors  ({kinds})"]
 
 
-def _collective_rows(collectives: Sequence[CollectiveStat]) -> list[_Row]:
+def _collective_rows(stage: StagePlan) -> list[_Row]:
     return [
         _Row("", "", r.kind, None, (r.axis, str(r.count), format_bytes(r.nbytes), format_seconds(r.time_s)))
-        for r in _summarize(collectives)
+        for r in stage.collective_summary()
     ]
 
 
@@ -168,7 +169,7 @@ def layers_str(layers: Sequence[str]) -> str:
             out.append(f"{run[0]}.{run[1]}" if run[1] == run[2] else f"{run[0]}.{run[1]}–{run[2]}")
 
     for name in layers:
-        key = layer_key(name)
+        key = layer_parts(name)
         if key is not None and not key[2]:
             if run is not None and run[0] == key[0] and run[2] + 1 == key[1]:
                 run = (run[0], run[1], key[1])
@@ -259,7 +260,7 @@ def report_lines(plan: Plan, *, collapse: bool, max_rows: int) -> list[str]:
         cols = "op / output / placements / inputs / compute / node"
         lines += _table("decisions (forward)", cols, _decision_rows(stage), collapse, max_rows)
         lines += _backward_summary(stage)
-        rows = _collective_rows(stage.collectives)
+        rows = _collective_rows(stage)
         lines += _table("collectives per step", "axis / count / bytes / time", rows, False, max_rows) or [
             "collectives per step: none"
         ]

@@ -31,7 +31,8 @@ from autoshard.config import PlanConfig
 from autoshard.cost.comm import redistribute_steps
 from autoshard.notation import placement_str
 from autoshard.passes.capture import capture
-from autoshard.passes.coarsen import coarsen, tensor_args
+from autoshard.ir import tensor_args
+from autoshard.passes.coarsen import coarsen
 from autoshard.passes.context import PassContext, debug_enabled
 from autoshard.passes.share_layers import share_layers
 from autoshard.passes.solve import annotate, solve

@@ -88,7 +88,7 @@ def _plan_case(rank: int, world: int, arg: tuple[str, int, int, str]) -> dict[st
     """Plan on a fake (8, 8) world; a failure comes back as data, with whether capture got through."""
     import autoshard
     from autoshard.models.hf import build
-    from autoshard.offline import fake_world
+    from autoshard.meshes import fake_world
     from torch.distributed.device_mesh import init_device_mesh
 
     name, batch, seq, cluster = arg

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import logging
 import operator
-import re
 
 import torch
 import torch.fx as fx
 
 from autoshard import _torch_compat as tc
-from autoshard.ir import Group
+from autoshard.ir import Group, layer_key, tensor_args
 from autoshard.passes.context import PassContext
 
 log = logging.getLogger(__name__)
@@ -43,25 +42,6 @@ VIEW_LIKE = {
 }
 
 
-def tensor_args(node: fx.Node) -> list[fx.Node]:
-    """Tensor-valued input nodes of ``node`` in DTensor's flattened argument order (lists expanded)."""
-    out: list[fx.Node] = []
-
-    def visit(a: object) -> None:
-        if isinstance(a, fx.Node):
-            if isinstance(a.meta.get("val"), torch.Tensor):
-                out.append(a)
-        elif isinstance(a, (list, tuple)):
-            for x in a:
-                visit(x)
-
-    for a in node.args:
-        visit(a)
-    for v in node.kwargs.values():
-        visit(v)
-    return out
-
-
 def is_follower(node: fx.Node) -> bool:
     if node.target is operator.getitem:
         return True
@@ -72,15 +52,6 @@ def is_follower(node: fx.Node) -> bool:
     if torch.Tag.pointwise in node.target.tags:
         return isinstance(node.meta.get("val"), torch.Tensor)
     return False
-
-
-LAYER_RE = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
-
-
-def layer_key(module: str) -> tuple[str, int] | None:
-    """("layers", 3) for "layers.3.attn.wq": the repeated block a module path belongs to, if any."""
-    m = LAYER_RE.match(module)
-    return (m.group(1), int(m.group(2))) if m else None
 
 
 def _common_prefix(a: str, b: str) -> int:

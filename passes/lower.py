@@ -46,7 +46,7 @@ from autoshard.passes.buckets import (
     scatter_axes,
     scatter_together,
 )
-from autoshard.passes.coarsen import layer_key, tensor_args
+from autoshard.ir import layer_key, tensor_args
 from autoshard.passes.context import PassContext
 from autoshard.passes.strategies import SDPA_CPU
 

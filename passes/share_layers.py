@@ -21,7 +21,7 @@ from collections import defaultdict
 
 import torch.fx as fx
 
-from autoshard.passes.coarsen import layer_key
+from autoshard.ir import layer_key
 from autoshard.passes.context import PassContext
 
 log = logging.getLogger(__name__)

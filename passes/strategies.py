@@ -35,7 +35,7 @@ from autoshard import _torch_compat as tc
 from autoshard.cost.reshard import reshard_time as redistribute_time
 from autoshard.cost.compute import compute_time, op_bytes, op_flops
 from autoshard.ir import Group, GroupStrategy, NodeOut, Placements
-from autoshard.passes.coarsen import tensor_args
+from autoshard.ir import tensor_args
 from autoshard.passes.context import PassContext
 
 log = logging.getLogger(__name__)

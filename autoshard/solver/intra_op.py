@@ -44,7 +44,7 @@ from autoshard.cluster import ClusterProfile
 from autoshard.cost.reshard import reshard_time as redistribute_time
 from autoshard.ir import Edge, Group, GroupStrategy, Placements
 from autoshard.notation import format_bytes, placements_str
-from autoshard.passes.coarsen import tensor_args
+from autoshard.ir import tensor_args
 
 log = logging.getLogger(__name__)
 

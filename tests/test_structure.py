@@ -1,0 +1,65 @@
+"""The package's shape: no import cycles among autoshard's modules (counting imports inside functions, which
+only defer a cycle; not ``if TYPE_CHECKING:`` blocks, which never run)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"autoshard": ROOT / "autoshard", "autoshard.passes": ROOT / "passes"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            rel = path.relative_to(folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            out[".".join([pkg, *parts])] = path
+    return out
+
+
+def _runtime_imports(tree: ast.AST) -> list[str]:
+    found: list[str] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.append(node.module)
+            found.extend(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.extend(a.name for a in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def import_graph() -> nx.DiGraph:
+    mods = _modules()
+    g = nx.DiGraph()
+    g.add_nodes_from(mods)
+    for name, path in mods.items():
+        for target in _runtime_imports(ast.parse(path.read_text())):
+            if target in mods and target not in (name, "autoshard"):
+                g.add_edge(name, target)
+    return g
+
+
+def test_the_checker_sees_a_cycle() -> None:
+    g = import_graph()
+    assert g.number_of_edges() > 50
+    g.add_edge("autoshard.ir", "autoshard.api")  # api imports (through others) ir
+    assert list(nx.simple_cycles(g))
+
+
+def test_no_import_cycles() -> None:
+    cycles = [" -> ".join(c + [c[0]]) for c in nx.simple_cycles(import_graph())]
+    assert not cycles, "import cycles:\n" + "\n".join(sorted(cycles, key=len)[:10])
