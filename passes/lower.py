@@ -29,10 +29,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoshard import _torch_compat as tc
+from autoshard import rules
 from autoshard.ir import NodeSharding
 from autoshard.notation import local_shape, placements_str
 from autoshard.passes.buckets import (
@@ -48,7 +49,6 @@ from autoshard.passes.buckets import (
 )
 from autoshard.ir import layer_key, tensor_args
 from autoshard.passes.context import PassContext
-from autoshard.passes.strategies import SDPA_CPU
 
 log = logging.getLogger(__name__)
 _VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
@@ -58,22 +58,6 @@ def _wrap(t: torch.Tensor, mesh: DeviceMesh, placements: Sequence, global_val: t
     return DTensor.from_local(
         t, mesh, tuple(placements), run_check=False, shape=global_val.shape, stride=global_val.stride()
     )
-
-
-_CONV = {torch.ops.aten.convolution.default: 1, torch.ops.aten.convolution_backward.default: 2}  # -> weight arg
-
-
-def _batch_conv(node: fx.Node, sh: NodeSharding) -> bool:
-    """A convolution split only on the batch (weights whole): each rank convolves its images, the weight
-    gradient is a partial sum. DTensor's own convolution handler takes one mesh axis per tensor dimension, so a
-    batch split over two axes ([S(0), S(0)]) runs here, locally, with the plan's placements."""
-    w = _CONV.get(node.target)
-    if w is None or w >= len(sh.inputs) or not sh.inputs[w]:
-        return False
-    if not all(isinstance(p, Replicate) for p in sh.inputs[w]):
-        return False
-    placed = [pl for pl in list(sh.inputs) + list(sh.outputs) if pl]
-    return all(not isinstance(p, Shard) or p.dim == 0 for pl in placed for p in pl)
 
 
 def _all_replicated(sh: NodeSharding) -> bool:
@@ -134,7 +118,7 @@ class PlanInterpreter:
 
         args = tuple(sub(a) for a in node.args)
         kwargs = {k: sub(v) for k, v in node.kwargs.items()}
-        if node.target in SDPA_CPU or not ins or not tc.has_sharding_rule(node.target) or _batch_conv(node, sh):
+        if rules.runs_local(node, sh) or not ins or not tc.has_sharding_rule(node.target):
             return self._run_local(node, sh, args, kwargs)
         try:
             out = node.target(*args, **kwargs)

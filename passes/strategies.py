@@ -32,6 +32,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autoshard import _torch_compat as tc
+from autoshard import rules as op_rules
 from autoshard.cost.reshard import reshard_time as redistribute_time
 from autoshard.cost.compute import compute_time, op_bytes, op_flops
 from autoshard.ir import Group, GroupStrategy, NodeOut, Placements
@@ -41,8 +42,6 @@ from autoshard.passes.context import PassContext
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-SDPA_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-SDPA_CPU = {aten._scaled_dot_product_flash_attention_for_cpu.default, SDPA_BWD}
 
 
 def shard_factor(placements: Placements | None, mesh_shape: Sequence[int]) -> int:
@@ -139,26 +138,6 @@ def _valid(
     return True
 
 
-def _sdpa_cpu_rules(node: fx.Node, ties: Sequence[int]) -> list[tc.RawStrategy]:
-    """Our rule for CPU flash attention (DTensor has none): every tensor sharded on batch, or on heads. An input
-    that broadcasts on that dimension (an attention mask ``[B, 1, T, T]`` has one head) stays whole on it."""
-    ins = [a.meta["val"] for a in tensor_args(node)]
-    q = ins[1] if node.target is SDPA_BWD else ins[0]
-    outs = _vals(node)
-    per_axis: list[Placement] = [Replicate(), Shard(0), Shard(1)]
-    result = []
-    free = sorted(set(ties))
-
-    def fit(pl: tuple, v: torch.Tensor) -> tuple:
-        return tuple(Replicate() if isinstance(p, Shard) and v.shape[p.dim] == 1 < q.shape[p.dim] else p for p in pl)
-
-    for sub in itertools.product(per_axis, repeat=len(free)):
-        pick = dict(zip(free, sub))
-        pl = tuple(pick[t] for t in ties)
-        result.append(tc.RawStrategy(tuple(fit(pl, v) for v in ins), tuple(pl if o is not None else None for o in outs)))
-    return result
-
-
 class _Enumerator:
     """Queries DTensor once per distinct (op, shapes, args, layout) and remembers it for this run."""
 
@@ -194,8 +173,9 @@ class _Enumerator:
         node = self._cur
         op = node.target
         ins = tensor_args(node)
-        if op in SDPA_CPU:
-            return _sdpa_cpu_rules(node, self.ties)
+        own = op_rules.candidates(node, self.ties)  # an op family autoshard has its own rule for (autoshard/rules)
+        if own is not None:
+            return own
         args, kwargs = _meta_args(node)
         found: dict[tuple, tc.RawStrategy] = {}
         errors: list[str] = []

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch.utils.flop_counter import flop_registry
 
+from autoshard import rules
 from autoshard.cluster import DeviceSpec
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ def op_flops(op: Any, args: tuple, kwargs: dict | None, out: object) -> int:
     ``op`` is an ``OpOverload`` such as ``torch.ops.aten.mm.default``. Returns 0 for ops without a formula.
     """
     kwargs = kwargs or {}
-    formula = _own_formulas().get(op)
+    formula = rules.flop_formulas().get(op)  # op families with their own rule (autoshard/rules)
     packet = getattr(op, "overloadpacket", op)
     if formula is None and packet not in flop_registry:
         return 0
@@ -70,55 +70,11 @@ def compute_time(flops: float, nbytes: float, device: DeviceSpec, dtype: str | t
     )
 
 
-# --- FLOP formulas missing from torch.utils.flop_counter ---------------------------------------------------------
-
-
-def _attention_dims(query: _Shape, key: _Shape, value: _Shape) -> tuple[int, int, int, int, int]:
-    """(B*Hq, Lq, Lk, Dq, Dv) from [B, H, L, D] shapes; key/value may have fewer heads (GQA), the kernel
-    broadcasts them, so the work follows the query's heads."""
-    *batch, lq, dq = query
-    lk, dv = key[-2], value[-1]
-    return math.prod(batch), lq, lk, dq, dv
-
-
-def _cpu_flash_forward(query: _Shape, key: _Shape, value: _Shape, *rest: Any,
-                       is_causal: bool = False, **_: Any) -> int:
-    # Two matmuls: scores = q @ k^T (2*Lq*Lk*Dq per head) and out = p @ v (2*Lq*Lk*Dv); = 4*B*H*Lq*Lk*D when
-    # Dq == Dv. Positional signature: (query, key, value, dropout_p=0., is_causal=False).
-    if len(rest) >= 2:
-        is_causal = bool(rest[1])
-    bh, lq, lk, dq, dv = _attention_dims(query, key, value)
-    flops = 2 * bh * lq * lk * (dq + dv)
-    return flops // 2 if is_causal else flops  # the causal kernel skips the masked upper triangle
-
-
-def _cpu_flash_backward(grad_out: _Shape, query: _Shape, key: _Shape, value: _Shape, *rest: Any,
-                        is_causal: bool = False, **_: Any) -> int:
-    # Five matmuls, as torch counts the CUDA flash backward: recompute q @ k^T, dP = dO @ v^T, dV = P^T @ dO,
-    # dQ = dS @ k, dK = dS^T @ q -> 2*Lq*Lk*(3*Dq + 2*Dv) per head = 2.5x the forward when Dq == Dv.
-    # Positional signature: (grad_out, query, key, value, out, logsumexp, dropout_p, is_causal).
-    if len(rest) >= 4:
-        is_causal = bool(rest[3])
-    bh, lq, lk, dq, dv = _attention_dims(query, key, value)
-    flops = 2 * bh * lq * lk * (3 * dq + 2 * dv)
-    return flops // 2 if is_causal else flops
-
-
-@functools.lru_cache(maxsize=1)
-def _own_formulas() -> Mapping[Any, Callable[..., int]]:
-    """Our formulas, keyed by OpOverload; built on first use so importing this module touches no op."""
-    aten = torch.ops.aten
-    return {
-        aten._scaled_dot_product_flash_attention_for_cpu.default: _cpu_flash_forward,
-        aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _cpu_flash_backward,
-    }
-
-
 # --- counting and caching ------------------------------------------------------------------------------------------
 
 
 def _count(op: Any, packet: Any, args: Any, kwargs: Mapping[str, Any], out: Any) -> int:
-    formula = _own_formulas().get(op)
+    formula = rules.flop_formulas().get(op)  # op families with their own rule (autoshard/rules)
     try:
         if formula is not None:
             return int(formula(*_shapes(args), **_shapes(dict(kwargs))))

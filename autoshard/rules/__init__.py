@@ -1,0 +1,63 @@
+"""Op rules: what autoshard knows about an op family beyond DTensor's strategies and torch's FLOP counter.
+
+One file per family, one line in ``RULES``. A rule can give
+
+- ``candidates(node, ties)``: the placements the planner may choose for the op (``passes/strategies.py`` asks
+  the rule instead of DTensor, which has none for the op, or not the ones we want);
+- ``runs_local(node, sharding)``: whether the lowering runs the op on each rank's local shards with the plan's
+  placements instead of through DTensor's dispatch (``passes/lower.py``), when DTensor cannot run that layout;
+- ``flops``: FLOP formulas for the op's overloads that ``torch.utils.flop_counter`` lacks (``cost/compute.py``).
+
+Adding an op family (ring attention, an MoE dispatch) is a new file here and its entry in ``RULES``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch.fx as fx
+
+from autoshard import _torch_compat as tc
+from autoshard.ir import NodeSharding
+from autoshard.rules import attention, convolution
+from autoshard.rules.base import OpRule
+
+
+def _all_rules() -> tuple[OpRule, ...]:
+    return (attention.RULE, convolution.RULE)
+
+
+@functools.lru_cache(maxsize=1)
+def _by_op() -> Mapping[Any, OpRule]:
+    return {op: rule for rule in _all_rules() for op in rule.ops()}
+
+
+def rule_for(op: Any) -> OpRule | None:
+    """The rule for ``op`` (an OpOverload), or None when DTensor's strategies and torch's counter serve it."""
+    return _by_op().get(op)
+
+
+def candidates(node: fx.Node, ties: Sequence[int]) -> list[tc.RawStrategy] | None:
+    """The rule's placements for ``node``, or None when no rule gives candidates for its op."""
+    rule = rule_for(node.target)
+    return None if rule is None or rule.candidates is None else rule.candidates(node, ties)
+
+
+def runs_local(node: fx.Node, sharding: NodeSharding) -> bool:
+    """Whether the lowering runs ``node`` on local shards (see the module docstring)."""
+    rule = rule_for(node.target)
+    return rule is not None and rule.runs_local is not None and rule.runs_local(node, sharding)
+
+
+@functools.lru_cache(maxsize=1)
+def flop_formulas() -> Mapping[Any, Callable[..., int]]:
+    """Every rule's FLOP formulas by OpOverload; a formula takes the op's arguments as shapes."""
+    out: dict[Any, Callable[..., int]] = {}
+    for rule in _all_rules():
+        out.update(rule.flops())
+    return out
+
+
+__all__ = ["OpRule", "candidates", "flop_formulas", "rule_for", "runs_local"]

@@ -1,0 +1,26 @@
+"""The shape of an op rule (see ``autoshard.rules``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx as fx
+
+from autoshard import _torch_compat as tc
+from autoshard.ir import NodeSharding
+
+
+@dataclass(frozen=True)
+class OpRule:
+    """One op family's rule (see the module docstring); ``ops`` lists its overloads."""
+
+    name: str
+    ops: Callable[[], frozenset[Any]]  # resolved on first use: importing a rule touches no op
+    candidates: Callable[[fx.Node, Sequence[int]], list[tc.RawStrategy]] | None = None
+    runs_local: Callable[[fx.Node, NodeSharding], bool] | None = None
+    flops: Callable[[], Mapping[Any, Callable[..., int]]] = field(default=lambda: {})
+
+
+__all__ = ["OpRule"]
