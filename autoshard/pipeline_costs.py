@@ -72,7 +72,7 @@ def _piece_of_modules(gm: fx.GraphModule, ctx: PassContext, container: str) -> t
 def _input_bytes(gm: fx.GraphModule, ctx: PassContext, group_piece: dict[int, Any]) -> dict[Any, int]:
     """Per piece, the bytes one device holds of the activations that enter its forward from another piece (a
     layer's input hidden state), in the layout their producer chose: what activation recomputation keeps."""
-    from autoshard.passes.strategies import shard_factor
+    from autoshard.passes.candidates import shard_factor
 
     ms = ctx.mesh_shape
     kinds = {g.id: g.kind for g in ctx.groups}
