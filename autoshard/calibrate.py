@@ -43,6 +43,9 @@ from typing import Any
 
 import torch
 
+from autoshard.calibrate_links import (  # noqa: F401 - COLLECTIVE_KINDS, fit_ring, _axis_groups: re-exported
+    COLLECTIVE_KINDS, CalibrationConfig, CollectiveFit, _axis_groups, _run_all, fit_ring, measure_collectives,
+)
 from autoshard.cluster import ClusterProfile, DeviceSpec, Link
 
 logger = logging.getLogger(__name__)
@@ -51,59 +54,6 @@ __all__ = [
     "Calibration", "CalibrationConfig", "CollectiveFit", "calibrate", "fit_ring", "measure_collectives",
     "measure_copy_bandwidth", "measure_kernel_overhead", "measure_matmul", "summary", "write_profile",
 ]
-
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
-
-
-@dataclass(frozen=True)
-class CalibrationConfig:
-    """What to measure and how long. :meth:`quick` is a few seconds (tests, smoke runs); the default a minute."""
-
-    ranks: int = 4
-    threads: int = 1
-    matmul_sizes: tuple[int, ...] = (256, 512, 1024)
-    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
-    copy_bytes: int = 256 * 2**20
-    small_message_bytes: int = 4 * 64
-    large_message_bytes: int = 16 * 2**20
-    warmup: int = 3
-    reps: int = 15
-    timeout_s: float = 300.0
-
-    def __post_init__(self) -> None:
-        if self.ranks not in (2, 4):
-            raise ValueError(f"calibrate runs 2 or 4 gloo ranks (mesh (2,) or (2, 2)), got ranks={self.ranks}")
-        if self.reps < 1 or self.warmup < 0 or self.threads < 1:
-            raise ValueError(f"need reps >= 1, warmup >= 0, threads >= 1; got {self.reps}, {self.warmup}, "
-                             f"{self.threads}")
-        if not 0 < self.small_message_bytes < self.large_message_bytes:
-            raise ValueError("need 0 < small_message_bytes < large_message_bytes")
-
-    @classmethod
-    def quick(cls, ranks: int = 4) -> CalibrationConfig:
-        # small sizes, but enough repetitions that the medians hold on a shared 2-core machine (with 5, the
-        # collective latencies varied 5x between runs); still about a second
-        return cls(ranks=ranks, matmul_sizes=(128, 256), copy_bytes=16 * 2**20, large_message_bytes=2**20,
-                   warmup=5, reps=21, timeout_s=120.0)
-
-    def mesh_shape(self) -> tuple[int, ...]:
-        return (2,) if self.ranks == 2 else (2, self.ranks // 2)
-
-
-@dataclass(frozen=True)
-class CollectiveFit:
-    """Median times of one collective on one mesh axis, and the ring latency/bandwidth that reproduce them."""
-
-    kind: str
-    axis: int
-    group_size: int
-    small_bytes: int
-    small_s: float
-    large_bytes: int
-    large_s: float
-    latency: float
-    bandwidth: float
-
 
 @dataclass(frozen=True)
 class Calibration:
@@ -160,130 +110,6 @@ def measure_kernel_overhead(warmup: int = 20, reps: int = 200) -> float:
     """Median seconds of one eager ``torch.add`` on 8 floats (dispatch cost, no work)."""
     x = torch.ones(8)
     return _median_time(lambda: torch.add(x, x), warmup, reps)[0]
-
-
-# ---------------------------------------------------------------------------------------------- collectives
-
-
-def fit_ring(kind: str, n: int, small_bytes: float, small_s: float, large_bytes: float,
-             large_s: float) -> tuple[float, float]:
-    """``(latency, bandwidth)`` with which :func:`autoshard.cost.collectives.algorithm_time` (``ring``, one node)
-    gives ``small_s`` for ``small_bytes`` and ``large_s`` for ``large_bytes`` on ``n`` devices.
-
-    Ring: ``t = steps * latency + c * bytes / bandwidth`` with ``steps = n - 1`` and ``c = (n - 1) / n``, both
-    doubled for all_reduce. Two points, two unknowns. Noise can make the line ill-posed (large no slower than
-    small, or a negative intercept); then the bandwidth comes from the large message alone after taking the
-    small one's time as latency, and the latency is clamped at 0."""
-    if kind not in COLLECTIVE_KINDS or n < 2:
-        raise ValueError(f"fit_ring: need kind in {COLLECTIVE_KINDS} and n >= 2, got {kind!r}, n={n}")
-    passes = 2 if kind == "all_reduce" else 1
-    steps, c = passes * (n - 1), passes * (n - 1) / n
-    slope = (large_s - small_s) / (large_bytes - small_bytes)
-    if slope > 0:
-        bandwidth = c / slope
-        latency = (small_s - c * small_bytes / bandwidth) / steps
-        if latency >= 0:
-            return latency, bandwidth
-    latency = max(small_s, 0.0) / steps
-    rest = large_s - steps * latency
-    bandwidth = c * large_bytes / rest if rest > 0 else c * large_bytes / max(large_s, 1e-9)
-    return latency, bandwidth
-
-
-def _axis_groups(shape: tuple[int, ...], axis: int) -> list[list[int]]:
-    """Rank lists of the groups along ``axis`` of a row-major mesh of ``shape``."""
-    ranks = torch.arange(int(torch.tensor(shape).prod())).reshape(shape)
-    moved = ranks.movedim(axis, -1).reshape(-1, shape[axis])
-    return [row.tolist() for row in moved]
-
-
-def _collective_worker(rank: int, cfg: CalibrationConfig, tmpdir: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        store = dist.FileStore(os.path.join(tmpdir, "store"), cfg.ranks)
-        dist.init_process_group("gloo", rank=rank, world_size=cfg.ranks, store=store,
-                                timeout=datetime.timedelta(seconds=cfg.timeout_s))
-        shape = cfg.mesh_shape()
-        # the *_single names replace the *_tensor ones in newer torch; same (output, input) arguments
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        times: dict[str, float] = {}
-        for axis in range(len(shape)):
-            group = None
-            for members in _axis_groups(shape, axis):  # every rank creates every group, in the same order
-                g = dist.new_group(members)
-                if rank in members:
-                    group = g
-            n = shape[axis]
-            for kind in COLLECTIVE_KINDS:
-                for nbytes in (cfg.small_message_bytes, cfg.large_message_bytes):
-                    full = torch.ones(max(n, nbytes // 4 // n * n))
-                    shard = torch.ones(full.numel() // n)
-                    samples = []
-                    for i in range(cfg.warmup + cfg.reps):
-                        dist.barrier(group=group)
-                        t0 = time.perf_counter()
-                        if kind == "all_reduce":
-                            dist.all_reduce(full, group=group)
-                        elif kind == "all_gather":
-                            gather(full, shard, group=group)
-                        else:
-                            scatter(shard, full, group=group)
-                        if i >= cfg.warmup:
-                            samples.append(time.perf_counter() - t0)
-                    times[f"{axis}/{kind}/{full.numel() * 4}"] = statistics.median(samples)
-        Path(tmpdir, f"rank{rank}.json").write_text(json.dumps(times))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent through the file
-        Path(tmpdir, f"error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _run_all(procs: Sequence[Any], timeout_s: float) -> None:
-    """Start the child processes, wait for all of them up to ``timeout_s`` in all, and stop any still running."""
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + timeout_s
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(5)
-
-
-def measure_collectives(cfg: CalibrationConfig) -> tuple[CollectiveFit, ...]:
-    """Fork ``cfg.ranks`` gloo ranks (FileStore) and time every collective on every mesh axis; per
-    (axis, kind, size) the slowest rank's median, fitted per (axis, kind) with :func:`fit_ring`.
-
-    Fork before any multi-threaded torch work in this process (libgomp's pool does not survive fork);
-    :func:`calibrate` does."""
-    ctx = multiprocessing.get_context("fork")
-    with tempfile.TemporaryDirectory(prefix="autoshard_calibrate_") as tmpdir:
-        procs = [ctx.Process(target=_collective_worker, args=(r, cfg, tmpdir), daemon=True)
-                 for r in range(cfg.ranks)]
-        _run_all(procs, cfg.timeout_s)
-        errors = sorted(Path(tmpdir).glob("error*.txt"))
-        if errors or any(p.exitcode != 0 for p in procs):
-            detail = "; ".join(e.read_text() for e in errors) or f"exit codes {[p.exitcode for p in procs]}"
-            raise RuntimeError(f"calibrate: a gloo rank failed or timed out ({cfg.timeout_s} s): {detail}")
-        per_rank = [json.loads(Path(tmpdir, f"rank{r}.json").read_text()) for r in range(cfg.ranks)]
-    slowest = {key: max(r[key] for r in per_rank) for key in per_rank[0]}
-    shape, fits = cfg.mesh_shape(), []
-    for axis, n in enumerate(shape):
-        for kind in COLLECTIVE_KINDS:
-            (sb, ss), (lb, ls) = sorted(
-                (int(k.rsplit("/", 1)[1]), t) for k, t in slowest.items() if k.startswith(f"{axis}/{kind}/")
-            )
-            latency, bandwidth = fit_ring(kind, n, sb, ss, lb, ls)
-            fits.append(CollectiveFit(kind, axis, n, sb, ss, lb, ls, latency, bandwidth))
-            logger.info("axis %d %s n=%d: %d B %.3g s, %d B %.3g s -> latency %.3g s, bandwidth %.3g B/s",
-                        axis, kind, n, sb, ss, lb, ls, latency, bandwidth)
-    return tuple(fits)
 
 
 # ------------------------------------------------------------------------------------------------- profile
