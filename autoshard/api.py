@@ -242,7 +242,7 @@ def _compile_pipelined(
     real_group: bool,
 ) -> PipelinedModule | None:
     """The pipelined program, or None when ``pipeline="auto"`` finds no pipeline faster than the plain plan."""
-    from autoshard.pipeline_compile import choose_pipeline, compile_pipelined
+    from autoshard.pipeline.compile import choose_pipeline, compile_pipelined
 
     names = tuple(mesh.mesh_dim_names or ())
     if not real_group or tc.in_local_tensor_mode():

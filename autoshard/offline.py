@@ -159,7 +159,7 @@ def plan_offline(
     memory.
 
     Pipeline stages: ``pipeline="auto"`` searches stage counts, micro-batches and schedules
-    (``autoshard.pipeline_search``) and returns the pipelined plan when more than one stage is fastest, else
+    (``autoshard.pipeline.search``) and returns the pipelined plan when more than one stage is fastest, else
     the usual plan (the log says why). A mesh whose outermost axis is named ``"pp"`` fixes the stage count to
     that axis's size; the other axes are each stage's sub-mesh."""
     if pipeline not in PIPELINE_MODES:
@@ -200,7 +200,7 @@ def plan_offline(
         return _plan_flat(job, prof, mesh, shape, names, cfg, progress)
 
     if stages is not None or pipeline == "auto":
-        from autoshard.pipeline_plan import plan_with_pipeline
+        from autoshard.pipeline.offline import plan_with_pipeline
 
         plan = plan_with_pipeline(job.module, job.inputs, prof, cfg, flat, stages=stages,
                                   sub_shape=shape if stages else None, axis_names=names if stages else None,

@@ -42,7 +42,8 @@ import torch
 from autoshard.cluster import get_cluster
 from autoshard.config import PlanConfig
 from autoshard.models.gpt import GPT, GPTConfig
-from autoshard.pipeline_search import PipelineOption, evaluate_config, megatron_baseline, search_pipeline
+from autoshard.pipeline.megatron import evaluate_config, megatron_baseline
+from autoshard.pipeline.search import PipelineOption, search_pipeline
 
 # GPT weak scaling, Megatron-LM (Narayanan et al., SC'21), NVIDIA Selene: 8x A100-80GB per node (NVSwitch), 8x HDR InfiniBand (200 Gb/s) per node.
 # Source: NVIDIA/Megatron-LM README table image images/cases_april2021.png and its text: vocab 51200, sequence 2048, mixed precision,

@@ -273,7 +273,7 @@ def predicted_step_s(plan: Any, cluster: str) -> float:
     """The cost model's training step: the plan's forward + backward + communication, plus the AdamW update
     over this device's parameters, gradients and optimizer state (memory-bound; ``pipeline_search``)."""
     from autoshard.cluster import get_cluster
-    from autoshard.pipeline_search import optimizer_step_s
+    from autoshard.pipeline.search import optimizer_step_s
 
     m = plan.stages[0].memory
     return plan.step_time_s + optimizer_step_s(m.parameters + m.gradients + m.optimizer, get_cluster(cluster).device, 2)

@@ -118,7 +118,7 @@ def test_piece_costs_add_up_to_the_plan(sample):
     from autoshard.cluster import get_cluster
     from autoshard.config import PlanConfig
     from autoshard.models.llama import Llama, LlamaConfig, llama_example_inputs
-    from autoshard.pipeline_costs import piece_costs
+    from autoshard.pipeline.costs import piece_costs
     from autoshard.planner import plan_graph
     from harness import fake_world
 
@@ -153,7 +153,7 @@ def test_deep_narrow_model_on_a_slow_network_gets_balanced_stages():
     from autoshard.cluster import get_cluster
     from autoshard.config import PlanConfig
     from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
-    from autoshard.pipeline_search import search_pipeline
+    from autoshard.pipeline.search import search_pipeline
 
     cfg = GPTConfig(n_layer=16, d_model=256, n_head=4, vocab=512, seq_len=128)
     with torch.device("meta"):
@@ -236,7 +236,7 @@ def test_interleaved_ranks_send_at_every_chunk_boundary():
 def test_microbatch_counts_and_stage_start():
     from autoshard.cluster import get_cluster
     from autoshard.config import PlanConfig
-    from autoshard.pipeline_search import microbatch_counts, stage_start
+    from autoshard.pipeline.search import microbatch_counts, stage_start
 
     # 4 stages of 8 devices, batch 32: micro-batches of 1, 2, 4, 8 sequences (B >= S)
     assert microbatch_counts(32, 4, 8, 8) == [4, 8, 16, 32]
@@ -268,7 +268,7 @@ def test_a_fixed_tp_pp_dp_config_prices_megatrons_layout():
     (dp, tp) sub-mesh, layers split evenly; recomputation lowers memory and costs time."""
     from autoshard.cluster import get_cluster
     from autoshard.config import PlanConfig
-    from autoshard.pipeline_search import evaluate_config
+    from autoshard.pipeline.megatron import evaluate_config
 
     model, inputs = _small_gpt()
     cluster, config = get_cluster("a100-80gb:4x8"), PlanConfig(sample_layers=2)
@@ -293,12 +293,14 @@ def test_megatron_recipe_takes_the_smallest_pp_that_fits_and_the_search_is_not_s
     per stage); the free search, which lists it among its options, finds something at least as fast."""
     from autoshard.cluster import get_cluster
     from autoshard.config import PlanConfig
-    from autoshard.pipeline_search import BASELINE, search_pipeline
+    from autoshard.pipeline.megatron import megatron_baseline
+    from autoshard.pipeline.search import BASELINE, search_pipeline
 
     model, inputs = _small_gpt()
     budget = 50 * 2**20  # TP 8 x DP 4 with recomputation needs ~73 MB per device, TP 8 x DP 2 x PP 2 ~38 MB
-    options = search_pipeline(model, inputs, get_cluster("a100-80gb:4x8"), PlanConfig(sample_layers=2, memory_budget=budget),
-                              microbatch_options=2, baseline=True)
+    cluster, config = get_cluster("a100-80gb:4x8"), PlanConfig(sample_layers=2, memory_budget=budget)
+    options = search_pipeline(model, inputs, cluster, config, microbatch_options=2)
+    options.append(megatron_baseline(model, inputs, cluster, config))
     base = next(o for o in options if o.recipe == BASELINE)
     assert base.split is not None and base.stages == 2 and base.submesh == (2, 8) and base.note == "tp=8 pp=2 dp=2"
     assert base.split.recompute and max(base.split.stage_memory_bytes) <= budget

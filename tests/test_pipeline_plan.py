@@ -14,7 +14,7 @@ import torch
 
 import autoshard
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
-from autoshard.pipeline_plan import FLAT_NAME
+from autoshard.pipeline.plan import FLAT_NAME
 from autoshard.plan import Plan
 
 BALANCE = 1.25  # the slowest stage's time per micro-batch is at most this factor of the fastest's
@@ -122,7 +122,7 @@ def test_model_that_fits_one_node_gets_no_stages(caplog: pytest.LogCaptureFixtur
     cfg = GPTConfig(n_layer=2, d_model=512, n_head=4, vocab=32000, seq_len=256)
     with torch.device("meta"):
         model = GPT(cfg)
-    with caplog.at_level(logging.INFO, logger="autoshard.pipeline_plan"):
+    with caplog.at_level(logging.INFO, logger="autoshard.pipeline"):
         plan = autoshard.plan(model, example_inputs=gpt_example_inputs(cfg, 4), cluster="h100-sxm:1x4",
                               pipeline="auto", warm_start=False)
     assert len(plan.stages) == 1 and "pp" not in plan.mesh.names and plan.schedule is None
@@ -160,7 +160,7 @@ def test_a_model_without_repeated_layers_gets_no_stages(caplog: pytest.LogCaptur
     with torch.device("meta"):
         model = Mlp()
     x = torch.randn(16, 64, device="meta")
-    with caplog.at_level(logging.INFO, logger="autoshard.pipeline_plan"):
+    with caplog.at_level(logging.INFO, logger="autoshard.pipeline"):
         plan = autoshard.plan(model, example_inputs=(x,), cluster="a100-80gb:2x8", pipeline="auto", warm_start=False)
     assert len(plan.stages) == 1 and plan.mesh.names == ("dp", "tp")
     assert any("no stages" in m and "repeated layers" in m for m in caplog.messages), caplog.messages

@@ -3,7 +3,7 @@
 Setting. The model is a sequence of pieces: a head piece (everything before the repeated layers: embeddings),
 ``L`` layers, and a tail piece (final norm, output projection, loss). Each piece has, for one sub-mesh shape
 and one micro-batch size, a ``PieceCost`` taken from the intra-op plan of that piece on that sub-mesh
-(``autoshard.pipeline_costs``): the time of one micro-batch's forward + backward (and the forward part of it),
+(``autoshard.pipeline.costs``): the time of one micro-batch's forward + backward (and the forward part of it),
 the once-per-step work (gradient reduction that is not hidden, which runs once after all micro-batches), the
 training-state bytes per device, the activation bytes one in-flight micro-batch keeps per device and the bytes
 of the piece's input activation.

@@ -3,7 +3,7 @@
 For each stage count S that divides the cluster into equal sub-meshes (whole nodes per stage, or a single
 node split evenly) and each micro-batch count B (:func:`microbatch_counts`), the model is planned by the
 intra-op solver on ONE stage's sub-mesh at the micro-batch size, cut into head / layer / tail pieces
-(``pipeline_costs``), and split into S stages by the inter-op DP (``solver.inter_op``) under the memory budget
+(``pipeline.costs``), and split into S stages by the inter-op DP (``solver.inter_op``) under the memory budget
 with the schedule that fits best, with or without activation recomputation. S = 1 is the plain intra-op plan of
 the whole cluster, over the whole batch at once or accumulating gradients over B micro-batches. The result
 lists every configuration tried, fastest first.
@@ -22,14 +22,8 @@ scatter/gather optimization) over the inter-node network when stages span nodes,
 The optimizer step runs once per step on every device over its own training state; it is memory-bound
 (:func:`optimizer_step_s`) and is added to each piece's once-per-step work.
 
-Fixed configurations. :func:`evaluate_config` prices a manual TP x PP x DP layout the way Megatron-LM runs it:
-each stage is a ``dp x tp`` sub-mesh planned with the intra-op recipe pinned (``tp``: Megatron's column/row
-parallel layers on the ``tp`` axis, batch and replicated parameters on ``dp``; ``ddp`` when tp = 1), the layers
-are split evenly (``inter_op.even_split``), and the schedule is 1F1B or interleaved 1F1B. :func:`megatron_baseline`
-is Megatron's recipe ("pp+tp+dp"): TP = the devices of a node, the smallest PP (whole nodes per stage) whose
-stages fit the memory budget, DP over the rest, micro-batches of 1 or 2 sequences per data-parallel rank.
-``search_pipeline(..., baseline=True)`` lists it among the options (``recipe == "pp+tp+dp"``), so the search says
-how its own choice compares; free options have ``recipe == ""``.
+Megatron-LM's fixed configurations are priced in ``pipeline.megatron``; their rows have ``recipe ==
+"pp+tp+dp"``, free options ``recipe == ""``.
 """
 
 from __future__ import annotations
@@ -47,12 +41,11 @@ from torch import nn
 from autoshard.cluster import ClusterProfile, DeviceSpec
 from autoshard.config import PlanConfig
 from autoshard.meshes import fake_world, mesh_names
-from autoshard.pipeline_costs import piece_costs
+from autoshard.pipeline.costs import piece_costs
 from autoshard.solver.inter_op import SCHEDULES, PieceCost, StageSplit, best_split
 
 log = logging.getLogger(__name__)
 
-MEGATRON_SCHEDULES = ("1F1B", "Interleaved1F1B")  # what Megatron-LM ran in 2021 (Narayanan et al., SC21)
 BASELINE = "pp+tp+dp"
 
 
@@ -116,7 +109,7 @@ def optimizer_step_s(state_bytes: float, device: DeviceSpec, factor: int) -> flo
     return state_bytes * (1 + written) / (device.memory_bandwidth * device.memory_efficiency)
 
 
-def _with_optimizer(c: PieceCost, device: DeviceSpec, factor: int) -> PieceCost:
+def with_optimizer(c: PieceCost, device: DeviceSpec, factor: int) -> PieceCost:
     return dataclasses.replace(c, step_s=c.step_s + optimizer_step_s(c.state_bytes, device, factor))
 
 
@@ -141,7 +134,7 @@ def _boundary_node(gm: Any, ctx: Any) -> Any:
     return best
 
 
-def _boundary_bytes(gm: Any, ctx: Any) -> int:
+def boundary_bytes(gm: Any, ctx: Any) -> int:
     """Global bytes of the activation entering the first repeated layer (what a stage boundary sends)."""
     node = _boundary_node(gm, ctx)
     return 0 if node is None else node.meta["val"].numel() * node.meta["val"].element_size()
@@ -183,7 +176,7 @@ def _sub_cluster(cluster: ClusterProfile, world: int) -> ClusterProfile:
     return cluster.with_size(max(1, world // per), min(world, per))
 
 
-def _p2p_s(cluster: ClusterProfile, world: int, stages: int, boundary: int) -> float:
+def p2p_seconds(cluster: ClusterProfile, world: int, stages: int, boundary: int) -> float:
     """One boundary send: this device's share of the boundary activation over the link between stages."""
     if stages <= 1:
         return 0.0
@@ -196,7 +189,7 @@ SplitFn = Callable[[PieceCost, list[PieceCost], PieceCost, float, int | None], S
 FALLBACK_RECIPES = ("fsdp+tp", "fsdp", "tp", "ddp")
 
 
-def _plan_split(
+def plan_split(
     model: nn.Module, inputs: Sequence[Any], sub: tuple[int, ...], names: tuple[str, ...], cluster: ClusterProfile,
     config: PlanConfig, microbatches: int, stages: int, split: SplitFn, budget: int | None,
     fallback: Sequence[str] = (),
@@ -222,12 +215,12 @@ def _plan_split(
         plan, gm, ctx = plan_graph(model, micro_inputs(inputs, microbatches), mesh, _sub_cluster(cluster, world),
                                    config)
         node = _boundary_node(gm, ctx)
-        p2p = _p2p_s(cluster, world, stages, 0 if node is None else node.meta["val"].numel() * node.meta["val"].element_size())
+        p2p = p2p_seconds(cluster, world, stages, 0 if node is None else node.meta["val"].numel() * node.meta["val"].element_size())
 
         def pieces(sol: Any) -> tuple[PieceCost, list[PieceCost], PieceCost]:
             head, layers, tail = piece_costs(gm, ctx, sol)
-            return (_with_optimizer(head, dev, f), [_with_optimizer(c, dev, f) for c in layers],
-                    _with_optimizer(tail, dev, f))
+            return (with_optimizer(head, dev, f), [with_optimizer(c, dev, f) for c in layers],
+                    with_optimizer(tail, dev, f))
 
         def cost(sol: Any, p: Any, recipe: str) -> tuple[StageSplit | None, str, str]:
             act = "" if node is None else f"act [{', '.join(placement_str(x) for x in node.meta['autoshard'].outputs[0])}]"
@@ -259,14 +252,13 @@ def search_pipeline(
     recompute: bool | None = None,
     stage_options: Sequence[int] | None = None,
     walk_stages: bool = False,
-    baseline: bool = False,
 ) -> list[PipelineOption]:
     """Every (stages, micro-batches) configuration's best split, fastest first. ``config.memory_budget`` is
     the per-device budget each stage must fit. ``recompute``: None lets each split use activation recomputation
     where only it fits (or it is faster); True/False fixes it. ``stage_options`` limits the stage counts tried.
     ``walk_stages`` plans only some stage counts: from :func:`stage_start` towards the faster neighbour while
-    it gets faster (the step time taken to be unimodal in S, as in B), instead of every one. ``baseline`` adds
-    Megatron's recipe (:func:`megatron_baseline`) to the options."""
+    it gets faster (the step time taken to be unimodal in S, as in B), instead of every one.
+    (``pipeline.megatron.megatron_baseline`` prices Megatron's recipe to compare with.)"""
     from autoshard.planner import repeated_layers
 
     found = repeated_layers(model)
@@ -288,8 +280,6 @@ def search_pipeline(
         for i in range(len(ladder)):
             best_of(i)
     options = [o for i in sorted(per_stages) for o in per_stages[i]]
-    if baseline:
-        options.append(megatron_baseline(model, example_inputs, cluster, config))
     options.sort(key=lambda o: (o.step_time_s, o.stages, o.recipe))
     return options
 
@@ -327,7 +317,7 @@ def _stage_options(
                limit: int | None) -> StageSplit | None:
             return best_split(layers, head, tail, stages, b, limit, p2p, sched, recompute=recompute)
 
-        split, layout, recipe = _plan_split(model, example_inputs, sub, mesh_names(sub), cluster, inner, b, stages,
+        split, layout, recipe = plan_split(model, example_inputs, sub, mesh_names(sub), cluster, inner, b, stages,
                                             fn, budget, FALLBACK_RECIPES if budget is not None else ())
         note = "" if split is not None else "no split fits the memory budget"
         log.info("pipeline: %d stages of %s, %d micro-batches: %s", stages, sub, b,
@@ -370,87 +360,5 @@ def _walk(n: int, value: Callable[[int], float], budget: int, first: int) -> Non
             break  # it moved one way: the other way was not better from the start
 
 
-def evaluate_config(
-    model: nn.Module,
-    example_inputs: Sequence[Any],
-    cluster: ClusterProfile,
-    config: PlanConfig,
-    *,
-    tp: int,
-    pp: int,
-    microbatches: int,
-    dp: int | None = None,
-    schedule: str | None = None,
-    recompute: bool | None = True,
-    max_chunks: int = 4,
-) -> PipelineOption:
-    """A fixed Megatron-style layout: ``pp`` stages of ``dp x tp`` devices (TP on the inner, intra-node axis;
-    stages and DP outside it), ``microbatches`` micro-batches, layers split evenly, intra-op recipe pinned
-    (``tp``, or ``ddp`` when tp = 1). ``schedule`` None: the faster of 1F1B and interleaved 1F1B (chunks up to
-    ``max_chunks`` that divide the layers evenly); one stage accumulates gradients (1F1B with S = 1)."""
-    n = cluster.num_devices()
-    dp = n // (tp * pp) if dp is None else dp
-    if tp * pp * dp != n or min(tp, pp, dp) < 1:
-        raise ValueError(f"tp={tp} x pp={pp} x dp={dp} = {tp * pp * dp} devices, but {cluster.name} has {n}")
-    batch = int(example_inputs[0].shape[0])
-    if batch % microbatches or (batch // microbatches) % dp:
-        raise ValueError(f"global batch {batch} in {microbatches} micro-batches does not split over dp={dp}; "
-                         f"use a micro-batch count that divides {batch} into multiples of {dp} sequences")
-    sub, names = ((dp, tp), ("dp", "tp")) if dp > 1 and tp > 1 else ((tp,), ("tp",)) if tp > 1 else ((dp,), ("dp",))
-    recipe = "tp" if tp > 1 else "ddp"
-    inner = dataclasses.replace(config, memory_budget=None, warm_start=False, recipe=recipe)
-    budget = config.memory_budget
-    scheds = (schedule,) if schedule else ("1F1B",) if pp == 1 else MEGATRON_SCHEDULES
-
-    def fn(head: PieceCost, layers: list[PieceCost], tail: PieceCost, p2p: float,
-           limit: int | None) -> StageSplit | None:
-        return best_split(layers, head, tail, pp, microbatches, limit, p2p, scheds, max_chunks, recompute, even=True)
-
-    split, layout, _ = _plan_split(model, example_inputs, sub, names, cluster, inner, microbatches, pp, fn, budget)
-    note = "" if split is not None else "does not fit the memory budget"
-    log.info("config tp=%d pp=%d dp=%d, %d micro-batches: %s", tp, pp, dp, microbatches,
-             f"{split.step_time_s:.6f} s ({split.schedule} x{split.chunks})" if split else note)
-    return PipelineOption(pp, sub, microbatches, split, note, recipe=recipe, layout=layout)
-
-
-def megatron_baseline(
-    model: nn.Module,
-    example_inputs: Sequence[Any],
-    cluster: ClusterProfile,
-    config: PlanConfig,
-    *,
-    microbatch_sizes: Sequence[int] = (1, 2),
-    recompute: bool | None = True,
-) -> PipelineOption:
-    """Megatron-LM's recipe ("pp+tp+dp"): TP = devices per node, PP = the smallest number of whole-node stages
-    whose stages fit ``config.memory_budget`` (the device's memory when None), DP = the remaining nodes; of the
-    micro-batch sizes (sequences per data-parallel rank) the faster that fits. Full activation recomputation,
-    as Megatron's GPT runs use (``recompute=None`` would use it only where needed)."""
-    from autoshard.planner import repeated_layers
-
-    if config.memory_budget is None:
-        config = dataclasses.replace(config, memory_budget=cluster.device.memory_bytes)
-    tp, nodes = cluster.devices_per_node, cluster.nodes
-    found = repeated_layers(model)
-    depth = found[1] if found else 1
-    batch = int(example_inputs[0].shape[0])
-    tried = []
-    for pp in (p for p in range(1, nodes + 1) if nodes % p == 0 and p <= depth):
-        dp = nodes // pp
-        best: PipelineOption | None = None
-        for mbs in microbatch_sizes:
-            if batch % (dp * mbs) or batch // (dp * mbs) < pp:
-                continue
-            o = evaluate_config(model, example_inputs, cluster, config, tp=tp, pp=pp, dp=dp,
-                                microbatches=batch // (dp * mbs), recompute=recompute)
-            if o.split is not None and (best is None or o.step_time_s < best.step_time_s):
-                best = o
-        if best is not None:
-            return dataclasses.replace(best, recipe=BASELINE, note=f"tp={tp} pp={pp} dp={dp}")
-        tried.append(pp)
-    return PipelineOption(0, (), 0, None, f"{BASELINE}: no PP in {tried} fits the memory budget", recipe=BASELINE)
-
-
-__all__ = ["BASELINE", "MEGATRON_SCHEDULES", "PipelineOption", "evaluate_config", "layout_summary",
-           "megatron_baseline", "microbatch_counts", "optimizer_step_s", "search_pipeline", "stage_meshes",
-           "stage_start"]
+__all__ = ["BASELINE", "PipelineOption", "boundary_bytes", "layout_summary", "microbatch_counts", "optimizer_step_s",
+           "p2p_seconds", "plan_split", "search_pipeline", "stage_meshes", "stage_start", "with_optimizer"]

@@ -5,7 +5,7 @@ The mesh this runs on has a ``pp`` axis outermost (the user's, or one made from 
 
 1. Choose: for each stage count and micro-batch count, the whole model is planned on the sub-mesh at the
    micro-batch size (every rank plans the same things; rank 0's solutions are broadcast), cut into pieces
-   (``pipeline_costs``) and split by the inter-op DP (``solver.inter_op.best_split``) over the schedules that run
+   (``pipeline.costs``) and split by the inter-op DP (``solver.inter_op.best_split``) over the schedules that run
    here. ``pipeline="auto"`` also weighs no pipeline at all (the plain plan of the whole batch on the whole mesh).
 2. Cut: ``torch.distributed.pipelining.pipeline`` splits the module at the chosen layers (``SplitPoint``).
 3. Plan and compile: each stage is planned on the sub-mesh (``plan_graph(stage=True)``) with its received
@@ -30,10 +30,10 @@ from torch.distributed.tensor import Replicate
 
 from autoshard.cluster import ClusterProfile
 from autoshard.config import PlanConfig
-from autoshard.pipeline_costs import piece_costs
+from autoshard.pipeline.costs import piece_costs
 from autoshard.inputs import Call, signature_of
-from autoshard.pipeline_search import _boundary_bytes, _p2p_s, _with_optimizer
-from autoshard.pipeline_wiring import StageWiring, loss_counter, split_model, stage_examples
+from autoshard.pipeline.search import boundary_bytes, p2p_seconds, with_optimizer
+from autoshard.pipeline.wiring import StageWiring, loss_counter, split_model, stage_examples
 from autoshard.plan import MeshSpec, Plan
 from autoshard.planner import pipeline_layers, plan_graph
 from autoshard.runtime.pipeline import EXECUTABLE_SCHEDULES, LossWeighting, PipelinedModule, StageModule, TiedParameter
@@ -104,11 +104,11 @@ def choose_pipeline(
             _, gm, ctx = plan_graph(model, micro_call(inputs, b), submesh, cluster, inner, broadcast_solution=True)
             dev, f = cluster.device, config.optimizer_factor
             head, layers, tail = piece_costs(gm, ctx, container=container)  # each also steps its optimizer once
-            head, tail = _with_optimizer(head, dev, f), _with_optimizer(tail, dev, f)
-            layers = [_with_optimizer(c, dev, f) for c in layers]
+            head, tail = with_optimizer(head, dev, f), with_optimizer(tail, dev, f)
+            layers = [with_optimizer(c, dev, f) for c in layers]
             # boundaries here are whole (Replicate): every device sends the whole activation, not its share
             k = math.prod(sub_shape)
-            p2p = _p2p_s(cluster, k, stages, _boundary_bytes(gm, ctx) * k)
+            p2p = p2p_seconds(cluster, k, stages, boundary_bytes(gm, ctx) * k)
             split = best_split(layers, head, tail, stages, b, config.memory_budget, p2p, schedules)
             log.info("pipeline: %d stages of %s, %d micro-batches: %s", stages, sub_shape, b,
                      f"{split.step_time_s:.6f} s ({split.schedule} x{split.chunks})" if split else "no split fits")

@@ -1,0 +1,177 @@
+"""``autoshard.plan(..., pipeline="auto")`` on the offline path: run the stage search, choose among its options
+(and the plain plan without stages, and Megatron's recipe when the recipes are solved too), and build the chosen
+pipelined Plan (``pipeline.plan``) with the options as its recipe rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import nn
+
+from autoshard.cluster import ClusterProfile
+from autoshard.config import PlanConfig
+from autoshard.meshes import mesh_names
+from autoshard.notation import format_seconds
+from autoshard.pipeline.megatron import megatron_baseline
+from autoshard.pipeline.plan import FLAT_NAME, pipelined_plan
+from autoshard.pipeline.search import BASELINE, PipelineOption, search_pipeline, stage_meshes
+from autoshard.plan import BaselineSummary, Plan
+from autoshard.solver.intra_op import InfeasibleBudget
+
+log = logging.getLogger(__name__)
+
+
+def _describe(o: PipelineOption) -> str:
+    what = "no stages" if o.stages == 1 else f"{o.stages} stages of {o.submesh}"
+    what += f" ({o.recipe} layout)" if o.recipe else ""
+    if o.split is None:
+        return f"{what}: {o.note or 'no split fits'}"
+    if o.stages == 1:
+        return f"{what}: {format_seconds(o.step_time_s)}"
+    return f"{what}, {o.split.schedule} x {o.microbatches} micro-batches: {format_seconds(o.step_time_s)}"
+
+
+def flat_summary(options: Sequence[PipelineOption]) -> BaselineSummary | None:
+    """The fastest 1-stage option (the intra-op plan of the whole cluster) as a row of the recipe comparison."""
+    flat = next((o for o in options if o.stages == 1 and o.recipe != BASELINE), None)
+    if flat is None:
+        return None
+    if flat.split is None:
+        return BaselineSummary(FLAT_NAME, math.inf, 0, False, flat.note or "no 1-stage plan fits the memory budget")
+    return BaselineSummary(FLAT_NAME, flat.step_time_s, max(flat.split.stage_memory_bytes), True,
+                           "the intra-op plan of the whole cluster")
+
+
+def recipe_rows(options: Sequence[PipelineOption]) -> list[BaselineSummary]:
+    """Megatron's recipe ("pp+tp+dp") among the options as a row of the recipe comparison."""
+    rows = []
+    for o in options:
+        if o.recipe != BASELINE:
+            continue
+        name = BASELINE
+        if o.split is None:
+            rows.append(BaselineSummary(name, math.inf, 0, False, o.note))
+            continue
+        redo = ", recompute" if o.split.recompute else ""
+        mesh = o.layout.split(";")[0] if o.layout else str(o.submesh)  # the layout summary starts with the mesh
+        note = f"pp={o.stages} x {mesh}, {o.split.schedule} x {o.microbatches} micro-batches{redo}"
+        rows.append(BaselineSummary(name, o.step_time_s, max(o.split.stage_memory_bytes), True, note))
+    return rows
+
+
+def choose(options: Sequence[PipelineOption], stages: int | None = None) -> tuple[PipelineOption | None, str]:
+    """The option to plan (None: the plain plan of the whole batch) and why, from ``search_pipeline``'s options
+    (fastest first; Megatron's recipe row is not a candidate). With ``stages`` only that stage count is considered, and
+    its failing to fit is an error. One stage over several micro-batches (gradient accumulation) is chosen
+    when it is the fastest: the whole batch at once did not fit."""
+    free = [o for o in options if o.recipe != BASELINE]
+    if stages is not None:
+        mine = [o for o in free if o.stages == stages]
+        if not mine:
+            raise ValueError(f"no {stages}-stage configuration was planned: each stage needs at least one of the "
+                             "model's repeated layers (a ModuleList of identical blocks); use fewer stages")
+        if mine[0].split is None:
+            raise InfeasibleBudget(f"{_describe(mine[0])}; try more stages, a smaller batch or more memory")
+        return mine[0], f"pp={stages} fixed by the mesh: {_describe(mine[0])}"
+    ok = [o for o in free if o.split is not None]
+    if not ok:
+        return None, "no configuration fits the memory budget: " + "; ".join(_describe(o) for o in free)
+    best = ok[0]
+    piped = next((o for o in ok if o.stages > 1), None)
+    if best.stages == 1 and best.microbatches > 1:
+        return best, f"no stages, gradient accumulation over {best.microbatches} micro-batches ({_describe(best)})"
+    if best.stages == 1:
+        why = f"one stage is fastest ({_describe(best)})"
+        return None, why + (f"; best pipelined: {_describe(piped)}" if piped else "; no pipelined option fits")
+    flat = next((o for o in free if o.stages == 1), None)
+    return best, _describe(best) + (f" beats {_describe(flat)}" if flat is not None else "")
+
+
+def _check_stages(cluster: ClusterProfile, stages: int, sub_shape: Sequence[int] | None) -> None:
+    """A fixed stage count must be one the search plans: equal sub-meshes of whole nodes (or of one node)."""
+    allowed = dict(stage_meshes(cluster))
+    if stages not in allowed:
+        raise ValueError(
+            f"a pp axis of {stages} stages does not split {cluster.name} into equal sub-meshes of whole nodes (or "
+            f"one node evenly); possible stage counts: {sorted(allowed)}"
+        )
+    if sub_shape is not None and tuple(sub_shape) != allowed[stages]:
+        want = ",".join(f"{n}={k}" for n, k in zip(mesh_names(allowed[stages]), allowed[stages]))
+        raise ValueError(
+            f"{stages} stages on {cluster.name} plan each stage on a sub-mesh {allowed[stages]}, not "
+            f"{tuple(sub_shape)}; give the mesh as pp={stages},{want}"
+        )
+
+
+def plan_with_pipeline(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    cluster: ClusterProfile,
+    config: PlanConfig,
+    flat: Callable[[], Plan],
+    *,
+    stages: int | None = None,
+    sub_shape: Sequence[int] | None = None,
+    axis_names: Sequence[str] | None = None,
+    progress: Callable[[str, float, str], None] | None = None,
+) -> Plan:
+    """The pipelined plan when more than one stage wins (or ``stages`` fixes the count), else ``flat()``.
+
+    ``stages`` and ``sub_shape`` (a mesh with a ``pp`` axis: its size and the other axes) fix the stage count
+    and sub-mesh; ``axis_names`` names the sub-mesh axes. With ``config.warm_start`` (and no fixed stage count) the plan without stages is also made the usual way
+    (recipes and all) and kept when it is at least as fast; its recipe rows join the pipelined plan's comparison.
+    """
+    if stages is not None:
+        _check_stages(cluster, stages, sub_shape)
+    from autoshard.planner import repeated_layers
+
+    if repeated_layers(model) is None:
+        why = f"{type(model).__name__} has no repeated layers (a ModuleList of identical blocks) to split into stages"
+        if stages is not None:
+            raise ValueError(f"a pp axis of {stages} stages: {why}; plan it without a pp axis")
+        log.info("pipeline: no stages: %s", why)
+        return flat()
+    if progress:
+        progress("pipeline", 0.0, "")
+    options = search_pipeline(model, example_inputs, cluster, config, stage_options=[stages] if stages else None)
+    if config.warm_start:  # Megatron's recipe among the options: the report says how the search's choice compares
+        options = sorted([*options, megatron_baseline(model, example_inputs, cluster, config)],
+                         key=lambda o: (o.step_time_s, o.stages, o.recipe))
+    recipes = recipe_rows(options)
+    chosen, why = choose(options, stages)
+    if progress:
+        progress("pipeline", 1.0, why)
+    if chosen is None:
+        log.info("pipeline: no stages: %s", why)
+        return _with_rows(flat(), recipes)
+    log.info("pipeline: %s", why)
+    plan = pipelined_plan(model, example_inputs, cluster, config, chosen, axis_names)
+    rows = [flat_summary(options)]
+    if config.warm_start and stages is None:
+        try:
+            base = flat()
+        except InfeasibleBudget as e:
+            if not e.proven:
+                raise
+            rows = [BaselineSummary(FLAT_NAME, math.inf, 0, False, "no plan without stages fits the memory budget")]
+        else:
+            if base.step_time_s <= plan.step_time_s:
+                log.info("pipeline: no stages: the plan without stages (%s, recipes weighed) is as fast as %s",
+                         format_seconds(base.step_time_s), why)
+                return _with_rows(base, recipes)
+            rows = [*base.baselines, BaselineSummary(FLAT_NAME, base.step_time_s, base.peak_memory.total, True,
+                                                     "the plan of the whole cluster without stages")]
+    return _with_rows(plan, [r for r in rows if r is not None] + recipes)
+
+
+def _with_rows(plan: Plan, rows: Sequence[BaselineSummary]) -> Plan:
+    have = {b.name for b in plan.baselines}
+    return dataclasses.replace(plan, baselines=(*plan.baselines, *(r for r in rows if r.name not in have)))
+
+
+__all__ = ["choose", "flat_summary", "plan_with_pipeline", "recipe_rows"]
