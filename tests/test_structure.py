@@ -63,3 +63,8 @@ def test_the_checker_sees_a_cycle() -> None:
 def test_no_import_cycles() -> None:
     cycles = [" -> ".join(c + [c[0]]) for c in nx.simple_cycles(import_graph())]
     assert not cycles, "import cycles:\n" + "\n".join(sorted(cycles, key=len)[:10])
+
+
+def test_every_module_reads_in_one_sitting() -> None:
+    long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > 400}
+    assert not long, f"modules over 400 lines: {long}"
