@@ -45,9 +45,16 @@ def _launch(*args: str, timeout: float = 240) -> tuple[str, dict[int, float]]:
     return text, losses
 
 
-def test_torchrun_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"
-    text, first = _launch("--steps", "5", "--ckpt", str(ckpt), "--ckpt-every", "3")
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, dict[int, float]]:
+    """5 steps with autoshard.compile on dp=2, checkpointed after step 3 and at the end (both tests use it)."""
+    ckpt = tmp_path_factory.mktemp("train_hf") / "ckpt"
+    text, losses = _launch("--steps", "5", "--ckpt", str(ckpt), "--ckpt-every", "3")
+    return ckpt, text, losses
+
+
+def test_torchrun_trains_checkpoints_and_resumes(first_run: tuple[Path, str, dict[int, float]]) -> None:
+    ckpt, text, first = first_run
     assert sorted(first) == [0, 1, 2, 3, 4], f"one progress line per step expected:\n{text[-4000:]}"
     assert all(math.isfinite(v) for v in first.values()), first
     assert first[0] > 5.0, f"an untrained byte model starts near ln(257) = 5.55: {first}"
@@ -65,11 +72,12 @@ def test_torchrun_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
     assert (ckpt / "step-000005" / ".metadata").exists(), text[-3000:]
 
 
-def test_torchrun_pipeline_stages_and_backend_train_like_the_plain_compile() -> None:
+def test_torchrun_pipeline_stages_and_backend_train_like_the_plain_compile(
+        first_run: tuple[Path, str, dict[int, float]]) -> None:
     """The same stock model and batches through pipeline stages (``--pp 2``: two stages, padded rows weighted by
     their tokens) and through ``torch.compile(backend="autoshard")`` with the config's default KV cache: the
-    same losses as ``autoshard.compile`` on a data-parallel mesh."""
-    _, plain = _launch("--steps", "3")
+    same losses as ``autoshard.compile`` on a data-parallel mesh (the first run's steps 0-2)."""
+    plain = first_run[2]
     text, piped = _launch("--steps", "3", "--pp", "2")
     assert sorted(piped) == [0, 1, 2], text[-4000:]
     text, backend = _launch("--steps", "3", "--torch-compile")
