@@ -41,7 +41,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autoshard.config import ALIASES, RECIPES, normalize
 from autoshard.passes.context import PassContext
-from autoshard.solver.intra_op import InfeasibleBudget, Solution
+from autoshard.solver.intra_op import InfeasibleBudget, Solution, SolverTimeout
 
 T = TypeVar("T")
 
@@ -248,13 +248,13 @@ def solve_recipe(recipe: str, gm: fx.GraphModule, ctx: PassContext, time_limit_s
     fits = True
     try:
         sol = ctx.problem.solve(memory_budget=budget, **kw)
-    except InfeasibleBudget as e:
+    except (InfeasibleBudget, SolverTimeout) as e:
         fits = False
-        if not e.proven:
+        if isinstance(e, SolverTimeout):
             notes.append(f"no plan under the budget found within {limit:g} s (may fit with a longer time_limit_s)")
         try:
             sol = ctx.problem.solve(memory_budget=None, **kw)
-        except ValueError as e2:
+        except (ValueError, SolverTimeout) as e2:
             return BaselineResult(recipe, None, False, float("inf"), 0, f"n/a: {e2}")
     except ValueError as e:
         return BaselineResult(recipe, None, False, float("inf"), 0, f"n/a: {e}")

@@ -25,6 +25,7 @@ from typing import TextIO
 from autoshard.cluster import get_cluster, known_clusters
 from autoshard.models.zoo import get_model, known_models
 from autoshard.notation import parse_bytes
+from autoshard.solver.intra_op import SolverTimeout
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.command == "calibrate":
             return _calibrate(a)
         return _plan(a)
-    except ValueError as e:  # bad input: the message says what and how to fix it
+    except (ValueError, SolverTimeout) as e:  # bad input or a time limit: the message says what to change
         sys.stderr.write(f"autoshard: error: {e}\n")
         return 2
 

@@ -231,9 +231,7 @@ def _plan_flat(
         dm = mesh if isinstance(mesh, DeviceMesh) else init_device_mesh("cpu", shape, mesh_dim_names=names)
         try:
             plan, _, _ = plan_graph(job.module, job.inputs, dm, prof, cfg, progress=progress)
-        except InfeasibleBudget as e:
-            if not e.proven:  # the time limit ran out near the budget: not an out-of-memory verdict
-                raise
+        except InfeasibleBudget as e:  # (a SolverTimeout is not an out-of-memory verdict: it passes through)
             raise InfeasibleBudget(_explain_oom(job, e, prof, shape, cfg.memory_budget), e.least_bytes) from None
     return plan
 

@@ -162,3 +162,15 @@ def test_budget_below_minimum_names_the_minimum(ctx):
     gm = strategies(share_layers(coarsen(capture(Stack([16]), _inputs(), c), c), c), c)
     with pytest.raises(InfeasibleBudget, match="smallest is"):
         solve(gm, c)
+
+
+def test_a_time_out_is_not_an_out_of_memory_verdict(ctx):
+    """A solve stopped by its time limit before any plan is a SolverTimeout (raise time_limit_s), never an
+    InfeasibleBudget (which says no plan fits)."""
+    from autoshard.solver.intra_op import SolverTimeout
+
+    c = PassContext(mesh=ctx.mesh, cluster=ctx.cluster, config=PlanConfig(time_limit_s=1e-9, warm_start=False))
+    gm = strategies(share_layers(coarsen(capture(Stack([16, 16, 16]), _inputs(), c), c), c), c)
+    with pytest.raises(SolverTimeout, match="time_limit_s") as e:
+        solve(gm, c)
+    assert not isinstance(e.value, InfeasibleBudget)

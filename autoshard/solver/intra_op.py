@@ -70,12 +70,17 @@ class Solution:
 
 
 class InfeasibleBudget(ValueError):
-    """No plan fits; ``least_bytes`` is the smallest per-device memory any plan needs (None when unknown)."""
+    """No plan fits the memory budget (proven); ``least_bytes`` is the smallest per-device memory any plan needs
+    (None when unknown)."""
 
-    def __init__(self, message: str, least_bytes: int | None = None, proven: bool = True) -> None:
+    def __init__(self, message: str, least_bytes: int | None = None) -> None:
         super().__init__(message)
         self.least_bytes = least_bytes
-        self.proven = proven  # False: the time limit ran out before a plan or a proof was found
+
+
+class SolverTimeout(RuntimeError):
+    """The solver's time limit ran out before it found a plan or proved that none fits: not an out-of-memory
+    verdict. A longer ``time_limit_s`` (or a looser budget) may find one."""
 
 
 def collect_edges(gm: fx.GraphModule, groups: Sequence[Group], output_roles: Sequence) -> tuple[list[Edge], list]:
@@ -333,13 +338,13 @@ class IntraOpProblem:
         name = solver.StatusName(status)
         if status == cp_model.INFEASIBLE and memory_budget is None:
             raise ValueError(self._impossible_message(order))
+        if status == cp_model.INFEASIBLE:
+            raise InfeasibleBudget(f"no {what} fits memory_budget={format_bytes(memory_budget)} (proven by the solver)")
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            raise InfeasibleBudget(
+            raise SolverTimeout(
                 f"the solver found no {what} ({name}) within {time_limit_s} s"
                 + (f" under memory_budget={format_bytes(memory_budget)}" if memory_budget else "")
-                + "; raise time_limit_s or the budget",
-                None,
-                proven=status == cp_model.INFEASIBLE,
+                + "; raise time_limit_s (or the budget)"
             )
         choice_c = {c: (next(i for i, v in zip(order[c], x[c]) if solver.Value(v)) if c in x else order[c][0])
                     for c in canon_ids}
