@@ -136,9 +136,9 @@ def baseline(
     (it can be compiled with ``autoshard.compile(..., recipe=recipe)``). ``mesh_or_cluster`` is a DeviceMesh
     (then ``example_inputs`` are required, as for ``plan``) or a cluster spec (then ``kwargs`` as for ``plan``)."""
     if isinstance(mesh_or_cluster, DeviceMesh):
-        return plan(model, mesh_or_cluster, example_inputs, recipe=recipe, warm_start=False, **kwargs)
+        return plan(model, mesh_or_cluster, example_inputs, recipe=recipe, solve_recipes=False, **kwargs)
     return plan(model, kwargs.pop("mesh", None), example_inputs, cluster=mesh_or_cluster, recipe=recipe,
-                warm_start=False, **kwargs)
+                solve_recipes=False, **kwargs)
 
 
 def compile(  # noqa: A001 - the one-line API the project promises

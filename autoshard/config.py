@@ -47,7 +47,7 @@ class PlanConfig:
     full placement list or ``{mesh axis name: placement}``, e.g. ``{"inputs": {"dp": Shard(0)}}`` shards the batch
     over ``dp`` and leaves the other axes to the solver.
 
-    ``warm_start`` solves each manual recipe that applies (``autoshard.baselines``) alongside the plan and keeps
+    ``solve_recipes`` solves each manual recipe that applies (``autoshard.baselines``) alongside the plan and keeps
     the fastest that fits when a time-limited search ends slower, so the plan is never slower than it.
     ``recipe`` ("ddp", "fsdp", "tp", "fsdp+tp") makes the plan that recipe instead of a free choice. ``sample_layers`` captures only that many of a
     model's identical repeated layers and lets them stand for all of them (planning only: the plan's costs and
@@ -62,7 +62,7 @@ class PlanConfig:
     disable_passes: tuple[str, ...] = ()
     num_workers: int = 1
     seed: int = 0
-    warm_start: bool = True
+    solve_recipes: bool = True
     recipe: str | None = None
     sample_layers: int | None = None
     tie_axes: bool = True

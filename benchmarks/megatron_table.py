@@ -150,7 +150,7 @@ def main() -> None:
             model = GPT(cfg).to(torch.bfloat16)
         inputs = tuple(torch.empty((row.batch, SEQ), dtype=torch.long, device="meta") for _ in range(2))
         cluster = get_cluster(f"a100-80gb:{row.gpus // 8}x8")
-        config = PlanConfig(sample_layers=2, optimizer="adamw-mixed", memory_budget=80 * GIB, warm_start=False)
+        config = PlanConfig(sample_layers=2, optimizer="adamw-mixed", memory_budget=80 * GIB, solve_recipes=False)
         fixed = published_config(row, model, inputs, cluster, config)
         options = [] if args.no_search else search_pipeline(
             model, inputs, cluster, config, microbatch_options=2 if args.quick else args.microbatch_options,

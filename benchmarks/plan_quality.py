@@ -11,16 +11,17 @@ captured and stand for all of them, and the memory budget is the device's memory
 the mesh (``autoshard.baselines``: ddp, fsdp, Megatron tp, fsdp+tp), each with its parameter and batch layouts
 pinned and everything else (activation layouts, where the collectives go) chosen by the same integer program, so
 every recipe is costed by exactly the model that costs the plan, and done as well as that recipe allows. Those
-are ``Plan.baselines``; the plan itself is warm-started from the fastest one that fits.
+are ``Plan.baselines``; they are solved alongside the plan, and a time-limited plan slower than the fastest that
+fits is replaced by it.
 
 Columns: the case (model, cluster, mesh, global batch x sequence length), the solved plan's predicted step time
 and peak memory per device, each recipe's predicted step time ("OOM": over the memory budget; "n/a": the recipe
 does not apply to this mesh or batch), the fastest recipe that fits ("none": no recipe fits), ratio = solved /
 that recipe's step time and "x faster" = its inverse, then the solved plan's MFU and tokens/s. Goal: ratio <= 1.00
-in every case ("ok", else "WORSE"): the warm start makes a worse plan a bug, not bad luck. The summary gives the
+in every case ("ok", else "WORSE"): solving the recipes alongside makes a worse plan a bug, not bad luck. The summary gives the
 largest ratio and the geometric-mean speedup over the best feasible recipe. A note follows for every plan whose
 step time (the Plan's own accounting, which the recipes' times also use) differs by more than 1% from the
-objective the solver minimized: "never slower than the warm start" holds only for the solver's number.
+objective the solver minimized: "never slower than a recipe" holds only for the solver's number.
 
 These are the cost model's predictions, not measurements on a cluster: the table says whether the search beats
 hand-made layouts under the model, not how good the model is. Solves are time-limited, so results can vary with
@@ -64,7 +65,7 @@ CASES = (
     Case("llama3-8b", "h100-sxm:2x8", (2, 8), 16, 8192, why="long sequence, activation-heavy"),
     Case("llama3-70b", "h100-sxm:16x8", (16, 8), 128, 2048, why="memory-bound: only sharded recipes fit"),
     # seq 4096 left no recipe within 80 GB and the plan at the budget's edge (a solve that ran out of time
-    # then reported InfeasibleBudget); at 1024 FSDP fits and warm-starts the plan
+    # then reported InfeasibleBudget); at 1024 FSDP fits and bounds the plan
     Case("mixtral-8x7b", "h100-sxm:4x8", (4, 8), 32, 1024, why="mixture of experts, memory-bound"),
     Case("bert-large", "a100-80gb:1x8", (8,), 256, 512, why="encoder, one node"),
     Case("vit-h14", "h100-sxm:2x8", (2, 8), 256, None, why="vision transformer"),

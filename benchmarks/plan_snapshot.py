@@ -5,7 +5,7 @@
 
 Every zoo model (``autoshard models``) on the meshes (8,), (8, 8) and (16, 8, 8) of h100-sxm nodes of 8, planned
 through the public offline path (``autoshard.plan(name, cluster=..., mesh=...)``, global batch = the mesh's
-size, the model's default sequence), warm start on; a plan that does not fit is its error message. The JSON written is ``Plan.to_json()`` without wall-clock
+size, the model's default sequence), the recipes solved alongside; a plan that does not fit is its error message. The JSON written is ``Plan.to_json()`` without wall-clock
 fields (the solver's ``wall_s``); ``--compare`` reports each plan that differs (the first differing key) and
 exits 1 if any does.
 """

@@ -11,7 +11,7 @@ precisely: global batch = the number of devices (so every recipe can split it), 
 length, three of the repeated layers captured (they stand for all), and no memory budget (this measures the
 solver, not whether the model fits). Columns: graph nodes captured, decision groups after coarsening, groups
 that carry variables after identical layers share them, solver variables, seconds per stage (capture,
-strategies, the solve pass = the manual-recipe solves that warm-start it + the plan's own build and solve),
+strategies, the solve pass = the manual-recipe solves alongside + the plan's own build and solve),
 total, the objective and the proven gap. Goals on this 2-core machine: Llama-3-8B on (8, 8) <= 5 s;
 Llama-3-70B on 1024 devices <= 30 s; the same goal as the zoo's Llama-3-8B for a user's own stock module.
 
@@ -89,7 +89,7 @@ def _timed_plan(shape: tuple[int, ...], profile: bool, make_plan) -> tuple:
     return result, wall, cpu
 
 
-def run_hf_case(model: str, shape: tuple[int, ...], warm_start: bool, time_limit: float, profile: bool = False) -> dict:
+def run_hf_case(model: str, shape: tuple[int, ...], solve_recipes: bool, time_limit: float, profile: bool = False) -> dict:
     """A user's own module on the public DeviceMesh path (``autoshard.plan(module, mesh, inputs)``)."""
     import autoshard
 
@@ -107,7 +107,7 @@ def run_hf_case(model: str, shape: tuple[int, ...], warm_start: bool, time_limit
             timings[stage] = now - started[stage]
 
     plan, wall, cpu = _timed_plan(shape, profile, lambda mesh: autoshard.plan(
-        module, mesh, inputs, cluster=f"h100-sxm:{world // per_node}x{per_node}", warm_start=warm_start,
+        module, mesh, inputs, cluster=f"h100-sxm:{world // per_node}x{per_node}", solve_recipes=solve_recipes,
         time_limit_s=time_limit, progress=progress))
     s = plan.solver
     return {
@@ -119,12 +119,12 @@ def run_hf_case(model: str, shape: tuple[int, ...], warm_start: bool, time_limit
     }
 
 
-def run_case(model: str, shape: tuple[int, ...], warm_start: bool, time_limit: float, profile: bool = False) -> dict:
+def run_case(model: str, shape: tuple[int, ...], solve_recipes: bool, time_limit: float, profile: bool = False) -> dict:
     world = math.prod(shape)
     per_node = 8 if world >= 8 else world
     cluster = get_cluster(f"h100-sxm:{world // per_node}x{per_node}")
     job = resolve_model(model, None, seq=None, global_batch=world)
-    config = PlanConfig(sample_layers=3, warm_start=warm_start, time_limit_s=time_limit)
+    config = PlanConfig(sample_layers=3, solve_recipes=solve_recipes, time_limit_s=time_limit)
     (plan, _, ctx), wall, cpu = _timed_plan(shape, profile,
                                             lambda mesh: plan_graph(job.module, job.inputs, mesh, cluster, config))
     canon = ctx.layer_of_group or {}
@@ -146,15 +146,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", nargs="*", default=default_models,
                    help=f"zoo models and user modules ({', '.join(HF_MODELS)}: a stock HF module, DeviceMesh path)")
     p.add_argument("--meshes", nargs="*", default=list(DEFAULT_MESHES))
-    p.add_argument("--no-warm-start", action="store_true", help="skip the baseline solves")
+    p.add_argument("--no-recipes", action="store_true", help="skip the baseline solves")
     p.add_argument("--time-limit", type=float, default=30.0)
     p.add_argument("--profile", action="store_true")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     head = (f"{'model':<13}{'mesh':>8}{'nodes':>7}{'groups':>7}{'decide':>7}{'vars':>8}{'capture':>9}"
             f"{'strateg':>9}{'solve':>8}{'total':>8}{'cpu':>7}  {'objective':>10}{'gap':>7}  goal")
-    print(f"autoshard plan time: zoo models on h100-sxm meshes (fake process group), warm start "
-          f"{'off' if a.no_warm_start else 'on'}; seconds on this machine")
+    print(f"autoshard plan time: zoo models on h100-sxm meshes (fake process group), recipes solved alongside: "
+          f"{'no' if a.no_recipes else 'yes'}; seconds on this machine")
     print(head)
     zoo_total: dict[tuple[str, str], float] = {}
     for i, model in enumerate(a.models):
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         for mesh in a.meshes:
             shape = parse_mesh(mesh)
             try:
-                r = case(model, shape, not a.no_warm_start, a.time_limit, a.profile and i == 0)
+                r = case(model, shape, not a.no_recipes, a.time_limit, a.profile and i == 0)
             except Exception as e:  # report and go on: one case must not hide the others
                 print(f"{model:<13}{mesh:>8}  failed: {type(e).__name__}: {str(e)[:150]}")
                 continue

@@ -69,7 +69,7 @@ def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
             what=ctx.config.recipe or "plan",
         )
 
-    if ctx.config.recipe is not None or not ctx.config.warm_start:
+    if ctx.config.recipe is not None or not ctx.config.solve_recipes:
         return own()
     # the plan is solved alongside the manual recipes; a recipe is the same program with layouts pinned, so an
     # optimal plan is never slower than any of them, and one cut short by the time limit is replaced by the

@@ -142,7 +142,7 @@ def test_sampled_layers_stand_for_the_whole_model():
         for sample in (None, 3):
             with torch.device("meta"):
                 model = GPT(cfg)
-            plans.append(autoshard.plan(model, mesh, gpt_example_inputs(cfg, 8), sample_layers=sample, warm_start=False))
+            plans.append(autoshard.plan(model, mesh, gpt_example_inputs(cfg, 8), sample_layers=sample, solve_recipes=False))
     full, sampled = plans
     assert "3 of 6" in sampled.sampled_layers and not full.sampled_layers
     assert math.isclose(sampled.step_time_s, full.step_time_s, rel_tol=1e-6)

@@ -58,7 +58,7 @@ def test_cli_bad_input_is_named(argv, needle, capsys):
 def test_model_that_cannot_fit_says_how_much_it_needs():
     with pytest.raises(InfeasibleBudget, match=r"llama3-8b does not fit on 8 x 1.00 GiB: its training state alone") as e:
         autoshard.plan("llama3-8b", cluster="h100-sxm:1x8", seq=256, global_batch=8, memory_budget="1GiB",
-                       warm_start=False)
+                       solve_recipes=False)
     assert "leanest plan" in str(e.value) and e.value.least_bytes > 2**30
     import re
 

@@ -128,7 +128,7 @@ def test_piece_costs_add_up_to_the_plan(sample):
         with torch.device("meta"):
             model = Llama(cfg)
         plan, gm, ctx = plan_graph(model, llama_example_inputs(cfg, 8), mesh, get_cluster("h100-sxm:1x4"),
-                                   PlanConfig(sample_layers=sample, warm_start=False))
+                                   PlanConfig(sample_layers=sample, solve_recipes=False))
         head, layers, tail = piece_costs(gm, ctx)
     assert len(layers) == 6
     total = head.time_s + tail.time_s + sum(c.time_s + c.step_s for c in layers) + head.step_s + tail.step_s

@@ -169,7 +169,7 @@ def test_a_time_out_is_not_an_out_of_memory_verdict(ctx):
     InfeasibleBudget (which says no plan fits)."""
     from autoshard.solver.intra_op import SolverTimeout
 
-    c = PassContext(mesh=ctx.mesh, cluster=ctx.cluster, config=PlanConfig(time_limit_s=1e-9, warm_start=False))
+    c = PassContext(mesh=ctx.mesh, cluster=ctx.cluster, config=PlanConfig(time_limit_s=1e-9, solve_recipes=False))
     gm = strategies(share_layers(coarsen(capture(Stack([16, 16, 16]), _inputs(), c), c), c), c)
     with pytest.raises(SolverTimeout, match="time_limit_s") as e:
         solve(gm, c)

@@ -31,7 +31,7 @@ def _deep_narrow() -> tuple[GPT, tuple]:
 def piped() -> Plan:
     """8 layers of width 256 on 2 A100 nodes (25 GB/s per GPU between nodes, 300 GB/s inside one)."""
     model, inputs = _deep_narrow()
-    return autoshard.plan(model, example_inputs=inputs, cluster="a100-80gb:2x8", pipeline="auto", warm_start=False)
+    return autoshard.plan(model, example_inputs=inputs, cluster="a100-80gb:2x8", pipeline="auto", solve_recipes=False)
 
 
 def test_deep_narrow_model_on_a_slow_network_gets_stages_across_nodes(piped: Plan) -> None:
@@ -124,7 +124,7 @@ def test_model_that_fits_one_node_gets_no_stages(caplog: pytest.LogCaptureFixtur
         model = GPT(cfg)
     with caplog.at_level(logging.INFO, logger="autoshard.pipeline"):
         plan = autoshard.plan(model, example_inputs=gpt_example_inputs(cfg, 4), cluster="h100-sxm:1x4",
-                              pipeline="auto", warm_start=False)
+                              pipeline="auto", solve_recipes=False)
     assert len(plan.stages) == 1 and "pp" not in plan.mesh.names and plan.schedule is None
     assert any("no stages: one stage is fastest" in m for m in caplog.messages), caplog.messages
 
@@ -132,7 +132,7 @@ def test_model_that_fits_one_node_gets_no_stages(caplog: pytest.LogCaptureFixtur
 def test_a_pp_mesh_axis_fixes_the_stage_count_and_names_the_sub_mesh() -> None:
     model, inputs = _deep_narrow()
     plan = autoshard.plan(model, {"pp": 2, "tp": 8}, example_inputs=inputs, cluster="a100-80gb:2x8",
-                          warm_start=False)
+                          solve_recipes=False)
     assert len(plan.stages) == 2 and plan.mesh.names == ("pp", "tp")
     assert all(s.mesh.names == ("tp",) for s in plan.stages)
     assert {c.axis for s in plan.stages for c in s.collectives} <= {"tp", "pp"}
@@ -161,7 +161,7 @@ def test_a_model_without_repeated_layers_gets_no_stages(caplog: pytest.LogCaptur
         model = Mlp()
     x = torch.randn(16, 64, device="meta")
     with caplog.at_level(logging.INFO, logger="autoshard.pipeline"):
-        plan = autoshard.plan(model, example_inputs=(x,), cluster="a100-80gb:2x8", pipeline="auto", warm_start=False)
+        plan = autoshard.plan(model, example_inputs=(x,), cluster="a100-80gb:2x8", pipeline="auto", solve_recipes=False)
     assert len(plan.stages) == 1 and plan.mesh.names == ("dp", "tp")
     assert any("no stages" in m and "repeated layers" in m for m in caplog.messages), caplog.messages
 
@@ -185,7 +185,7 @@ def test_a_tight_memory_budget_is_met_by_every_stage() -> None:
         model = GPT(DEEP)
     budget = 25 * 2**20
     plan = autoshard.plan(model, example_inputs=gpt_example_inputs(DEEP, 8), cluster="a100-80gb:2x8",
-                          pipeline="auto", warm_start=False, memory_budget=budget)
+                          pipeline="auto", solve_recipes=False, memory_budget=budget)
     assert len(plan.stages) == 2 and plan.memory_budget_bytes == budget
     assert all(0 < s.memory.total <= budget for s in plan.stages)
     flat = next(b for b in plan.baselines if b.name == FLAT_NAME)

@@ -23,7 +23,7 @@ from autoshard.models import hf  # noqa: E402
 
 LAYERS = 6
 # small sizes and the planner's fast settings: this file times in seconds, not minutes
-FAST = dict(warm_start=False, time_limit_s=20.0)
+FAST = dict(solve_recipes=False, time_limit_s=20.0)
 
 
 def _tiny_llama(device: str = "meta"):

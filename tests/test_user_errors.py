@@ -21,7 +21,7 @@ def _mlp_plan(constraints: dict) -> autoshard.Plan:
     with fake_world(4):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         return autoshard.plan(MLP(16, 30, 16), mesh, mlp_example_inputs(8, 16, 16), constraints=constraints,
-                              warm_start=False)
+                              solve_recipes=False)
 
 
 @pytest.mark.parametrize(

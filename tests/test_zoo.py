@@ -290,7 +290,7 @@ def test_plan_step_time_prices_any_choice_like_the_solver() -> None:
 
     m = _tiny("mixtral", n_layer=2)
     with fake_world(8):
-        plan, gm, ctx = plan_on(m.build(), m.example_inputs(8), (2, 4), ("dp", "tp"), cluster="h100-sxm", warm_start=False)
+        plan, gm, ctx = plan_on(m.build(), m.example_inputs(8), (2, 4), ("dp", "tp"), cluster="h100-sxm", solve_recipes=False)
         assert _math.isclose(plan.step_time_s, plan.solver.objective_s, rel_tol=1e-4)
         problem = ctx.problem
         choice = {c: ctx.solution.choice[c] for c in problem.canon_ids}

@@ -92,7 +92,7 @@ def choose_pipeline(
     container = found[0]
     batch = int(signature_of(inputs)[1][0].shape[0])
     schedules = (schedule,) if schedule else EXECUTABLE_SCHEDULES
-    inner = dataclasses.replace(config, memory_budget=None, warm_start=False)
+    inner = dataclasses.replace(config, memory_budget=None, solve_recipes=False)
     best: tuple[float, PipelineChoice] | None = None
     for stages in stage_counts:
         sub_shape, sub_names = _sub_of(mesh, stages)
@@ -204,7 +204,7 @@ def compile_pipelined(
         pnames = [p for p, _ in mod.named_parameters(remove_duplicate=False)]
         pins = _stage_constraints(config, sig, wiring[k], names)
         pins.update({p: placements[canon.get(p, p)] for p in pnames if canon.get(p, p) in placements})
-        cfg = dataclasses.replace(config, constraints=pins, warm_start=False)
+        cfg = dataclasses.replace(config, constraints=pins, solve_recipes=False)
         plan, gm, ctx = plan_graph(mod, ex_args[k], submesh, cluster, cfg, broadcast_solution=True, stage=True)
         for p, pl in plan.parameter_placements().items():
             placements.setdefault(canon.get(p, p), pl)

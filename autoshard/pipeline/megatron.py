@@ -57,7 +57,7 @@ def evaluate_config(
                          f"use a micro-batch count that divides {batch} into multiples of {dp} sequences")
     sub, names = ((dp, tp), ("dp", "tp")) if dp > 1 and tp > 1 else ((tp,), ("tp",)) if tp > 1 else ((dp,), ("dp",))
     recipe = "tp" if tp > 1 else "ddp"
-    inner = dataclasses.replace(config, memory_budget=None, warm_start=False, recipe=recipe)
+    inner = dataclasses.replace(config, memory_budget=None, solve_recipes=False, recipe=recipe)
     budget = config.memory_budget
     scheds = (schedule,) if schedule else ("1F1B",) if pp == 1 else MEGATRON_SCHEDULES
 

@@ -123,7 +123,7 @@ def plan_with_pipeline(
     """The pipelined plan when more than one stage wins (or ``stages`` fixes the count), else ``flat()``.
 
     ``stages`` and ``sub_shape`` (a mesh with a ``pp`` axis: its size and the other axes) fix the stage count
-    and sub-mesh; ``axis_names`` names the sub-mesh axes. With ``config.warm_start`` (and no fixed stage count) the plan without stages is also made the usual way
+    and sub-mesh; ``axis_names`` names the sub-mesh axes. With ``config.solve_recipes`` (and no fixed stage count) the plan without stages is also made the usual way
     (recipes and all) and kept when it is at least as fast; its recipe rows join the pipelined plan's comparison.
     """
     if stages is not None:
@@ -139,7 +139,7 @@ def plan_with_pipeline(
     if progress:
         progress("pipeline", 0.0, "")
     options = search_pipeline(model, example_inputs, cluster, config, stage_options=[stages] if stages else None)
-    if config.warm_start:  # Megatron's recipe among the options: the report says how the search's choice compares
+    if config.solve_recipes:  # Megatron's recipe among the options: the report says how the search's choice compares
         options = sorted([*options, megatron_baseline(model, example_inputs, cluster, config)],
                          key=lambda o: (o.step_time_s, o.stages, o.recipe))
     recipes = recipe_rows(options)
@@ -152,7 +152,7 @@ def plan_with_pipeline(
     log.info("pipeline: %s", why)
     plan = pipelined_plan(model, example_inputs, cluster, config, chosen, axis_names)
     rows = [flat_summary(options)]
-    if config.warm_start and stages is None:
+    if config.solve_recipes and stages is None:
         try:
             base = flat()
         except InfeasibleBudget:

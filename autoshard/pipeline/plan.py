@@ -277,7 +277,7 @@ def pipelined_plan(
     sub_cluster = cluster.with_size(max(1, world // per), min(world, per))
     # the stage layout the search costed: the free intra-op plan, or the recipe it fell back to when the free
     # plan's stages did not fit (option.recipe)
-    inner = dataclasses.replace(config, memory_budget=None, warm_start=False, recipe=option.recipe or None)
+    inner = dataclasses.replace(config, memory_budget=None, solve_recipes=False, recipe=option.recipe or None)
     with fake_world(world):
         dm = init_device_mesh("cpu", sub_shape, mesh_dim_names=default)
         sub, gm, ctx = plan_graph(model, micro_inputs(example_inputs, split.microbatches), dm, sub_cluster, inner)

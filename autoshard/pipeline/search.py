@@ -301,7 +301,7 @@ def _stage_options(
     """The options planned for S = ``stages`` stages of ``sub``: up to ``microbatch_options`` micro-batch counts."""
     batch = int(example_inputs[0].shape[0])
     budget = config.memory_budget
-    inner = dataclasses.replace(config, memory_budget=None, warm_start=False)
+    inner = dataclasses.replace(config, memory_budget=None, solve_recipes=False)
     world = math.prod(sub)
     counts = microbatch_counts(batch, stages, world, cluster.devices_per_node)
     if not counts:
