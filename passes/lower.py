@@ -294,7 +294,7 @@ def trace_rank_program(
     mesh = ctx.mesh
     interp = PlanInterpreter(gm, mesh, group_gathers=group_gathers)
     roles = ctx.output_roles
-    pp = param_placements_of(gm)
+    param_layouts = param_placements_of(gm)
     primal_nodes = [n for n in interp.placeholders if n.meta["autoshard_role"].kind != "tangent"]
     tangent_nodes = [n for n in interp.placeholders if n.meta["autoshard_role"].kind == "tangent"]
 
@@ -303,7 +303,7 @@ def trace_rank_program(
         interp.bind(env, primal_nodes, primals)
         interp.bind(env, tangent_nodes, tangents)
         interp.run(env, [n for n in interp.nodes if n.op in ("call_function", "get_attr")])
-        return interp.outputs(env, roles, pp)
+        return interp.outputs(env, roles, param_layouts)
 
     shapes = local_placeholder_shapes(gm, ctx.mesh_shape)
     device = torch.device(mesh.device_type)

@@ -85,7 +85,7 @@ class InterpretedProgram:
     def __init__(self, gm: fx.GraphModule, ctx: PassContext) -> None:
         self.interp = PlanInterpreter(gm, ctx.mesh)
         self.roles = ctx.output_roles
-        self.pp = param_placements_of(gm)
+        self.param_layouts = param_placements_of(gm)
         ph = self.interp.placeholders
         self.primals = [n for n in ph if n.meta["autoshard_role"].kind != "tangent"]
         self.tangents = [n for n in ph if n.meta["autoshard_role"].kind == "tangent"]
@@ -105,4 +105,4 @@ class InterpretedProgram:
     def backward(self, env: dict[str, Any], grad_loss: torch.Tensor) -> list[torch.Tensor]:
         self.interp.bind(env, self.tangents, [grad_loss.reshape(())])
         self.interp.run(env, self.bw_nodes)
-        return self.interp.outputs(env, self.roles, self.pp)[1:]
+        return self.interp.outputs(env, self.roles, self.param_layouts)[1:]
