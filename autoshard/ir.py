@@ -94,3 +94,13 @@ def tensor_args(node: fx.Node) -> list[fx.Node]:
     for v in node.kwargs.values():
         visit(v)
     return out
+
+
+def output_vals(node: fx.Node) -> list[torch.Tensor | None]:
+    """Per output of ``node``: its (fake) tensor value, None for a non-tensor output."""
+    v = node.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [x if isinstance(x, torch.Tensor) else None for x in v]
+    return [None]

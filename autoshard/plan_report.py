@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple
 
 from autoshard.ir import layer_parts
 from autoshard.notation import (
@@ -17,8 +17,9 @@ from autoshard.notation import (
     placements_str,
     tensor_str,
 )
-if TYPE_CHECKING:  # plan.py imports this module (Plan.report): types only here
-    from autoshard.plan import MemoryBreakdown, Plan, StagePlan
+# plan.py calls this module (Plan.report), so this one does not import it: a Plan, a StagePlan and a
+# MemoryBreakdown are read through their attributes
+Plan = StagePlan = MemoryBreakdown = Any
 
 # ---------------------------------------------------------------------------------------------------------------
 # report

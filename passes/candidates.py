@@ -22,7 +22,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autoshard import _torch_compat as tc
 from autoshard import rules as op_rules
-from autoshard.ir import Placements
+from autoshard.ir import Placements, output_vals
 from autoshard.ir import tensor_args
 from autoshard.passes.context import PassContext
 
@@ -74,15 +74,6 @@ def axis_ties(ctx: PassContext) -> tuple[int, ...]:
 
 def _tied(placements: Placements | None, ties: Sequence[int]) -> bool:
     return placements is None or all(placements[a] == placements[t] for a, t in enumerate(ties))
-
-
-def output_vals(node: fx.Node) -> list[torch.Tensor | None]:
-    v = node.meta.get("val")
-    if isinstance(v, torch.Tensor):
-        return [v]
-    if isinstance(v, (list, tuple)):
-        return [x if isinstance(x, torch.Tensor) else None for x in v]
-    return [None]
 
 
 def _meta_args(node: fx.Node) -> tuple[tuple, dict]:
@@ -288,4 +279,4 @@ def _follow_rules(rules: tc.AxisRules, k: int, placement: Placements, n_in: int)
     return tc.RawStrategy(ins, outs) if all(len(x) == len(axes) for x in ins) else None
 
 
-__all__ = ["CandidateEnumerator", "axis_ties", "evenly_divisible", "output_vals", "shard_factor"]
+__all__ = ["CandidateEnumerator", "axis_ties", "evenly_divisible", "shard_factor"]

@@ -32,7 +32,8 @@ from autoshard.cost.reshard import reshard_time as redistribute_time
 from autoshard.cost.compute import compute_time, op_flops
 from autoshard.ir import Group, GroupStrategy, NodeOut
 from autoshard.ir import tensor_args
-from autoshard.passes.candidates import CandidateEnumerator, evenly_divisible, output_vals, shard_factor
+from autoshard.ir import output_vals
+from autoshard.passes.candidates import CandidateEnumerator, evenly_divisible, shard_factor
 from autoshard.passes.context import PassContext
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """The package's shape: no import cycles among autoshard's modules (counting imports inside functions, which
-only defer a cycle; not ``if TYPE_CHECKING:`` blocks, which never run)."""
+only defer a cycle, and ``if TYPE_CHECKING:`` imports, which tie the modules all the same), no long modules."""
 
 from __future__ import annotations
 
@@ -26,10 +26,6 @@ def _runtime_imports(tree: ast.AST) -> list[str]:
     found: list[str] = []
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.ImportFrom) and node.module:
             found.append(node.module)
             found.extend(f"{node.module}.{a.name}" for a in node.names)

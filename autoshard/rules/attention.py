@@ -19,7 +19,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autoshard import _torch_compat as tc
-from autoshard.ir import NodeSharding, tensor_args
+from autoshard.ir import NodeSharding, output_vals, tensor_args
 from autoshard.rules.base import OpRule
 
 _Shape = Sequence[int]
@@ -31,21 +31,12 @@ def _ops() -> frozenset[Any]:
                       aten._scaled_dot_product_flash_attention_for_cpu_backward.default})
 
 
-def _outputs(node: fx.Node) -> list[torch.Tensor | None]:
-    v = node.meta.get("val")
-    if isinstance(v, torch.Tensor):
-        return [v]
-    if isinstance(v, (list, tuple)):
-        return [x if isinstance(x, torch.Tensor) else None for x in v]
-    return [None]
-
-
 def candidates(node: fx.Node, ties: Sequence[int]) -> list[tc.RawStrategy]:
     """Per distinct mesh axis (``ties``: axes that must place alike share one choice): whole, batch or heads."""
     ins = [a.meta["val"] for a in tensor_args(node)]
     backward = node.target is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
     q = ins[1] if backward else ins[0]
-    outs = _outputs(node)
+    outs = output_vals(node)
     per_axis: list[Placement] = [Replicate(), Shard(0), Shard(1)]
     free = sorted(set(ties))
 
