@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 
-from harness import assert_close_to_reference, run_gloo, single_device_reference
+from harness import WorkerError, assert_close_to_reference, run_gloo, single_device_reference
 from numerics_utils import LR, MODELS, PARAM_ATOL
 
 
@@ -52,7 +53,17 @@ def _worker(rank: int, world: int, arg: tuple) -> dict:
 
 def test_backend_trains_like_one_device_on_2x2() -> None:
     """FSDP + TP (parameters sharded on both axes), each rank passing its dp shard of the batch."""
-    results = run_gloo(4, _worker, ("gpt", (2, 2), ("dp", "tp"), {"recipe": "fsdp+tp"}))
+    arg = ("gpt", (2, 2), ("dp", "tp"), {"recipe": "fsdp+tp"})
+    try:
+        results = run_gloo(4, _worker, arg)
+    except WorkerError as e:
+        # Four torch.compile'd ranks on two cores sometimes abort natively (SIGABRT, no Python exception; issue 14
+        # records the same in 3 of 9 benchmark launches, cause unknown): once, and only that, is run again. A
+        # Python error or a wrong number still fails at once.
+        if "died without a Python exception" not in str(e):
+            raise
+        warnings.warn(f"re-running the 4-rank backend test after a native abort: {e}", stacklevel=1)
+        results = run_gloo(4, _worker, arg)
     make, inputs_fn = MODELS["gpt"]
     ref = single_device_reference(make, inputs_fn(), steps=3, lr=LR)
     for got in results:
