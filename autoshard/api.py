@@ -17,7 +17,8 @@ from autoshard.config import PlanConfig
 from autoshard.inputs import Call, as_call
 from autoshard.plan import Plan
 from autoshard.planner import plan_graph
-from autoshard.runtime.program import BACKENDS, CompiledProgram, InterpretedProgram
+from autoshard.passes.context import BACKENDS
+from autoshard.passes.runner import check_disabled, rank_program
 from autoshard.runtime.lazy import LazyShardedModule, batch_constraint
 from autoshard.runtime.pipeline import PipelinedModule
 from autoshard.runtime.sharded_module import ShardedModule
@@ -178,6 +179,7 @@ def compile(  # noqa: A001 - the one-line API the project promises
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not known; use one of {BACKENDS}")
+    check_disabled(tuple(options.get("disable_passes", ())))
     if parameters not in ("dtensor", "local"):
         raise ValueError(f"parameters={parameters!r}: use 'dtensor' (new DTensor parameters) or 'local' (the same "
                          "parameter objects, holding this rank's shard)")
@@ -201,11 +203,7 @@ def compile(  # noqa: A001 - the one-line API the project promises
         if piped is not None:
             return piped
     p, gm, ctx = plan_graph(model, inputs, mesh, get_cluster(cluster), config, real_group)
-    if tc.in_local_tensor_mode():
-        log.info("compile: LocalTensorMode: running the plan with the DTensor interpreter (no per-rank graph)")
-        program: Any = InterpretedProgram(gm, ctx)
-    else:
-        program = CompiledProgram(gm, ctx, backend)
+    program = rank_program(gm, ctx, backend)
     grad_names = [r.name for r in ctx.output_roles if r.kind == "grad"]
     sharded = ShardedModule(model, mesh, p, program, grad_names, ctx.signature, parameters)
     sharded.timings = dict(ctx.timings)

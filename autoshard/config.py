@@ -21,7 +21,7 @@ OPTIMIZER_STATE_FACTOR = {"adamw": 2, "adam": 2, "adamw-mixed": 6, "sgd": 1, "no
 ConstraintValue = Any
 
 
-# the manual recipes a plan can be forced to (PlanConfig.recipe) and is compared with (autoshard.baselines)
+# the manual recipes a plan can be forced to (PlanConfig.recipe) and is compared with (autoshard.solver.recipes)
 RECIPES = ("ddp", "fsdp", "tp", "fsdp+tp")
 ALIASES = {"megatron": "tp", "megatron-tp": "tp", "zero3": "fsdp", "2d": "fsdp+tp", "fsdp+megatron": "fsdp+tp"}
 
@@ -47,7 +47,7 @@ class PlanConfig:
     full placement list or ``{mesh axis name: placement}``, e.g. ``{"inputs": {"dp": Shard(0)}}`` shards the batch
     over ``dp`` and leaves the other axes to the solver.
 
-    ``solve_recipes`` solves each manual recipe that applies (``autoshard.baselines``) alongside the plan and keeps
+    ``solve_recipes`` solves each manual recipe that applies (``autoshard.solver.recipes``) alongside the plan and keeps
     the fastest that fits when a time-limited search ends slower, so the plan is never slower than it.
     ``recipe`` ("ddp", "fsdp", "tp", "fsdp+tp") makes the plan that recipe instead of a free choice. ``sample_layers`` captures only that many of a
     model's identical repeated layers and lets them stand for all of them (planning only: the plan's costs and

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch import nn
 from torch.distributed.tensor.placement_types import Placement
 
 Placements = tuple[Placement, ...]
@@ -104,3 +105,32 @@ def output_vals(node: fx.Node) -> list[torch.Tensor | None]:
     if isinstance(v, (list, tuple)):
         return [x if isinstance(x, torch.Tensor) else None for x in v]
     return [None]
+
+
+def _layer_signature(m: nn.Module) -> tuple:
+    return (type(m), tuple((n, tuple(p.shape), p.dtype) for n, p in m.named_parameters()))
+
+
+def repeated_layers(model: nn.Module) -> tuple[str, int] | None:
+    """The longest ``nn.ModuleList`` of identical blocks (same class, same parameter shapes): (path, length)."""
+    best: tuple[str, int] | None = None
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > 1:
+            first = _layer_signature(mod[0])
+            if all(_layer_signature(c) == first for c in mod) and (best is None or len(mod) > best[1]):
+                best = (name, len(mod))
+    return best
+
+
+def pipeline_layers(model: nn.Module) -> tuple[str, int] | None:
+    """Where pipeline stages are cut: the repeated layers, else the longest ``nn.ModuleList`` of blocks of one
+    class (T5's first block also holds the relative position table, so its blocks are not identical)."""
+    found = repeated_layers(model)
+    if found is not None:
+        return found
+    best: tuple[str, int] | None = None
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > 1 and len({type(c) for c in mod}) == 1:
+            if best is None or len(mod) > best[1]:
+                best = (name, len(mod))
+    return best

@@ -222,7 +222,7 @@ class StagePlan:
 
 @dataclass(frozen=True)
 class BaselineSummary:
-    """A manual recipe costed in the same model as the plan (``autoshard.baselines``)."""
+    """A manual recipe costed in the same model as the plan (``autoshard.solver.recipes``)."""
 
     name: str
     step_time_s: float  # inf when the recipe does not apply

@@ -1,22 +1,18 @@
-"""The compiler pipeline as one visible, ordered list, and the Plan it produces.
+"""Planning: the planning passes run (``passes/runner.py``), and the Plan value of their solved graph.
 
-    capture -> coarsen -> share_layers -> strategies -> solve        (planning: ``autoshard.plan``)
-    -> lower -> partition + compile                                   (running: ``autoshard.compile``)
-
-Each pass is ``pass(gm, ctx) -> gm``; the runner times and logs every pass, can dump the graph after each
-(``AUTOSHARD_DEBUG=1``) and skips passes named in ``PlanConfig.disable_passes`` where skipping is meaningful
-(``coarsen``: every node decides alone; ``share_layers``: no shared variables).
+``plan_graph`` runs capture .. solve and builds the ``Plan`` (layouts, decisions, collectives, predicted time and
+memory, the recipes' numbers); ``autoshard.compile`` then runs the program passes (lower .. compile) on the same
+graph and context.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import math
 import operator
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -25,19 +21,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
-from autoshard import _torch_compat as tc
 from autoshard.cluster import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.cost.comm import redistribute_steps
 from autoshard.notation import placement_str
-from autoshard.passes.capture import capture
-from autoshard.ir import tensor_args
-from autoshard.passes.coarsen import coarsen
-from autoshard.passes.context import PassContext, debug_enabled
-from autoshard.passes.share_layers import share_layers
-from autoshard.passes.solve import annotate, solve
+from autoshard.ir import pipeline_layers, repeated_layers, tensor_args  # noqa: F401 (pipeline/ imports them from here)
+from autoshard.passes.context import PassContext
+from autoshard.passes.runner import PLANNING, run_passes
+from autoshard.passes.solve import annotate
 from autoshard.solver.intra_op import GRAD_SINK_CREDIT
-from autoshard.passes.strategies import strategies
 from autoshard.plan import (
     BaselineSummary,
     CollectiveStat,
@@ -51,149 +43,6 @@ from autoshard.plan import (
 )
 
 log = logging.getLogger(__name__)
-
-Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
-
-PLANNING_PASSES: tuple[tuple[str, Pass], ...] = (
-    ("coarsen", coarsen),
-    ("share_layers", share_layers),
-    ("strategies", strategies),
-    ("solve", solve),
-)
-
-
-def run_planning(
-    model: nn.Module,
-    example_inputs: Sequence[Any],
-    mesh: DeviceMesh,
-    cluster: ClusterProfile,
-    config: PlanConfig,
-    broadcast_solution: bool = False,
-    progress: Any = None,
-    stage: bool = False,
-) -> tuple[fx.GraphModule, PassContext]:
-    ctx = PassContext(mesh=mesh, cluster=cluster, config=config, broadcast_solution=broadcast_solution,
-                      progress=progress, stage=stage)
-    with tc.outside_local_tensor_mode():
-        with ctx.timed("capture"):
-            gm = _capture(model, example_inputs, ctx)
-        _dump(gm, "capture")
-        params = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-        if not stage:  # a pipeline stage holds part of the model: its constraints were checked on the whole
-            config.check_constraints(params, ctx.signature.names if ctx.signature else (), ctx.mesh_names)
-        for name, p in PLANNING_PASSES:
-            with ctx.timed(name):
-                gm = p(gm, ctx)
-            _dump(gm, name)
-    return gm, ctx
-
-
-def _param_modules(model: nn.Module) -> dict[str, str]:
-    return {
-        f"{mn}.{pn}" if mn else pn: type(m).__name__
-        for mn, m in model.named_modules()
-        for pn, _ in m.named_parameters(recurse=False)
-    }
-
-
-def _layer_signature(m: nn.Module) -> tuple:
-    return (type(m), tuple((n, tuple(p.shape), p.dtype) for n, p in m.named_parameters()))
-
-
-def repeated_layers(model: nn.Module) -> tuple[str, int] | None:
-    """The longest ``nn.ModuleList`` of identical blocks (same class, same parameter shapes): (path, length)."""
-    best: tuple[str, int] | None = None
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) > 1:
-            first = _layer_signature(mod[0])
-            if all(_layer_signature(c) == first for c in mod) and (best is None or len(mod) > best[1]):
-                best = (name, len(mod))
-    return best
-
-
-def pipeline_layers(model: nn.Module) -> tuple[str, int] | None:
-    """Where pipeline stages are cut: the repeated layers, else the longest ``nn.ModuleList`` of blocks of one
-    class (T5's first block also holds the relative position table, so its blocks are not identical)."""
-    found = repeated_layers(model)
-    if found is not None:
-        return found
-    best: tuple[str, int] | None = None
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) > 1 and len({type(c) for c in mod}) == 1:
-            if best is None or len(mod) > best[1]:
-                best = (name, len(mod))
-    return best
-
-
-def _truncated(model: nn.Module, path: str, keep: int) -> nn.Module:
-    """A shallow copy of ``model`` whose ModuleList at ``path`` holds only its first ``keep`` blocks (the
-    blocks, parameters and everything else are shared with ``model``, not copied)."""
-    parts = path.split(".") if path else []
-    root = copy.copy(model)
-    root._modules = dict(model._modules)
-    parent = root
-    for part in parts[:-1]:
-        child = copy.copy(parent._modules[part])
-        child._modules = dict(child._modules)
-        parent._modules[part] = child
-        parent = child
-    parent._modules[parts[-1]] = nn.ModuleList(list(parent._modules[parts[-1]])[:keep])
-    return root
-
-
-def _constraints_uneven(model: nn.Module, path: str, total: int, config: PlanConfig) -> str | None:
-    """A constraint over parameter names that pins some of the repeated layers at ``path`` but not the same
-    parameters in all of them (``model.layers.1*.mlp.*``): the captured layers could not stand for the rest.
-    Returns that constraint's key, or None."""
-    import fnmatch
-
-    keys = [k for k in config.constraints if k not in ("inputs", "params") and not k.startswith("input[")]
-    if not keys:
-        return None
-    prefix = f"{path}."
-    rel: dict[int, list[str]] = {i: [] for i in range(total)}
-    for name, _ in model.named_parameters(remove_duplicate=False):
-        if name.startswith(prefix):
-            idx, _, tail = name[len(prefix):].partition(".")
-            if idx.isdigit():
-                rel[int(idx)].append(tail)
-    for key in keys:
-        pinned = {frozenset(t for t in tails if fnmatch.fnmatchcase(f"{prefix}{i}.{t}", key)) for i, tails in rel.items()}
-        if len(pinned) > 1:
-            return key
-    return None
-
-
-def _capture(model: nn.Module, example_inputs: Sequence[Any], ctx: PassContext) -> fx.GraphModule:
-    """Capture the whole model, or (``config.sample_layers``) only the first few of its repeated layers."""
-    k = ctx.config.sample_layers
-    found = repeated_layers(model) if k and ctx.config.share_layers else None
-    if found is not None and found[0]:
-        uneven = _constraints_uneven(model, found[0], found[1], ctx.config)
-        if uneven is not None:
-            log.info("capture: constraint %r pins some of the layers in %s but not others; capturing every layer",
-                     uneven, found[0])
-            found = None
-    if found is not None and found[1] > k and found[0]:
-        path, total = found
-        try:
-            short = _truncated(model, path, k)
-            ctx.param_modules = _param_modules(short)
-            ctx.sampled_layers = (path, k, total)
-            gm = capture(short, example_inputs, ctx)
-            log.info("capture: %d of the %d identical layers in %s captured; they stand for all", k, total, path)
-            return gm
-        except Exception as e:  # a forward that needs all its layers (indexes them, checks the count ...)
-            log.warning("capture: could not trace %s with %d of its %d layers (%s: %s); capturing every layer",
-                        path, k, total, type(e).__name__, str(e)[:200])
-            ctx.sampled_layers = None
-    ctx.param_modules = _param_modules(model)
-    return capture(model, example_inputs, ctx)
-
-
-def _dump(gm: fx.GraphModule, name: str) -> None:
-    if debug_enabled():
-        log.info("graph after %s:\n%s", name, gm.graph)
 
 
 def _pl(ps: Sequence | None) -> tuple[str, ...]:
@@ -335,9 +184,9 @@ def _collectives(gm: fx.GraphModule, ctx: PassContext) -> list[CollectiveStat]:
 
 
 def baseline_summaries(gm: fx.GraphModule, ctx: PassContext) -> tuple[BaselineSummary, ...]:
-    """Each recipe's Plan-level numbers (same accounting as the plan), computed from ``ctx.baselines``."""
+    """Each recipe's Plan-level numbers (same accounting as the plan), computed from ``ctx.recipes``."""
     out = []
-    for r in ctx.baselines:
+    for r in ctx.recipes:
         if r.solution is None:
             out.append(BaselineSummary(r.name, math.inf, 0, False, r.note))
             continue
@@ -360,13 +209,15 @@ def plan_graph(
 ) -> tuple[Plan, fx.GraphModule, PassContext]:
     """Plan ``model``; ``stage=True`` plans a pipeline stage (tensor outputs, input gradients; see capture)."""
     t0 = time.perf_counter()
-    gm, ctx = run_planning(model, example_inputs, mesh, cluster, config, broadcast_solution, progress, stage)
+    ctx = PassContext(mesh=mesh, cluster=cluster, config=config, broadcast_solution=broadcast_solution,
+                      progress=progress, stage=stage, example_inputs=example_inputs)
+    gm = run_passes(model, ctx, *PLANNING)
     plan = build_plan(gm, ctx, recipe=ctx.config.recipe or "")
-    if ctx.baselines:
+    if ctx.recipes:
         plan = dataclasses.replace(plan, baselines=baseline_summaries(gm, ctx))
     ctx.timings["total"] = time.perf_counter() - t0
     log.info("plan: predicted step %.6f s, %s", plan.step_time_s, ", ".join(f"{k} {v:.2f}s" for k, v in ctx.timings.items()))
     return plan, gm, ctx
 
 
-__all__ = ["PLANNING_PASSES", "build_plan", "pipeline_layers", "plan_graph", "repeated_layers", "run_planning"]
+__all__ = ["build_plan", "pipeline_layers", "plan_graph", "repeated_layers"]

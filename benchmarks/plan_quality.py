@@ -8,7 +8,7 @@ Each case plans a zoo model offline with ``autoshard.plan(model, mesh, cluster=.
 the model is built on the meta device, the mesh lives on a fake process group, three of the repeated layers are
 captured and stand for all of them, and the memory budget is the device's memory unless the case (or
 ``--memory-budget``) says otherwise. While planning, autoshard also solves every manual recipe that applies to
-the mesh (``autoshard.baselines``: ddp, fsdp, Megatron tp, fsdp+tp), each with its parameter and batch layouts
+the mesh (``autoshard.solver.recipes``: ddp, fsdp, Megatron tp, fsdp+tp), each with its parameter and batch layouts
 pinned and everything else (activation layouts, where the collectives go) chosen by the same integer program, so
 every recipe is costed by exactly the model that costs the plan, and done as well as that recipe allows. Those
 are ``Plan.baselines``; they are solved alongside the plan, and a time-limited plan slower than the fastest that
@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 
 import autoshard
-from autoshard.baselines import RECIPES
+from autoshard.config import RECIPES
 from autoshard.models.zoo import get_model
 from autoshard.solver.intra_op import InfeasibleBudget
 

@@ -83,9 +83,18 @@ def choose_followed(node: fx.Node, ins: list[fx.Node]) -> int:
 
 
 def coarsen(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    return _coarsen(gm, ctx, follow=True)
+
+
+def coarsen_per_node(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """``coarsen``'s stand-in when disabled: every node decides alone (only a multi-output op's getitems
+    follow it), so the solver has one variable per op."""
+    return _coarsen(gm, ctx, follow=False)
+
+
+def _coarsen(gm: fx.GraphModule, ctx: PassContext, follow: bool) -> fx.GraphModule:
     members: dict[int, list[str]] = {}
     info: dict[int, tuple[str, str, str, str]] = {}  # id -> anchor, kind, module, phase
-    disabled = "coarsen" in ctx.config.disable_passes
 
     def new_group(node: fx.Node, kind: str) -> None:
         gid = len(members)
@@ -117,7 +126,7 @@ def coarsen(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if not ins:
             new_group(node, "factory")
             continue
-        k = choose_followed(node, ins) if not disabled and is_follower(node) else -1
+        k = choose_followed(node, ins) if follow and is_follower(node) else -1
         # groups never cross a repeated-layer boundary, so identical layers keep identical groups
         if k >= 0 and layer_key(node.meta.get("autoshard_module", "")) == layer_key(
             info[ins[k].meta["autoshard_group"]][2]

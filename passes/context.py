@@ -2,7 +2,8 @@
 
 A ``PassContext`` is made per ``autoshard.plan``/``compile`` call and is the only mutable object the passes
 share; nothing is kept at module level. Per-node facts live on the nodes themselves
-(``node.meta["autoshard_*"]``), per-run products (groups, strategies, the solution) live here.
+(``node.meta["autoshard_*"]``), per-run products (groups, strategies, the solution, the program) live here,
+each set by the pass named next to it (``passes/runner.py`` checks that it was).
 """
 
 from __future__ import annotations
@@ -10,17 +11,41 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
+import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 
-from autoshard.cluster import ClusterProfile
 from autoshard.config import PlanConfig
+from autoshard.hardware import ClusterProfile
+from autoshard.ir import Group, GroupStrategy
+
+if TYPE_CHECKING:
+    from autoshard._torch_compat.capture import OutputRole
+    from autoshard.inputs import CallSignature
+    from autoshard.solver.intra_op import IntraOpProblem, Solution
+    from autoshard.solver.recipes import RecipeResult
 
 log = logging.getLogger(__name__)
+
+# compile(backend=...): "inductor" compiles the lowered graphs with Inductor, "eager" runs them as FX graphs. A
+# context's backend may also be "interpret": under LocalTensorMode (every rank in one process, no rank graph)
+# the plan is run on DTensors by the lowering's interpreter.
+BACKENDS = ("inductor", "eager")
+
+Progress = Callable[[str, float, str], None]  # (pass, fraction done, message), for a CLI's progress display
+
+
+class RankProgram(Protocol):
+    """What ``compile`` hands the runtime: this rank's forward and backward (``passes/compile.py``)."""
+
+    def forward(self, flat: Sequence[torch.Tensor]) -> tuple[torch.Tensor, Any]: ...
+
+    def backward(self, saved: Any, grad_loss: torch.Tensor) -> list[torch.Tensor]: ...
 
 
 @dataclass
@@ -30,23 +55,36 @@ class PassContext:
     config: PlanConfig
     broadcast_solution: bool = False  # rank 0 solves, the others receive (compile on a real process group)
     stage: bool = False  # a pipeline stage: tensor outputs with tangents, gradients of inputs (passes.capture)
+    backend: str = "inductor"  # one of BACKENDS or "interpret": how lower .. compile make the rank program
+    example_inputs: Any = None  # the global-shaped example call: tuple, dict or autoshard.inputs.Call
+    progress: Progress | None = None
     timings: dict[str, float] = field(default_factory=dict)
-    # filled in by the passes, in pipeline order
-    signature: Any = None  # CallSignature of the example call (autoshard.inputs), set by capture
-    output_roles: list[Any] = field(default_factory=list)
-    groups: list[Any] = field(default_factory=list)
-    strategies: dict[int, list[Any]] = field(default_factory=dict)
-    layer_of_group: dict[int, Any] = field(default_factory=dict)
-    # group id -> how many real groups it stands for (1 unless layers were sampled; see share_layers)
-    group_weight: dict[int, float] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
+    # capture
+    signature: CallSignature | None = None  # the example call's structure (autoshard.inputs)
+    output_roles: list[OutputRole] = field(default_factory=list)
+    param_modules: dict[str, str] = field(default_factory=dict)  # parameter name -> its module's class name
     # (container path, layers captured, layers in the model) when only some repeated layers were captured
     sampled_layers: tuple[str, int, int] | None = None
-    param_modules: dict[str, str] = field(default_factory=dict)  # parameter name -> its module's class name
-    baselines: list[Any] = field(default_factory=list)  # BaselineResult per manual recipe (autoshard.baselines)
-    progress: Any = None  # callable(stage, fraction done, message) for a CLI's progress display, or None
-    problem: Any = None  # the IntraOpProblem solve built (baselines re-solve it with layouts pinned)
-    solution: Any = None
-    stats: dict[str, Any] = field(default_factory=dict)
+    # coarsen
+    groups: list[Group] = field(default_factory=list)
+    # share_layers: group id -> its canonical group; group id -> how many real groups it stands for
+    layer_of_group: dict[int, int] = field(default_factory=dict)
+    group_weight: dict[int, float] = field(default_factory=dict)
+    # strategies
+    strategies: dict[int, list[GroupStrategy]] = field(default_factory=dict)
+    # solve
+    problem: IntraOpProblem | None = None  # the integer program (recipes re-solve it with layouts pinned)
+    solution: Solution | None = None
+    recipes: list[RecipeResult] = field(default_factory=list)  # each manual recipe solved alongside the plan
+    # lower: the solved global graph it lowered, and which forward outputs have a tangent, in tangent order
+    planned: fx.GraphModule | None = None
+    tangent_of: tuple[int, ...] = ()
+    # partition (then overlap reorders each in place)
+    forward_graph: fx.GraphModule | None = None
+    backward_graph: fx.GraphModule | None = None
+    # compile
+    program: RankProgram | None = None
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -56,6 +94,11 @@ class PassContext:
     def mesh_names(self) -> tuple[str, ...]:
         names = self.mesh.mesh_dim_names
         return tuple(names) if names else tuple(f"d{i}" for i in range(self.mesh.ndim))
+
+    @property
+    def forward_outputs(self) -> int:
+        """How many outputs the forward returns (the loss, or a pipeline stage's activations)."""
+        return sum(1 for r in self.output_roles if r.kind in ("loss", "output"))
 
     def report(self, stage: str, fraction: float, message: str = "") -> None:
         if self.progress is not None:

@@ -15,15 +15,15 @@ outputs ``[loss (Replicate), *gradients (each in its parameter's placement)]``; 
 ``_c10d_functional`` collective followed by ``wait_tensor``; every shape is local. Rank-dependent constants
 (which chunk a Replicate->Shard keeps) are baked in, so each rank lowers its own graph.
 
-``LocalTensorMode`` simulates all ranks in one process and cannot hold one rank's graph; there the runtime
-runs ``PlanInterpreter`` itself (the same code ``make_fx`` traces here).
+``LocalTensorMode`` simulates all ranks in one process and cannot hold one rank's graph; there ``compile``
+makes a program that runs ``PlanInterpreter`` itself (the same code ``make_fx`` traces here).
 """
 
 from __future__ import annotations
 
 import logging
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -36,7 +36,7 @@ from autoshard import _torch_compat as tc
 from autoshard import rules
 from autoshard.ir import NodeSharding
 from autoshard.notation import local_shape, placements_str
-from autoshard.passes.buckets import (
+from autoshard.passes.lower_buckets import (
     BUCKET_BYTES,
     FIRST_BUCKET_BYTES,
     bucketable,
@@ -74,7 +74,7 @@ class PlanInterpreter:
         self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
         self.output = self.nodes[-1]
         self.mismatches = 0
-        # FSDP-style: one all-gather per layer and phase for the parameters it gathers (passes/buckets.py)
+        # FSDP-style: one all-gather per layer and phase for the parameters it gathers (passes/lower_buckets.py)
         self.groups, self.group_of = _gather_groups(self.nodes, tuple(mesh.shape)) if group_gathers else ({}, {})
         self.gathered: dict[tuple, DTensor] = {}
 
@@ -290,7 +290,7 @@ def trace_rank_program(
     gm: fx.GraphModule, ctx: PassContext, decompositions: dict | None = None, group_gathers: bool = True
 ) -> fx.GraphModule:
     """make_fx-trace ``PlanInterpreter`` over the joint graph for this rank (``group_gathers``: one all-gather
-    per layer and phase for the parameters it gathers, see ``passes/buckets.py``)."""
+    per layer and phase for the parameters it gathers, see ``passes/lower_buckets.py``)."""
     mesh = ctx.mesh
     interp = PlanInterpreter(gm, mesh, group_gathers=group_gathers)
     roles = ctx.output_roles
@@ -319,7 +319,14 @@ def trace_rank_program(
 
 
 def lower(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    lowered = trace_rank_program(gm, ctx)
+    """The lowering pass: this rank's joint graph, decomposed for Inductor when it compiles
+    (``ctx.backend``). Keeps the solved global graph (``ctx.planned``) and which forward outputs have a tangent
+    (``ctx.tangent_of``: a tangent's role is ``tangent[i]`` for forward output i), in tangent order."""
+    ctx.planned = gm
+    ctx.tangent_of = tuple(int(n.meta["autoshard_role"].name[len("tangent["):-1])
+                           for n in gm.graph.find_nodes(op="placeholder") if n.meta["autoshard_role"].kind == "tangent")
+    decompositions = tc.decomposition_table() if ctx.backend == "inductor" else None
+    lowered = trace_rank_program(gm, ctx, decompositions)
     ctx.stats["lowered_nodes"] = sum(1 for n in lowered.graph.nodes if n.op == "call_function")
     return lowered
 
@@ -333,5 +340,3 @@ def collective_counts(gm: fx.GraphModule) -> dict[str, int]:
                 counts[n.target._opname] = counts.get(n.target._opname, 0) + 1
     return counts
 
-
-Program = Callable[..., Any]

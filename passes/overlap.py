@@ -1,8 +1,8 @@
-"""overlap: order a rank's forward or backward graph so that communication runs while it computes.
+"""overlap: order a rank's forward and backward graphs so that communication runs while it computes.
 
-Needs: a graph from ``lower`` split by the partitioner (``_c10d_functional`` collectives, each followed by its
-``wait_tensor``, in the order the interpreter traced them: a gradient bucket's reduction comes after the whole
-backward, its ``wait_tensor`` right after it).
+Needs: ``partition`` (``ctx.forward_graph`` and ``ctx.backward_graph``, from ``lower``'s graph:
+``_c10d_functional`` collectives, each followed by its ``wait_tensor``, in the order the interpreter traced
+them: a gradient bucket's reduction comes after the whole backward, its ``wait_tensor`` right after it).
 
 Does, on one graph, keeping it a valid topological order:
 
@@ -23,6 +23,8 @@ import logging
 
 import torch
 import torch.fx as fx
+
+from autoshard.passes.context import PassContext
 
 log = logging.getLogger(__name__)
 
@@ -112,3 +114,14 @@ def schedule_overlap(gm: fx.GraphModule) -> dict[str, int]:
     gm.recompile()
     log.debug("overlap: raised %d collective-side ops, sank %d waits", raised, sunk)
     return {"raised": raised, "sunk": sunk}
+
+
+def overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """The overlap pass: ``schedule_overlap`` on the forward and on the backward graph (in place); the joint
+    graph is returned unchanged. ``ctx.stats``: ``overlap_raised`` / ``overlap_sunk``."""
+    for part in (ctx.forward_graph, ctx.backward_graph):
+        if part is None:
+            raise RuntimeError("overlap needs partition's forward and backward graphs")
+        for k, v in schedule_overlap(part).items():
+            ctx.stats[f"overlap_{k}"] = ctx.stats.get(f"overlap_{k}", 0) + v
+    return gm

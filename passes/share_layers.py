@@ -58,7 +58,7 @@ def _weigh_sampled(ctx: PassContext, container: str, members: dict[int, list[int
 def share_layers(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     canon = {g.id: g.id for g in ctx.groups}
     shared = 0
-    if ctx.config.share_layers and "share_layers" not in ctx.config.disable_passes:
+    if ctx.config.share_layers:
         nodes = {n.name: n for n in gm.graph.nodes}
         layers: dict[str, dict[int, list]] = defaultdict(lambda: defaultdict(list))
         for g in ctx.groups:
@@ -88,4 +88,11 @@ def share_layers(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ctx.layer_of_group = canon
     ctx.stats["shared_layers"] = shared
     log.info("share_layers: %d layers share variables with an earlier identical layer", shared)
+    return gm
+
+
+def share_nothing(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """``share_layers``' stand-in when disabled: every group is its own canonical group (no shared variables)."""
+    ctx.layer_of_group = {g.id: g.id for g in ctx.groups}
+    ctx.stats["shared_layers"] = 0
     return gm

@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from autoshard.ir import NodeSharding
 from autoshard.passes.context import PassContext
+from autoshard.passes.solve_recipes import best_recipe, recipe_pins, solve_recipes
 from autoshard.solver.intra_op import IntraOpProblem, Solution
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ def solve(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         dist.broadcast_object_list(box, src=0)
         if isinstance(box[0], BaseException):
             raise RuntimeError(f"rank 0 could not plan: {box[0]}")
-        ctx.solution, ctx.baselines = box[0]
+        ctx.solution, ctx.recipes = box[0]
         annotate(gm, ctx)
         return gm
     try:
@@ -42,7 +43,7 @@ def solve(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             dist.broadcast_object_list([e], src=0)
         raise
     if ctx.broadcast_solution:
-        dist.broadcast_object_list([(ctx.solution, ctx.baselines)], src=0)
+        dist.broadcast_object_list([(ctx.solution, ctx.recipes)], src=0)
     annotate(gm, ctx)
     return gm
 
@@ -51,8 +52,6 @@ def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
     ctx.problem = IntraOpProblem(
         gm, ctx.groups, ctx.strategies, canon, ctx.output_roles, ctx.mesh_shape, ctx.cluster, ctx.group_weight
     )
-    from autoshard.baselines import best_baseline, recipe_pins, run_baselines
-
     pins = None
     if ctx.config.recipe is not None:
         pins, notes = recipe_pins(ctx.config.recipe, gm, ctx)
@@ -74,8 +73,8 @@ def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
     # the plan is solved alongside the manual recipes; a recipe is the same program with layouts pinned, so an
     # optimal plan is never slower than any of them, and one cut short by the time limit is replaced by the
     # fastest recipe that fits if that is faster
-    _, sol = run_baselines(gm, ctx, alongside=own)
-    best = best_baseline(ctx)
+    _, sol = solve_recipes(gm, ctx, alongside=own)
+    best = best_recipe(ctx)
     if best is not None and sol.status != "OPTIMAL" and best.objective_s < sol.objective_s * (1 - 1e-9):
         log.info("solve: the %s recipe (%.6f s) beats the time-limited search (%.6f s); keeping it", best.name,
                  best.objective_s, sol.objective_s)

@@ -10,11 +10,13 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
-from autoshard.baselines import applicable, normalize, tp_role
+from autoshard.config import normalize
+from autoshard.solver.recipes import applicable, tp_role
+from autoshard.meshes import fake_world
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.models.llama import Llama, LlamaConfig, llama_example_inputs
 from autoshard.models.mlp import MLP, mlp_example_inputs
-from harness import assert_close_to_reference, fake_world, local_ranks, single_device_reference
+from harness import assert_close_to_reference, local_ranks, single_device_reference
 from numerics_utils import LR, MODELS, PARAM_ATOL, train_sharded
 
 CFG = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab=128, seq_len=16)

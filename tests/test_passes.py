@@ -12,6 +12,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autoshard.cluster import get_cluster
 from autoshard.config import PlanConfig
+from autoshard.meshes import fake_world
 from autoshard.passes.capture import capture
 from autoshard.passes.coarsen import coarsen
 from autoshard.passes.context import PassContext
@@ -19,7 +20,6 @@ from autoshard.passes.share_layers import share_layers
 from autoshard.passes.solve import solve
 from autoshard.passes.strategies import strategies
 from autoshard.solver.intra_op import InfeasibleBudget
-from harness import fake_world
 
 
 class Block(nn.Module):
@@ -174,3 +174,33 @@ def test_a_time_out_is_not_an_out_of_memory_verdict(ctx):
     with pytest.raises(SolverTimeout, match="time_limit_s") as e:
         solve(gm, c)
     assert not isinstance(e.value, InfeasibleBudget)
+
+
+def test_the_runner_owns_one_ordered_list_and_checks_disable_passes() -> None:
+    from autoshard.passes.runner import PASS_NAMES, run_passes
+
+    assert PASS_NAMES == ("capture", "coarsen", "share_layers", "strategies", "solve", "lower", "partition",
+                          "overlap", "compile")
+    model = Stack([16, 16, 16, 16])
+    with fake_world(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+
+        def run(*disabled: str, last: str = "compile") -> PassContext:
+            c = PassContext(mesh=mesh, cluster=get_cluster("cpu"), config=PlanConfig(disable_passes=disabled),
+                            example_inputs=_inputs(), backend="eager")
+            run_passes(model, c, "capture", last)
+            return c
+
+        with pytest.raises(ValueError, match="'fuse' is not a pass.*coarsen"):
+            run("fuse")
+        with pytest.raises(ValueError, match="the solve pass cannot be disabled"):
+            run("solve")
+        full = run()
+        # every pass ran, timed, in order, and left its product
+        assert list(full.timings) == list(PASS_NAMES)
+        assert full.program is not None and full.forward_graph is not None
+        assert "overlap_raised" in full.stats and "saved_for_backward" in full.stats
+        alone = run("coarsen", "share_layers", "overlap")
+        assert len(alone.groups) > len(full.groups)  # every node decides alone
+        assert set(alone.layer_of_group.items()) == {(g.id, g.id) for g in alone.groups}  # nothing shared
+        assert full.stats["shared_layers"] >= 1 and "overlap_raised" not in alone.stats

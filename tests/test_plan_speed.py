@@ -13,9 +13,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 import autoshard.api
+from autoshard.meshes import fake_world
 from autoshard.planner import repeated_layers
-
-from harness import fake_world
 
 pytest.importorskip("transformers")
 
@@ -97,10 +96,10 @@ def test_compile_captures_every_layer(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_constraint_on_some_layers_only_keeps_every_layer() -> None:
     """A constraint that pins layers 1 and 10-19 but not the others: sampled layers could not stand for them."""
     from autoshard.config import PlanConfig
-    from autoshard.planner import _constraints_uneven
+    from autoshard.passes.capture_layers import constraints_uneven
 
     model, _ = _tiny_llama()
     some = PlanConfig(constraints={"model.layers.1*.mlp.*": "[R, R]", "inputs": "[S(0), R]"})
     every = PlanConfig(constraints={"model.layers.*.mlp.*": "[R, R]", "params": "[R, R]"})
-    assert _constraints_uneven(model, "model.layers", LAYERS, some) == "model.layers.1*.mlp.*"
-    assert _constraints_uneven(model, "model.layers", LAYERS, every) is None
+    assert constraints_uneven(model, "model.layers", LAYERS, some) == "model.layers.1*.mlp.*"
+    assert constraints_uneven(model, "model.layers", LAYERS, every) is None

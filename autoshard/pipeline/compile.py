@@ -37,7 +37,7 @@ from autoshard.pipeline.wiring import StageWiring, loss_counter, split_model, st
 from autoshard.plan import MeshSpec, Plan
 from autoshard.planner import pipeline_layers, plan_graph
 from autoshard.runtime.pipeline import EXECUTABLE_SCHEDULES, LossWeighting, PipelinedModule, StageModule, TiedParameter
-from autoshard.runtime.program import CompiledProgram
+from autoshard.passes.runner import rank_program
 from autoshard.solver.inter_op import PieceCost, StageSplit, best_split
 
 log = logging.getLogger(__name__)
@@ -221,7 +221,7 @@ def compile_pipelined(
                                                microbatch_time_s=choice.stage_times[k]))
         if k % S == pp_rank:
             grad_names = [r.name for r in ctx.output_roles if r.kind in ("grad", "input_grad")]
-            local[k] = StageModule(mod, submesh, plan, CompiledProgram(gm, ctx, backend), grad_names, wiring[k])
+            local[k] = StageModule(mod, submesh, plan, rank_program(gm, ctx, backend), grad_names, wiring[k])
     tied = _tied_groups(holders, S, k_sub)
     combined = Plan(
         mesh=MeshSpec((S, *choice.sub_shape), ("pp", *names)),

@@ -203,7 +203,8 @@ def plan_split(
     and the fastest split of all is kept, the recipe's name in the third field."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autoshard.baselines import applicable, solve_recipe
+    from autoshard.passes.solve_recipes import solve_recipe
+    from autoshard.solver.recipes import applicable
     from autoshard.notation import placement_str
     from autoshard.passes.solve import annotate
     from autoshard.planner import build_plan, plan_graph

@@ -1,0 +1,134 @@
+"""The hand-made recipes (DDP, FSDP, Megatron TP, FSDP + TP) as data for the solver: what each pins.
+
+A recipe fixes what an engineer fixes by hand: the placement of every parameter and of the batch. Everything
+else (the layout of each activation, where the collectives go) is then chosen by the same integer program with
+those placements pinned, so a recipe is costed by exactly the model that costs autoshard's plan, and is the
+*best* program that recipe allows in that model — an honest bar: the solved plan must beat the recipe done
+well, not a straw man. For Megatron TP that freedom is what turns the row-parallel output's all-reduce into
+Megatron's sequence-parallel reduce-scatter + all-gather when that is cheaper.
+
+=========  ==========================================================================================
+recipe     parameters (mesh axes: ``dp`` = every axis but the last, ``tp`` = the last; 1-D: the one axis)
+=========  ==========================================================================================
+ddp        Replicate everywhere; the batch is Shard(0) over every axis
+fsdp       Shard(0) over every axis (ZeRO-3: FSDP2's ``fully_shard`` on the flattened mesh); batch as DDP
+tp         Megatron inside the last axis: column-parallel Linear weights Shard(0) (its bias Shard(0)),
+           row-parallel Shard(1), the token embedding and LM head vocab-parallel Shard(0), the rest
+           Replicate; Replicate on ``dp``, where the batch is Shard(0) (Megatron TP + SP x DP)
+fsdp+tp    tp's layouts on ``tp``, plus Shard(0) of every parameter on ``dp`` (torchtitan's 2-D recipe)
+=========  ==========================================================================================
+
+Column/row roles come from module names, as in torchtitan's and Megatron's plans (q/k/v, gate/up, fc1 ...
+are column-parallel; o/out/down/fc2/w2 ... row-parallel); a Linear the names do not cover stays replicated on
+``tp`` and is counted in the recipe's note. A layout the mesh cannot hold evenly (e.g. a bias of odd length)
+falls back to Replicate on that axis, also noted.
+
+This module says which recipes apply to a mesh and where each puts every parameter and the batch
+(``recipe_placements``); the solve pass (``passes/solve.py``) turns that into pinned candidates of the integer
+program (``recipe_pins``) and solves each recipe alongside the plan.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from autoshard.solver.intra_op import Solution
+
+_COLUMN = re.compile(
+    r"(^|\.)(wq|wk|wv|wqkv|qkv|q_proj|k_proj|v_proj|query|key|value|c_attn|in_proj|w1|w3|fc1|c_fc|gate_proj|up_proj|"
+    r"gate_up_proj|fc_in|intermediate\.dense|lm_head|output|head)(\.weight|\.bias|)$"
+)
+_ROW = re.compile(r"(^|\.)(wo|o_proj|out_proj|c_proj|w2|fc2|down_proj|fc_out|output\.dense|proj)(\.weight|)$")
+_TRANSPOSED = ("Conv1D",)  # Hugging Face GPT-2 stores Linear weights as [in, out]
+
+
+@dataclass(frozen=True)
+class RecipeResult:
+    """How one recipe fared on this graph: its solution (None when it does not apply) and why."""
+
+    name: str
+    solution: Solution | None
+    fits: bool
+    objective_s: float
+    memory_bytes: int
+    note: str
+
+
+def applicable(mesh_shape: Sequence[int]) -> tuple[str, ...]:
+    """Recipes that mean something on this mesh (2-D recipes need two axes; TP needs a tp axis > 1)."""
+    out = ["ddp", "fsdp"]
+    if mesh_shape[-1] > 1:
+        out.append("tp")
+        if len(mesh_shape) >= 2 and any(n > 1 for n in mesh_shape[:-1]):
+            out.append("fsdp+tp")
+    return tuple(out)
+
+
+def tp_role(name: str, module_type: str, shape: Sequence[int]) -> tuple[str, int | None]:
+    """(role, tensor dim to shard on tp) of one parameter under Megatron TP."""
+    nd = len(shape)
+    transposed = module_type in _TRANSPOSED
+    if module_type == "Embedding" and nd == 2:
+        return "vocab", 0
+    if _COLUMN.search(name) and (nd >= 2 or name.endswith(".bias")):
+        if nd == 1:
+            return "column-bias", 0
+        # [out, in] (or [experts, in, out] for stacked experts, [in, out] for Conv1D): shard the output features
+        return "column", (nd - 1 if transposed or nd == 3 else 0)
+    if _ROW.search(name) and nd >= 2:
+        return "row", (nd - 2 if transposed or nd == 3 else 1)
+    if nd >= 2 and module_type in ("Linear", "Conv1D"):
+        return "unmatched", None
+    return "replicated", None
+
+
+def recipe_placements(
+    recipe: str, name: str, role: str, module_type: str, shape: Sequence[int], mesh_shape: Sequence[int]
+) -> tuple[tuple[Placement, ...], str | None]:
+    """Target placements of one graph input under ``recipe``, and a note when the recipe had to bend."""
+    nd = len(mesh_shape)
+    rep = [Replicate() for _ in range(nd)]
+    note = None
+    if role == "input":
+        if not shape:
+            return tuple(rep), None
+        dp_axes = range(nd) if recipe in ("ddp", "fsdp") else range(nd - 1)
+        return tuple(Shard(0) if i in dp_axes else Replicate() for i in range(nd)), None
+    if role != "parameter" or not shape:
+        return tuple(rep), None
+    want = list(rep)
+    if recipe in ("tp", "fsdp+tp"):
+        kind, dim = tp_role(name, module_type, shape)
+        if dim is not None:
+            want[nd - 1] = Shard(dim)
+        elif kind == "unmatched":
+            note = "unmatched"
+    if recipe == "fsdp":
+        want = [Shard(0) for _ in range(nd)]
+    elif recipe == "fsdp+tp":
+        for i in range(nd - 1):
+            want[i] = Shard(0)
+    return tuple(want), note
+
+
+def even_prefix(target: tuple[Placement, ...], shape: Sequence[int], mesh_shape: Sequence[int]) -> tuple[Placement, ...]:
+    """``target`` with every Shard the tensor cannot hold evenly turned to Replicate (tp axis kept first)."""
+    sizes = list(shape)
+    out = list(target)
+    for axis in sorted(range(len(out)), key=lambda a: -a):
+        p = out[axis]
+        if isinstance(p, Shard):
+            if p.dim < len(sizes) and sizes[p.dim] % mesh_shape[axis] == 0:
+                sizes[p.dim] //= mesh_shape[axis]
+            else:
+                out[axis] = Replicate()
+    return tuple(out)
+
+
+def placement_short(p: Placement) -> str:
+    return f"S({p.dim})" if isinstance(p, Shard) else "R" if isinstance(p, Replicate) else str(p)

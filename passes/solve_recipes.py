@@ -1,0 +1,169 @@
+"""The manual recipes solved on the plan's own integer program (part of ``solve``, not a pass of its own).
+
+A recipe (``autoshard.solver.recipes``: ddp, fsdp, Megatron tp, fsdp+tp) says where every parameter and the batch
+go; ``recipe_pins`` turns that into the candidates each decision group may keep (and, with data parallelism,
+keeps every op on the batch on its batch shard), and ``solve_recipe`` solves ``ctx.problem`` with those pins.
+A recipe is therefore the same program with fewer choices, costed by the same model as the plan: the best
+program that recipe allows, not a straw man.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Replicate, Shard
+
+from autoshard.config import normalize
+from autoshard.ir import tensor_args
+from autoshard.passes.context import PassContext
+from autoshard.solver.intra_op import InfeasibleBudget, SolverTimeout
+from autoshard.solver.recipes import RecipeResult, applicable, even_prefix, placement_short, recipe_placements
+
+T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+
+def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext) -> tuple[dict[int, set[int]], list[str]]:
+    """Candidate subsets per canonical group that realise ``recipe``; raises ValueError when it cannot apply."""
+    recipe = normalize(recipe)
+    canon = ctx.layer_of_group or {g.id: g.id for g in ctx.groups}
+    nodes = {n.name: n for n in gm.graph.nodes}
+    ms = ctx.mesh_shape
+    pins: dict[int, set[int]] = {}
+    dp_axes: set[int] = set()
+    bent = unmatched = 0
+    for g in ctx.groups:
+        if g.kind not in ("parameter", "input") or canon[g.id] != g.id:
+            continue
+        node = nodes[g.anchor]
+        role = node.meta["autoshard_role"]
+        val = node.meta["val"]
+        shape = tuple(val.shape)
+        target, note = recipe_placements(recipe, role.name, role.kind, ctx.param_modules.get(role.name, ""), shape, ms)
+        unmatched += note == "unmatched"
+        cands = ctx.strategies[g.id]
+        layouts = [s.outputs[0][0] for s in cands]
+        keep = {i for i, pl in enumerate(layouts) if tuple(pl) == target}
+        if not keep and role.kind == "parameter":
+            relaxed = even_prefix(target, shape, ms)
+            keep = {i for i, pl in enumerate(layouts) if tuple(pl) == relaxed}
+            bent += bool(keep)
+        if not keep:
+            names = ctx.mesh_names
+            want = ", ".join(f"{a}: {placement_short(p)}" for a, p in zip(names, target))
+            if role.kind == "input":
+                dp = [n for n, p in zip(ms, target) if isinstance(p, Shard)]
+                raise ValueError(
+                    f"recipe {recipe!r} shards {role.name} of shape {list(shape)} as {{{want}}}, but dim 0 ({shape[0]}) "
+                    f"is not divisible by the data-parallel degree {int(torch.tensor(dp).prod()) if dp else 1} of mesh "
+                    f"{dict(zip(names, ms))} (or a constraint forbids it); use a global batch that is a multiple of it"
+                )
+            raise ValueError(
+                f"recipe {recipe!r} needs {role.name} {list(shape)} placed {{{want}}}, which its candidates do not "
+                f"include (a constraint in PlanConfig.constraints may forbid it)"
+            )
+        pins[g.id] = keep
+        if role.kind == "input":
+            dp_axes.update(a for a, p in enumerate(target) if isinstance(p, Shard))
+    if dp_axes:
+        pins.update(_batch_pins(gm, ctx, canon, dp_axes, pins))
+    notes = []
+    if unmatched:
+        notes.append(f"{unmatched} Linear weights not recognised as column/row-parallel stay replicated on tp")
+    if bent:
+        notes.append(f"{bent} parameters replicated where the shard would be uneven")
+    return pins, notes
+
+
+def _batch_pins(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int], dp_axes: set[int],
+                pinned: dict[int, set[int]]) -> dict[int, set[int]]:
+    """Data parallelism: every op on the batch (downstream of an input) runs on its batch shard. On the
+    data-parallel axes such an op neither takes a batch-derived input whole (Replicate: an activation gather
+    and the op computed whole on every rank, which the hand-written recipe never does) nor makes a Replicate
+    output where its candidates could split it. Ops left with no such candidate keep all of theirs."""
+    batch: set[str] = set()
+    for n in gm.graph.nodes:
+        role = n.meta.get("autoshard_role")
+        if (n.op == "placeholder" and role is not None and role.kind == "input") or any(
+            a.name in batch for a in n.all_input_nodes
+        ):
+            batch.add(n.name)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    whole = lambda pl: pl is not None and any(isinstance(pl[a], Replicate) for a in dp_axes)  # noqa: E731
+    pins: dict[int, set[int]] = {}
+    for g in ctx.groups:
+        if g.kind != "op" or canon[g.id] != g.id or g.id in pinned or g.anchor not in batch:
+            continue
+        anchor = nodes[g.anchor]
+        on_batch = [k for k, a in enumerate(tensor_args(anchor)) if a.name in batch]
+        cands = ctx.strategies[g.id]
+        outs = [s.outputs[0][0] if s.outputs and s.outputs[0] else None for s in cands]
+        splittable = any(pl is not None and any(isinstance(pl[a], Shard) for a in dp_axes) for pl in outs)
+        keep = set()
+        for i, s in enumerate(cands):
+            ins = s.inputs[0] if s.inputs else ()
+            if splittable and (outs[i] is None or whole(outs[i])):
+                continue
+            if any(k < len(ins) and whole(ins[k]) for k in on_batch):
+                continue
+            keep.add(i)
+        if keep and len(keep) < len(cands):
+            pins[g.id] = keep
+    return pins
+
+
+def solve_recipe(recipe: str, gm: fx.GraphModule, ctx: PassContext, time_limit_s: float | None = None) -> RecipeResult:
+    """Solve ``ctx.problem`` with the recipe's layouts pinned; over the budget it is solved without one and
+    marked as not fitting (OOM), so its time is still known."""
+    recipe = normalize(recipe)
+    try:
+        pins, notes = recipe_pins(recipe, gm, ctx)
+    except ValueError as e:
+        return RecipeResult(recipe, None, False, float("inf"), 0, f"n/a: {e}")
+    limit = float(time_limit_s if time_limit_s is not None else min(ctx.config.time_limit_s, 10.0))
+    budget = ctx.config.memory_budget
+    kw = dict(time_limit_s=limit, pins=pins, num_workers=ctx.config.num_workers, seed=ctx.config.seed, what=recipe)
+    fits = True
+    try:
+        sol = ctx.problem.solve(memory_budget=budget, **kw)
+    except (InfeasibleBudget, SolverTimeout) as e:
+        fits = False
+        if isinstance(e, SolverTimeout):
+            notes.append(f"no plan under the budget found within {limit:g} s (may fit with a longer time_limit_s)")
+        try:
+            sol = ctx.problem.solve(memory_budget=None, **kw)
+        except (ValueError, SolverTimeout) as e2:
+            return RecipeResult(recipe, None, False, float("inf"), 0, f"n/a: {e2}")
+    except ValueError as e:
+        return RecipeResult(recipe, None, False, float("inf"), 0, f"n/a: {e}")
+    choice = {c: sol.choice[c] for c in ctx.problem.canon_ids}
+    return RecipeResult(recipe, sol, fits, ctx.problem.evaluate(choice), sol.memory_bytes, "; ".join(notes))
+
+
+def solve_recipes(gm: fx.GraphModule, ctx: PassContext, alongside: Callable[[], T] | None = None) -> tuple[list[RecipeResult], T | None]:
+    """Every recipe that applies to this mesh, solved (kept on ``ctx.recipes``), and ``alongside`` (the
+    plan's own solve) run first on the same pool: CP-SAT releases the GIL while it searches, so a 2-core
+    laptop solves two programs at a time."""
+    recipes = applicable(ctx.mesh_shape)
+    ctx.report("solve", 0.0, f"autoshard plan and recipes {', '.join(recipes)}")
+    with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
+        own = pool.submit(alongside) if alongside is not None else None
+        results = list(pool.map(lambda r: solve_recipe(r, gm, ctx), recipes))
+        own_result = own.result() if own is not None else None
+    ctx.recipes = results
+    for r in results:
+        log.info("recipe %-8s %s", r.name, f"{r.objective_s:.6f} s" + ("" if r.fits else " (over budget)") if r.solution else r.note)
+    return results, own_result
+
+
+def best_recipe(ctx: PassContext) -> RecipeResult | None:
+    """The fastest recipe that fits the budget (None when none does)."""
+    feasible = [r for r in ctx.recipes if r.solution is not None and r.fits]
+    return min(feasible, key=lambda r: r.objective_s) if feasible else None
