@@ -4,7 +4,9 @@ Needs: ``partition`` (and ``overlap``): ``ctx.forward_graph``, ``ctx.backward_gr
 with ``ctx.backend == "interpret"`` (``LocalTensorMode``: every rank in one process, so no rank's graph can be
 traced), only ``solve``.
 
-Guarantees on exit: ``ctx.program`` runs this rank's step. ``forward(flat local inputs)`` returns (the loss,
+Guarantees on exit: ``ctx.program`` runs this rank's step, and its ``layouts`` give the placements of the
+parameters and inputs by name (``input[i]`` for the call's tensors), as ``Placement`` objects: the runtime
+distributes parameters and cuts inputs with them (the Plan's strings are for reports and JSON). ``forward(flat local inputs)`` returns (the loss,
 what backward needs) and ``backward(saved, grad_loss)`` the local gradients (parameters, then inputs that
 require grad); a pipeline stage's ``forward_many`` / ``backward_many`` take and return every output. Backends:
 
@@ -53,6 +55,7 @@ class CompiledProgram:
         self._fw: Callable[[list[torch.Tensor]], Any] | None = None
         self._bw: Callable[[list[torch.Tensor]], Any] | None = None
         self._ctx = ctx
+        self.layouts = param_placements_of(ctx.planned) if ctx.planned is not None else {}
 
     def _compile(self, gm: fx.GraphModule, args: Sequence[torch.Tensor]) -> Callable[[list[torch.Tensor]], Any]:
         if self._compiler is _eager:
@@ -90,6 +93,7 @@ class InterpretedProgram:
         self.interp = PlanInterpreter(gm, ctx.mesh)
         self.roles = ctx.output_roles
         self.param_layouts = param_placements_of(gm)
+        self.layouts = self.param_layouts
         ph = self.interp.placeholders
         self.primals = [n for n in ph if n.meta["autoshard_role"].kind != "tangent"]
         self.tangents = [n for n in ph if n.meta["autoshard_role"].kind == "tangent"]

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.placement_types import Placement
 
 from autoshard.config import PlanConfig
 from autoshard.hardware import ClusterProfile
@@ -41,7 +42,10 @@ Progress = Callable[[str, float, str], None]  # (pass, fraction done, message), 
 
 
 class RankProgram(Protocol):
-    """What ``compile`` hands the runtime: this rank's forward and backward (``passes/compile.py``)."""
+    """What ``compile`` hands the runtime: this rank's forward and backward (``passes/compile.py``), and the
+    placements of the parameters and inputs (``input[i]``) by name."""
+
+    layouts: dict[str, tuple[Placement, ...]]
 
     def forward(self, flat: Sequence[torch.Tensor]) -> tuple[torch.Tensor, Any]: ...
 

@@ -31,7 +31,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from autoshard import _torch_compat as tc
-from autoshard.notation import parse_placements
 from autoshard.inputs import CallSignature
 from autoshard.pipeline.wiring import StageWiring, loss_weights, stage_args, stage_sends
 from autoshard.plan import Plan
@@ -86,11 +85,12 @@ class StageModule(nn.Module):
         self._mesh = mesh
         self._wiring = wiring
         stage = plan.stages[0]
-        rebind_optimizers(self, distribute_parameters(module, mesh, plan.parameter_placements()))
         self._param_names = [t.name for t in stage.tensors if t.role == "parameter"]
+        layouts = program.layouts  # Placement objects by name, from the planned graph
+        rebind_optimizers(self, distribute_parameters(module, mesh, {n: layouts[n] for n in self._param_names}))
         self._buffer_names = [t.name for t in stage.tensors if t.role == "buffer"]
         inputs = sorted((t for t in stage.tensors if t.role == "input"), key=lambda t: int(t.name[6:-1]))
-        self._input_placements = [parse_placements(t.placements) for t in inputs]
+        self._input_placements = [layouts[t.name] for t in inputs]
         slot = {n: i for i, n in enumerate(self._param_names)}
         base = len(self._param_names) + len(self._buffer_names)
         slot.update({f"input[{i}]": base + i for i in range(len(inputs))})

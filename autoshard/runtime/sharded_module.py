@@ -10,17 +10,18 @@ backward when autograd reaches the loss.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement
 
 from autoshard import _torch_compat as tc
 from autoshard.inputs import CallSignature
-from autoshard.notation import local_shape, parse_placements, placements_str, tensor_str
+from autoshard.notation import local_shape, placements_str, tensor_str
 from autoshard.plan import Plan
 from autoshard.runtime.rebind import rebind_optimizers, retire
 
@@ -60,7 +61,8 @@ def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (module.get_submodule(path) if path else module), leaf
 
 
-def distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: dict[str, str]) -> dict[int, tuple[nn.Parameter, nn.Parameter]]:
+def distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: Mapping[str, Sequence[Placement]]
+                          ) -> dict[int, tuple[nn.Parameter, nn.Parameter]]:
     """Replace every parameter named in ``placements`` by an ``nn.Parameter`` holding a DTensor with those
     placements (a copy of its value), in place, as ``fully_shard`` does; aliases of one parameter (tied weights)
     all get the same new parameter. Returns id(old) -> (old, new); the old objects keep no storage
@@ -76,7 +78,7 @@ def distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: dict[
                 f"parameter {name} is on the meta device; autoshard.compile needs real values. Materialize the "
                 "model (to_empty + init) first, or use autoshard.plan for planning only."
             )
-        dt = distribute_tensor(p.detach().to(mesh.device_type), mesh, parse_placements(placements[name]))
+        dt = distribute_tensor(p.detach().to(mesh.device_type), mesh, placements[name])
         if tc.in_local_tensor_mode():
             # simulated ranks of a replicated tensor share one storage: an in-place optimizer step would
             # update it once per rank. Each rank gets its own copy, as each process has on a real group.
@@ -92,7 +94,7 @@ def distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: dict[
     return replaced
 
 
-def shard_parameters_in_place(module: nn.Module, mesh: DeviceMesh, placements: dict[str, str]) -> None:
+def shard_parameters_in_place(module: nn.Module, mesh: DeviceMesh, placements: Mapping[str, Sequence[Placement]]) -> None:
     """Keep every parameter object and make it hold this rank's shard (a plain tensor) under ``placements``.
     For the ``torch.compile`` backend: dynamo guards the parameter objects it traced, and an optimizer built
     before the call keeps stepping them (elementwise optimizers are exact on shards; a global gradient norm is
@@ -102,7 +104,7 @@ def shard_parameters_in_place(module: nn.Module, mesh: DeviceMesh, placements: d
         if id(p) in seen or name not in placements:
             continue
         seen.add(id(p))
-        dt = distribute_tensor(p.detach().to(mesh.device_type), mesh, parse_placements(placements[name]))
+        dt = distribute_tensor(p.detach().to(mesh.device_type), mesh, placements[name])
         with torch.no_grad():
             p.data = tc.per_rank_copies(dt.to_local())
         p._autoshard_layout = (mesh, tuple(dt.placements), dt.shape)  # type: ignore[attr-defined]
@@ -159,8 +161,9 @@ class ShardedModule(nn.Module):
         self.mesh = mesh
         self._program = program
         self.module = model
-        placements = plan.parameter_placements()
+        self._layouts = program.layouts  # Placement objects by name, from the planned graph
         self._param_names = [t.name for t in plan.stages[0].tensors if t.role == "parameter"]
+        placements = {n: self._layouts[n] for n in self._param_names}
         self._grad_slots = tuple(self._param_names.index(n) for n in grad_names)
         # buffers stay replicated plain tensors on every rank
         self._buffer_names = [t.name for t in plan.stages[0].tensors if t.role == "buffer"]
@@ -202,9 +205,8 @@ class ShardedModule(nn.Module):
                     f"{bad} hold different values than rank 0 (a tensor drawn from a random generator inside "
                     "LocalTensorMode differs per rank). Make the global inputs before entering LocalTensorMode."
                 )
-            pl = parse_placements(layout.placements)
             d = DTensor.from_local(t.to(self.mesh.device_type), self.mesh, rep, run_check=False)
-            out.append(d.redistribute(self.mesh, pl).to_local())
+            out.append(d.redistribute(self.mesh, self._layouts[layout.name]).to_local())
         local_args, local_kwargs = self.signature.unflatten(out)
         if not local_kwargs:
             return local_args
@@ -261,13 +263,12 @@ class ShardedModule(nn.Module):
         are held as plain local shards (``parameters="local"``)."""
         state = self.module.state_dict(*args, **kwargs)
         if self._local_params:
-            placements = self.plan.parameter_placements()
             layouts = {t.name: t for t in self.plan.stages[0].tensors if t.role == "parameter"}
             prefix = kwargs.get("prefix", "")
             for name, t in layouts.items():
                 key = prefix + name
                 if key in state and not isinstance(state[key], DTensor):
-                    state[key] = DTensor.from_local(state[key], self.mesh, parse_placements(placements[name]),
+                    state[key] = DTensor.from_local(state[key], self.mesh, self._layouts[name],
                                                     run_check=False, shape=torch.Size(t.shape),
                                                     stride=_contiguous(t.shape))
         return state
