@@ -64,3 +64,32 @@ def test_no_import_cycles() -> None:
 def test_every_module_reads_in_one_sitting() -> None:
     long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > 400}
     assert not long, f"modules over 400 lines: {long}"
+
+
+def test_every_benchmark_and_test_file_reads_in_one_sitting() -> None:
+    files = [p for folder in ("benchmarks", "tests") for p in (ROOT / folder).rglob("*.py")]
+    assert len(files) > 20
+    long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, f"benchmark and test files over 400 lines: {long}"
+
+
+# lower layers never call up: the runtime runs a program and imports no pass; the solver, the cost model, the op
+# rules and the shared IR know nothing of the passes, the planner, pipelines or the runtime
+LAYERS = {
+    "autoshard.runtime": ("autoshard.passes", "autoshard.planner", "autoshard.api", "autoshard.solver"),
+    "autoshard.solver": ("autoshard.passes", "autoshard.planner", "autoshard.api", "autoshard.pipeline",
+                         "autoshard.runtime"),
+    "autoshard.cost": ("autoshard.passes", "autoshard.planner", "autoshard.api", "autoshard.pipeline",
+                       "autoshard.runtime", "autoshard.solver"),
+    "autoshard.rules": ("autoshard.passes", "autoshard.planner", "autoshard.api", "autoshard.pipeline",
+                        "autoshard.runtime", "autoshard.solver"),
+    "autoshard.ir": ("autoshard.passes", "autoshard.planner", "autoshard.api", "autoshard.pipeline",
+                     "autoshard.runtime", "autoshard.solver"),
+}
+
+
+def test_no_up_calls() -> None:
+    g = import_graph()
+    bad = [f"{a} -> {b}" for a, b in g.edges for low, banned in LAYERS.items()
+           if (a == low or a.startswith(low + ".")) and any(b == x or b.startswith(x + ".") for x in banned)]
+    assert not bad, "imports from a lower layer up:\n" + "\n".join(sorted(bad))
