@@ -12,13 +12,17 @@ is kept in ``Row.extra["first"]`` when it is a number (the benchmark returns the
 variant trains the same model on the same batch); a variant that fails on only some
 ranks would leave the others waiting in a collective, so variants should fail (if at all) on every rank.
 
-``side_by_side`` launches ``world_size`` ranks once (``launch`` is a launcher such as ``tests/harness.run_gloo``:
+``side_by_side`` launches ``world_size`` gloo ranks once (``autoshard.launch.launch``, or the ``launch`` given:
 ``launch(world_size, fn, arg) -> [result of rank 0, rank 1, ...]``) and returns rank 0's rows.
+
+Also here: ``call_loss`` (a model called on its example inputs as its users call it, the loss of the result) and
+``spearman`` (rank correlation of predicted and measured times).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 import traceback
@@ -27,10 +31,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
+from torch import Tensor
+
+from autoshard.launch import launch as launch_ranks
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Timing", "Row", "Variant", "time_steps", "run_variants", "side_by_side", "quantile"]
+__all__ = ["Timing", "Row", "Variant", "call_loss", "time_steps", "run_variants", "side_by_side", "quantile",
+           "spearman"]
 
 #: A variant: (name, build) where ``build()`` returns the step function to time (one call = one training step).
 Variant = tuple[str, Callable[[], Callable[[], Any]]]
@@ -76,6 +84,39 @@ def quantile(values: Sequence[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Spearman's rank correlation (ties get their mean rank); nan for fewer than 3 pairs or a constant side."""
+    if len(xs) != len(ys) or len(xs) < 3:
+        return float("nan")
+
+    def ranks(v: Sequence[float]) -> list[float]:
+        order = sorted(range(len(v)), key=v.__getitem__)
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sx = math.sqrt(sum((a - mx) ** 2 for a in rx))
+    sy = math.sqrt(sum((b - my) ** 2 for b in ry))
+    return cov / (sx * sy) if sx > 0 and sy > 0 else float("nan")
+
+
+def call_loss(model: Any, inputs: Any) -> Tensor:
+    """The loss of ``model`` called with positional ``inputs`` (a tuple) or keyword ``inputs`` (a dict); a
+    ModelOutput's ``loss`` when the model returns one."""
+    out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+    return out if isinstance(out, Tensor) else out.loss
 
 
 def time_steps(
@@ -219,7 +260,7 @@ def side_by_side(
     steps: int,
     warmup: int = 1,
     *,
-    launch: Callable[[int, Callable[[int, int, Any], Any], Any], list[Any]],
+    launch: Callable[[int, Callable[[int, int, Any], Any], Any], list[Any]] | None = None,
     arg: Any = None,
     interleave: bool = False,
 ) -> list[Row]:
@@ -227,9 +268,10 @@ def side_by_side(
 
     ``make_variants`` must be a module-level function (it crosses a fork or a pickle) and return the same names
     on every rank; each variant's ``build`` runs on its rank (same seed, same weights, same global batch are the
-    caller's to arrange). ``interleave`` as for :func:`run_variants`. Returns rank 0's rows.
+    caller's to arrange). ``interleave`` as for :func:`run_variants`. ``launch`` defaults to
+    :func:`autoshard.launch.launch` (gloo, its default time-out). Returns rank 0's rows.
     """
-    results = launch(world_size, _side_by_side_worker, (make_variants, arg, steps, warmup, interleave))
+    results = (launch or launch_ranks)(world_size, _side_by_side_worker, (make_variants, arg, steps, warmup, interleave))
     rows: list[Row] = results[0]
     names = [r.name for r in rows]
     for rank, other in enumerate(results[1:], start=1):

@@ -5,7 +5,7 @@ every collective returns at once), for planning 1024 devices from a laptop."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch.distributed as dist
 
@@ -51,8 +51,16 @@ def parse_mesh_spec(text: str) -> tuple[int, ...] | dict[str, int]:
 
 @contextlib.contextmanager
 def fake_world(world_size: int) -> Iterator[None]:
-    """A ``fake`` default process group of ``world_size`` ranks for the duration (this process is rank 0);
-    reuses an existing group of that size."""
+    """A ``fake`` default process group of ``world_size`` ranks for the duration (this process is rank 0).
+
+    DeviceMesh construction and collective shapes work, nothing is communicated; build meshes outside
+    ``FakeTensorMode``. On exit the group is destroyed and DTensor's caches (which hold this world's meshes)
+    cleared. Nesting: inside a group of the same size (an outer ``fake_world``, or this process's own group) the
+    existing group is used and left as it was; a group of another size raises ``ValueError`` (torch has one
+    default group: replacing it would break the meshes made on it).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
     if dist.is_initialized():
         if dist.get_world_size() != world_size:
             raise ValueError(
@@ -66,7 +74,8 @@ def fake_world(world_size: int) -> Iterator[None]:
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # (the body may have destroyed it)
+            dist.destroy_process_group()
         tc.clear_dtensor_caches()  # cached specs hold this world's meshes
 
 

@@ -4,14 +4,14 @@
     python benchmarks/runtime_vs_manual.py --quick          # fewer steps, no torch.compile rows
     python benchmarks/runtime_vs_manual.py --model gpt --ranks 2
 
-CPU gloo, one thread per rank (``tests/harness.run_gloo``). Meshes: 2 ranks (2,) "dp"; 4 ranks (2, 2) "dp", "tp".
+CPU gloo, one thread per rank (``autoshard.launch``). Meshes: 2 ranks (2,) "dp"; 4 ranks (2, 2) "dp", "tp".
 A step is forward, backward and AdamW (``zero_grad(set_to_none=True)`` included), on the same global batch and
 the same initial weights in every variant (seeded builders). All variants of one mesh run in ONE launch
 (``autoshard.bench.side_by_side``): every variant is built and warmed up, then the timed steps go round-robin
 over the variants (``--sequential``: one variant's steps after another's), so that a change in the machine's load
 falls on every row alike; each row is the median of rank 0's step times, with a barrier before every timed step.
 
-Variants (those that apply to the mesh, as ``autoshard.baselines.applicable`` says):
+Variants (those that apply to the mesh, as ``autoshard.solver.recipes.applicable`` says):
 
 - ``autoshard``: the solved plan, Inductor backend;
 - ``autoshard <recipe>``: ``recipe=`` ddp / fsdp / tp / fsdp+tp forced, Inductor backend;
@@ -42,7 +42,6 @@ import argparse
 import logging
 import math
 import os
-import sys
 import tempfile
 import time
 import types
@@ -54,13 +53,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "autoshard-inductor"))
 
 import autoshard  # noqa: E402
-from autoshard.baselines import applicable  # noqa: E402
-from autoshard.bench import Row, Variant, side_by_side  # noqa: E402
+from autoshard.bench import Row, Variant, call_loss, side_by_side, spearman  # noqa: E402
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs  # noqa: E402
+from autoshard.solver.recipes import applicable  # noqa: E402
 
 log = logging.getLogger("runtime_vs_manual")
 
@@ -106,12 +104,6 @@ def blocks(model: nn.Module, kind: str) -> list[nn.Module]:
     return list(model.layers) if kind == "gpt" else list(model.transformer.h)
 
 
-def _call(module: Any, inputs: Any) -> Tensor:
-    """The loss of one call, positional or keyword (a ModelOutput's ``loss``)."""
-    out = module(**inputs) if isinstance(inputs, dict) else module(*inputs)
-    return out if isinstance(out, Tensor) else out.loss
-
-
 def _global_loss(loss: Tensor, group: Any, size: int) -> float:
     """The global batch's loss from this rank's (mean over equal shards); a collective, so first call only."""
     value = loss.detach().clone()
@@ -130,7 +122,7 @@ def _train_step(
     calls = [0]
 
     def step() -> float:
-        loss = _call(module, inputs)
+        loss = call_loss(module, inputs)
         loss.backward()
         if grad_group is not None:
             _allreduce_grads(module, grad_group, dp_size)
@@ -279,32 +271,6 @@ def predicted_step_s(plan: Any, cluster: str) -> float:
     return plan.step_time_s + optimizer_step_s(m.parameters + m.gradients + m.optimizer, get_cluster(cluster).device, 2)
 
 
-def spearman(xs: list[float], ys: list[float]) -> float:
-    """Spearman's rank correlation (ties get their mean rank); nan for fewer than 3 pairs."""
-    if len(xs) != len(ys) or len(xs) < 3:
-        return float("nan")
-
-    def ranks(v: list[float]) -> list[float]:
-        order = sorted(range(len(v)), key=v.__getitem__)
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return r
-
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    sx = math.sqrt(sum((a - mx) ** 2 for a in rx))
-    sy = math.sqrt(sum((b - my) ** 2 for b in ry))
-    return cov / (sx * sy) if sx > 0 and sy > 0 else float("nan")
-
-
 def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if math.isfinite(a) and math.isfinite(b) and b > 0 else "-"
 
@@ -380,8 +346,6 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("autoshard.bench").setLevel(logging.INFO)  # which variant runs (to stderr)
-    from harness import run_gloo
-
     steps = args.steps or (5 if args.quick else 20)
     warmup = args.warmup or (2 if args.quick else 3)
     models = ("gpt", "hf") if args.model == "both" else (args.model,)
@@ -398,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
             if world not in profiles:
                 profiles[world] = _profile(args.profile, world, tmp)
             cluster = profiles[world]
-            rows = side_by_side(world, make_variants, steps, warmup, launch=run_gloo,
+            rows = side_by_side(world, make_variants, steps, warmup,
                                 arg=Setup(kind, shape, not args.quick, cluster), interleave=not args.sequential)
             title = f"{'GPT' if kind == 'gpt' else 'HF GPT-2'}, {world} ranks, mesh {shape}, profile {cluster}"
             print(table(title, rows))

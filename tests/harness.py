@@ -1,176 +1,38 @@
-"""Test harness: many ranks on CPU (gloo processes, LocalTensorMode, fake PG) and references.
+"""Test harness: many ranks in one process (LocalTensorMode) and the single-device reference runs.
 
 Imported by test modules (``from harness import ...`` or ``from tests.harness import ...``);
-it is not itself a test file.
-
-Forking pitfall: :func:`run_gloo` forks. Do no OpenMP-heavy torch work (large matmuls,
-model training) in the parent *before* forking unless thread count is 1 there too: libgomp's
-thread pool does not survive ``fork``. Workers call ``torch.set_num_threads(1)`` first thing,
-which makes ATen run its parallel loops inline, but the safest order is still
-"fork first, compute references afterwards" (or compute them inside a worker).
+it is not itself a test file. The library provides the rest: gloo ranks in forked processes are
+``autoshard.launch.launch`` (mind its forking pitfall: fork first, compute references afterwards),
+a fake process group is ``autoshard.meshes.fake_world``, planning on one is ``autoshard.plan``
+(or ``autoshard.planner.plan_graph`` for the traced graph and pass context too).
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import math
-import os
-import shutil
-import tempfile
-import time
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor, nn
 
-from autoshard import _torch_compat as tc
+from autoshard.bench import call_loss
+from autoshard.meshes import fake_world
 
 if TYPE_CHECKING:
     from torch.distributed._local_tensor import LocalTensorMode
 
 __all__ = [
-    "WorkerError",
-    "run_gloo",
     "local_ranks",
-    "fake_world",
     "Reference",
     "single_device_reference",
-    "call_loss",
     "assert_close_to_reference",
 ]
 
 
-
-class WorkerError(RuntimeError):
-    """A gloo worker raised; the message carries its rank and full traceback text."""
-
-    def __init__(self, rank: int, message: str) -> None:
-        super().__init__(message)
-        self.rank = rank
-
-
-# --------------------------------------------------------------------------- gloo processes
-
-
-def _worker(
-    rank: int, world_size: int, fn: Callable[[int, int, Any], Any], arg: Any, tmpdir: str, timeout: float
-) -> None:
-    torch.set_num_threads(1)
-    try:
-        store = dist.FileStore(os.path.join(tmpdir, "store"), world_size)
-        dist.init_process_group(
-            "gloo",
-            rank=rank,
-            world_size=world_size,
-            store=store,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
-        result = fn(rank, world_size, arg)
-        torch.save(result, os.path.join(tmpdir, f"result_{rank}.pt"))
-    except BaseException as e:
-        text = f"rank {rank} failed with {type(e).__name__}: {e}\n{traceback.format_exc()}"
-        with open(os.path.join(tmpdir, f"error_{rank}.txt"), "w") as f:
-            f.write(f"{time.time_ns()}\n{text}")
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _worker_errors(tmpdir: str, world_size: int) -> list[tuple[int, int, str]]:
-    """(time_ns, rank, text) of every worker that wrote an error, earliest first."""
-    found = []
-    for r in range(world_size):
-        path = os.path.join(tmpdir, f"error_{r}.txt")
-        if os.path.exists(path):
-            with open(path) as f:
-                stamp, _, text = f.read().partition("\n")
-            found.append((int(stamp), r, text))
-    return sorted(found)
-
-
-def run_gloo(
-    world_size: int, fn: Callable[[int, int, Any], Any], arg: Any = None, timeout: float = 300
-) -> list[Any]:
-    """Run ``fn(rank, world_size, arg)`` on ``world_size`` forked gloo ranks; return their results.
-
-    Each worker sets ``torch.set_num_threads(1)``, joins a gloo process group through a
-    ``FileStore`` in a fresh temporary directory, runs ``fn`` and ``torch.save``s its result
-    (tensors and nested containers are fine; return plain tensors, not DTensors). Results come
-    back as ``[rank0, rank1, ...]``. If any worker raises, the others are terminated and a
-    :class:`WorkerError` naming the rank with the worker's traceback text is raised (the
-    earliest failure: peers' follow-on collective errors are only listed after it). ``fn``
-    should be a module-level function. See the module docstring about forking.
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if dist.is_initialized():
-        raise RuntimeError("run_gloo forks workers: destroy the parent's process group first")
-    tmpdir = tempfile.mkdtemp(prefix="autoshard_gloo_")
-    try:
-        ctx = mp.start_processes(
-            _worker,
-            args=(world_size, fn, arg, tmpdir, timeout),
-            nprocs=world_size,
-            join=False,
-            start_method="fork",
-        )
-        deadline = time.monotonic() + timeout
-        try:
-            while not ctx.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
-                if time.monotonic() >= deadline:
-                    for p in ctx.processes:
-                        if p.is_alive():
-                            p.terminate()
-                    for p in ctx.processes:
-                        p.join(5)
-                    raise TimeoutError(f"run_gloo: {world_size} workers did not finish in {timeout} s")
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-            errors = _worker_errors(tmpdir, world_size)
-            if not errors:
-                idx = getattr(e, "error_index", -1)
-                raise WorkerError(idx, f"rank {idx}: gloo worker died without a Python exception: {e}") from e
-            # The earliest error is the root cause; peers typically fail afterwards in a
-            # collective ("Connection closed by peer") or are terminated.
-            _, rank, text = errors[0]
-            also = "".join(
-                f"\n(later: {t.splitlines()[0] if t else ''})" for _, _, t in errors[1:]
-            )
-            raise WorkerError(rank, text + also) from None
-        results = []
-        for r in range(world_size):
-            path = os.path.join(tmpdir, f"result_{r}.pt")
-            results.append(torch.load(path, weights_only=False))
-        return results
-    finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
-
-
 # --------------------------------------------------------------------------- one process, many ranks
-
-
-@contextlib.contextmanager
-def fake_world(world_size: int) -> Iterator[None]:
-    """A ``fake`` default process group of ``world_size`` ranks (this process is rank 0).
-
-    For planning tests: DeviceMesh construction and collective *shapes* work, nothing is
-    communicated. Build meshes outside ``FakeTensorMode``. Destroyed on exit.
-    """
-    if dist.is_initialized():
-        raise RuntimeError("a default process group already exists; nested worlds are not supported")
-    tc.fake_process_group(world_size)
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        tc.clear_dtensor_caches()
 
 
 @contextlib.contextmanager
@@ -197,13 +59,6 @@ class Reference:
     losses: list[float]  # loss at each step (before the optimizer step)
     grads: dict[str, Tensor]  # gradients of the FIRST step, by parameter name
     params: dict[str, Tensor]  # parameters after all steps
-
-
-def call_loss(model: Any, inputs: Any) -> Tensor:
-    """The loss of ``model`` called with positional ``inputs`` (a tuple) or keyword ``inputs`` (a dict); a
-    ModelOutput's ``loss`` when the model returns one."""
-    out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
-    return out if isinstance(out, Tensor) else out.loss
 
 
 def single_device_reference(

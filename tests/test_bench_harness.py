@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from autoshard.bench import Row, Variant, quantile, run_variants, side_by_side, time_steps
-from harness import run_gloo
 
 
 class FakeClock:
@@ -120,7 +119,7 @@ def _variants(rank: int, world_size: int, arg: Any) -> list[Variant]:
 
 
 def test_side_by_side_returns_one_row_per_variant_from_rank_zero() -> None:
-    rows = side_by_side(2, _variants, steps=3, warmup=1, launch=run_gloo, arg=None)
+    rows = side_by_side(2, _variants, steps=3, warmup=1, arg=None)
     assert [r.name for r in rows] == ["one", "two", "three"]
     for r in rows:
         assert r.error is None and r.timing is not None

@@ -17,8 +17,8 @@ from autoshard.calibrate import COLLECTIVE_KINDS, CalibrationConfig, _axis_group
 from autoshard.cli import main
 from autoshard.cluster import AxisLayout, Link, get_cluster
 from autoshard.cost.collectives import algorithm_time
+from autoshard.meshes import fake_world
 from autoshard.models.mlp import MLP, mlp_example_inputs
-from harness import fake_world
 
 
 @pytest.fixture(scope="module")

@@ -117,10 +117,10 @@ def test_piece_costs_add_up_to_the_plan(sample):
 
     from autoshard.cluster import get_cluster
     from autoshard.config import PlanConfig
+    from autoshard.meshes import fake_world
     from autoshard.models.llama import Llama, LlamaConfig, llama_example_inputs
     from autoshard.pipeline.costs import piece_costs
     from autoshard.planner import plan_graph
-    from harness import fake_world
 
     cfg = LlamaConfig(n_layer=6, d_model=64, n_head=4, n_kv_head=2, ffn=128, vocab=256, seq_len=32)
     with fake_world(4):

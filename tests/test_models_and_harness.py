@@ -1,4 +1,5 @@
-"""Fast checks of the example models and of the multi-rank test harness."""
+"""Fast checks of the example models, of the test harness (simulated ranks, references) and of the fake world it
+uses (``autoshard.meshes.fake_world``). The gloo launcher is tested in test_launch.py."""
 
 from __future__ import annotations
 
@@ -8,63 +9,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from autoshard.meshes import fake_world
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.models.mlp import MLP, mlp_example_inputs
 
 try:
-    from harness import (
-        Reference,
-        WorkerError,
-        assert_close_to_reference,
-        fake_world,
-        local_ranks,
-        run_gloo,
-        single_device_reference,
-    )
+    from harness import Reference, assert_close_to_reference, local_ranks, single_device_reference
 except ImportError:  # tests/ imported as a package
-    from tests.harness import (
-        Reference,
-        WorkerError,
-        assert_close_to_reference,
-        fake_world,
-        local_ranks,
-        run_gloo,
-        single_device_reference,
-    )
+    from tests.harness import Reference, assert_close_to_reference, local_ranks, single_device_reference
 
 SMALL_GPT = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab=128, seq_len=32)
-
-
-# --------------------------------------------------------------------------- gloo workers
-# (these tests run first in the file: they fork before the parent does heavy torch work)
-
-
-def _all_reduce_rank(rank: int, world_size: int, arg: object) -> torch.Tensor:
-    t = torch.tensor([float(rank + 1), 10.0 * rank])
-    dist.all_reduce(t)
-    return t
-
-
-def _raise_on_rank_1(rank: int, world_size: int, arg: object) -> None:
-    if rank == 1:
-        raise ValueError(f"boom {arg}")
-    dist.barrier()  # rank 0 blocks here until the harness terminates it
-
-
-def test_run_gloo_all_reduce() -> None:
-    out = run_gloo(2, _all_reduce_rank)
-    assert len(out) == 2
-    for t in out:
-        torch.testing.assert_close(t, torch.tensor([3.0, 10.0]))
-
-
-def test_run_gloo_surfaces_worker_error() -> None:
-    with pytest.raises(WorkerError) as info:
-        run_gloo(2, _raise_on_rank_1, arg="xyz", timeout=60)
-    assert info.value.rank == 1
-    msg = str(info.value)
-    assert "rank 1" in msg and "ValueError" in msg and "boom xyz" in msg
-    assert "_raise_on_rank_1" in msg  # the worker's traceback text is included
 
 
 # --------------------------------------------------------------------------- one process, many ranks
@@ -91,6 +45,22 @@ def test_local_ranks_all_reduce() -> None:
 def test_fake_world_is_destroyed() -> None:
     with fake_world(8):
         assert dist.get_world_size() == 8
+    assert not dist.is_initialized()
+
+
+def test_fake_world_nests_only_in_a_world_of_its_size() -> None:
+    """Inside a group of the same size the existing group is used and survives the inner exit; another size
+    is refused (torch has one default group: replacing it would break the meshes made on it)."""
+    with fake_world(4):
+        group = dist.group.WORLD
+        with fake_world(4):
+            assert dist.group.WORLD is group
+        assert dist.is_initialized() and dist.get_world_size() == 4
+        with pytest.raises(ValueError, match="a process group of 4 ranks is already initialized"):
+            with fake_world(8):
+                pass
+        assert dist.get_world_size() == 4
+        dist.destroy_process_group()  # the body may end the group itself
     assert not dist.is_initialized()
 
 

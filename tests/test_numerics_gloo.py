@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch.distributed.tensor import Shard
 
+from autoshard.launch import launch
 from autoshard.models.mlp import mlp_example_inputs
-from harness import assert_close_to_reference, local_ranks, run_gloo, single_device_reference
+from harness import assert_close_to_reference, local_ranks, single_device_reference
 from numerics_utils import LR, MODELS, PARAM_ATOL, make_mlp, train_sharded
 
 def _worker(rank: int, world: int, arg: tuple) -> dict:
@@ -23,7 +24,7 @@ def _run(name: str, shape: tuple[int, ...], names: tuple[str, ...], **kw) -> lis
     world = 1
     for s in shape:
         world *= s
-    results = run_gloo(world, _worker, (name, shape, names, kw))
+    results = launch(world, _worker, (name, shape, names, kw))
     make, inputs_fn = MODELS[name]
     ref = single_device_reference(make, inputs_fn(), steps=3, lr=LR)
     for r, got in enumerate(results):
@@ -55,7 +56,7 @@ def test_gloo_inductor_gpt_2x2():
 
 
 def test_wrong_local_input_names_expected_shape():
-    results = run_gloo(2, _bad_input_worker, None)
+    results = launch(2, _bad_input_worker, None)
     assert "expected this rank's local piece f32[8, 32]" in results[0]
     assert "[S(0)]" in results[0]
 
@@ -76,7 +77,7 @@ def _bad_input_worker(rank: int, world: int, arg: None) -> str:
 
 
 def test_state_dict_is_dtensor_and_saves_with_dcp(tmp_path):
-    results = run_gloo(2, _dcp_worker, str(tmp_path / "ckpt"))
+    results = launch(2, _dcp_worker, str(tmp_path / "ckpt"))
     assert results[0] == results[1] == "ok"
 
 

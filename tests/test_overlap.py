@@ -8,8 +8,8 @@ import torch.distributed._functional_collectives as funcol
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoshard import _torch_compat as tc
+from autoshard.meshes import fake_world
 from autoshard.passes.overlap import schedule_overlap
-from harness import fake_world
 
 
 def _names(gm: torch.fx.GraphModule, opname: str) -> list[int]:

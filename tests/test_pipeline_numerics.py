@@ -9,10 +9,11 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
+from autoshard.launch import launch
 from autoshard.models import hf
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.models.llama import Llama, LlamaConfig, llama_example_inputs
-from harness import Reference, assert_close_to_reference, run_gloo, single_device_reference
+from harness import Reference, assert_close_to_reference, single_device_reference
 from numerics_utils import LR, PARAM_ATOL, _full
 
 PP_CFG = GPTConfig(n_layer=4, d_model=32, n_head=4, vocab=64, seq_len=16, bias=False)
@@ -81,7 +82,7 @@ def _run(shape: tuple[int, ...], names: tuple[str, ...], **kw) -> list[dict]:
     world = 1
     for s in shape:
         world *= s
-    results = run_gloo(world, _train, (shape, names, dict(kw, backend=kw.get("backend", "eager"))))
+    results = launch(world, _train, (shape, names, dict(kw, backend=kw.get("backend", "eager"))))
     make, inputs_fn = MODELS[kw.get("model", "gpt")]
     ref = single_device_reference(make, inputs_fn(), steps=3, lr=LR)
     held: set[str] = set()
@@ -135,7 +136,7 @@ def _auto(rank: int, world: int, arg: None) -> dict:
 def test_auto_weighs_stages_and_keeps_none_for_a_small_model():
     """pipeline="auto" plans 2 and 4 stages, and a tiny model on one fast node is faster without them (the
     pipeline's bubble and sends cost more than the work they spread); the plain program still trains right."""
-    results = run_gloo(4, _auto, None)
+    results = launch(4, _auto, None)
     ref = single_device_reference(make_pp_gpt, _inputs(), steps=1, lr=LR)
     assert results[0]["kind"] == "ShardedModule"
     assert len(autoshard.Plan.from_json(results[0]["plan"]).stages) == 1
@@ -155,7 +156,7 @@ def _no_layers(rank: int, world: int, arg: None) -> str:
 
 
 def test_pp_axis_on_a_model_without_repeated_layers_is_a_clear_error():
-    msg = run_gloo(2, _no_layers, None)[0]
+    msg = launch(2, _no_layers, None)[0]
     assert "MLP has no nn.ModuleList of blocks of one class" in msg and "pp" in msg
 
 
@@ -203,7 +204,7 @@ def _misuse(rank: int, world: int, arg: None) -> list[str]:
 
 
 def test_pipelined_module_says_what_to_call_instead():
-    msgs = run_gloo(2, _misuse, None)[0]
+    msgs = launch(2, _misuse, None)[0]
     assert "sharded.step(" in msgs[0] and "global batch" in msgs[0]
     assert "sharded.step(" in msgs[1] and "not its shards" in msgs[1]
     assert "not shaped like the traced call" in msgs[2]

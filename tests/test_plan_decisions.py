@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
+import autoshard
+from autoshard.cluster import get_cluster
+from autoshard.config import PlanConfig
+from autoshard.meshes import fake_world
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.models.mlp import MLP, mlp_example_inputs
 from autoshard.passes.lower import collective_counts, lower
+from autoshard.planner import plan_graph
 from autoshard.solver.intra_op import InfeasibleBudget
-from harness import fake_world
-from planning_utils import plan_on
 
 BATCH_ON_DP = {"inputs": {"dp": Shard(0)}}
 
@@ -28,7 +32,8 @@ def _mlp_inputs():
 
 def test_mlp_no_budget_is_ddp():
     with fake_world(4):
-        plan, gm, ctx = plan_on(_mlp(), _mlp_inputs(), (4,), ("dp",), constraints=BATCH_ON_DP)
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+        plan, gm, ctx = plan_graph(_mlp(), _mlp_inputs(), mesh, get_cluster("cpu"), PlanConfig(constraints=BATCH_ON_DP))
         assert set(plan.parameter_placements().values()) == {("R",)}
         assert plan.input_placements() == (("S(0)",), ("S(0)",))
         kinds = {(c.kind, c.axis) for c in plan.stages[0].collectives}
@@ -41,9 +46,11 @@ def test_mlp_no_budget_is_ddp():
 
 def test_mlp_budget_below_replicated_is_fsdp_like():
     with fake_world(4):
-        ddp, _, _ = plan_on(_mlp(), _mlp_inputs(), (4,), ("dp",), constraints=BATCH_ON_DP)
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+        ddp = autoshard.plan(_mlp(), mesh, _mlp_inputs(), constraints=BATCH_ON_DP)
         budget = int(ddp.peak_memory.total * 0.6)
-        plan, gm, ctx = plan_on(_mlp(), _mlp_inputs(), (4,), ("dp",), constraints=BATCH_ON_DP, memory_budget=budget)
+        config = PlanConfig(constraints=BATCH_ON_DP, memory_budget=budget)
+        plan, gm, ctx = plan_graph(_mlp(), _mlp_inputs(), mesh, get_cluster("cpu"), config)
         assert plan.peak_memory.total <= budget
         pl = plan.parameter_placements()
         assert pl["fc1.weight"] != ("R",) and pl["fc2.weight"] != ("R",)
@@ -56,8 +63,9 @@ def test_mlp_budget_below_replicated_is_fsdp_like():
 
 def test_infeasible_budget_states_minimum():
     with fake_world(4):
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
         with pytest.raises(InfeasibleBudget, match=r"smallest is [0-9.]+ MiB"):
-            plan_on(_mlp(), _mlp_inputs(), (4,), ("dp",), constraints=BATCH_ON_DP, memory_budget="1MiB")
+            autoshard.plan(_mlp(), mesh, _mlp_inputs(), constraints=BATCH_ON_DP, memory_budget="1MiB")
 
 
 def test_transformer_block_is_megatron_on_tp():
@@ -65,9 +73,9 @@ def test_transformer_block_is_megatron_on_tp():
     with torch.device("meta"):
         model = GPT(cfg)
     with fake_world(4):
-        plan, gm, ctx = plan_on(
-            model, gpt_example_inputs(cfg, 2), (2, 2), ("dp", "tp"), cluster="h100-sxm", constraints={"inputs": "[S(0), R]"}
-        )
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        plan, gm, ctx = plan_graph(model, gpt_example_inputs(cfg, 2), mesh, get_cluster("h100-sxm"),
+                                   PlanConfig(constraints={"inputs": "[S(0), R]"}))
         pl = plan.parameter_placements()
         # column-parallel first MLP matmul (weight rows = output features split), row-parallel second
         assert pl["layers.0.mlp.fc1.weight"][1] == "S(0)"
@@ -83,7 +91,8 @@ def test_plan_report_and_json_round_trip():
     from autoshard.plan import Plan
 
     with fake_world(4):
-        plan, _, _ = plan_on(_mlp(), _mlp_inputs(), (2, 2), ("dp", "tp"), constraints=BATCH_ON_DP)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        plan = autoshard.plan(_mlp(), mesh, _mlp_inputs(), constraints=BATCH_ON_DP)
     text = plan.report()
     assert "dp=2 × tp=2" in text and "fc1.weight" in text
     assert Plan.from_json(plan.to_json()) == plan
@@ -96,7 +105,8 @@ def test_loss_backward_keeps_the_batch_sharded():
     with torch.device("meta"):
         model = GPT(cfg)
     with fake_world(4):
-        plan, _, _ = plan_on(model, gpt_example_inputs(cfg, 16), (4,), ("dp",), constraints=BATCH_ON_DP)
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+        plan = autoshard.plan(model, mesh, gpt_example_inputs(cfg, 16), constraints=BATCH_ON_DP)
     [nll_bw] = [d for d in plan.stages[0].ops if "nll_loss_backward" in d.op]
     assert nll_bw.output != ("R",), f"nll_loss_backward planned {nll_bw.output}: the batch was gathered"
     assert not any(c.kind == "all_gather" and "softmax" in c.consumer for c in plan.stages[0].collectives)
@@ -110,7 +120,8 @@ def test_fsdp_gathers_each_layers_parameters_with_one_collective_per_phase():
     cfg = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab=128, seq_len=16, bias=True)
     torch.manual_seed(0)
     with fake_world(4):
-        plan, gm, ctx = plan_on(GPT(cfg), gpt_example_inputs(cfg, 8), (4,), ("dp",), recipe="fsdp")
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+        plan, gm, ctx = plan_graph(GPT(cfg), gpt_example_inputs(cfg, 8), mesh, get_cluster("cpu"), PlanConfig(recipe="fsdp"))
         groups, uses = _gather_groups(list(gm.graph.nodes), (4,))
         grouped = collective_counts(trace_rank_program(gm, ctx))
         apart = collective_counts(trace_rank_program(gm, ctx, group_gathers=False))

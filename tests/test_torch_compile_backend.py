@@ -12,8 +12,9 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
+from autoshard.launch import LaunchError, launch
 
-from harness import WorkerError, assert_close_to_reference, run_gloo, single_device_reference
+from harness import assert_close_to_reference, single_device_reference
 from numerics_utils import LR, MODELS, PARAM_ATOL
 
 
@@ -55,15 +56,15 @@ def test_backend_trains_like_one_device_on_2x2() -> None:
     """FSDP + TP (parameters sharded on both axes), each rank passing its dp shard of the batch."""
     arg = ("gpt", (2, 2), ("dp", "tp"), {"recipe": "fsdp+tp"})
     try:
-        results = run_gloo(4, _worker, arg)
-    except WorkerError as e:
+        results = launch(4, _worker, arg)
+    except LaunchError as e:
         # Four torch.compile'd ranks on two cores sometimes abort natively (SIGABRT, no Python exception; issue 14
         # records the same in 3 of 9 benchmark launches, cause unknown): once, and only that, is run again. A
         # Python error or a wrong number still fails at once.
         if "died without a Python exception" not in str(e):
             raise
         warnings.warn(f"re-running the 4-rank backend test after a native abort: {e}", stacklevel=1)
-        results = run_gloo(4, _worker, arg)
+        results = launch(4, _worker, arg)
     make, inputs_fn = MODELS["gpt"]
     ref = single_device_reference(make, inputs_fn(), steps=3, lr=LR)
     for got in results:
@@ -106,6 +107,6 @@ def _graph_break(rank: int, world: int, arg: None) -> str:
 
 def test_a_graph_break_is_a_clear_error_naming_it() -> None:
     """Not a wrong result: the first graph must not stand for the whole forward."""
-    msg = run_gloo(2, _graph_break, None)[0]
+    msg = launch(2, _graph_break, None)[0]
     assert "graph break" in msg and "reads 2 of its 4 parameters" in msg, msg
     assert "fullgraph=True" in msg and "test_torch_compile_backend.py" in msg, msg

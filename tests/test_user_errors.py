@@ -12,9 +12,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 import autoshard
+from autoshard.meshes import fake_world
 from autoshard.models.mlp import MLP, mlp_example_inputs
 
-from harness import fake_world, local_ranks
+from harness import local_ranks
 
 
 def _mlp_plan(constraints: dict) -> autoshard.Plan:

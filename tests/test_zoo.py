@@ -10,18 +10,22 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+import autoshard
+from autoshard.cluster import get_cluster
+from autoshard.config import PlanConfig
+from autoshard.meshes import fake_world
 from autoshard.models.bert import BertConfig
 from autoshard.models.gpt import GPTConfig
 from autoshard.models.llama import LlamaConfig
 from autoshard.models.moe import MoEConfig, MoEFeedForward, route
 from autoshard.models.vit import ViTConfig, patchify
 from autoshard.models.zoo import ZooModel, get_model, known_models
-from harness import fake_world
-from planning_utils import plan_on
+from autoshard.planner import plan_graph
 
 # Published sizes: GPT-2 (Radford et al. 2019), Llama 3 Herd of Models (2024), Mixtral (Jiang et al. 2024),
 # BERT (Devlin et al. 2019; 335M with the MLM head and no pooler), ViT (Dosovitskiy et al. 2021).
@@ -198,7 +202,8 @@ def test_new_family_captures_and_plans(family: str, caplog: pytest.LogCaptureFix
     m = _tiny(family, n_layer=1)
     model = m.build()  # meta, bf16: what the CLI plans
     with caplog.at_level(logging.WARNING, logger="autoshard"), fake_world(4):
-        plan, _, _ = plan_on(model, m.example_inputs(4), (2, 2), ("dp", "tp"), constraints={"inputs": {"dp": Shard(0)}})
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        plan = autoshard.plan(model, mesh, m.example_inputs(4), constraints={"inputs": {"dp": Shard(0)}})
     assert plan.stages and plan.step_time_s > 0
     fallbacks = [r.getMessage() for r in caplog.records if "no sharding strategy" in r.getMessage()]
     assert not fallbacks  # every op of these models has a DTensor rule (nothing silently replicated)
@@ -290,7 +295,9 @@ def test_plan_step_time_prices_any_choice_like_the_solver() -> None:
 
     m = _tiny("mixtral", n_layer=2)
     with fake_world(8):
-        plan, gm, ctx = plan_on(m.build(), m.example_inputs(8), (2, 4), ("dp", "tp"), cluster="h100-sxm", solve_recipes=False)
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+        plan, gm, ctx = plan_graph(m.build(), m.example_inputs(8), mesh, get_cluster("h100-sxm"),
+                                   PlanConfig(solve_recipes=False))
         assert _math.isclose(plan.step_time_s, plan.solver.objective_s, rel_tol=1e-4)
         problem = ctx.problem
         choice = {c: ctx.solution.choice[c] for c in problem.canon_ids}
