@@ -36,16 +36,20 @@ The head and tail pieces are not recomputed (Megatron checkpoints the transforme
 
 The DP. For a fixed S, B and schedule, T grows with sum t_i (fixed: every layer runs somewhere) and max t_i, so
 the best split minimizes the largest stage time subject to every stage's memory: f[s][j] = the smallest
-possible max stage time of the first s stages holding the first j layers, over the last stage's start i. This is
-O(S L^2) per (S, B, schedule), exact for any per-layer costs (identical layers are the common case).
+possible max stage time of the first s stages holding the first j layers, over the last stage's start i, in numpy
+over all (i, j) at once (O(S L^2), exact for any per-layer costs). A second pass keeps, among the splits with that
+max, the most balanced one (the fastest stage slowest). Interleaved ranks hold several pieces and T depends on
+the ranks' sums, so the DP over ranks (each rank's layers then dealt into its chunks) is weighed too.
 ``even_split`` instead cuts the layers into equal runs (Megatron's layout: it needs L divisible by S x v).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
 
@@ -146,41 +150,49 @@ def check_schedule(schedule: str, stages: int, microbatches: int, chunks: int) -
 
 
 class _Costs:
-    """Prefix sums over the layers (and a range max for recomputation's working set): any [i, j) in O(1)."""
+    """Prefix sums over the layers: any [i, j) in O(1) (``piece``), and every [i, j) at once as (n + 1) x (n + 1)
+    matrices for the DP (``matrices``); recomputation's working set is a range max."""
 
-    def __init__(self, layers: Sequence[PieceCost], head: PieceCost, tail: PieceCost, n_pieces: int,
-                 recompute: bool) -> None:
-        self.head, self.tail, self.last, self.recompute = head, tail, n_pieces - 1, recompute
+    def __init__(self, layers: Sequence[PieceCost], head: PieceCost, tail: PieceCost, recompute: bool) -> None:
+        self.head, self.tail, self.recompute, self.n = head, tail, recompute, len(layers)
         self.sums = [(0.0, 0.0, 0, 0)]
         for c in layers:
             t, st, state, kept = self.sums[-1]
             self.sums.append((t + c.time_s + (c.fwd_s if recompute else 0.0), st + c.step_s, state + c.state_bytes,
                               kept + (c.input_bytes if recompute else c.act_bytes)))
         self.acts = [c.act_bytes for c in layers]
-        self._max: dict[tuple[int, int], int] = {}
+        cols = np.array(self.sums, dtype=float)
+        self._time, self._state, self._kept = (cols[None, :, q] - cols[:, None, q] for q in (0, 2, 3))
+        self._work = np.zeros((self.n + 1, self.n + 1))
+        if recompute:
+            acts = np.array(self.acts, dtype=float)
+            for i in range(self.n):
+                self._work[i, i + 1:] = np.maximum.accumulate(acts[i:])
+        idx = np.arange(self.n + 1)
+        self._length = idx[None, :] - idx[:, None]
 
-    def work(self, i: int, j: int) -> int:
-        if not self.recompute or i >= j:
-            return 0
-        key = (i, j)
-        if key not in self._max:
-            self._max[key] = max(self.acts[i:j])
-        return self._max[key]
-
-    def piece(self, i: int, j: int, k: int) -> _Piece:
-        """Layers [i, j) as the k-th piece (the first holds the head, the last the tail)."""
+    def piece(self, i: int, j: int, k: int, last: int) -> _Piece:
+        """Layers [i, j) as the k-th piece (the first holds the head, the ``last``-th the tail)."""
         a, b = self.sums[i], self.sums[j]
         p = [b[0] - a[0], b[1] - a[1], b[2] - a[2], b[3] - a[3]]
-        for c, on in ((self.head, k == 0), (self.tail, k == self.last)):
+        for c, on in ((self.head, k == 0), (self.tail, k == last)):
             if on:  # head and tail keep their activations: recomputation covers the repeated layers only
                 p = [p[0] + c.time_s, p[1] + c.step_s, p[2] + c.state_bytes, p[3] + c.act_bytes]
-        return _Piece(p[0], p[1], p[2], p[3], self.work(i, j))
+        return _Piece(p[0], p[1], p[2], p[3], max(self.acts[i:j]) if self.recompute and i < j else 0)
+
+    def matrices(self, k: int, last: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(time, state, kept, work) of every [i, j) as the k-th piece, as ``piece`` computes them."""
+        time, state, kept = self._time, self._state, self._kept
+        for c, on in ((self.head, k == 0), (self.tail, k == last)):
+            if on:
+                time, state, kept = time + c.time_s, state + c.state_bytes, kept + c.act_bytes
+        return time, state, kept, self._work
 
 
 def _assemble(costs: _Costs, bounds: Sequence[tuple[int, int]], stages: int, microbatches: int, schedule: str,
               chunks: int, memory_budget: int | None, p2p_s: float) -> StageSplit | None:
     """The StageSplit of pieces ``bounds`` (piece k on rank k % stages); None when a rank exceeds the budget."""
-    pieces = [costs.piece(i, j, k) for k, (i, j) in enumerate(bounds)]
+    pieces = [costs.piece(i, j, k, len(bounds) - 1) for k, (i, j) in enumerate(bounds)]
     times, memory, once = [], [], []
     for r in range(stages):
         mine = pieces[r::stages]
@@ -197,6 +209,98 @@ def _assemble(costs: _Costs, bounds: Sequence[tuple[int, int]], stages: int, mic
                       bubble, costs.recompute)
 
 
+def _cut(costs: _Costs, pieces: int, allowed: Callable[[int, np.ndarray], np.ndarray],
+         min_len: int = 1) -> list[list[tuple[int, int]]]:
+    """Contiguous cuts of the layers into ``pieces`` runs of at least ``min_len`` layers (the k-th run [i, j) only
+    where ``allowed(k, time)[i, j]``) whose slowest run is fastest: the first found (each run starting as early as
+    it can) and the most balanced (the fastest run slowest). Two O(pieces n^2) passes over (n + 1)^2 matrices;
+    empty when no cut fits."""
+    n = costs.n
+    times = [costs.matrices(k, pieces - 1)[0] for k in range(pieces)]
+    masks = [allowed(k, t) & (costs._length >= min_len) for k, t in enumerate(times)]
+    f = np.full(n + 1, np.inf)
+    f[0] = 0.0
+    first = []
+    for t, m in zip(times, masks):  # f[j]: the smallest slowest run of the first k runs covering [0, j)
+        val = np.where(m, np.maximum(f[:, None], t), np.inf)
+        first.append(val.argmin(axis=0))
+        f = val.min(axis=0)
+    if not np.isfinite(f[n]):
+        return []
+    limit = f[n] + abs(f[n]) * 1e-12
+    g = np.full(n + 1, -np.inf)
+    g[0] = np.inf
+    balanced = []
+    for t, m in zip(times, masks):  # g[j]: the largest fastest run, no run slower than the limit
+        val = np.where(m & (t <= limit), np.minimum(g[:, None], t), -np.inf)
+        balanced.append(val.argmax(axis=0))
+        g = val.max(axis=0)
+    out = []
+    for back in (first, balanced):
+        bounds, j = [], n
+        for k in range(pieces - 1, -1, -1):
+            i = int(back[k][j])
+            bounds.append((i, j))
+            j = i
+        out.append(bounds[::-1])
+    return out
+
+
+def _fits(costs: _Costs, memory_budget: int | None, flight: Callable[[int], float], scale: int,
+          last: int) -> Callable[[int, np.ndarray], np.ndarray]:
+    """Where [i, j) as the k-th piece fits: ``scale`` x (state + flight(k) x kept) + work <= budget."""
+    def allowed(k: int, time: np.ndarray) -> np.ndarray:
+        if memory_budget is None:
+            return np.ones(time.shape, dtype=bool)
+        _, state, kept, work = costs.matrices(k, last)
+        return scale * (state + flight(k) * kept) + work <= memory_budget
+    return allowed
+
+
+def _interleaved_by_rank(costs: _Costs, stages: int, microbatches: int, schedule: str, chunks: int,
+                         memory_budget: int | None) -> list[tuple[int, int]] | None:
+    """Interleaved pieces balanced by rank: a rank's time is the sum over its chunks, so the layers are first cut
+    into ``stages`` contiguous runs as balanced as the DP makes them (head on the first, tail on the last), and each
+    rank's share of layers is then dealt into its ``chunks`` pieces (piece c * stages + r is rank r's chunk c)."""
+    flight = lambda r: in_flight(schedule, r, stages, microbatches, chunks)  # noqa: E731
+    cuts = _cut(costs, stages, _fits(costs, memory_budget, flight, 1, stages - 1), min_len=chunks)
+    if not cuts:
+        return None
+    runs = cuts[-1]
+    sizes = [[(j - i) // chunks + (c < (j - i) % chunks) for c in range(chunks)] for i, j in runs]
+    bounds, at = [], 0
+    for c in range(chunks):
+        for r in range(stages):
+            bounds.append((at, at + sizes[r][c]))
+            at += sizes[r][c]
+    return bounds
+
+
+def _balance(s: StageSplit) -> float:
+    return max(s.stage_time_s) / min(s.stage_time_s) if min(s.stage_time_s) > 0 else math.inf
+
+
+def _split(costs: _Costs, stages: int, microbatches: int, schedule: str, chunks: int, memory_budget: int | None,
+           p2p_s: float) -> StageSplit | None:
+    n_pieces = stages * chunks
+    if costs.n < n_pieces:
+        return None
+
+    def flight(k: int) -> float:
+        return in_flight(schedule, k % stages, stages, microbatches, chunks)
+
+    # a rank's memory is the sum over its chunks; with balanced chunks, chunks x this piece
+    found = []
+    by_rank = _interleaved_by_rank(costs, stages, microbatches, schedule, chunks, memory_budget) if chunks > 1 else None
+    for bounds in [*_cut(costs, n_pieces, _fits(costs, memory_budget, flight, chunks, n_pieces - 1)), by_rank]:
+        # None when balanced chunks passed the per-piece check but a rank's sum over its chunks does not fit
+        s = None if bounds is None else _assemble(costs, bounds, stages, microbatches, schedule, chunks,
+                                                   memory_budget, p2p_s)
+        if s is not None:
+            found.append(s)
+    return min(found, key=lambda s: (s.step_time_s, _balance(s))) if found else None
+
+
 def split_layers(
     layers: Sequence[PieceCost],
     head: PieceCost,
@@ -209,57 +313,19 @@ def split_layers(
     p2p_s: float = 0.0,
     recompute: bool = False,
 ) -> StageSplit | None:
-    """The best contiguous split of ``layers`` into ``stages`` ranks (None when no split fits the budget).
+    """The best contiguous split of ``layers`` into ``stages`` ranks (None when no split fits the budget): the
+    slowest stage as fast as it can be, and among such splits the most balanced (the fastest stage slowest).
 
     With ``chunks`` > 1 (interleaved) the layers are cut into ``stages * chunks`` pieces and rank r holds pieces
-    r, r + S, ...; the DP then balances the pieces (the standard interleaved layout) and a rank's time and memory
-    are the sums over its chunks. ``p2p_s`` is the time of one boundary send (activation or its gradient).
+    r, r + S, ...; a rank's time and memory are the sums over its chunks. Two layouts are weighed: the DP over the
+    pieces (balanced pieces) and the DP over the ranks with each rank's layers dealt into its chunks (balanced
+    ranks, what the schedule's time depends on). ``p2p_s`` is the time of one boundary send (activation or its
+    gradient).
     """
     why = check_schedule(schedule, stages, microbatches, chunks)
     if why:
         raise ValueError(why)
-    n_pieces = stages * chunks
-    n = len(layers)
-    if n < n_pieces:
-        return None
-    costs = _Costs(layers, head, tail, n_pieces, recompute)
-
-    def fits(p: _Piece, k: int) -> bool:
-        if memory_budget is None:
-            return True
-        # a rank's memory is the sum over its chunks; with balanced chunks, chunks x this piece
-        flight = in_flight(schedule, k % stages, stages, microbatches, chunks)
-        return chunks * (p.state_bytes + flight * p.kept_bytes) + p.work_bytes <= memory_budget
-
-    inf = math.inf
-    # f[k][j]: smallest max piece time for pieces 0..k-1 covering layers [0, j)
-    f = [[inf] * (n + 1) for _ in range(n_pieces + 1)]
-    arg = [[-1] * (n + 1) for _ in range(n_pieces + 1)]
-    f[0][0] = 0.0
-    for k in range(1, n_pieces + 1):
-        for j in range(k, n - (n_pieces - k) + 1):
-            best, at = inf, -1
-            for i in range(k - 1, j):
-                if f[k - 1][i] == inf:
-                    continue
-                p = costs.piece(i, j, k - 1)
-                if not fits(p, k - 1):
-                    continue
-                val = max(f[k - 1][i], p.time_s)
-                if val < best:
-                    best, at = val, i
-            f[k][j], arg[k][j] = best, at
-    if f[n_pieces][n] == inf:
-        return None
-    bounds = []
-    j = n
-    for k in range(n_pieces, 0, -1):
-        i = arg[k][j]
-        bounds.append((i, j))
-        j = i
-    bounds.reverse()
-    # None when balanced chunks passed the per-piece check but a rank's sum over its chunks does not fit
-    return _assemble(costs, bounds, stages, microbatches, schedule, chunks, memory_budget, p2p_s)
+    return _split(_Costs(layers, head, tail, recompute), stages, microbatches, schedule, chunks, memory_budget, p2p_s)
 
 
 def even_bounds(n: int, pieces: int) -> list[tuple[int, int]]:
@@ -268,26 +334,12 @@ def even_bounds(n: int, pieces: int) -> list[tuple[int, int]]:
     if not 1 <= pieces <= n:
         raise ValueError(f"cannot cut {n} layers into {pieces} non-empty pieces")
     q, r = divmod(n, pieces)
-    out, at = [], 0
-    for k in range(pieces):
-        size = q + (k < r)
-        out.append((at, at + size))
-        at += size
-    return out
+    return [(k * q + min(k, r), (k + 1) * q + min(k + 1, r)) for k in range(pieces)]
 
 
-def even_split(
-    layers: Sequence[PieceCost],
-    head: PieceCost,
-    tail: PieceCost,
-    stages: int,
-    microbatches: int,
-    schedule: str = "1F1B",
-    chunks: int = 1,
-    memory_budget: int | None = None,
-    p2p_s: float = 0.0,
-    recompute: bool = False,
-) -> StageSplit | None:
+def even_split(layers: Sequence[PieceCost], head: PieceCost, tail: PieceCost, stages: int, microbatches: int,
+               schedule: str = "1F1B", chunks: int = 1, memory_budget: int | None = None, p2p_s: float = 0.0,
+               recompute: bool = False) -> StageSplit | None:
     """Megatron-LM's split: every piece (of ``stages * chunks``) gets the same number of layers, the head on the
     first and the tail on the last, whatever they cost (None when a rank exceeds ``memory_budget``)."""
     why = check_schedule(schedule, stages, microbatches, chunks)
@@ -295,7 +347,7 @@ def even_split(
         raise ValueError(why)
     if len(layers) < stages * chunks:
         return None
-    costs = _Costs(layers, head, tail, stages * chunks, recompute)
+    costs = _Costs(layers, head, tail, recompute)
     bounds = even_bounds(len(layers), stages * chunks)
     return _assemble(costs, bounds, stages, microbatches, schedule, chunks, memory_budget, p2p_s)
 
@@ -319,18 +371,19 @@ def best_split(
     (never, for the same schedule and chunks) or where only it fits. ``even``: Megatron's equal split
     (:func:`even_split`, interleaving only when the chunks divide the layers evenly) instead of the DP."""
     found: list[StageSplit] = []
-    choices = (False, True) if recompute is None else (bool(recompute),)
+    costs = {rc: _Costs(layers, head, tail, rc) for rc in ((False, True) if recompute is None else (bool(recompute),))}
     n = len(layers)
     for schedule in schedules:
         chunk_options = range(2, max_chunks + 1) if schedule.startswith("Interleaved") else (1,)
         for chunks in chunk_options:
-            if check_schedule(schedule, stages, microbatches, chunks):
+            if check_schedule(schedule, stages, microbatches, chunks) or n < stages * chunks:
                 continue
             if even and chunks > 1 and n % (stages * chunks):
                 continue
-            for rc in choices:
-                fn = even_split if even else split_layers
-                s = fn(layers, head, tail, stages, microbatches, schedule, chunks, memory_budget, p2p_s, rc)
+            for c in costs.values():
+                s = (_assemble(c, even_bounds(n, stages * chunks), stages, microbatches, schedule, chunks,
+                               memory_budget, p2p_s) if even
+                     else _split(c, stages, microbatches, schedule, chunks, memory_budget, p2p_s))
                 if s is not None:
                     found.append(s)
     key = (lambda s: (s.step_time_s, s.recompute, SCHEDULES.index(s.schedule), s.chunks))
