@@ -1,6 +1,6 @@
 """Op rules: what autoshard knows about an op family beyond DTensor's strategies and torch's FLOP counter.
 
-One file per family, one line in ``RULES``. A rule can give
+One file per family, listed in ``_all_rules``. A rule can give
 
 - ``candidates(node, ties)``: the placements the planner may choose for the op (``passes/strategies.py`` asks
   the rule instead of DTensor, which has none for the op, or not the ones we want);
@@ -8,7 +8,8 @@ One file per family, one line in ``RULES``. A rule can give
   placements instead of through DTensor's dispatch (``passes/lower.py``), when DTensor cannot run that layout;
 - ``flops``: FLOP formulas for the op's overloads that ``torch.utils.flop_counter`` lacks (``cost/compute.py``).
 
-Adding an op family (ring attention, an MoE dispatch) is a new file here and its entry in ``RULES``.
+Adding an op family (ring attention, an MoE dispatch) is a new file here (an ``OpRule`` named ``RULE``) and
+its module in the import and the tuple of ``_all_rules``.
 """
 
 from __future__ import annotations
