@@ -170,6 +170,7 @@ class _Costs:
                 self._work[i, i + 1:] = np.maximum.accumulate(acts[i:])
         idx = np.arange(self.n + 1)
         self._length = idx[None, :] - idx[:, None]
+        self.cuts: dict[tuple, list[list[tuple[int, int]]]] = {}  # _cut's results by memory rule
 
     def piece(self, i: int, j: int, k: int, last: int) -> _Piece:
         """Layers [i, j) as the k-th piece (the first holds the head, the ``last``-th the tail)."""
@@ -209,15 +210,23 @@ def _assemble(costs: _Costs, bounds: Sequence[tuple[int, int]], stages: int, mic
                       bubble, costs.recompute)
 
 
-def _cut(costs: _Costs, pieces: int, allowed: Callable[[int, np.ndarray], np.ndarray],
+def _cut(costs: _Costs, pieces: int, flight: Callable[[int], float], scale: int, budget: int | None,
          min_len: int = 1) -> list[list[tuple[int, int]]]:
-    """Contiguous cuts of the layers into ``pieces`` runs of at least ``min_len`` layers (the k-th run [i, j) only
-    where ``allowed(k, time)[i, j]``) whose slowest run is fastest: the first found (each run starting as early as
-    it can) and the most balanced (the fastest run slowest). Two O(pieces n^2) passes over (n + 1)^2 matrices;
-    empty when no cut fits."""
+    """Contiguous cuts of the layers into ``pieces`` runs of at least ``min_len`` layers, run k fitting where
+    ``scale`` x (state + flight(k) x kept) + work <= ``budget``, whose slowest run is fastest: the first found (each
+    run starting as early as it can) and the most balanced (the fastest run slowest). Two O(pieces n^2) passes over
+    (n + 1)^2 matrices, remembered per memory rule; empty when no cut fits."""
     n = costs.n
-    times = [costs.matrices(k, pieces - 1)[0] for k in range(pieces)]
-    masks = [allowed(k, t) & (costs._length >= min_len) for k, t in enumerate(times)]
+    flights = tuple(flight(k) for k in range(pieces)) if budget is not None else None
+    memo = (pieces, min_len, scale, budget, flights)
+    if memo in costs.cuts:
+        return costs.cuts[memo]
+    times, masks = [], []
+    for k in range(pieces):
+        time, state, kept, work = costs.matrices(k, pieces - 1)
+        ok = costs._length >= min_len
+        times.append(time)
+        masks.append(ok if flights is None else ok & (scale * (state + flights[k] * kept) + work <= budget))
     f = np.full(n + 1, np.inf)
     f[0] = 0.0
     first = []
@@ -225,36 +234,25 @@ def _cut(costs: _Costs, pieces: int, allowed: Callable[[int, np.ndarray], np.nda
         val = np.where(m, np.maximum(f[:, None], t), np.inf)
         first.append(val.argmin(axis=0))
         f = val.min(axis=0)
-    if not np.isfinite(f[n]):
-        return []
-    limit = f[n] + abs(f[n]) * 1e-12
-    g = np.full(n + 1, -np.inf)
-    g[0] = np.inf
-    balanced = []
-    for t, m in zip(times, masks):  # g[j]: the largest fastest run, no run slower than the limit
-        val = np.where(m & (t <= limit), np.minimum(g[:, None], t), -np.inf)
-        balanced.append(val.argmax(axis=0))
-        g = val.max(axis=0)
-    out = []
-    for back in (first, balanced):
-        bounds, j = [], n
-        for k in range(pieces - 1, -1, -1):
-            i = int(back[k][j])
-            bounds.append((i, j))
-            j = i
-        out.append(bounds[::-1])
+    out: list[list[tuple[int, int]]] = []
+    if np.isfinite(f[n]):
+        limit = f[n] + abs(f[n]) * 1e-12
+        g = np.full(n + 1, -np.inf)
+        g[0] = np.inf
+        balanced = []
+        for t, m in zip(times, masks):  # g[j]: the largest fastest run, no run slower than the limit
+            val = np.where(m & (t <= limit), np.minimum(g[:, None], t), -np.inf)
+            balanced.append(val.argmax(axis=0))
+            g = val.max(axis=0)
+        for back in (first, balanced):
+            bounds, j = [], n
+            for k in range(pieces - 1, -1, -1):
+                i = int(back[k][j])
+                bounds.append((i, j))
+                j = i
+            out.append(bounds[::-1])
+    costs.cuts[memo] = out
     return out
-
-
-def _fits(costs: _Costs, memory_budget: int | None, flight: Callable[[int], float], scale: int,
-          last: int) -> Callable[[int, np.ndarray], np.ndarray]:
-    """Where [i, j) as the k-th piece fits: ``scale`` x (state + flight(k) x kept) + work <= budget."""
-    def allowed(k: int, time: np.ndarray) -> np.ndarray:
-        if memory_budget is None:
-            return np.ones(time.shape, dtype=bool)
-        _, state, kept, work = costs.matrices(k, last)
-        return scale * (state + flight(k) * kept) + work <= memory_budget
-    return allowed
 
 
 def _interleaved_by_rank(costs: _Costs, stages: int, microbatches: int, schedule: str, chunks: int,
@@ -263,7 +261,7 @@ def _interleaved_by_rank(costs: _Costs, stages: int, microbatches: int, schedule
     into ``stages`` contiguous runs as balanced as the DP makes them (head on the first, tail on the last), and each
     rank's share of layers is then dealt into its ``chunks`` pieces (piece c * stages + r is rank r's chunk c)."""
     flight = lambda r: in_flight(schedule, r, stages, microbatches, chunks)  # noqa: E731
-    cuts = _cut(costs, stages, _fits(costs, memory_budget, flight, 1, stages - 1), min_len=chunks)
+    cuts = _cut(costs, stages, flight, 1, memory_budget, min_len=chunks)
     if not cuts:
         return None
     runs = cuts[-1]
@@ -276,29 +274,25 @@ def _interleaved_by_rank(costs: _Costs, stages: int, microbatches: int, schedule
     return bounds
 
 
-def _balance(s: StageSplit) -> float:
-    return max(s.stage_time_s) / min(s.stage_time_s) if min(s.stage_time_s) > 0 else math.inf
-
-
 def _split(costs: _Costs, stages: int, microbatches: int, schedule: str, chunks: int, memory_budget: int | None,
            p2p_s: float) -> StageSplit | None:
     n_pieces = stages * chunks
     if costs.n < n_pieces:
         return None
 
-    def flight(k: int) -> float:
-        return in_flight(schedule, k % stages, stages, microbatches, chunks)
-
+    flight = lambda k: in_flight(schedule, k % stages, stages, microbatches, chunks)  # noqa: E731
     # a rank's memory is the sum over its chunks; with balanced chunks, chunks x this piece
     found = []
     by_rank = _interleaved_by_rank(costs, stages, microbatches, schedule, chunks, memory_budget) if chunks > 1 else None
-    for bounds in [*_cut(costs, n_pieces, _fits(costs, memory_budget, flight, chunks, n_pieces - 1)), by_rank]:
+    for bounds in [*_cut(costs, n_pieces, flight, chunks, memory_budget), by_rank]:
         # None when balanced chunks passed the per-piece check but a rank's sum over its chunks does not fit
         s = None if bounds is None else _assemble(costs, bounds, stages, microbatches, schedule, chunks,
                                                    memory_budget, p2p_s)
         if s is not None:
             found.append(s)
-    return min(found, key=lambda s: (s.step_time_s, _balance(s))) if found else None
+    # the faster, then the more balanced (slowest / fastest rank)
+    key = (lambda s: (s.step_time_s, max(s.stage_time_s) / max(min(s.stage_time_s), 1e-300)))
+    return min(found, key=key) if found else None
 
 
 def split_layers(
@@ -367,12 +361,13 @@ def best_split(
 ) -> StageSplit | None:
     """The fastest split over the schedules that can run (and chunk counts for interleaved ones).
 
-    ``recompute``: False or True fixes it; None tries both and keeps recomputation only where it is faster
-    (never, for the same schedule and chunks) or where only it fits. ``even``: Megatron's equal split
-    (:func:`even_split`, interleaving only when the chunks divide the layers evenly) instead of the DP."""
-    found: list[StageSplit] = []
-    costs = {rc: _Costs(layers, head, tail, rc) for rc in ((False, True) if recompute is None else (bool(recompute),))}
+    ``recompute``: False or True fixes it; None tries both and keeps recomputation only where it is faster (where
+    only a recomputing split fits, or fits balanced). ``even``: Megatron's equal split (:func:`even_split`,
+    interleaving only when the chunks divide the layers evenly) instead of the DP. Candidates are tried from the
+    lowest bound up (every rank an equal share of the work), until a bound exceeds the best split found."""
+    costs = [_Costs(layers, head, tail, rc) for rc in ((False, True) if recompute is None else (bool(recompute),))]
     n = len(layers)
+    tried = []
     for schedule in schedules:
         chunk_options = range(2, max_chunks + 1) if schedule.startswith("Interleaved") else (1,)
         for chunks in chunk_options:
@@ -380,12 +375,21 @@ def best_split(
                 continue
             if even and chunks > 1 and n % (stages * chunks):
                 continue
-            for c in costs.values():
-                s = (_assemble(c, even_bounds(n, stages * chunks), stages, microbatches, schedule, chunks,
-                               memory_budget, p2p_s) if even
-                     else _split(c, stages, microbatches, schedule, chunks, memory_budget, p2p_s))
-                if s is not None:
-                    found.append(s)
+            for c in costs:
+                # no split beats every rank holding an equal share of the work (its sends included)
+                share = (c.sums[-1][0] + c.head.time_s + c.tail.time_s) / stages + (
+                    2 * chunks * p2p_s if stages > 1 else 0.0)
+                bound = (pipeline_time(schedule, [share] * stages, microbatches, chunks)[0]
+                         + (c.sums[-1][1] + c.head.step_s + c.tail.step_s) / stages)
+                tried.append((bound, len(tried), schedule, chunks, c))
+    found: list[StageSplit] = []
+    for bound, _, schedule, chunks, c in sorted(tried, key=lambda t: t[:2]):
+        if found and bound > min(x.step_time_s for x in found) * (1 + 1e-9):
+            break
+        s = (_assemble(c, even_bounds(n, stages * chunks), stages, microbatches, schedule, chunks, memory_budget,
+                       p2p_s) if even else _split(c, stages, microbatches, schedule, chunks, memory_budget, p2p_s))
+        if s is not None:
+            found.append(s)
     key = (lambda s: (s.step_time_s, s.recompute, SCHEDULES.index(s.schedule), s.chunks))
     return min(found, key=key) if found else None
 
