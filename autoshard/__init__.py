@@ -4,12 +4,12 @@
     plan = autoshard.plan(model, mesh, example_inputs=(x, y))
     plan = autoshard.plan("llama3-70b", cluster="h100-sxm:128x8", seq=8192, global_batch=512)
     compiled = torch.compile(model, backend="autoshard", options={"mesh": mesh})
-    fsdp = autoshard.baseline("fsdp", "llama3-70b", "h100-sxm:128x8", seq=8192, global_batch=512)
+    fsdp = autoshard.recipe("fsdp", "llama3-70b", "h100-sxm:128x8", seq=8192, global_batch=512)
 """
 
-from autoshard.api import baseline, compile, plan
+from autoshard.api import compile, plan, recipe
 from autoshard.config import PlanConfig
 from autoshard.plan import Plan
 from autoshard.runtime.sharded_module import ShardedModule, as_dtensor, clip_grad_norm_
 
-__all__ = ["baseline", "clip_grad_norm_", "compile", "plan", "Plan", "PlanConfig", "ShardedModule", "as_dtensor"]
+__all__ = ["clip_grad_norm_", "compile", "plan", "recipe", "Plan", "PlanConfig", "ShardedModule", "as_dtensor"]

@@ -126,7 +126,7 @@ def plan(
     )
 
 
-def baseline(
+def recipe(
     recipe: str,
     model: nn.Module | str | Any,
     mesh_or_cluster: DeviceMesh | str | ClusterProfile,

@@ -83,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--global-batch", type=int, required=True, help="sequences (samples) per optimizer step")
     pl.add_argument("--memory-per-device", default=None, help="budget per device, e.g. 80GB (default: device memory)")
     pl.add_argument("--recipe", default=None, help="plan a manual recipe instead: ddp, fsdp, tp, fsdp+tp")
-    pl.add_argument("--no-baselines", action="store_true", help="skip solving the manual recipes alongside the plan (and the comparison with them)")
+    pl.add_argument("--no-recipes", action="store_true", help="skip solving the manual recipes alongside the plan (and the comparison with them)")
     pl.add_argument("--time-limit", type=float, default=30.0, help="solver time limit per solve, seconds")
     pl.add_argument("--sample-layers", type=int, default=3, help="repeated layers captured (they stand for all)")
     pl.add_argument("--out", default=None, help="write the plan as JSON here")
@@ -118,7 +118,7 @@ def _plan(a: argparse.Namespace) -> int:
         memory_budget=budget,
         progress=progress,
         recipe=a.recipe,
-        solve_recipes=not a.no_baselines,
+        solve_recipes=not a.no_recipes,
         time_limit_s=a.time_limit,
         sample_layers=a.sample_layers,
         pipeline=a.pipeline,

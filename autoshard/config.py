@@ -32,7 +32,7 @@ def normalize(name: str) -> str:
     key = ALIASES.get(key, key)
     if key not in RECIPES:
         raise ValueError(
-            f"unknown baseline recipe {name!r}; known recipes: {', '.join(RECIPES)} "
+            f"unknown recipe {name!r}; known recipes: {', '.join(RECIPES)} "
             f"(aliases: {', '.join(f'{a}={b}' for a, b in ALIASES.items())})"
         )
     return key

@@ -80,7 +80,7 @@ def test_cli_pipeline_auto_puts_a_stage_on_each_node(tmp_path, capsys):
     says why on stderr, prints the stage table and writes a plan that reads back."""
     out = tmp_path / "plan.json"
     argv = ["plan", "--model", "gpt2-124m", "--cluster", "a100-80gb:2x8", "--seq", "1024", "--global-batch", "16",
-            "--pipeline", "auto", "--no-baselines", "--out", str(out)]
+            "--pipeline", "auto", "--no-recipes", "--out", str(out)]
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert "pipeline   done  2 stages of (8,)" in captured.err and "beats no stages" in captured.err

@@ -116,9 +116,9 @@ def collect_edges(gm: fx.GraphModule, groups: Sequence[Group], output_roles: Seq
 class IntraOpProblem:
     """The integer program of one captured graph, built once and solved under different side conditions.
 
-    ``solve`` may be called several times (the solved plan, then each manual baseline as the same program with
+    ``solve`` may be called several times (the solved plan, then each manual recipe as the same program with
     parameter and input layouts pinned); ``evaluate`` prices any complete choice exactly as the objective does,
-    which is how a baseline's predicted time and the "never worse than the best baseline" check are computed.
+    which is how a recipe's predicted time and the "never worse than the best recipe" check are computed.
     ``weights`` scales a group's costs (a captured layer standing in for several identical uncaptured ones).
     """
 

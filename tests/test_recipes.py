@@ -31,7 +31,7 @@ def _plan(recipe: str | None, shape=(2, 2), names=("dp", "tp"), **kw):
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     if recipe is None:
         return autoshard.plan(_gpt(), mesh, gpt_example_inputs(CFG, 8), **kw)
-    return autoshard.baseline(recipe, _gpt(), mesh, gpt_example_inputs(CFG, 8), **kw)
+    return autoshard.recipe(recipe, _gpt(), mesh, gpt_example_inputs(CFG, 8), **kw)
 
 
 def test_recipe_names_and_applicability():
@@ -53,7 +53,7 @@ def test_tp_roles_follow_megatron():
     assert tp_role("ln_f.weight", "LayerNorm", (64,)) == ("replicated", None)
 
 
-def test_each_baseline_has_the_placements_its_name_promises():
+def test_each_recipe_has_the_placements_its_name_promises():
     with fake_world(4):
         ddp = _plan("ddp").parameter_placements()
         fsdp = _plan("fsdp").parameter_placements()
@@ -77,7 +77,7 @@ def test_each_baseline_has_the_placements_its_name_promises():
 
 def _check_never_worse(plan):
     feasible = [b for b in plan.baselines if b.applies and b.fits]
-    assert feasible, "no baseline to compare with"
+    assert feasible, "no recipe to compare with"
     for b in feasible:
         assert plan.step_time_s <= b.step_time_s * (1 + 1e-6), (b.name, plan.step_time_s, b.step_time_s)
     best = plan.best_baseline()
@@ -125,7 +125,7 @@ def test_solved_plan_never_slower_than_a_recipe_llama_and_mlp_under_budget():
     ],
 )
 def test_recipe_plan_trains_like_one_device(recipe, shape, names):
-    """A baseline is a Plan that runs: the recipe on LocalTensorMode (2, 2) equals single-device training."""
+    """A recipe is a Plan that runs: the recipe on LocalTensorMode (2, 2) equals single-device training."""
     make, inputs_fn = MODELS["gpt"]
     inputs = inputs_fn()  # outside LocalTensorMode: inside, each simulated rank would draw different tokens
     ref = single_device_reference(make, inputs, steps=3, lr=LR)
