@@ -196,8 +196,8 @@ def plan_offline(
         where = f"{stages} stages of {tuple(shape)}" if stages else f"mesh {tuple(shape)}"
         progress("model", 1.0, f"{job.name}: {job.params / 1e9:.2f} B parameters, {where} on {prof.name}")
 
-    def flat() -> Plan:
-        return _plan_flat(job, prof, mesh, shape, names, cfg, progress)
+    def flat(solves: Any = None, report: bool = True) -> Plan:
+        return _plan_flat(job, prof, mesh, shape, names, cfg, progress if report else None, solves)
 
     if stages is not None or pipeline == "auto":
         from autoshard.pipeline.offline import plan_with_pipeline
@@ -206,7 +206,7 @@ def plan_offline(
                                   sub_shape=shape if stages else None, axis_names=names if stages else None,
                                   progress=progress)
     else:
-        plan = flat()
+        plan = flat(None)
     peak = prof.device.peak_flops.get(job.dtype, prof.device.peak_flops["float32"])
     return dataclasses.replace(
         plan,
@@ -225,12 +225,17 @@ def _plan_flat(
     names: tuple[str, ...],
     cfg: PlanConfig,
     progress: Progress | None,
+    solves: Any = None,
 ) -> Plan:
-    """The intra-op plan of the whole batch on ``shape`` (no pipeline stages)."""
+    """The intra-op plan of the whole batch on ``shape`` (no pipeline stages); with the stage search's ``solves``
+    (``pipeline.solves.StageSolves``) its capture of the whole batch is planned instead of capturing again."""
     with fake_world(math.prod(shape)):
         dm = mesh if isinstance(mesh, DeviceMesh) else init_device_mesh("cpu", shape, mesh_dim_names=names)
         try:
-            plan, _, _ = plan_graph(job.module, job.inputs, dm, prof, cfg, progress=progress)
+            if solves is not None:
+                plan = solves.plan(dm, prof, cfg, progress)
+            else:
+                plan, _, _ = plan_graph(job.module, job.inputs, dm, prof, cfg, progress=progress)
         except InfeasibleBudget as e:  # (a SolverTimeout is not an out-of-memory verdict: it passes through)
             raise InfeasibleBudget(_explain_oom(job, e, prof, shape, cfg.memory_budget), e.least_bytes) from None
     return plan

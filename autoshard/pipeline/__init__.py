@@ -1,7 +1,10 @@
 """Pipeline parallelism: layers split into stages over sub-meshes, micro-batches, a schedule.
 
-- ``search``: the stage search over stage counts, stage sub-meshes and micro-batch counts (each option planned
-  intra-op on its sub-mesh, cut into pieces, split by the inter-op DP in ``autoshard.solver.inter_op``);
+- ``search``: the one stage search over stage counts, stage sub-meshes and micro-batch counts, which both
+  ``plan(pipeline="auto")`` and ``compile`` run (each option planned intra-op on its sub-mesh, cut into pieces,
+  split by the inter-op DP in ``autoshard.solver.inter_op``); ``pricing``: one configuration priced, exactly or
+  estimated from solved neighbours, and what the two callers may choose (``SearchSpace``); ``solves``: the
+  intra-op solves behind it, kept and reused (captures per micro-batch, layouts across stage counts);
 - ``costs``: a solved intra-op plan cut into per-layer pieces (what the inter-op DP splits);
 - ``megatron``: Megatron-LM's fixed (TP, PP, DP) configurations priced by the same model;
 - ``plan``: the pipelined :class:`~autoshard.plan.Plan` (one stage plan per stage);

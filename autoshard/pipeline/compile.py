@@ -3,10 +3,12 @@
 The mesh this runs on has a ``pp`` axis outermost (the user's, or one made from the outermost axis by
 ``pipeline="auto"``): ``pp`` copies of a stage sub-mesh, rank-major (stage s holds global ranks s*k .. s*k+k-1).
 
-1. Choose: for each stage count and micro-batch count, the whole model is planned on the sub-mesh at the
-   micro-batch size (every rank plans the same things; rank 0's solutions are broadcast), cut into pieces
-   (``pipeline.costs``) and split by the inter-op DP (``solver.inter_op.best_split``) over the schedules that run
-   here. ``pipeline="auto"`` also weighs no pipeline at all (the plain plan of the whole batch on the whole mesh).
+1. Choose: the stage search offline plans use (``pipeline.search.search_stages``) over the stage counts and
+   micro-batch counts, on the real ``pp`` sub-meshes (every rank plans the same things; rank 0's solutions are
+   broadcast), with what differs here: boundaries sent whole (each device sends the whole activation), only the
+   schedules that run here (``runtime.pipeline.EXECUTABLE_SCHEDULES``), no recomputation and no recipe layouts
+   (each stage is planned freely below). ``pipeline="auto"`` also weighs no pipeline at all (the plain plan of
+   the whole batch on the whole mesh).
 2. Cut: ``torch.distributed.pipelining.pipeline`` splits the module at the chosen layers (``SplitPoint``).
 3. Plan and compile: each stage is planned on the sub-mesh (``plan_graph(stage=True)``) with its received
    activations whole (Replicate) and a parameter shared with an earlier stage pinned to that stage's layout, so
@@ -15,10 +17,11 @@ The mesh this runs on has a ``pp`` axis outermost (the user's, or one made from 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,15 +33,15 @@ from torch.distributed.tensor import Replicate
 
 from autoshard.cluster import ClusterProfile
 from autoshard.config import PlanConfig
-from autoshard.pipeline.costs import piece_costs
-from autoshard.inputs import Call, signature_of
-from autoshard.pipeline.search import boundary_bytes, p2p_seconds, with_optimizer
+from autoshard.inputs import signature_of
+from autoshard.pipeline.search import SearchSpace, search_stages
+from autoshard.pipeline.solves import KeyCosts, StageSolves, micro_call
 from autoshard.pipeline.wiring import StageWiring, loss_counter, split_model, stage_examples
 from autoshard.plan import MeshSpec, Plan
 from autoshard.planner import pipeline_layers, plan_graph
 from autoshard.runtime.pipeline import EXECUTABLE_SCHEDULES, LossWeighting, PipelinedModule, StageModule, TiedParameter
 from autoshard.passes.runner import rank_program
-from autoshard.solver.inter_op import PieceCost, StageSplit, best_split
+from autoshard.solver.inter_op import StageSplit
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +75,26 @@ def _sub_of(mesh: DeviceMesh, stages: int) -> tuple[tuple[int, ...], tuple[str, 
     return (shape, names) if shape else ((1,), ("dp",))
 
 
+class RealStageMeshes:
+    """The stage search's sub-meshes on the real process group: ``pp`` copies of a sub-mesh of ``mesh`` (made
+    once per stage count, on every rank in the same order), priced on ``cluster`` as it is."""
+
+    broadcast = True
+
+    def __init__(self, mesh: DeviceMesh, cluster: ClusterProfile) -> None:
+        self.device_type, self.full = mesh.device_type, cluster
+        self.made: dict[int, DeviceMesh] = {}
+
+    @contextlib.contextmanager
+    def mesh(self, stages: int, shape: tuple[int, ...], names: tuple[str, ...]) -> Iterator[DeviceMesh]:
+        if stages not in self.made:
+            self.made[stages] = _submesh(self.device_type, stages, shape, names)
+        yield self.made[stages]
+
+    def cluster(self, world: int) -> ClusterProfile:
+        return self.full
+
+
 def choose_pipeline(
     model: nn.Module,
     inputs: Any,
@@ -82,7 +105,8 @@ def choose_pipeline(
     microbatches: int | None,
     schedule: str | None,
 ) -> PipelineChoice | None:
-    """The fastest (stages, micro-batches, schedule, split) over ``stage_counts``; None when none applies."""
+    """The fastest (stages, micro-batches, schedule, split) over ``stage_counts`` the stage search found (only
+    configurations it solved, with schedules this runtime runs); None when none fits."""
     found = pipeline_layers(model)
     if found is None or not found[0]:
         raise ValueError(
@@ -90,42 +114,26 @@ def choose_pipeline(
             "blocks of one class; compile it without pipeline= (or with a mesh without a 'pp' axis)"
         )
     container = found[0]
-    batch = int(signature_of(inputs)[1][0].shape[0])
-    schedules = (schedule,) if schedule else EXECUTABLE_SCHEDULES
-    inner = dataclasses.replace(config, memory_budget=None, solve_recipes=False)
-    best: tuple[float, PipelineChoice] | None = None
-    for stages in stage_counts:
-        sub_shape, sub_names = _sub_of(mesh, stages)
-        submesh = _submesh(mesh.device_type, stages, sub_shape, sub_names)
-        counts = [microbatches] if microbatches else [b for b in (stages * 2**i for i in range(6)) if batch % b == 0][:3]
-        for b in counts:
-            if batch % b:
-                raise ValueError(f"microbatches={b} does not divide the global batch {batch}")
-            _, gm, ctx = plan_graph(model, micro_call(inputs, b), submesh, cluster, inner, broadcast_solution=True)
-            dev, f = cluster.device, config.optimizer_factor
-            head, layers, tail = piece_costs(gm, ctx, container=container)  # each also steps its optimizer once
-            head, tail = with_optimizer(head, dev, f), with_optimizer(tail, dev, f)
-            layers = [with_optimizer(c, dev, f) for c in layers]
-            # boundaries here are whole (Replicate): every device sends the whole activation, not its share
-            k = math.prod(sub_shape)
-            p2p = p2p_seconds(cluster, k, stages, boundary_bytes(gm, ctx) * k)
-            split = best_split(layers, head, tail, stages, b, config.memory_budget, p2p, schedules)
-            log.info("pipeline: %d stages of %s, %d micro-batches: %s", stages, sub_shape, b,
-                     f"{split.step_time_s:.6f} s ({split.schedule} x{split.chunks})" if split else "no split fits")
-            if split is not None and (best is None or split.step_time_s < best[0]):
-                times = _stage_times(split, head, layers, tail, p2p)
-                best = (split.step_time_s, PipelineChoice(stages, sub_shape, sub_names, split, container, times))
-    return best[1] if best else None
+    solves = StageSolves(model, inputs, config, RealStageMeshes(mesh, cluster), container)
+    # boundaries here are whole (Replicate): every device sends the whole activation, not its share
+    space = SearchSpace(boundary="whole", schedules=(schedule,) if schedule else EXECUTABLE_SCHEDULES,
+                        microbatches=microbatches, recompute=False, fallback=(), polish=False)
+    rungs = [(s, *_sub_of(mesh, s)) for s in stage_counts]
+    options = search_stages(model, inputs, cluster, config, rungs, space, solves)
+    best = next((o for o in options if not o.estimated and o.split is not None), None)
+    if best is None or best.costs is None:
+        return None
+    return PipelineChoice(best.stages, best.submesh, best.names, best.split, container,
+                          _stage_times(best.split, best.costs, best.p2p_s))
 
 
-def _stage_times(split: StageSplit, head: PieceCost, layers: Sequence[PieceCost], tail: PieceCost,
-                 p2p: float) -> tuple[float, ...]:
+def _stage_times(split: StageSplit, kc: KeyCosts, p2p: float) -> tuple[float, ...]:
     """Each stage's (chunk's) time per micro-batch: its layers, the head / tail on the first / last, and one
     send each way per boundary it touches."""
     n = len(split.layers)
     return tuple(
-        sum(c.time_s for c in layers[a:b]) + (head.time_s if k == 0 else 0.0) + (tail.time_s if k == n - 1 else 0.0)
-        + 2 * p2p * ((k > 0) + (k < n - 1))
+        sum(c.time_s for c in kc.layers[a:b]) + (kc.head.time_s if k == 0 else 0.0)
+        + (kc.tail.time_s if k == n - 1 else 0.0) + 2 * p2p * ((k > 0) + (k < n - 1))
         for k, (a, b) in enumerate(split.layers)
     )
 
@@ -133,17 +141,6 @@ def _stage_times(split: StageSplit, head: PieceCost, layers: Sequence[PieceCost]
 def _submesh(device_type: str, stages: int, sub_shape: Sequence[int], sub_names: Sequence[str]) -> DeviceMesh:
     mesh = pp_mesh(device_type, stages, sub_shape, sub_names)
     return mesh[tuple(sub_names)] if len(sub_names) > 1 else mesh[sub_names[0]]
-
-
-def micro_call(call: Any, parts: int) -> Any:
-    """The first of ``parts`` micro-batches of a call (every tensor cut along dim 0), shaped like the call."""
-    sig, tensors = signature_of(call)
-    for name, t in zip(sig.names, tensors):
-        if t.ndim == 0 or t.shape[0] % parts:
-            raise ValueError(f"argument {name} of shape {tuple(t.shape)}: pipeline micro-batches cut every input "
-                             f"along dim 0 into {parts}, which must divide it")
-    args, kwargs = sig.unflatten([t[: t.shape[0] // parts] for t in tensors])
-    return Call(args, kwargs) if kwargs else args
 
 
 def _stage_constraints(config: PlanConfig, sig: Any, w: StageWiring, names: Sequence[str]) -> dict[str, Any]:
@@ -266,4 +263,4 @@ def _tied_groups(holders: dict[str, list[int]], S: int, k_sub: int) -> list[Tied
     return out
 
 
-__all__ = ["PipelineChoice", "choose_pipeline", "compile_pipelined", "pp_mesh"]
+__all__ = ["PipelineChoice", "RealStageMeshes", "choose_pipeline", "compile_pipelined", "micro_call", "pp_mesh"]

@@ -14,17 +14,22 @@ layer: its input hidden state, in the layout its producer chose).
 
 When only some layers were captured (``ctx.sampled_layers``), the missing ones are copies of the captured
 layer that stands for them (the share_layers weights): the layer list has the full depth, and the pieces sum to
-the plan's predicted step (tested).
+the plan's predicted step (tested). ``piece_detail`` also lists each piece's collectives on the mesh's outermost
+axis, which the stage search prices again for sub-meshes of another size; the optimizer step
+(:func:`optimizer_step_s`) joins each piece's once-per-step work, and :func:`boundary_node` is the activation a
+stage boundary sends.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from autoshard.hardware import DeviceSpec
 from autoshard.ir import layer_key
 from autoshard.passes.context import PassContext
 from autoshard.solver.inter_op import PieceCost
@@ -95,10 +100,55 @@ def _input_bytes(gm: fx.GraphModule, ctx: PassContext, group_piece: dict[int, An
     return out
 
 
+def optimizer_step_s(state_bytes: float, device: DeviceSpec, factor: int) -> float:
+    """The optimizer update over ``state_bytes`` of training state (parameters, gradients and ``factor`` x the
+    parameters in optimizer state): it reads all of it and writes back all but the gradients, at the device's
+    streaming bandwidth (an elementwise, memory-bound kernel, as AdamW's foreach/fused updates are)."""
+    if state_bytes <= 0:
+        return 0.0
+    written = (1 + factor) / (2 + factor)  # parameters + optimizer state, of parameters + gradients + state
+    return state_bytes * (1 + written) / (device.memory_bandwidth * device.memory_efficiency)
+
+
+def with_optimizer(c: PieceCost, device: DeviceSpec, factor: int) -> PieceCost:
+    return dataclasses.replace(c, step_s=c.step_s + optimizer_step_s(c.state_bytes, device, factor))
+
+
+def boundary_node(gm: fx.GraphModule, ctx: PassContext) -> fx.Node | None:
+    """The largest activation entering the first repeated layer from outside (what a stage boundary sends)."""
+    group_of = {name: g for g in ctx.groups for name in g.members}
+    best, size = None, 0
+    for node in gm.graph.nodes:
+        g = group_of.get(node.name)
+        if g is None or g.phase != "forward" or layer_key(g.module) is None:
+            continue
+        for a in node.all_input_nodes:
+            src = group_of.get(a.name)
+            v = a.meta.get("val")
+            if src is not None and layer_key(src.module) is None and src.kind == "op" and isinstance(v, torch.Tensor):
+                if v.numel() * v.element_size() > size:
+                    best, size = a, v.numel() * v.element_size()
+        if best is not None:
+            return best
+    return best
+
+
+Outer = tuple[tuple[str, int, bool, bool, bool], ...]  # (kind, bytes, gradient reduction, forward, state)
+
+
 def piece_costs(gm: fx.GraphModule, ctx: PassContext, solution: Any = None,
                 container: str | None = None) -> tuple[PieceCost, list[PieceCost], PieceCost]:
     """(head, per-layer costs in order at full depth, tail) of ``solution`` (default ``ctx.solution``), which
     must be the one annotated onto ``gm``; the layers are those of ``container`` (default: ``container_of``)."""
+    head, layers, tail, _ = piece_detail(gm, ctx, solution, container)
+    return head, layers, tail
+
+
+def piece_detail(gm: fx.GraphModule, ctx: PassContext, solution: Any = None,
+                 container: str | None = None) -> tuple[PieceCost, list[PieceCost], PieceCost, list[Outer]]:
+    """:func:`piece_costs` and, per piece (head, layers, tail), the collectives on the mesh's outermost axis as
+    (kind, bytes gathered, gradient reduction, forward, of a parameter or its gradient): what the stage search
+    prices again for a sub-mesh whose outer axis has another size (``pipeline.search``)."""
     from autoshard.planner import _collectives  # the plan's own collective list: one accounting
 
     sol = solution if solution is not None else ctx.solution
@@ -130,19 +180,24 @@ def piece_costs(gm: fx.GraphModule, ctx: PassContext, solution: Any = None,
         pieces[group_piece[g.id]] += PieceCost(s.compute_s, 0.0, s.state_bytes, s.activation_bytes, fwd)
     node_group = {n.name: n.meta["autoshard"].group for n in gm.graph.nodes if "autoshard" in n.meta}
     params = {n.meta["autoshard_role"].name: n.name for n in gm.graph.find_nodes(op="placeholder")}
+    kinds = {g.id: g.kind for g in ctx.groups}
+    outer: dict[Any, list] = defaultdict(list)
     for c in _collectives(gm, ctx):
         fwd = c.time_s if c.phase == "forward" else 0.0
-        if c.consumer in ctx.param_modules:  # a gradient reduction: once per step, partly hidden
+        grad = c.consumer in ctx.param_modules
+        if grad:  # a gradient reduction: once per step, partly hidden
             piece = group_piece[node_group[params[c.consumer]]]
             pieces[piece] += PieceCost(0.0, c.time_s * (1.0 - GRAD_SINK_CREDIT))
-        elif c.consumer == "output":
-            pieces[TAIL] += PieceCost(c.time_s, fwd_s=fwd)
         else:
-            pieces[group_piece[node_group[c.consumer]]] += PieceCost(c.time_s, fwd_s=fwd)
+            piece = TAIL if c.consumer == "output" else group_piece[node_group[c.consumer]]
+            pieces[piece] += PieceCost(c.time_s, fwd_s=fwd)
+        if c.axis == ctx.mesh_names[0]:
+            state = grad or kinds.get(node_group.get(c.tensor, -1)) in ("parameter", "buffer")
+            outer[piece].append((c.kind, c.nbytes, grad, c.phase == "forward", state))
     for piece, nbytes in _input_bytes(gm, ctx, group_piece).items():
         pieces[piece] += PieceCost(0.0, input_bytes=nbytes)
     captured = sorted(k for k in pieces if isinstance(k, int))
-    layers = [pieces[k] for k in captured]
+    order = captured
     if ctx.sampled_layers is not None:
         _, k, total = ctx.sampled_layers
         weights = {group_piece[g.id]: w for g, w in ((g, ctx.group_weight.get(g.id, 1.0)) for g in ctx.groups)
@@ -150,8 +205,9 @@ def piece_costs(gm: fx.GraphModule, ctx: PassContext, solution: Any = None,
         ref = next(iter(weights), captured[len(captured) // 2])
         # the missing layers sit between the captured first ones and the captured last one
         at = captured.index(ref) + 1
-        layers = layers[:at] + [pieces[ref]] * (total - k) + layers[at:]
-    return pieces[HEAD], layers, pieces[TAIL]
+        order = captured[:at] + [ref] * (total - k) + captured[at:]
+    detail = [tuple(outer[p]) for p in (HEAD, *order, TAIL)]
+    return pieces[HEAD], [pieces[k] for k in order], pieces[TAIL], detail
 
 
-__all__ = ["piece_costs"]
+__all__ = ["Outer", "boundary_node", "optimizer_step_s", "piece_costs", "piece_detail", "with_optimizer"]

@@ -21,8 +21,9 @@ from torch import nn
 
 from autoshard.cluster import ClusterProfile
 from autoshard.config import PlanConfig
-from autoshard.pipeline.search import BASELINE, PipelineOption, plan_split
-from autoshard.solver.inter_op import PieceCost, StageSplit, best_split
+from autoshard.pipeline.search import BASELINE, PipelineOption, p2p_seconds
+from autoshard.pipeline.solves import FakeStageMeshes, StageSolves
+from autoshard.solver.inter_op import best_split
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +43,13 @@ def evaluate_config(
     schedule: str | None = None,
     recompute: bool | None = True,
     max_chunks: int = 4,
+    solves: StageSolves | None = None,
 ) -> PipelineOption:
     """A fixed Megatron-style layout: ``pp`` stages of ``dp x tp`` devices (TP on the inner, intra-node axis;
     stages and DP outside it), ``microbatches`` micro-batches, layers split evenly, intra-op recipe pinned
     (``tp``, or ``ddp`` when tp = 1). ``schedule`` None: the faster of 1F1B and interleaved 1F1B (chunks up to
-    ``max_chunks`` that divide the layers evenly); one stage accumulates gradients (1F1B with S = 1)."""
+    ``max_chunks`` that divide the layers evenly); one stage accumulates gradients (1F1B with S = 1). The recipe
+    is solved on the sub-mesh's program in ``solves`` (the stage search's, when it is handed over)."""
     n = cluster.num_devices()
     dp = n // (tp * pp) if dp is None else dp
     if tp * pp * dp != n or min(tp, pp, dp) < 1:
@@ -57,15 +60,19 @@ def evaluate_config(
                          f"use a micro-batch count that divides {batch} into multiples of {dp} sequences")
     sub, names = ((dp, tp), ("dp", "tp")) if dp > 1 and tp > 1 else ((tp,), ("tp",)) if tp > 1 else ((dp,), ("dp",))
     recipe = "tp" if tp > 1 else "ddp"
-    inner = dataclasses.replace(config, memory_budget=None, solve_recipes=False, recipe=recipe)
-    budget = config.memory_budget
     scheds = (schedule,) if schedule else ("1F1B",) if pp == 1 else MEGATRON_SCHEDULES
+    if solves is None:
+        from autoshard.ir import pipeline_layers
 
-    def fn(head: PieceCost, layers: list[PieceCost], tail: PieceCost, p2p: float,
-           limit: int | None) -> StageSplit | None:
-        return best_split(layers, head, tail, pp, microbatches, limit, p2p, scheds, max_chunks, recompute, even=True)
-
-    split, layout, _ = plan_split(model, example_inputs, sub, names, cluster, inner, microbatches, pp, fn, budget)
+        solves = StageSolves(model, example_inputs, config, FakeStageMeshes(cluster),
+                             (pipeline_layers(model) or ("",))[0], strict_inputs=False)
+    kc = solves.costs(pp, (sub, names, microbatches), recipe)
+    split, layout = None, ""
+    if kc is not None:
+        p2p = p2p_seconds(cluster, dp * tp, pp, kc.boundary_bytes / (dp * tp))
+        split = best_split(list(kc.layers), kc.head, kc.tail, pp, microbatches, config.memory_budget, p2p, scheds,
+                           max_chunks, recompute, even=True)
+        layout = kc.layout
     note = "" if split is not None else "does not fit the memory budget"
     log.info("config tp=%d pp=%d dp=%d, %d micro-batches: %s", tp, pp, dp, microbatches,
              f"{split.step_time_s:.6f} s ({split.schedule} x{split.chunks})" if split else note)
@@ -80,6 +87,7 @@ def megatron_baseline(
     *,
     microbatch_sizes: Sequence[int] = (1, 2),
     recompute: bool | None = True,
+    solves: StageSolves | None = None,
 ) -> PipelineOption:
     """Megatron-LM's recipe ("pp+tp+dp"): TP = devices per node, PP = the smallest number of whole-node stages
     whose stages fit ``config.memory_budget`` (the device's memory when None), DP = the remaining nodes; of the
@@ -97,12 +105,14 @@ def megatron_baseline(
     for pp in (p for p in range(1, nodes + 1) if nodes % p == 0 and p <= depth):
         dp = nodes // pp
         best: PipelineOption | None = None
-        for mbs in microbatch_sizes:
+        for mbs in sorted(microbatch_sizes):
             if batch % (dp * mbs) or batch // (dp * mbs) < pp:
                 continue
             o = evaluate_config(model, example_inputs, cluster, config, tp=tp, pp=pp, dp=dp,
-                                microbatches=batch // (dp * mbs), recompute=recompute)
-            if o.split is not None and (best is None or o.step_time_s < best.step_time_s):
+                                microbatches=batch // (dp * mbs), recompute=recompute, solves=solves)
+            if o.split is None:
+                break  # the recipe's state is the same and B >= pp: larger micro-batches only need more memory
+            if best is None or o.step_time_s < best.step_time_s:
                 best = o
         if best is not None:
             return dataclasses.replace(best, recipe=BASELINE, note=f"tp={tp} pp={pp} dp={dp}")

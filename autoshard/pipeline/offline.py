@@ -1,6 +1,7 @@
 """``autoshard.plan(..., pipeline="auto")`` on the offline path: run the stage search, choose among its options
 (and the plain plan without stages, and Megatron's recipe when the recipes are solved too), and build the chosen
-pipelined Plan (``pipeline.plan``) with the options as its recipe rows.
+pipelined Plan (``pipeline.plan``) with the options as its recipe rows. The search, Megatron's configurations, the
+chosen plan and the plain plan share one :class:`~autoshard.pipeline.solves.StageSolves` (captures and solves).
 """
 
 from __future__ import annotations
@@ -8,9 +9,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import multiprocessing
+import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from autoshard.cluster import ClusterProfile
@@ -20,6 +25,7 @@ from autoshard.notation import format_seconds
 from autoshard.pipeline.megatron import megatron_baseline
 from autoshard.pipeline.plan import FLAT_NAME, pipelined_plan
 from autoshard.pipeline.search import BASELINE, PipelineOption, search_pipeline, stage_meshes
+from autoshard.pipeline.solves import FakeStageMeshes, StageSolves
 from autoshard.plan import BaselineSummary, Plan
 from autoshard.solver.intra_op import InfeasibleBudget
 
@@ -38,13 +44,14 @@ def _describe(o: PipelineOption) -> str:
 
 def flat_summary(options: Sequence[PipelineOption]) -> BaselineSummary | None:
     """The fastest 1-stage option (the intra-op plan of the whole cluster) as a row of the recipe comparison."""
-    flat = next((o for o in options if o.stages == 1 and o.recipe != BASELINE), None)
+    flat = next((o for o in options if o.stages == 1 and o.recipe != BASELINE and not o.estimated), None)
+    flat = flat or next((o for o in options if o.stages == 1 and o.recipe != BASELINE), None)
     if flat is None:
         return None
     if flat.split is None:
         return BaselineSummary(FLAT_NAME, math.inf, 0, False, flat.note or "no 1-stage plan fits the memory budget")
     return BaselineSummary(FLAT_NAME, flat.step_time_s, max(flat.split.stage_memory_bytes), True,
-                           "the intra-op plan of the whole cluster")
+                           "the intra-op plan of the whole cluster" + (" (estimated)" if flat.estimated else ""))
 
 
 def recipe_rows(options: Sequence[PipelineOption]) -> list[BaselineSummary]:
@@ -69,7 +76,7 @@ def choose(options: Sequence[PipelineOption], stages: int | None = None) -> tupl
     (fastest first; Megatron's recipe row is not a candidate). With ``stages`` only that stage count is considered, and
     its failing to fit is an error. One stage over several micro-batches (gradient accumulation) is chosen
     when it is the fastest: the whole batch at once did not fit."""
-    free = [o for o in options if o.recipe != BASELINE]
+    free = [o for o in options if o.recipe != BASELINE and not o.estimated]
     if stages is not None:
         mine = [o for o in free if o.stages == stages]
         if not mine:
@@ -113,49 +120,72 @@ def plan_with_pipeline(
     example_inputs: Sequence[Any],
     cluster: ClusterProfile,
     config: PlanConfig,
-    flat: Callable[[], Plan],
+    flat: Callable[..., Plan],
     *,
     stages: int | None = None,
     sub_shape: Sequence[int] | None = None,
     axis_names: Sequence[str] | None = None,
     progress: Callable[[str, float, str], None] | None = None,
 ) -> Plan:
-    """The pipelined plan when more than one stage wins (or ``stages`` fixes the count), else ``flat()``.
+    """The pipelined plan when more than one stage wins (or ``stages`` fixes the count), else
+    ``flat(solves, report)`` (the plan without stages; ``solves`` a :class:`StageSolves` whose capture it may
+    take, or None; ``report``: show progress).
 
     ``stages`` and ``sub_shape`` (a mesh with a ``pp`` axis: its size and the other axes) fix the stage count
-    and sub-mesh; ``axis_names`` names the sub-mesh axes. With ``config.solve_recipes`` (and no fixed stage count) the plan without stages is also made the usual way
-    (recipes and all) and kept when it is at least as fast; its recipe rows join the pipelined plan's comparison.
+    and sub-mesh; ``axis_names`` names the sub-mesh axes. With ``config.solve_recipes`` (and no fixed stage
+    count) the plan without stages is also made the usual way (recipes and all; ``flat(solves)`` takes the
+    search's capture of the whole batch) and kept when it is at least as fast; its recipe rows join the pipelined
+    plan's comparison. Options are only chosen among the configurations the search solved, not estimated ones.
     """
     if stages is not None:
         _check_stages(cluster, stages, sub_shape)
-    from autoshard.planner import repeated_layers
+    from autoshard.planner import pipeline_layers, repeated_layers
 
     if repeated_layers(model) is None:
         why = f"{type(model).__name__} has no repeated layers (a ModuleList of identical blocks) to split into stages"
         if stages is not None:
             raise ValueError(f"a pp axis of {stages} stages: {why}; plan it without a pp axis")
         log.info("pipeline: no stages: %s", why)
-        return flat()
+        return flat(None, True)
     if progress:
         progress("pipeline", 0.0, "")
-    options = search_pipeline(model, example_inputs, cluster, config, stage_options=[stages] if stages else None)
-    if config.solve_recipes:  # Megatron's recipe among the options: the report says how the search's choice compares
-        options = sorted([*options, megatron_baseline(model, example_inputs, cluster, config)],
-                         key=lambda o: (o.step_time_s, o.stages, o.recipe))
+    solves = StageSolves(model, example_inputs, config, FakeStageMeshes(cluster), pipeline_layers(model)[0],
+                         strict_inputs=False)
+    whole = config.solve_recipes and stages is None
+
+    def aside(shared: StageSolves | None) -> tuple[PipelineOption | None, Plan | InfeasibleBudget | None]:
+        """Megatron's recipe (the report says how the search's choice compares) and the plan without stages."""
+        base: Plan | InfeasibleBudget | None = None
+        if whole:
+            try:
+                base = flat(shared, shared is not None)  # (no progress lines from a forked process)
+            except InfeasibleBudget as e:
+                base = e
+        recipe = None
+        if config.solve_recipes:
+            recipe = megatron_baseline(model, example_inputs, cluster, config, solves=shared)
+        return recipe, base
+
+    with Aside(aside, config.solve_recipes) as side:
+        options = search_pipeline(model, example_inputs, cluster, config, stage_options=[stages] if stages else None,
+                                  solves=solves)
+        recipe, base = side.result(solves)
+    if recipe is not None:
+        options = sorted([*options, recipe], key=lambda o: (o.estimated, o.step_time_s, o.stages, o.recipe))
     recipes = recipe_rows(options)
     chosen, why = choose(options, stages)
     if progress:
         progress("pipeline", 1.0, why)
     if chosen is None:
         log.info("pipeline: no stages: %s", why)
-        return _with_rows(flat(), recipes)
+        if isinstance(base, InfeasibleBudget):
+            raise base
+        return _with_rows(base if base is not None else flat(solves, True), recipes)
     log.info("pipeline: %s", why)
-    plan = pipelined_plan(model, example_inputs, cluster, config, chosen, axis_names)
+    plan = pipelined_plan(model, example_inputs, cluster, config, chosen, axis_names, solves)
     rows = [flat_summary(options)]
-    if config.solve_recipes and stages is None:
-        try:
-            base = flat()
-        except InfeasibleBudget:
+    if whole:
+        if isinstance(base, InfeasibleBudget) or base is None:
             rows = [BaselineSummary(FLAT_NAME, math.inf, 0, False, "no plan without stages fits the memory budget")]
         else:
             if base.step_time_s <= plan.step_time_s:
@@ -165,6 +195,67 @@ def plan_with_pipeline(
             rows = [*base.baselines, BaselineSummary(FLAT_NAME, base.step_time_s, base.peak_memory.total, True,
                                                      "the plan of the whole cluster without stages")]
     return _with_rows(plan, [r for r in rows if r is not None] + recipes)
+
+
+class Aside:
+    """``work(None)`` in a forked process while the caller goes on (Megatron's configurations and the plan without
+    stages are solves of their own: on a second core they cost no wall time); ``result(shared)`` waits for it. Where
+    no fork can be had (one core, a process group, no fork) or ``wanted`` is false, ``result`` runs
+    ``work(shared)`` here, sharing the search's solves."""
+
+    def __init__(self, work: Callable[[Any], Any], wanted: bool) -> None:
+        self.work, self.proc, self.conn = work, None, None
+        if wanted and _can_fork():
+            ctx = multiprocessing.get_context("fork")
+            self.conn, send = ctx.Pipe(duplex=False)
+
+            def child() -> None:
+                torch.set_num_threads(1)
+                t0 = time.perf_counter()
+                try:
+                    out: tuple[str, Any] = ("ok", work(None))
+                    log.info("pipeline: the side process took %.1f s", time.perf_counter() - t0)
+                except BaseException as e:  # noqa: BLE001 (handed to the parent, which raises it)
+                    out = ("error", e)
+                try:
+                    send.send(out)
+                except Exception as e:  # an unpicklable value: its text
+                    send.send(("error", RuntimeError(f"{type(out[1]).__name__}: {out[1]} ({e})")))
+
+            self.proc = ctx.Process(target=child, daemon=True)
+            self.proc.start()
+            send.close()
+
+    def __enter__(self) -> Aside:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.terminate()
+        if self.proc is not None:
+            self.proc.join()
+
+    def result(self, shared: Any) -> Any:
+        if self.proc is None:
+            return self.work(shared)
+        assert self.conn is not None
+        t0 = time.perf_counter()
+        try:
+            status, value = self.conn.recv()
+            log.info("pipeline: waited %.1f s for the side process", time.perf_counter() - t0)
+        except EOFError:
+            raise RuntimeError(f"the process planning Megatron's recipe and the plan without stages died "
+                               f"(exit code {self.proc.exitcode})") from None
+        if status == "error":
+            raise value
+        return value
+
+
+def _can_fork() -> bool:
+    import torch.distributed as dist
+
+    return ((os.cpu_count() or 1) > 1 and "fork" in multiprocessing.get_all_start_methods()
+            and not (dist.is_available() and dist.is_initialized()))
 
 
 def _with_rows(plan: Plan, rows: Sequence[BaselineSummary]) -> Plan:

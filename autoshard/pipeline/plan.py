@@ -1,9 +1,10 @@
 """A pipelined Plan: the chosen pipeline configuration as one :class:`StagePlan` per stage.
 
-``search_pipeline`` (``autoshard.pipeline.search``) compares stage counts, micro-batch counts and schedules and
-returns each option's split (layer ranges, time per micro-batch and memory per stage) but keeps no intra-op
-layout. This module re-plans the winning option's sub-mesh at its micro-batch size (the solve the search made:
-same inputs, config, cluster size and fake world, so the same solution) and cuts that plan into stages:
+The stage search (``autoshard.pipeline.search``) compares stage counts, micro-batch counts and schedules and
+returns each option's split (layer ranges, time per micro-batch and memory per stage). This module takes the
+winning option's stage plan from the search's solves (``pipeline.solves``: the sub-mesh's plan at the
+micro-batch size, or the recipe it fell back to; solved anew when no solves are handed over) and cuts it into
+stages:
 
 - a stage's ``layers`` are its layer ranges (every chunk of an interleaved schedule, in order), with the
   modules that run before the repeated layers (embeddings) first on stage 0 and those after them (final norm,
@@ -38,7 +39,9 @@ from autoshard.config import PlanConfig
 from autoshard.notation import format_bytes, format_seconds
 from autoshard.meshes import mesh_names
 from autoshard.pipeline.costs import container_of, piece_costs
-from autoshard.pipeline.search import PipelineOption, micro_inputs, optimizer_step_s
+from autoshard.pipeline.search import PipelineOption
+from autoshard.pipeline.costs import optimizer_step_s
+from autoshard.pipeline.solves import FREE, FakeStageMeshes, StageSolves
 from autoshard.plan import CollectiveStat, MemoryBreakdown, MeshSpec, Plan, StagePlan
 from autoshard.solver.inter_op import PieceCost
 
@@ -71,7 +74,7 @@ def _container(ctx: Any) -> str:
     return found
 
 
-def _cut(gm: Any, ctx: Any, sub: Plan) -> _Cut:
+def _cut(gm: Any, ctx: Any, sub: Plan, solution: Any) -> _Cut:
     """Assign the sub-mesh plan's tensors, decisions and collectives to head / captured layer / tail pieces."""
     from autoshard.ir import layer_key
 
@@ -133,7 +136,7 @@ def _cut(gm: Any, ctx: Any, sub: Plan) -> _Cut:
         collectives[p].append(c)
     state: dict[Piece, tuple[float, float, float]] = defaultdict(lambda: (0.0, 0.0, 0.0))
     for g in ctx.groups:
-        s = ctx.strategies[g.id][ctx.solution.choice[g.id]]
+        s = ctx.strategies[g.id][solution.choice[g.id]]
         a, b, c = state[group_piece[g.id]]
         state[group_piece[g.id]] = (a + s.param_bytes, b + s.grad_bytes, c + s.optimizer_bytes)
     modules: dict[Piece, list[str]] = {HEAD: [], TAIL: []}
@@ -256,13 +259,12 @@ def pipelined_plan(
     config: PlanConfig,
     option: PipelineOption,
     axis_names: Sequence[str] | None = None,
+    solves: StageSolves | None = None,
 ) -> Plan:
-    """The Plan of ``option`` (a ``search_pipeline`` result with a split): one StagePlan per stage on a mesh
-    ``pp`` x ``option.submesh``; ``axis_names`` names the sub-mesh axes (default ``offline.mesh_names``)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from autoshard.meshes import fake_world
-    from autoshard.planner import plan_graph
+    """The Plan of ``option`` (a stage search result with a split): one StagePlan per stage on a mesh ``pp`` x
+    ``option.submesh``; ``axis_names`` names the sub-mesh axes (default ``meshes.mesh_names``). ``solves``: the
+    search's solves, whose stage plan is taken as the search costed it (without them it is solved again)."""
+    from autoshard.planner import build_plan
 
     split = option.split
     if split is None:
@@ -272,17 +274,18 @@ def pipelined_plan(
     names = tuple(axis_names) if axis_names is not None else default
     if len(names) != len(sub_shape) or "pp" in names:
         raise ValueError(f"axis names {names} for sub-mesh {sub_shape}: give one name per axis, none of them 'pp'")
-    world = math.prod(sub_shape)
-    per = cluster.devices_per_node
-    sub_cluster = cluster.with_size(max(1, world // per), min(world, per))
+    if solves is None:
+        from autoshard.ir import pipeline_layers
+
+        solves = StageSolves(model, example_inputs, config, FakeStageMeshes(cluster),
+                             (pipeline_layers(model) or ("",))[0], reuse=False, strict_inputs=False)
     # the stage layout the search costed: the free intra-op plan, or the recipe it fell back to when the free
     # plan's stages did not fit (option.recipe)
-    inner = dataclasses.replace(config, memory_budget=None, solve_recipes=False, recipe=option.recipe or None)
-    with fake_world(world):
-        dm = init_device_mesh("cpu", sub_shape, mesh_dim_names=default)
-        sub, gm, ctx = plan_graph(model, micro_inputs(example_inputs, split.microbatches), dm, sub_cluster, inner)
-        costs = piece_costs(gm, ctx)
-        cut = _cut(gm, ctx, sub)
+    label = FREE if option.recipe == (config.recipe or "") else option.recipe
+    gm, ctx, sol = solves.graph(option.stages, (sub_shape, default, split.microbatches), label)
+    sub = build_plan(gm, ctx, sol, recipe=option.recipe)
+    costs = piece_costs(gm, ctx, sol, container=solves.container)
+    cut = _cut(gm, ctx, sub, sol)
     depth = split.layers[-1][1] if split.layers else 0
     if len(cut.full) != depth or len(costs[1]) != depth:
         raise ValueError(f"the re-planned sub-mesh has {len(cut.full)} layers but the split covers {depth}")

@@ -45,13 +45,13 @@ the ranks' sums, so the DP over ranks (each rank's layers then dealt into its ch
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
+SPLIT_BACKWARD = ("InterleavedZeroBubble",)  # backward split into input- and weight-gradient parts
 
 
 @dataclass(frozen=True)
@@ -394,5 +394,5 @@ def best_split(
     return min(found, key=key) if found else None
 
 
-__all__ = ["SCHEDULES", "PieceCost", "StageSplit", "best_split", "check_schedule", "even_bounds", "even_split",
-           "in_flight", "pipeline_time", "split_layers"]
+__all__ = ["SCHEDULES", "SPLIT_BACKWARD", "PieceCost", "StageSplit", "best_split", "check_schedule", "even_bounds",
+           "even_split", "in_flight", "pipeline_time", "split_layers"]
