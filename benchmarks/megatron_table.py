@@ -2,8 +2,8 @@
 
     python benchmarks/megatron_table.py                 # every row (a few minutes on 2 cores)
     python benchmarks/megatron_table.py --rows 1.7 39.1 # rows whose parameter count (billions) starts so
-    python benchmarks/megatron_table.py --quick         # 2 micro-batch counts per stage count (faster)
-    python benchmarks/megatron_table.py --exhaustive    # the search plans every stage count, not a walk
+    python benchmarks/megatron_table.py --quick         # 2 micro-batch sizes walked (faster)
+    python benchmarks/megatron_table.py --exhaustive    # the search solves every configuration, estimates none
 
 For each published row: GPT with hidden h, l layers, h / 128 heads, sequence 2048, vocabulary 51200, 16-bit
 parameters with fp32 master weights and Adam moments (``optimizer="adamw-mixed"``: 16 bytes per parameter), on
@@ -127,12 +127,13 @@ def describe(o: PipelineOption | None) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", nargs="*", default=None, help="rows whose parameter count (billions) starts with these")
-    ap.add_argument("--quick", action="store_true", help="plan 2 micro-batch counts per stage count, not 3")
-    ap.add_argument("--exhaustive", action="store_true", help="plan every stage count (default: walk_stages)")
+    ap.add_argument("--quick", action="store_true", help="walk 2 micro-batch sizes, not 4")
+    ap.add_argument("--exhaustive", action="store_true",
+                    help="solve every configuration (default: the estimate-guided search)")
     ap.add_argument("--baseline", action="store_true", help="also price the pp+tp+dp recipe (smallest PP that fits)")
     ap.add_argument("--bias", action="store_true", help="GPT with biases (see the module docstring)")
     ap.add_argument("--no-search", action="store_true", help="only (a), the published configurations")
-    ap.add_argument("--microbatch-options", type=int, default=3, help="plans per stage count in the search")
+    ap.add_argument("--microbatch-options", type=int, default=4, help="micro-batch sizes the search walks")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
@@ -154,8 +155,8 @@ def main() -> None:
         fixed = published_config(row, model, inputs, cluster, config)
         options = [] if args.no_search else search_pipeline(
             model, inputs, cluster, config, microbatch_options=2 if args.quick else args.microbatch_options,
-            recompute=None, walk_stages=not args.exhaustive)
-        best = next((o for o in options if o.split is not None), None)
+            recompute=None, exhaustive=args.exhaustive)
+        best = next((o for o in options if o.split is not None and not o.estimated), None)
         a = tflops(row, fixed) if fixed else 0.0
         b = tflops(row, best) if best else 0.0
         fidelity.append(a / row.tflops)
