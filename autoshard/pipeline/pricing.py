@@ -70,7 +70,7 @@ class SearchSpace:
     microbatches: int | None = None  # fixed micro-batch count
     recompute: bool | None = None  # None: where only it fits (or it is faster); False / True fixes it
     fallback: tuple[str, ...] = FALLBACK_RECIPES  # recipes weighed where the memory budget binds
-    per_stage_count: int = 4  # micro-batch sizes (per device) walked per kind of sub-mesh, at most
+    sizes: int = 4  # micro-batch sizes (per device) walked per kind of sub-mesh, at most
     exhaustive: bool = False  # solve every configuration exactly
     # solve what its class estimates within this much of the best solved (0: only what is estimated faster).
     # Estimates are within 0.3% of the exact values on Llama-3-70B over 128 nodes (solving what is estimated a
@@ -204,8 +204,6 @@ class Pricer:
         if c in self.estimates and self.estimates[c][0] == cache:
             return self.estimates[c][1]
         opt = self.best_of(c, costs, f"estimated from {ref.stages} stages of {ref.submesh} x {ref.microbatches}")
-        if opt.split is None and costs(FREE) is not None:  # over the budget as estimated: optimistic, unbounded
-            opt = dataclasses.replace(opt, split=self.split(c, costs(FREE), None))
         self.estimates[c] = (cache, opt)
         return opt
 

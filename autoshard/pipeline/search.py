@@ -26,7 +26,7 @@ one micro-batch per device. Inside a class a device's own work is the same, so o
 the others closely (``pipeline.pricing``: estimates within 0.3% on Llama-3-70B); across classes only roughly. The
 search starts at the seed (the middle rung, or ``start``; its middle micro-batch count), solves it, and walks each
 kind's micro-batch sizes from there towards the faster neighbour while it gets faster (first the way the
-estimates point; at most ``per_stage_count`` sizes). In each class it visits it solves the configuration estimated
+estimates point; at most ``sizes`` sizes). In each class it visits it solves the configuration estimated
 fastest, then every other one estimated faster than the best solved (within ``margin``, widened to how far the
 estimates were off so far: small, latency-bound models change their layouts with the sub-mesh). What it leaves
 is listed with its estimate, marked ``estimated`` (``exhaustive``: solve every configuration). The solves share
@@ -94,7 +94,7 @@ def microbatch_counts(batch: int, stages: int, world: int, per_node: int) -> lis
 def stage_start(model: nn.Module, cluster: ClusterProfile, config: PlanConfig, counts: Sequence[int]) -> int:
     """The fewest stages (of ``counts``) whose share of the training state (parameters, gradients, optimizer
     state) fits a node's devices within the memory budget, as with TP over the node and the state replicated
-    over DP (Megatron users' rule for the pipeline depth): where an offline search starts."""
+    over DP (Megatron users' rule for the pipeline depth; a search can start there, ``SearchSpace.start``)."""
     budget = config.memory_budget or cluster.device.memory_bytes
     state = sum(p.numel() * p.element_size() for p in model.parameters()) * (2 + config.optimizer_factor)
     per_node = cluster.devices_per_node * budget
@@ -138,7 +138,7 @@ def search_stages(
     seed = first[len(first) // 2]
     done: dict[Config, PipelineOption] = {}
 
-    errors: list[float] = []  # how far estimates made before a solve were from it
+    errors: list[float] = []  # how far estimates made before solves were from them
 
     def solve(c: Config) -> PipelineOption:
         if c not in done:
@@ -168,7 +168,7 @@ def search_stages(
             c = min(rest, key=lambda c: (guess[c], c[0]))
             # the margin widens to how far the estimates so far were off (latency-bound models' layouts change with
             # the sub-mesh, and their estimates are rough)
-            margin = min(0.25, max([space.margin, *errors]))
+            margin = min(0.1, max([space.margin, *errors]))
             if math.isinf(guess[c]) or guess[c] > min(o.step_time_s for o in done.values()) * (1 + margin):
                 break
             solve(c)
@@ -185,7 +185,7 @@ def search_stages(
     for sort, sizes in kinds.items():
         sizes.sort()
         at = min(range(len(sizes)), key=lambda i: abs(math.log2(sizes[i] / per(seed))))
-        _walk(len(sizes), lambda i: refine(sort, sizes[i]), max(1, space.per_stage_count), at,
+        _walk(len(sizes), lambda i: refine(sort, sizes[i]), max(1, space.sizes), at,
               lambda i: min(run.estimate(c, list(done.values())).step_time_s
                             for c in configs if (kind(c[1], c[2]), per(c)) == (sort, sizes[i])))
     solved = list(done.values())
@@ -269,7 +269,7 @@ def search_pipeline(
                                    strict_inputs=False)
     rungs = [(s, sub, mesh_names(sub)) for s, sub in stage_meshes(cluster)
              if stage_options is None or s in stage_options]
-    space = SearchSpace(schedules=tuple(schedules), recompute=recompute, per_stage_count=microbatch_options,
+    space = SearchSpace(schedules=tuple(schedules), recompute=recompute, sizes=microbatch_options,
                         exhaustive=exhaustive)
     return search_stages(model, example_inputs, cluster, config, rungs, space, solves)
 
