@@ -298,12 +298,18 @@ class StageSolves:
             node = boundary_node(gm, ctx)
             act = "" if node is None else f"act [{', '.join(map(placement_str, node.meta['autoshard'].outputs[0]))}]"
             label = recipe or (self.config.recipe or "")
+            plan = build_plan(gm, ctx, sol, recipe=label)
+            if math.isnan(sol.objective_s):  # carried layouts: their objective is what they cost here; no bound
+                sol = dataclasses.replace(sol, objective_s=plan.step_time_s, bound_s=0.0)
+                entry.solutions[recipe] = sol
+                if recipe == FREE:
+                    ctx.solution = sol
             src = entry.source if recipe == FREE else None
             entry.costs[recipe] = KeyCosts(
                 with_optimizer(head, dev, f), tuple(with_optimizer(c, dev, f) for c in layers),
                 with_optimizer(tail, dev, f),
                 0 if node is None else node.meta["val"].numel() * node.meta["val"].element_size(),
-                layout_summary(build_plan(gm, ctx, sol, recipe=label), activation=act), label,
+                layout_summary(plan, activation=act), label,
                 "solved" if src is None else f"layouts of the {src[0]} solve", tuple(outer))
         return entry.costs[recipe]
 
@@ -327,13 +333,13 @@ class StageSolves:
     def plan(self, mesh: DeviceMesh, cluster: ClusterProfile, config: PlanConfig, progress: Any = None) -> Any:
         """``planner.plan_graph``'s Plan of the whole batch on ``mesh`` under ``config``, from the kept capture."""
         from autoshard.passes.runner import run_passes
-        from autoshard.planner import baseline_summaries, build_plan
+        from autoshard.planner import recipe_summaries, build_plan
 
         gm, ctx = self.context(1, mesh, cluster, config, progress)
         gm = run_passes(gm, ctx, "coarsen", "solve")
         plan = build_plan(gm, ctx, recipe=ctx.config.recipe or "")
         if ctx.recipes:
-            plan = dataclasses.replace(plan, baselines=baseline_summaries(gm, ctx))
+            plan = dataclasses.replace(plan, recipes=recipe_summaries(gm, ctx))
         self._on_graph.pop(1, None)
         log.info("plan: predicted step %.6f s (capture kept from the stage search)", plan.step_time_s)
         return plan
