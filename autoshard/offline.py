@@ -3,7 +3,7 @@
 ``autoshard.plan("llama3-70b", cluster="h100-sxm:128x8", seq=8192, global_batch=512)`` lands here. Nothing is
 allocated and no device is touched: the model is built on the meta device, the mesh lives on torch's ``fake``
 process group (any world size), and the planner prices everything with the cluster profile. The same path
-serves ``autoshard.baseline(...)`` (a manual recipe as a Plan) and the ``autoshard plan`` CLI.
+serves ``autoshard.recipe(...)`` (a manual recipe as a Plan) and the ``autoshard plan`` CLI.
 """
 
 from __future__ import annotations

@@ -221,7 +221,7 @@ class StagePlan:
 
 
 @dataclass(frozen=True)
-class BaselineSummary:
+class RecipeSummary:
     """A manual recipe costed in the same model as the plan (``autoshard.solver.recipes``)."""
 
     name: str
@@ -257,7 +257,7 @@ class Plan:
     hidden_comm_s: float = 0.0  # communication the cost model assumes overlapped (already out of step_time_s)
     memory_budget_bytes: int = 0  # 0 = none given
     sampled_layers: str = ""  # e.g. "layers: 3 of 80 captured" when identical layers were extrapolated
-    baselines: tuple[BaselineSummary, ...] = ()
+    recipes: tuple[RecipeSummary, ...] = ()
     format_version: int = FORMAT_VERSION
     chunks: int = 1  # model chunks per pipeline rank (interleaved schedules); each stage's layers hold all of its
     bubble_fraction: float = 0.0  # predicted idle share of the step on the busiest stage (pipelined plans)
@@ -265,7 +265,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         _set(self, stages=tuple(self.stages), step_time_s=float(self.step_time_s), microbatches=int(self.microbatches))
-        _set(self, baselines=tuple(self.baselines), tokens_per_step=int(self.tokens_per_step))
+        _set(self, recipes=tuple(self.recipes), tokens_per_step=int(self.tokens_per_step))
         _set(self, chunks=int(self.chunks), bubble_fraction=float(self.bubble_fraction), recompute=bool(self.recompute))
         if self.microbatches < 1 or self.chunks < 1 or not 0.0 <= self.bubble_fraction < 1.0:
             raise ValueError(
@@ -285,9 +285,9 @@ class Plan:
         peak = self.peak_flops_per_device * self.mesh.size
         return self.model_flops_per_step / self.step_time_s / peak if peak and self.step_time_s > 0 else 0.0
 
-    def best_baseline(self) -> BaselineSummary | None:
+    def best_recipe(self) -> RecipeSummary | None:
         """The fastest recipe that applies and fits the budget (None if none does)."""
-        ok = [b for b in self.baselines if b.applies and b.fits]
+        ok = [b for b in self.recipes if b.applies and b.fits]
         return min(ok, key=lambda b: b.step_time_s) if ok else None
 
     @property
@@ -345,6 +345,8 @@ class Plan:
         version = d.get("format_version") if isinstance(d, dict) else None
         if version != FORMAT_VERSION:
             raise ValueError(f"plan format_version {version!r} is not {FORMAT_VERSION}; re-plan with this autoshard")
+        if "baselines" in d:  # plans written before the recipes had one name
+            d["recipes"] = d.pop("baselines")
         plan = _build(cls, d, "plan")
         logger.debug("loaded plan: mesh %s, %d stage(s)", plan.mesh, len(plan.stages))
         return plan
@@ -354,7 +356,7 @@ def _nested(key: str) -> tuple[type, bool] | None:
     """The value type stored under a JSON key, and whether it is a list of them (field names are unique)."""
     one = {"mesh": MeshSpec, "solver": SolverStats, "memory": MemoryBreakdown}
     many = {"stages": StagePlan, "tensors": TensorLayout, "ops": OpDecision, "collectives": CollectiveStat,
-            "baselines": BaselineSummary}
+            "recipes": RecipeSummary}
     return (one[key], False) if key in one else (many[key], True) if key in many else None
 
 

@@ -135,14 +135,14 @@ def _pipelined(plan: Plan) -> bool:
     return len(plan.stages) > 1 or plan.microbatches > 1
 
 
-def _baseline_lines(plan: Plan) -> list[str]:
+def _recipe_lines(plan: Plan) -> list[str]:
     """The plan next to every manual recipe, in the same cost model; ratio = recipe time / plan time."""
-    if not plan.baselines:
+    if not plan.recipes:
         return []
     budget = plan.memory_budget_bytes
     piped = _pipelined(plan)
     rows = [("autoshard" if piped or not plan.recipe else plan.recipe, plan.step_time_s, plan.peak_memory.total, True, "")]
-    rows += [(b.name, b.step_time_s, b.peak_memory_bytes, b.fits, b.note) for b in plan.baselines]
+    rows += [(b.name, b.step_time_s, b.peak_memory_bytes, b.fits, b.note) for b in plan.recipes]
     w = max(len(r[0]) for r in rows) + 2
     lines = ["", f"{'vs manual recipes':<{w}}{'step':>12}{'x plan':>9}{'memory/device':>16}  fits  note"]
     for name, t, mem, fits, note in rows:
@@ -154,7 +154,7 @@ def _baseline_lines(plan: Plan) -> list[str]:
             fit = "-"
         ratio = t / plan.step_time_s if plan.step_time_s > 0 else math.nan
         lines.append(f"  {name:<{w - 2}}{format_seconds(t):>12}{ratio:>8.2f}x{format_bytes(mem):>16}  {fit:<5} {note}".rstrip())
-    best = plan.best_baseline()
+    best = plan.best_recipe()
     if best is not None and (piped or not plan.recipe):
         gain = best.step_time_s / plan.step_time_s if plan.step_time_s > 0 else math.nan
         lines.append(f"best recipe that fits: {best.name}; the plan is {gain:.2f}x as fast")
@@ -248,7 +248,7 @@ def report_lines(plan: Plan, *, collapse: bool, max_rows: int) -> list[str]:
         lines.append(f"overlap: {format_seconds(plan.hidden_comm_s)} of gradient reductions hidden behind backward")
     if plan.sampled_layers:
         lines.append(f"repeated layers: {plan.sampled_layers}")
-    lines += _baseline_lines(plan)
+    lines += _recipe_lines(plan)
     lines += _pipeline_lines(plan)
     for stage in plan.stages:
         lines.append("")

@@ -31,7 +31,7 @@ from autoshard.passes.runner import PLANNING, run_passes
 from autoshard.passes.solve import annotate
 from autoshard.solver.intra_op import GRAD_SINK_CREDIT
 from autoshard.plan import (
-    BaselineSummary,
+    RecipeSummary,
     CollectiveStat,
     MemoryBreakdown,
     MeshSpec,
@@ -183,16 +183,16 @@ def _collectives(gm: fx.GraphModule, ctx: PassContext) -> list[CollectiveStat]:
     return out
 
 
-def baseline_summaries(gm: fx.GraphModule, ctx: PassContext) -> tuple[BaselineSummary, ...]:
+def recipe_summaries(gm: fx.GraphModule, ctx: PassContext) -> tuple[RecipeSummary, ...]:
     """Each recipe's Plan-level numbers (same accounting as the plan), computed from ``ctx.recipes``."""
     out = []
     for r in ctx.recipes:
         if r.solution is None:
-            out.append(BaselineSummary(r.name, math.inf, 0, False, r.note))
+            out.append(RecipeSummary(r.name, math.inf, 0, False, r.note))
             continue
         annotate(gm, ctx, r.solution)
         p = build_plan(gm, ctx, r.solution, recipe=r.name)
-        out.append(BaselineSummary(r.name, p.step_time_s, p.peak_memory.total, r.fits, r.note))
+        out.append(RecipeSummary(r.name, p.step_time_s, p.peak_memory.total, r.fits, r.note))
     annotate(gm, ctx)
     return tuple(out)
 
@@ -214,7 +214,7 @@ def plan_graph(
     gm = run_passes(model, ctx, *PLANNING)
     plan = build_plan(gm, ctx, recipe=ctx.config.recipe or "")
     if ctx.recipes:
-        plan = dataclasses.replace(plan, baselines=baseline_summaries(gm, ctx))
+        plan = dataclasses.replace(plan, recipes=recipe_summaries(gm, ctx))
     ctx.timings["total"] = time.perf_counter() - t0
     log.info("plan: predicted step %.6f s, %s", plan.step_time_s, ", ".join(f"{k} {v:.2f}s" for k, v in ctx.timings.items()))
     return plan, gm, ctx

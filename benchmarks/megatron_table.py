@@ -42,7 +42,7 @@ import torch
 from autoshard.cluster import get_cluster
 from autoshard.config import PlanConfig
 from autoshard.models.gpt import GPT, GPTConfig
-from autoshard.pipeline.megatron import evaluate_config, megatron_baseline
+from autoshard.pipeline.megatron import evaluate_config, megatron_recipe
 from autoshard.pipeline.search import PipelineOption, search_pipeline
 
 # GPT weak scaling, Megatron-LM (Narayanan et al., SC'21), NVIDIA Selene: 8x A100-80GB per node (NVSwitch), 8x HDR InfiniBand (200 Gb/s) per node.
@@ -130,7 +130,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="walk 2 micro-batch sizes, not 4")
     ap.add_argument("--exhaustive", action="store_true",
                     help="solve every configuration (default: the estimate-guided search)")
-    ap.add_argument("--baseline", action="store_true", help="also price the pp+tp+dp recipe (smallest PP that fits)")
+    ap.add_argument("--megatron-recipe", action="store_true", help="also price the pp+tp+dp recipe (smallest PP that fits)")
     ap.add_argument("--bias", action="store_true", help="GPT with biases (see the module docstring)")
     ap.add_argument("--no-search", action="store_true", help="only (a), the published configurations")
     ap.add_argument("--microbatch-options", type=int, default=4, help="micro-batch sizes the search walks")
@@ -162,8 +162,8 @@ def main() -> None:
         fidelity.append(a / row.tflops)
         gains.append(b / a if a else 0.0)
         extra = ""
-        if args.baseline:
-            base = megatron_baseline(model, inputs, cluster, config)
+        if args.megatron_recipe:
+            base = megatron_recipe(model, inputs, cluster, config)
             extra = f" [pp+tp+dp: {base.note}, {tflops(row, base):.0f} TFLOP/s]"
         search = f"{describe(best)}; {best.recipe + ' recipe; ' if best.recipe else ''}{short_layout(best.layout)}" if best else "-"
         sched = f"{best.split.schedule} x{best.split.chunks}" if best and best.split else "-"

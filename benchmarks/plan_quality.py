@@ -11,7 +11,7 @@ captured and stand for all of them, and the memory budget is the device's memory
 the mesh (``autoshard.solver.recipes``: ddp, fsdp, Megatron tp, fsdp+tp), each with its parameter and batch layouts
 pinned and everything else (activation layouts, where the collectives go) chosen by the same integer program, so
 every recipe is costed by exactly the model that costs the plan, and done as well as that recipe allows. Those
-are ``Plan.baselines``; they are solved alongside the plan, and a time-limited plan slower than the fastest that
+are ``Plan.recipes``; they are solved alongside the plan, and a time-limited plan slower than the fastest that
 fits is replaced by it.
 
 Columns: the case (model, cluster, mesh, global batch x sequence length), the solved plan's predicted step time
@@ -77,7 +77,7 @@ def _mesh(shape: tuple[int, ...]) -> str:
 
 
 def _recipe_cell(plan: autoshard.Plan, name: str) -> str:
-    b = next((b for b in plan.baselines if b.name == name), None)
+    b = next((b for b in plan.recipes if b.name == name), None)
     if b is None or not b.applies:
         return "n/a"
     if not b.fits:
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
             mismatches.append(f"{case.model} {_mesh(case.mesh)}: solver objective {objective * 1e3:.1f} ms, plan step "
                               f"{solved * 1e3:.1f} ms ({solved / objective - 1:+.1%}, solver {plan.solver.status})")
         cells = "".join(f"{_recipe_cell(plan, r):>{rec_w}}" for r in RECIPES)
-        best = plan.best_baseline()
+        best = plan.best_recipe()
         if best is not None and solved > 0:
             ratio = solved / best.step_time_s
             ratios.append(ratio)

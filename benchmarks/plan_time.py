@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", nargs="*", default=default_models,
                    help=f"zoo models and user modules ({', '.join(HF_MODELS)}: a stock HF module, DeviceMesh path)")
     p.add_argument("--meshes", nargs="*", default=list(DEFAULT_MESHES))
-    p.add_argument("--no-recipes", action="store_true", help="skip the baseline solves")
+    p.add_argument("--no-recipes", action="store_true", help="skip the recipe solves")
     p.add_argument("--time-limit", type=float, default=30.0)
     p.add_argument("--profile", action="store_true")
     a = p.parse_args(argv)

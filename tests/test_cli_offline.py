@@ -23,7 +23,7 @@ def test_cli_plan_writes_a_plan_that_reads_back(tmp_path, capsys):
     assert "vs manual recipes" in report and "tokens/s" in report and "MFU" in report
     plan = Plan.from_json(out.read_text())
     assert plan.model == "gpt2-124m" and plan.mesh.shape == (8,) and plan.step_time_s > 0
-    assert {b.name for b in plan.baselines} == {"ddp", "fsdp", "tp"}
+    assert {b.name for b in plan.recipes} == {"ddp", "fsdp", "tp"}
     assert plan.tokens_per_step == 16 * 128 and 0 < plan.mfu < 1
     assert "layers: 3 of 12" in plan.sampled_layers
 
@@ -68,10 +68,10 @@ def test_model_that_cannot_fit_says_how_much_it_needs():
     assert int(m.group(1)) == 8 * int(m.group(2)) >= 8 * e.value.least_bytes / 2**30
 
 
-def test_plan_json_round_trip_keeps_baselines(tmp_path):
+def test_plan_json_round_trip_keeps_recipes(tmp_path):
     plan = autoshard.plan("bert-large", cluster="a100-80gb:1x8", seq=128, global_batch=16)
     again = Plan.from_json(plan.to_json())
-    assert again == plan and json.loads(plan.to_json())["baselines"]
+    assert again == plan and json.loads(plan.to_json())["recipes"]
 
 
 def test_cli_pipeline_auto_puts_a_stage_on_each_node(tmp_path, capsys):
@@ -89,5 +89,5 @@ def test_cli_pipeline_auto_puts_a_stage_on_each_node(tmp_path, capsys):
     assert plan.mesh.names == ("pp", "dp") and [s.ranks[0] for s in plan.stages] == [0, 8]
     assert plan.stages[0].layers[0] == "wte" and plan.stages[-1].layers[-1] == "ln_f"
     assert plan.tokens_per_step == 16 * 1024 and 0 < plan.mfu < 1
-    flat = next(b for b in plan.baselines if b.name == "1 stage (no pipeline)")
+    flat = next(b for b in plan.recipes if b.name == "1 stage (no pipeline)")
     assert plan.step_time_s < flat.step_time_s

@@ -293,16 +293,16 @@ def test_megatron_recipe_takes_the_smallest_pp_that_fits_and_the_search_is_not_s
     per stage); the free search, which lists it among its options, finds something at least as fast."""
     from autoshard.cluster import get_cluster
     from autoshard.config import PlanConfig
-    from autoshard.pipeline.megatron import megatron_baseline
-    from autoshard.pipeline.search import BASELINE, search_pipeline
+    from autoshard.pipeline.megatron import megatron_recipe
+    from autoshard.pipeline.search import MEGATRON, search_pipeline
 
     model, inputs = _small_gpt()
     budget = 50 * 2**20  # TP 8 x DP 4 with recomputation needs ~73 MB per device, TP 8 x DP 2 x PP 2 ~38 MB
     cluster, config = get_cluster("a100-80gb:4x8"), PlanConfig(sample_layers=2, memory_budget=budget)
     options = search_pipeline(model, inputs, cluster, config, microbatch_options=2)
-    options.append(megatron_baseline(model, inputs, cluster, config))
-    base = next(o for o in options if o.recipe == BASELINE)
+    options.append(megatron_recipe(model, inputs, cluster, config))
+    base = next(o for o in options if o.recipe == MEGATRON)
     assert base.split is not None and base.stages == 2 and base.submesh == (2, 8) and base.note == "tp=8 pp=2 dp=2"
     assert base.split.recompute and max(base.split.stage_memory_bytes) <= budget
-    best = next(o for o in options if o.recipe != BASELINE and o.split is not None)
+    best = next(o for o in options if o.recipe != MEGATRON and o.split is not None)
     assert best.step_time_s <= base.step_time_s and max(best.split.stage_memory_bytes) <= budget

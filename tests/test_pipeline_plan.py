@@ -40,7 +40,7 @@ def test_deep_narrow_model_on_a_slow_network_gets_stages_across_nodes(piped: Pla
     nodes = [{r // 8 for r in s.ranks} for s in piped.stages]
     assert nodes == [{0}, {1}]
     assert [s.ranks for s in piped.stages] == [tuple(range(8)), tuple(range(8, 16))]
-    flat = next(b for b in piped.baselines if b.name == FLAT_NAME)
+    flat = next(b for b in piped.recipes if b.name == FLAT_NAME)
     assert piped.step_time_s < flat.step_time_s
     assert piped.schedule and piped.microbatches >= 2 and 0 < piped.bubble_fraction < 0.5
 
@@ -188,6 +188,6 @@ def test_a_tight_memory_budget_is_met_by_every_stage() -> None:
                           pipeline="auto", solve_recipes=False, memory_budget=budget)
     assert len(plan.stages) == 2 and plan.memory_budget_bytes == budget
     assert all(0 < s.memory.total <= budget for s in plan.stages)
-    flat = next(b for b in plan.baselines if b.name == FLAT_NAME)
+    flat = next(b for b in plan.recipes if b.name == FLAT_NAME)
     assert plan.step_time_s < flat.step_time_s
     assert ("activation recomputation" in plan.report()) == plan.recompute

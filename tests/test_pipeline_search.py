@@ -143,5 +143,5 @@ def test_megatron_and_the_plan_without_stages_made_alongside_are_the_same(monkey
     forked = plan()
     monkeypatch.setattr(pipeline_offline, "_can_fork", lambda: False)
     assert plan() == forked
-    names = {b.name for b in autoshard.Plan.from_json(forked).baselines}
+    names = {b.name for b in autoshard.Plan.from_json(forked).recipes}
     assert {"pp+tp+dp", "1 stage (no pipeline)"} <= names

@@ -76,11 +76,11 @@ def test_each_recipe_has_the_placements_its_name_promises():
 
 
 def _check_never_worse(plan):
-    feasible = [b for b in plan.baselines if b.applies and b.fits]
+    feasible = [b for b in plan.recipes if b.applies and b.fits]
     assert feasible, "no recipe to compare with"
     for b in feasible:
         assert plan.step_time_s <= b.step_time_s * (1 + 1e-6), (b.name, plan.step_time_s, b.step_time_s)
-    best = plan.best_baseline()
+    best = plan.best_recipe()
     assert best is not None and plan.step_time_s <= best.step_time_s * (1 + 1e-6)
     assert "vs manual recipes" in plan.report()
 
@@ -89,7 +89,7 @@ def _check_never_worse(plan):
 def test_solved_plan_never_slower_than_a_recipe_gpt(shape, names):
     with fake_world(4):
         plan = _plan(None, shape, names)
-    assert {b.name for b in plan.baselines} == set(applicable(shape))
+    assert {b.name for b in plan.recipes} == set(applicable(shape))
     _check_never_worse(plan)
 
 
@@ -104,12 +104,12 @@ def test_solved_plan_never_slower_than_a_recipe_llama_and_mlp_under_budget():
         with torch.device("meta"):
             mlp = MLP(512, 2048, 512)
         free = autoshard.plan(mlp, mesh1, mlp_example_inputs(256, 512, 512))
-        ddp = next(b for b in free.baselines if b.name == "ddp")
+        ddp = next(b for b in free.recipes if b.name == "ddp")
         budget = int(ddp.peak_memory_bytes * 0.7)
         with torch.device("meta"):
             mlp = MLP(512, 2048, 512)
         tight = autoshard.plan(mlp, mesh1, mlp_example_inputs(256, 512, 512), memory_budget=budget)
-    assert not next(b for b in tight.baselines if b.name == "ddp").fits  # DDP is over the budget: marked OOM
+    assert not next(b for b in tight.recipes if b.name == "ddp").fits  # DDP is over the budget: marked OOM
     assert tight.peak_memory.total <= budget
     _check_never_worse(tight)
     assert "OOM" in tight.report()

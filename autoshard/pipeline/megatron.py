@@ -3,7 +3,7 @@
 :func:`evaluate_config` prices a manual TP x PP x DP layout the way Megatron-LM runs it:
 each stage is a ``dp x tp`` sub-mesh planned with the intra-op recipe pinned (``tp``: Megatron's column/row
 parallel layers on the ``tp`` axis, batch and replicated parameters on ``dp``; ``ddp`` when tp = 1), the layers
-are split evenly (``inter_op.even_split``), and the schedule is 1F1B or interleaved 1F1B. :func:`megatron_baseline`
+are split evenly (``inter_op.even_split``), and the schedule is 1F1B or interleaved 1F1B. :func:`megatron_recipe`
 is Megatron's recipe ("pp+tp+dp"): TP = the devices of a node, the smallest PP (whole nodes per stage) whose
 stages fit the memory budget, DP over the rest, micro-batches of 1 or 2 sequences per data-parallel rank.
 The offline pipeline planner (``pipeline.offline``) lists it among the search's options (``recipe == "pp+tp+dp"``),
@@ -21,7 +21,7 @@ from torch import nn
 
 from autoshard.cluster import ClusterProfile
 from autoshard.config import PlanConfig
-from autoshard.pipeline.search import BASELINE, PipelineOption, p2p_seconds
+from autoshard.pipeline.search import MEGATRON, PipelineOption, p2p_seconds
 from autoshard.pipeline.solves import FakeStageMeshes, StageSolves
 from autoshard.solver.inter_op import best_split
 
@@ -79,7 +79,7 @@ def evaluate_config(
     return PipelineOption(pp, sub, microbatches, split, note, recipe=recipe, layout=layout)
 
 
-def megatron_baseline(
+def megatron_recipe(
     model: nn.Module,
     example_inputs: Sequence[Any],
     cluster: ClusterProfile,
@@ -115,9 +115,9 @@ def megatron_baseline(
             if best is None or o.step_time_s < best.step_time_s:
                 best = o
         if best is not None:
-            return dataclasses.replace(best, recipe=BASELINE, note=f"tp={tp} pp={pp} dp={dp}")
+            return dataclasses.replace(best, recipe=MEGATRON, note=f"tp={tp} pp={pp} dp={dp}")
         tried.append(pp)
-    return PipelineOption(0, (), 0, None, f"{BASELINE}: no PP in {tried} fits the memory budget", recipe=BASELINE)
+    return PipelineOption(0, (), 0, None, f"{MEGATRON}: no PP in {tried} fits the memory budget", recipe=MEGATRON)
 
 
-__all__ = ["MEGATRON_SCHEDULES", "evaluate_config", "megatron_baseline"]
+__all__ = ["MEGATRON_SCHEDULES", "evaluate_config", "megatron_recipe"]

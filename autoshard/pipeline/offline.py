@@ -22,11 +22,11 @@ from autoshard.cluster import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.meshes import mesh_names
 from autoshard.notation import format_seconds
-from autoshard.pipeline.megatron import megatron_baseline
+from autoshard.pipeline.megatron import megatron_recipe
 from autoshard.pipeline.plan import FLAT_NAME, pipelined_plan
-from autoshard.pipeline.search import BASELINE, PipelineOption, search_pipeline, stage_meshes
+from autoshard.pipeline.search import MEGATRON, PipelineOption, search_pipeline, stage_meshes
 from autoshard.pipeline.solves import FakeStageMeshes, StageSolves
-from autoshard.plan import BaselineSummary, Plan
+from autoshard.plan import RecipeSummary, Plan
 from autoshard.solver.intra_op import InfeasibleBudget
 
 log = logging.getLogger(__name__)
@@ -42,32 +42,32 @@ def _describe(o: PipelineOption) -> str:
     return f"{what}, {o.split.schedule} x {o.microbatches} micro-batches: {format_seconds(o.step_time_s)}"
 
 
-def flat_summary(options: Sequence[PipelineOption]) -> BaselineSummary | None:
+def flat_summary(options: Sequence[PipelineOption]) -> RecipeSummary | None:
     """The fastest 1-stage option (the intra-op plan of the whole cluster) as a row of the recipe comparison."""
-    flat = next((o for o in options if o.stages == 1 and o.recipe != BASELINE and not o.estimated), None)
-    flat = flat or next((o for o in options if o.stages == 1 and o.recipe != BASELINE), None)
+    flat = next((o for o in options if o.stages == 1 and o.recipe != MEGATRON and not o.estimated), None)
+    flat = flat or next((o for o in options if o.stages == 1 and o.recipe != MEGATRON), None)
     if flat is None:
         return None
     if flat.split is None:
-        return BaselineSummary(FLAT_NAME, math.inf, 0, False, flat.note or "no 1-stage plan fits the memory budget")
-    return BaselineSummary(FLAT_NAME, flat.step_time_s, max(flat.split.stage_memory_bytes), True,
+        return RecipeSummary(FLAT_NAME, math.inf, 0, False, flat.note or "no 1-stage plan fits the memory budget")
+    return RecipeSummary(FLAT_NAME, flat.step_time_s, max(flat.split.stage_memory_bytes), True,
                            "the intra-op plan of the whole cluster" + (" (estimated)" if flat.estimated else ""))
 
 
-def recipe_rows(options: Sequence[PipelineOption]) -> list[BaselineSummary]:
+def recipe_rows(options: Sequence[PipelineOption]) -> list[RecipeSummary]:
     """Megatron's recipe ("pp+tp+dp") among the options as a row of the recipe comparison."""
     rows = []
     for o in options:
-        if o.recipe != BASELINE:
+        if o.recipe != MEGATRON:
             continue
-        name = BASELINE
+        name = MEGATRON
         if o.split is None:
-            rows.append(BaselineSummary(name, math.inf, 0, False, o.note))
+            rows.append(RecipeSummary(name, math.inf, 0, False, o.note))
             continue
         redo = ", recompute" if o.split.recompute else ""
         mesh = o.layout.split(";")[0] if o.layout else str(o.submesh)  # the layout summary starts with the mesh
         note = f"pp={o.stages} x {mesh}, {o.split.schedule} x {o.microbatches} micro-batches{redo}"
-        rows.append(BaselineSummary(name, o.step_time_s, max(o.split.stage_memory_bytes), True, note))
+        rows.append(RecipeSummary(name, o.step_time_s, max(o.split.stage_memory_bytes), True, note))
     return rows
 
 
@@ -76,7 +76,7 @@ def choose(options: Sequence[PipelineOption], stages: int | None = None) -> tupl
     (fastest first; Megatron's recipe row is not a candidate). With ``stages`` only that stage count is considered, and
     its failing to fit is an error. One stage over several micro-batches (gradient accumulation) is chosen
     when it is the fastest: the whole batch at once did not fit."""
-    free = [o for o in options if o.recipe != BASELINE and not o.estimated]
+    free = [o for o in options if o.recipe != MEGATRON and not o.estimated]
     if stages is not None:
         mine = [o for o in free if o.stages == stages]
         if not mine:
@@ -163,7 +163,7 @@ def plan_with_pipeline(
                 base = e
         recipe = None
         if config.solve_recipes:
-            recipe = megatron_baseline(model, example_inputs, cluster, config, solves=shared)
+            recipe = megatron_recipe(model, example_inputs, cluster, config, solves=shared)
         return recipe, base
 
     with Aside(aside, config.solve_recipes) as side:
@@ -186,13 +186,13 @@ def plan_with_pipeline(
     rows = [flat_summary(options)]
     if whole:
         if isinstance(base, InfeasibleBudget) or base is None:
-            rows = [BaselineSummary(FLAT_NAME, math.inf, 0, False, "no plan without stages fits the memory budget")]
+            rows = [RecipeSummary(FLAT_NAME, math.inf, 0, False, "no plan without stages fits the memory budget")]
         else:
             if base.step_time_s <= plan.step_time_s:
                 log.info("pipeline: no stages: the plan without stages (%s, recipes weighed) is as fast as %s",
                          format_seconds(base.step_time_s), why)
                 return _with_rows(base, recipes)
-            rows = [*base.baselines, BaselineSummary(FLAT_NAME, base.step_time_s, base.peak_memory.total, True,
+            rows = [*base.recipes, RecipeSummary(FLAT_NAME, base.step_time_s, base.peak_memory.total, True,
                                                      "the plan of the whole cluster without stages")]
     return _with_rows(plan, [r for r in rows if r is not None] + recipes)
 
@@ -258,9 +258,9 @@ def _can_fork() -> bool:
             and not (dist.is_available() and dist.is_initialized()))
 
 
-def _with_rows(plan: Plan, rows: Sequence[BaselineSummary]) -> Plan:
-    have = {b.name for b in plan.baselines}
-    return dataclasses.replace(plan, baselines=(*plan.baselines, *(r for r in rows if r.name not in have)))
+def _with_rows(plan: Plan, rows: Sequence[RecipeSummary]) -> Plan:
+    have = {b.name for b in plan.recipes}
+    return dataclasses.replace(plan, recipes=(*plan.recipes, *(r for r in rows if r.name not in have)))
 
 
 __all__ = ["choose", "flat_summary", "plan_with_pipeline", "recipe_rows"]

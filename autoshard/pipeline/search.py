@@ -58,7 +58,7 @@ from autoshard.solver.inter_op import SCHEDULES
 
 log = logging.getLogger(__name__)
 
-BASELINE = "pp+tp+dp"
+MEGATRON = "pp+tp+dp"
 Rung = tuple[int, tuple[int, ...], tuple[str, ...]]  # (stages, stage sub-mesh shape, its axis names)
 
 
@@ -259,7 +259,7 @@ def search_pipeline(
     each device's share): every configuration, fastest first, estimated ones last. ``recompute``: None lets each
     split use activation recomputation where only it fits (or it is faster); True/False fixes it.
     ``stage_options`` limits the stage counts tried; ``microbatch_options`` caps the micro-batch sizes (per
-    device) walked per kind of sub-mesh. (``pipeline.megatron.megatron_baseline`` prices Megatron's recipe to
+    device) walked per kind of sub-mesh. (``pipeline.megatron.megatron_recipe`` prices Megatron's recipe to
     compare with.)"""
     from autoshard.ir import pipeline_layers
     from autoshard.meshes import mesh_names
@@ -274,6 +274,6 @@ def search_pipeline(
     return search_stages(model, example_inputs, cluster, config, rungs, space, solves)
 
 
-__all__ = ["BASELINE", "FALLBACK_RECIPES", "PipelineOption", "SearchSpace", "layout_summary", "microbatch_counts",
+__all__ = ["MEGATRON", "FALLBACK_RECIPES", "PipelineOption", "SearchSpace", "layout_summary", "microbatch_counts",
            "micro_inputs", "optimizer_step_s", "p2p_seconds", "search_pipeline", "search_stages", "stage_meshes",
            "stage_start", "with_optimizer"]
