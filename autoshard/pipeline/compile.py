@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.placement_types import Placement
 
 from autoshard.cluster import ClusterProfile
 from autoshard.config import PlanConfig
@@ -191,7 +192,7 @@ def compile_pipelined(
     n = pipe.num_stages
     ex_args, ex_sends = stage_examples(pipe, wiring, mb)
     canon = _canonical_names(model)
-    placements: dict[str, str] = {}  # parameter (first name) -> layout of the first stage holding it
+    placements: dict[str, tuple[Placement, ...]] = {}  # parameter (first name) -> its first holder's layout
     holders: dict[str, list[int]] = {}
     stage_plans: list[Plan] = []
     stage_specs: list[Any] = []
@@ -203,8 +204,10 @@ def compile_pipelined(
         pins.update({p: placements[canon.get(p, p)] for p in pnames if canon.get(p, p) in placements})
         cfg = dataclasses.replace(config, constraints=pins, solve_recipes=False)
         plan, gm, ctx = plan_graph(mod, ex_args[k], submesh, cluster, cfg, broadcast_solution=True, stage=True)
-        for p, pl in plan.parameter_placements().items():
-            placements.setdefault(canon.get(p, p), pl)
+        for node in gm.graph.find_nodes(op="placeholder"):  # the solved layouts, as Placement objects
+            role = node.meta["autoshard_role"]
+            if role.kind == "parameter":
+                placements.setdefault(canon.get(role.name, role.name), tuple(node.meta["autoshard"].outputs[0]))
         for p in dict.fromkeys(canon.get(p, p) for p in pnames):
             holders.setdefault(p, []).append(k)
         start, stop = split.layers[k]
