@@ -95,7 +95,7 @@ def plan(
                              "example_inputs=..., cluster=...) without a DeviceMesh (or compile with pipeline=)")
         if "sample_layers" not in options:  # planning only: compile captures every layer (it runs them)
             from autoshard.offline import DEFAULT_SAMPLE_LAYERS
-            from autoshard.planner import repeated_layers
+            from autoshard.ir import repeated_layers
 
             found = repeated_layers(model)
             long = found is not None and found[1] >= 2 * DEFAULT_SAMPLE_LAYERS

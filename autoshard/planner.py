@@ -25,7 +25,7 @@ from autoshard.cluster import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.cost.comm import redistribute_steps
 from autoshard.notation import placement_str
-from autoshard.ir import pipeline_layers, repeated_layers, tensor_args  # noqa: F401 (pipeline/ imports them from here)
+from autoshard.ir import tensor_args
 from autoshard.passes.context import PassContext
 from autoshard.passes.runner import PLANNING, run_passes
 from autoshard.passes.solve import annotate
@@ -220,4 +220,4 @@ def plan_graph(
     return plan, gm, ctx
 
 
-__all__ = ["build_plan", "pipeline_layers", "plan_graph", "repeated_layers"]
+__all__ = ["build_plan", "plan_graph"]

@@ -109,7 +109,8 @@ def run_passes(module: nn.Module, ctx: PassContext, first: str, last: str) -> fx
     check_disabled(tuple(ctx.config.disable_passes))
     lo, hi = PASS_NAMES.index(first), PASS_NAMES.index(last)
     gm = module
-    for spec in PASSES[lo : hi + 1]:
+    last_planning = PASS_NAMES.index(PLANNING[1])
+    for i, spec in enumerate(PASSES[lo : hi + 1], start=lo):
         if not spec.applies(ctx):
             log.debug("autoshard pass %-12s not applicable (backend %s)", spec.name, ctx.backend)
             continue
@@ -119,7 +120,7 @@ def run_passes(module: nn.Module, ctx: PassContext, first: str, last: str) -> fx
             fn = spec.when_disabled
         # planning runs on fake tensors whatever the caller's mode; the program passes run in it
         # (LocalTensorMode's interpreted program is built inside it)
-        planning = PASS_NAMES.index(spec.name) <= PASS_NAMES.index(PLANNING[1])
+        planning = i <= last_planning
         with ctx.timed(spec.name), (tc.outside_local_tensor_mode() if planning else contextlib.nullcontext()):
             out = fn(gm, ctx)
         _check(spec, out, ctx)

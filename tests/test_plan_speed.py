@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import autoshard
 import autoshard.api
 from autoshard.meshes import fake_world
-from autoshard.planner import repeated_layers
+from autoshard.ir import repeated_layers
 
 pytest.importorskip("transformers")
 

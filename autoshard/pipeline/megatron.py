@@ -93,7 +93,7 @@ def megatron_recipe(
     whose stages fit ``config.memory_budget`` (the device's memory when None), DP = the remaining nodes; of the
     micro-batch sizes (sequences per data-parallel rank) the faster that fits. Full activation recomputation,
     as Megatron's GPT runs use (``recompute=None`` would use it only where needed)."""
-    from autoshard.planner import repeated_layers
+    from autoshard.ir import repeated_layers
 
     if config.memory_budget is None:
         config = dataclasses.replace(config, memory_budget=cluster.device.memory_bytes)

@@ -139,7 +139,7 @@ def plan_with_pipeline(
     """
     if stages is not None:
         _check_stages(cluster, stages, sub_shape)
-    from autoshard.planner import pipeline_layers, repeated_layers
+    from autoshard.ir import pipeline_layers, repeated_layers
 
     if repeated_layers(model) is None:
         why = f"{type(model).__name__} has no repeated layers (a ModuleList of identical blocks) to split into stages"
