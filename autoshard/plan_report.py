@@ -213,8 +213,27 @@ def _pipeline_lines(plan: Plan) -> list[str]:
         )
     times = [s.microbatch_time_s for s in plan.stages]
     if min(times) > 0:
-        lines.append(f"stage balance: slowest / fastest stage = {max(times) / min(times):.2f}")
+        lines.append(f"stage balance: slowest / fastest stage = {max(times) / min(times):.2f}{_why_unbalanced(plan)}")
     return lines
+
+
+def _why_unbalanced(plan: Plan) -> str:
+    """Why the fastest stage has fewer layers, where memory is the reason: it sits at the per-device budget (the
+    one given, else the device's memory) with its share of the schedule's in-flight activations."""
+    from autoshard.cluster import get_cluster
+
+    budget = plan.memory_budget_bytes
+    if not budget:
+        try:
+            budget = get_cluster(plan.cluster).device.memory_bytes
+        except (ValueError, OSError, KeyError):  # a profile known only by the file it came from
+            return ""
+    fast = min(plan.stages, key=lambda s: s.microbatch_time_s)
+    per_layer = fast.memory.total / max(1, len(fast.layers))  # on average
+    if budget - fast.memory.total >= per_layer or max(s.microbatch_time_s for s in plan.stages) <= 1.1 * fast.microbatch_time_s:
+        return ""
+    return (f" (stage {fast.index} is memory-bound: {format_bytes(fast.memory.total)} of {format_bytes(budget)} per "
+            "device; a layer more does not fit)")
 
 
 def report_lines(plan: Plan, *, collapse: bool, max_rows: int) -> list[str]:

@@ -288,3 +288,18 @@ def test_format_seconds() -> None:
     assert format_seconds(4.56) == "4.56 s"
     assert format_seconds(17e-6) == "17.0 µs"
     assert format_seconds(0.99996) == "1.00 s"
+
+
+def test_report_says_when_memory_holds_a_stage_back() -> None:
+    from dataclasses import replace
+
+    sub = MeshSpec((1, 2), ("dp", "tp"))
+    fast, slow = _stage(0, range(0, 2), sub), _stage(1, range(2, 6), sub)
+    fast = replace(fast, memory=MemoryBreakdown(10**9, 10**9, 2 * 10**9, 15 * 10**8), microbatch_time_s=1.0)
+    slow = replace(slow, memory=MemoryBreakdown(10**9, 10**9, 2 * 10**9, 10**8), microbatch_time_s=1.5)
+    near = _plan([fast, slow], schedule="1F1B", microbatches=8, memory_budget_bytes=5_600_000_000)
+    assert "stage 0 is memory-bound: 5.12 GiB of 5.22 GiB" in near.report()
+    # with room for another layer (a layer averages 5.5 GB / 2 here) the imbalance is not memory's doing
+    roomy = replace(near, memory_budget_bytes=9 * 10**9)
+    assert "stage balance: slowest / fastest stage = 1.50" in roomy.report()
+    assert "memory-bound" not in roomy.report()
