@@ -183,6 +183,8 @@ def compile(  # noqa: A001 - the one-line API the project promises
     if parameters not in ("dtensor", "local"):
         raise ValueError(f"parameters={parameters!r}: use 'dtensor' (new DTensor parameters) or 'local' (the same "
                          "parameter objects, holding this rank's shard)")
+    if parameters == "local":  # each parameter object holds its compute shard, which the optimizer steps
+        options.setdefault("shard_state", False)
     if example_inputs is None:
         return _compile_on_first_call(model, mesh, constraints, dict(
             cluster=cluster, memory_budget=memory_budget, backend=backend, pipeline=pipeline,

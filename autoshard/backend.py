@@ -108,6 +108,9 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, opti
     constraints = {**batch_constraint(mesh), **dict(opts.pop("constraints", None) or {})}
     example = global_example(args, kwargs, mesh)
     # the module itself is planned at global shapes (dynamo's graph is specialized to this rank's shapes)
+    # the parameter objects dynamo traced hold their compute shard, which the user's optimizer steps: no ZeRO-1/2
+    # masters sharded further than that (see runtime/param_state.py)
+    opts.setdefault("shard_state", False)
     with tc.outside_dynamo():
         sharded = autoshard_compile(root, mesh, example, constraints=constraints, parameters="local", **opts)
     freed = tc.forget_guards_on(gm, list(root.parameters()))

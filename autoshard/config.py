@@ -22,8 +22,9 @@ ConstraintValue = Any
 
 
 # the manual recipes a plan can be forced to (PlanConfig.recipe) and is compared with (autoshard.solver.recipes)
-RECIPES = ("ddp", "fsdp", "tp", "fsdp+tp")
-ALIASES = {"megatron": "tp", "megatron-tp": "tp", "zero3": "fsdp", "2d": "fsdp+tp", "fsdp+megatron": "fsdp+tp"}
+RECIPES = ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "fsdp+tp")
+ALIASES = {"megatron": "tp", "megatron-tp": "tp", "zero3": "fsdp", "2d": "fsdp+tp", "fsdp+megatron": "fsdp+tp",
+           "zero-1": "zero1", "zero-2": "zero2", "zero-3": "fsdp", "hybrid": "hsdp"}
 
 
 def normalize(name: str) -> str:
@@ -49,7 +50,9 @@ class PlanConfig:
 
     ``solve_recipes`` solves each manual recipe that applies (``autoshard.solver.recipes``) alongside the plan and keeps
     the fastest that fits when a time-limited search ends slower, so the plan is never slower than it.
-    ``recipe`` ("ddp", "fsdp", "tp", "fsdp+tp") makes the plan that recipe instead of a free choice. ``sample_layers`` captures only that many of a
+    ``recipe`` ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "fsdp+tp") makes the plan that recipe instead of a
+    free choice. ``shard_state`` lets the solver place a parameter's gradient and optimizer state apart from the
+    parameter (ZeRO-1/2: state sharded over axes where the parameter is replicated). ``sample_layers`` captures only that many of a
     model's identical repeated layers and lets them stand for all of them (planning only: the plan's costs and
     memory count every layer; ``compile`` needs every layer).
     """
@@ -66,6 +69,7 @@ class PlanConfig:
     recipe: str | None = None
     sample_layers: int | None = None
     tie_axes: bool = True
+    shard_state: bool = True
     # picks the scalar loss out of what forward returns; default: a tensor itself, a ModelOutput's or dict's
     # "loss", a tuple's first element (passes/capture.py: loss_of)
     loss_fn: Callable[[Any], Any] | None = None

@@ -51,15 +51,31 @@ class GroupStrategy:
     param_bytes: int = 0
     grad_bytes: int = 0
     optimizer_bytes: int = 0
+    # a parameter's gradient and optimizer-state layouts where they differ from its compute layout (outputs[0][0]):
+    # ZeRO-1 (state sharded further, gradient as computed) and ZeRO-2 (gradient and state sharded further); None:
+    # the same as the compute layout (DDP, FSDP/ZeRO-3, TP)
+    grad_placements: Placements | None = None
+    state_placements: Placements | None = None
 
 
 @dataclass(frozen=True)
 class NodeSharding:
-    """The solved layout of one node: ``node.meta["autoshard"]``."""
+    """The solved layout of one node: ``node.meta["autoshard"]`` (``grad``/``state``: a parameter's gradient and
+    optimizer-state layouts, when not its compute layout ``outputs[0]``)."""
 
     group: int
     outputs: NodeOut
     inputs: tuple[Placements | None, ...]
+    grad: Placements | None = None
+    state: Placements | None = None
+
+    @property
+    def grad_layout(self) -> Placements:
+        return self.grad if self.grad is not None else self.outputs[0]
+
+    @property
+    def state_layout(self) -> Placements:
+        return self.state if self.state is not None else self.outputs[0]
 
 
 def layer_parts(name: str) -> tuple[str, int, str] | None:

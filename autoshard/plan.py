@@ -72,18 +72,34 @@ class MeshSpec:
 
 @dataclass(frozen=True)
 class TensorLayout:
-    """Where one parameter, buffer or program input lives: global shape plus one placement per mesh axis."""
+    """Where one parameter, buffer or program input lives: global shape plus one placement per mesh axis.
+
+    A parameter whose gradient or optimizer state is sharded further than it is computed with (ZeRO-1/2) also
+    gives ``grad_placements`` / ``state_placements`` (empty: the same as ``placements``)."""
 
     name: str
     role: str
     shape: tuple[int, ...]
     dtype: str
     placements: tuple[str, ...]
+    grad_placements: tuple[str, ...] = ()
+    state_placements: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check(self.role, TENSOR_ROLES, "role", f"tensor {self.name!r}")
         _set(self, shape=tuple(int(d) for d in self.shape), dtype=dtype_name(self.dtype))
-        _set(self, placements=_placements(self.placements))
+        _set(self, placements=_placements(self.placements), grad_placements=_placements(self.grad_placements),
+             state_placements=_placements(self.state_placements))
+        for what in (self.grad_placements, self.state_placements):
+            if what and len(what) != len(self.placements):
+                raise ValueError(f"tensor {self.name!r}: {what} needs one placement per mesh axis, like {self.placements}")
+
+    @property
+    def zero(self) -> str:
+        """"zero1" / "zero2" when the optimizer state is sharded further than the parameter, else ""."""
+        if not self.state_placements or self.state_placements == self.placements:
+            return ""
+        return "zero1" if not self.grad_placements or self.grad_placements == self.placements else "zero2"
 
     def local_shape(self, mesh: MeshSpec) -> tuple[int, ...]:
         """Per-device shape on ``mesh``; raises ValueError (naming the tensor) if a shard is uneven."""

@@ -87,8 +87,12 @@ def _tensor_rows(stage: StagePlan, role: str) -> list[_Row]:
         except ValueError:
             local = "(uneven shard)"
         header, label = _split(t.name)
-        cells = (tensor_str(t.dtype, t.shape), placements_str(t.placements), local)
-        rows.append(_Row(t.name, header, label, (t.shape, t.dtype, t.placements), cells))
+        where = placements_str(t.placements)
+        if t.zero:  # the optimizer steps a shard of it (ZeRO-1/2)
+            where += f" {t.zero}: state {placements_str(t.state_placements)}"
+        cells = (tensor_str(t.dtype, t.shape), where, local)
+        rows.append(_Row(t.name, header, label, (t.shape, t.dtype, t.placements, t.state_placements,
+                                                 t.grad_placements), cells))
     return rows
 
 

@@ -73,7 +73,9 @@ def build_plan(gm: fx.GraphModule, ctx: PassContext, solution: Any = None, recip
         if role.kind == "tangent":
             continue
         v = n.meta["val"]
-        tensors.append(TensorLayout(role.name, role.kind, tuple(v.shape), _dtype(v), _pl(n.meta["autoshard"].outputs[0])))
+        sh = n.meta["autoshard"]
+        tensors.append(TensorLayout(role.name, role.kind, tuple(v.shape), _dtype(v), _pl(sh.outputs[0]),
+                                    _pl(sh.grad) if sh.state is not None else (), _pl(sh.state)))
     ops = []
     compute = 0.0
     params = grads = opt = acts = 0.0
@@ -179,7 +181,11 @@ def _collectives(gm: fx.GraphModule, ctx: PassContext) -> list[CollectiveStat]:
         if role.kind in ("loss", "output"):
             add(src, have, rep, "output", "forward", w)
         elif role.kind in ("grad", "input_grad"):
-            add(src, have, params[role.name].meta["autoshard"].outputs[0], role.name, "backward", w)
+            add(src, have, params[role.name].meta["autoshard"].grad_layout, role.name, "backward", w)
+    for name, ph in params.items():  # ZeRO-1/2: the stepped master shard gathered back to the compute layout
+        sh = ph.meta["autoshard"]
+        if sh.state is not None and tuple(sh.state) != tuple(sh.outputs[0]):
+            add(ph, sh.state, sh.outputs[0], "optimizer step", "optimizer", _weight_of(nodes, ph.name, ctx))
     return out
 
 

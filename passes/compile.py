@@ -5,8 +5,9 @@ with ``ctx.backend == "interpret"`` (``LocalTensorMode``: every rank in one proc
 traced), only ``solve``.
 
 Guarantees on exit: ``ctx.program`` runs this rank's step, and its ``layouts`` give the placements of the
-parameters and inputs by name (``input[i]`` for the call's tensors), as ``Placement`` objects: the runtime
-distributes parameters and cuts inputs with them (the Plan's strings are for reports and JSON). ``forward(flat local inputs)`` returns (the loss,
+parameters and inputs by name (``input[i]`` for the call's tensors), as ``Placement`` objects, ``grad_layouts``
+those its gradients come back in and ``state_layouts`` those the optimizer steps (they differ for ZeRO-1/2
+parameters): the runtime distributes parameters and cuts inputs with them (the Plan's strings are for reports and JSON). ``forward(flat local inputs)`` returns (the loss,
 what backward needs) and ``backward(saved, grad_loss)`` the local gradients (parameters, then inputs that
 require grad); a pipeline stage's ``forward_many`` / ``backward_many`` take and return every output. Backends:
 
@@ -55,7 +56,10 @@ class CompiledProgram:
         self._fw: Callable[[list[torch.Tensor]], Any] | None = None
         self._bw: Callable[[list[torch.Tensor]], Any] | None = None
         self._ctx = ctx
-        self.layouts = param_placements_of(ctx.planned) if ctx.planned is not None else {}
+        planned = ctx.planned
+        self.layouts = param_placements_of(planned) if planned is not None else {}
+        self.state_layouts = param_placements_of(planned, "state") if planned is not None else {}
+        self.grad_layouts = param_placements_of(planned, "grad") if planned is not None else {}
 
     def _compile(self, gm: fx.GraphModule, args: Sequence[torch.Tensor]) -> Callable[[list[torch.Tensor]], Any]:
         if self._compiler is _eager:
@@ -92,8 +96,9 @@ class InterpretedProgram:
     def __init__(self, gm: fx.GraphModule, ctx: PassContext) -> None:
         self.interp = PlanInterpreter(gm, ctx.mesh)
         self.roles = ctx.output_roles
-        self.param_layouts = param_placements_of(gm)
-        self.layouts = self.param_layouts
+        self.layouts = param_placements_of(gm)
+        self.state_layouts = param_placements_of(gm, "state")
+        self.grad_layouts = param_placements_of(gm, "grad")
         ph = self.interp.placeholders
         self.primals = [n for n in ph if n.meta["autoshard_role"].kind != "tangent"]
         self.tangents = [n for n in ph if n.meta["autoshard_role"].kind == "tangent"]
@@ -111,7 +116,7 @@ class InterpretedProgram:
     def backward(self, env: dict[str, Any], grad_loss: torch.Tensor) -> list[torch.Tensor]:
         self.interp.bind(env, self.tangents, [grad_loss.reshape(())])
         self.interp.run(env, self.bw_nodes)
-        return self.interp.outputs(env, self.roles, self.param_layouts)[1:]
+        return self.interp.outputs(env, self.roles, self.grad_layouts)[1:]
 
 
 def compile_program(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

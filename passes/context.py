@@ -43,9 +43,12 @@ Progress = Callable[[str, float, str], None]  # (pass, fraction done, message), 
 
 class RankProgram(Protocol):
     """What ``compile`` hands the runtime: this rank's forward and backward (``passes/compile.py``), and the
-    placements of the parameters and inputs (``input[i]``) by name."""
+    placements of the parameters and inputs (``input[i]``) by name: computed with (``layouts``), gradients
+    delivered in (``grad_layouts``) and stepped by the optimizer (``state_layouts``)."""
 
     layouts: dict[str, tuple[Placement, ...]]
+    grad_layouts: dict[str, tuple[Placement, ...]]
+    state_layouts: dict[str, tuple[Placement, ...]]
 
     def forward(self, flat: Sequence[torch.Tensor]) -> tuple[torch.Tensor, Any]: ...
 

@@ -186,8 +186,8 @@ class PlanInterpreter:
         return out
 
     def outputs(self, env: dict[str, Any], output_roles: Sequence, param_placements: dict[str, tuple]) -> list[Any]:
-        """Loss and outputs made Replicate, gradients moved to their parameter's (or input's) placement, all as
-        local tensors."""
+        """Loss and outputs made Replicate, gradients moved to their parameter's (or input's) gradient placement
+        (``param_placements``), all as local tensors."""
         result: list[Any] = []
         buckets: dict[tuple, list[tuple[int, DTensor]]] = {}
         made_at = {n.name: i for i, n in enumerate(self.nodes)}
@@ -277,10 +277,14 @@ def local_placeholder_shapes(gm: fx.GraphModule, mesh_shape: Sequence[int]) -> l
     return out
 
 
-def param_placements_of(gm: fx.GraphModule) -> dict[str, tuple]:
-    """Placements of the parameters and inputs by role name (where their gradients are delivered)."""
+def param_placements_of(gm: fx.GraphModule, which: str = "compute") -> dict[str, tuple]:
+    """Placements of the parameters and inputs by role name: the layout the program computes with
+    (``"compute"``), the one its gradients are delivered in (``"grad"``), or the one the optimizer steps
+    (``"state"``; ZeRO-1/2 parameters shard their gradient and state further than their compute layout)."""
+    pick = {"compute": lambda sh: sh.outputs[0], "grad": lambda sh: sh.grad_layout,
+            "state": lambda sh: sh.state_layout}[which]
     return {
-        n.meta["autoshard_role"].name: tuple(n.meta["autoshard"].outputs[0])
+        n.meta["autoshard_role"].name: tuple(pick(n.meta["autoshard"]))
         for n in gm.graph.find_nodes(op="placeholder")
         if n.meta["autoshard_role"].kind in ("parameter", "input")
     }
@@ -294,7 +298,7 @@ def trace_rank_program(
     mesh = ctx.mesh
     interp = PlanInterpreter(gm, mesh, group_gathers=group_gathers)
     roles = ctx.output_roles
-    param_layouts = param_placements_of(gm)
+    grad_layouts = param_placements_of(gm, "grad")
     primal_nodes = [n for n in interp.placeholders if n.meta["autoshard_role"].kind != "tangent"]
     tangent_nodes = [n for n in interp.placeholders if n.meta["autoshard_role"].kind == "tangent"]
 
@@ -303,7 +307,7 @@ def trace_rank_program(
         interp.bind(env, primal_nodes, primals)
         interp.bind(env, tangent_nodes, tangents)
         interp.run(env, [n for n in interp.nodes if n.op in ("call_function", "get_attr")])
-        return interp.outputs(env, roles, param_layouts)
+        return interp.outputs(env, roles, grad_layouts)
 
     shapes = local_placeholder_shapes(gm, ctx.mesh_shape)
     device = torch.device(mesh.device_type)

@@ -89,4 +89,7 @@ def annotate(gm: fx.GraphModule, ctx: PassContext, solution=None) -> None:
     for g in ctx.groups:
         s = ctx.strategies[g.id][sol.choice[g.id]]
         for i, name in enumerate(g.members):
-            nodes[name].meta["autoshard"] = NodeSharding(g.id, s.outputs[i], s.inputs[i])
+            first = i == 0 and g.kind == "parameter"
+            nodes[name].meta["autoshard"] = NodeSharding(g.id, s.outputs[i], s.inputs[i],
+                                                         s.grad_placements if first else None,
+                                                         s.state_placements if first else None)

@@ -23,7 +23,8 @@ from autoshard.config import normalize
 from autoshard.ir import tensor_args
 from autoshard.passes.context import PassContext
 from autoshard.solver.intra_op import InfeasibleBudget, SolverTimeout
-from autoshard.solver.recipes import RecipeResult, applicable, even_prefix, placement_short, recipe_placements
+from autoshard.solver.recipes import (RecipeResult, applicable, candidate_state_kind, even_prefix, placement_short,
+                                      recipe_placements, state_kind)
 
 T = TypeVar("T")
 
@@ -38,7 +39,7 @@ def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext) -> tuple[dict
     ms = ctx.mesh_shape
     pins: dict[int, set[int]] = {}
     dp_axes: set[int] = set()
-    bent = unmatched = 0
+    bent = unmatched = kept_whole = 0
     for g in ctx.groups:
         if g.kind not in ("parameter", "input") or canon[g.id] != g.id:
             continue
@@ -50,10 +51,21 @@ def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext) -> tuple[dict
         unmatched += note == "unmatched"
         cands = ctx.strategies[g.id]
         layouts = [s.outputs[0][0] for s in cands]
-        keep = {i for i, pl in enumerate(layouts) if tuple(pl) == target}
+        kinds = [candidate_state_kind(s.grad_placements, s.state_placements) for s in cands]
+        whole = [s.state_placements is None or all(isinstance(p, Shard) or n == 1
+                                                   for p, n in zip(s.state_placements, ms)) for s in cands]
+        want = state_kind(recipe) if role.kind == "parameter" else ""
+
+        def matching(layout: tuple, kind: str) -> set[int]:  # the state sharded over every axis it can be
+            return {i for i, pl in enumerate(layouts) if tuple(pl) == layout and kinds[i] == kind and whole[i]}
+
+        keep = matching(target, want)
+        if not keep and want:  # a parameter whose state cannot be sharded evenly stays whole, as ddp holds it
+            keep = matching(target, "")
+            kept_whole += bool(keep)
         if not keep and role.kind == "parameter":
             relaxed = even_prefix(target, shape, ms)
-            keep = {i for i, pl in enumerate(layouts) if tuple(pl) == relaxed}
+            keep = matching(relaxed, "")
             bent += bool(keep)
         if not keep:
             names = ctx.mesh_names
@@ -79,6 +91,8 @@ def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext) -> tuple[dict
         notes.append(f"{unmatched} Linear weights not recognised as column/row-parallel stay replicated on tp")
     if bent:
         notes.append(f"{bent} parameters replicated where the shard would be uneven")
+    if kept_whole:
+        notes.append(f"{kept_whole} parameters keep whole optimizer state (no even shard)")
     return pins, notes
 
 

@@ -19,6 +19,7 @@ forward nodes that the backward reads; state bytes = parameter + gradient + opti
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import operator
@@ -106,6 +107,37 @@ def _cost(
     return GroupStrategy(tuple(outs), tuple(ins), compute, comm, act, state, param, grad, opt)
 
 
+def state_variants(s: GroupStrategy, val: torch.Tensor, ctx: PassContext) -> list[GroupStrategy]:
+    """ZeRO-1 and ZeRO-2 forms of a parameter candidate ``s`` whose compute layout is replicated on some mesh axes:
+    the optimizer state (and, for ZeRO-2, the gradient) sharded further over every such axis, or over one of
+    them; the parameter stays in its compute layout between steps (a copy gathered once after each optimizer
+    step, whose all-gather is costed here) and the sharded master is what the optimizer steps."""
+    ms = ctx.mesh_shape
+    compute = s.outputs[0][0]
+    free = [a for a, p in enumerate(compute) if isinstance(p, Replicate) and ms[a] > 1]
+    subsets = [tuple(free)] + ([(a,) for a in free] if len(free) > 1 else [])
+    size = val.numel() * val.element_size()
+    out = []
+    for axes in subsets:
+        state = next((st for d in range(val.ndim)
+                      for st in [tuple(Shard(d) if a in axes else p for a, p in enumerate(compute))]
+                      if evenly_divisible(val.shape, st, ms)), None)
+        if state is None:
+            continue
+        gather = redistribute_time(state, compute, tuple(val.shape), val.element_size(), ms, ctx.cluster)
+        if math.isinf(gather):
+            continue
+        shard = size // shard_factor(state, ms)
+        param = size // shard_factor(compute, ms) + shard  # the compute copy and the optimizer's master shard
+        opt = shard * ctx.config.optimizer_factor
+        for grad in (state, compute):  # ZeRO-2, ZeRO-1
+            g = size // shard_factor(grad, ms)
+            out.append(dataclasses.replace(
+                s, comm_s=s.comm_s + gather, state_bytes=param + g + opt, param_bytes=param, grad_bytes=g,
+                optimizer_bytes=opt, grad_placements=grad, state_placements=state))
+    return out
+
+
 def _real_args(node: fx.Node) -> tuple[tuple, dict, object]:
     def conv(a: object) -> object:
         if isinstance(a, fx.Node):
@@ -165,6 +197,9 @@ def group_strategies(group: Group, nodes: dict[str, fx.Node], ctx: PassContext, 
         key = (s.outputs, s.inputs)
         if key not in result:
             result[key] = s
+            if group.kind == "parameter" and ctx.config.shard_state:
+                for v in state_variants(s, anchor.meta["val"], ctx):
+                    result[(*key, v.grad_placements, v.state_placements)] = v
     result = _prune_dominated(group, nodes, result)
     if not result:
         # all-Replicate always propagates; reaching here means the group's own ops reject replication
@@ -199,16 +234,18 @@ def _prune_dominated(group: Group, nodes: dict[str, fx.Node], found: dict[tuple,
     boundary), keep the one with the least time, then memory: the others can never be better."""
     outs, ins = _interface(group, nodes)
     faces: dict[tuple, list[tuple]] = {}
-    for key, s in found.items():
-        face = (tuple(s.outputs[m] for m in outs), tuple(s.inputs[m][k] for m, k in ins))
-        faces.setdefault(face, []).append(((s.compute_s + s.comm_s, s.state_bytes + s.activation_bytes), key, s))
+    for order, (key, s) in enumerate(found.items()):
+        # a parameter's gradient leaves the group in its gradient layout (ZeRO-2's differs from the compute one)
+        grad = s.grad_placements if s.grad_placements is not None else s.outputs[0][0]
+        face = (tuple(s.outputs[m] for m in outs), tuple(s.inputs[m][k] for m, k in ins), grad)
+        faces.setdefault(face, []).append(((s.compute_s + s.comm_s, s.state_bytes + s.activation_bytes), order, key, s))
     kept: dict[tuple, GroupStrategy] = {}
     for cands in faces.values():
-        for score, key, s in cands:
-            dominated = any(
-                o[0] <= score[0] and o[1] <= score[1] and (o[0], o[1], k2) < (score[0], score[1], key)
-                for o, k2, _ in cands
-                if k2 != key
+        for score, order, key, s in cands:
+            dominated = any(  # ties go to the candidate found first
+                o[0] <= score[0] and o[1] <= score[1] and (o[0], o[1], k2) < (score[0], score[1], order)
+                for o, k2, _, _ in cands
+                if k2 != order
             )
             if not dominated:
                 kept[key] = s

@@ -43,8 +43,9 @@ BATCH = {"inputs": {"dp": Shard(0)}}
         ("gpt", (4,), ("dp",), {"constraints": BATCH, "backend": "eager", "memory_budget": "900KiB"}),
         ("gpt", (2, 2), ("dp", "tp"), {"constraints": {"inputs": "[S(0), R]"}, "cluster": "h100-sxm", "backend": "eager"}),
         ("gpt", (2, 2), ("dp", "tp"), {"recipe": "fsdp", "backend": "eager"}),  # [S(0), S(0)] gathered in groups
+        ("gpt", (2,), ("dp",), {"recipe": "zero1", "backend": "eager"}),  # all-reduce, step a shard, gather back
     ],
-    ids=["mlp-dp2-eager", "gpt-dp4-fsdp-eager", "gpt-2x2-tp-eager", "gpt-2x2-fsdp-eager"],
+    ids=["mlp-dp2-eager", "gpt-dp4-fsdp-eager", "gpt-2x2-tp-eager", "gpt-2x2-fsdp-eager", "gpt-dp2-zero1-eager"],
 )
 def test_gloo_eager(name, shape, names, kw):
     _run(name, shape, names, **kw)
@@ -53,6 +54,16 @@ def test_gloo_eager(name, shape, names, kw):
 def test_gloo_inductor_gpt_2x2():
     """The compiled path: Inductor C++ kernels with the collectives inside the generated wrapper."""
     _run("gpt", (2, 2), ("dp", "tp"), constraints=BATCH, backend="inductor")
+
+
+def test_gloo_gpt_zero2():
+    """ZeRO-2: gradients reduce-scattered inside the rank's program, AdamW on each rank's shard of the master
+    parameters, the compute copies gathered at the next forward."""
+    results = _run("gpt", (2,), ("dp",), recipe="zero2", backend="eager")
+    from autoshard.plan import Plan
+
+    layouts = [t for t in Plan.from_json(results[0]["plan"]).stages[0].tensors if t.role == "parameter"]
+    assert {t.zero for t in layouts if t.shape[0] % 2 == 0} == {"zero2"}
 
 
 def test_wrong_local_input_names_expected_shape():

@@ -32,6 +32,15 @@ def test_mesh_2x4_batch_on_dp(name):
     _check(name, (2, 4), ("dp", "tp"), constraints={"inputs": {"dp": Shard(0)}})
 
 
+def test_mesh_2x2_zero2_state_sharded_over_both_axes():
+    got = _check("gpt", (2, 2), ("dp", "tp"), recipe="zero2")
+    from autoshard.plan import Plan
+
+    tensors = [t for t in Plan.from_json(got["plan"]).stages[0].tensors if t.role == "parameter"]
+    assert {t.state_placements for t in tensors if t.zero} == {("S(0)", "S(0)")}
+    assert {t.zero for t in tensors} == {"zero2"}
+
+
 def test_mesh_8_gpt_fsdp_like_budget():
     # a budget that forces sharded parameters on 8 simulated ranks
     got = _check("gpt", (8,), ("dp",), constraints={"inputs": {"dp": Shard(0)}}, memory_budget="600KiB")

@@ -36,11 +36,12 @@ def _plan(recipe: str | None, shape=(2, 2), names=("dp", "tp"), **kw):
 
 def test_recipe_names_and_applicability():
     assert normalize("Megatron") == "tp" and normalize("zero3") == "fsdp" and normalize("2d") == "fsdp+tp"
-    with pytest.raises(ValueError, match="known recipes: ddp, fsdp, tp, fsdp\\+tp"):
+    assert normalize("ZeRO-2") == "zero2" and normalize("hybrid") == "hsdp"
+    with pytest.raises(ValueError, match="known recipes: ddp, zero1, zero2, fsdp, hsdp, tp, fsdp\\+tp"):
         normalize("zero-bubble")
-    assert applicable((8,)) == ("ddp", "fsdp", "tp")
-    assert applicable((4, 8)) == ("ddp", "fsdp", "tp", "fsdp+tp")
-    assert applicable((4, 1)) == ("ddp", "fsdp")
+    assert applicable((8,)) == ("ddp", "zero1", "zero2", "fsdp", "tp")
+    assert applicable((4, 8)) == ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "fsdp+tp")
+    assert applicable((4, 1)) == ("ddp", "zero1", "zero2", "fsdp")
 
 
 def test_tp_roles_follow_megatron():
@@ -59,7 +60,18 @@ def test_each_recipe_has_the_placements_its_name_promises():
         fsdp = _plan("fsdp").parameter_placements()
         tp = _plan("tp")
         fsdp_tp = _plan("fsdp+tp").parameter_placements()
+        hsdp = _plan("hsdp").parameter_placements()
+        zero1, zero2 = _plan("zero1"), _plan("zero2")
+        full = _plan("ddp").peak_memory
     assert set(ddp.values()) == {("R", "R")}
+    assert set(hsdp.values()) == {("R", "S(0)")}  # sharded within the last axis, replicated over the first
+    for z in (zero1, zero2):  # replicated for compute; gradients (ZeRO-2) and optimizer state sharded on both axes
+        params = [t for t in z.stages[0].tensors if t.role == "parameter"]
+        assert {(t.placements, t.state_placements, t.zero) for t in params} == {(("R", "R"), ("S(0)", "S(0)"), z.recipe)}
+        assert {t.grad_placements for t in params} == {("R", "R") if z.recipe == "zero1" else ("S(0)", "S(0)")}
+    # the state's share: ZeRO-1 and ZeRO-2 hold a quarter of DDP's optimizer state, ZeRO-2 a quarter of its gradients
+    assert zero1.peak_memory.optimizer * 4 == full.optimizer and zero1.peak_memory.gradients == full.gradients
+    assert zero2.peak_memory.gradients * 4 == full.gradients
     # FSDP: every parameter Shard(0) over the whole mesh (all dims here divide by 4)
     assert set(fsdp.values()) == {("S(0)", "S(0)")}
     pp = tp.parameter_placements()

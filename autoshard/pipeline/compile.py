@@ -203,7 +203,10 @@ def compile_pipelined(
         pnames = [p for p, _ in mod.named_parameters(remove_duplicate=False)]
         pins = _stage_constraints(config, sig, wiring[k], names)
         pins.update({p: placements[canon.get(p, p)] for p in pnames if canon.get(p, p) in placements})
-        cfg = dataclasses.replace(config, constraints=pins, solve_recipes=False)
+        # a parameter tied across stages is pinned to its first holder's compute layout, and its copies' gradients
+        # are summed across stages: their master layouts must match too, so tied models keep masters unsharded
+        cfg = dataclasses.replace(config, constraints=pins, solve_recipes=False,
+                                  shard_state=config.shard_state and len(set(canon.values())) == len(canon))
         plan, gm, ctx = plan_graph(mod, ex_args[k], submesh, cluster, cfg, broadcast_solution=True, stage=True)
         for node in gm.graph.find_nodes(op="placeholder"):  # the solved layouts, as Placement objects
             role = node.meta["autoshard_role"]

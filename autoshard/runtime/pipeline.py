@@ -30,12 +30,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from autoshard import _torch_compat as tc
 from autoshard.inputs import CallSignature
 from autoshard.pipeline.wiring import StageWiring, loss_weights, stage_args, stage_sends
 from autoshard.plan import Plan
 from autoshard.runtime.rebind import rebind_optimizers
-from autoshard.runtime.sharded_module import distribute_parameters, scatter_grads
+from autoshard.runtime.param_state import ParamStates, scatter_grads
+from autoshard.runtime.sharded_module import distribute_parameters
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +44,9 @@ EXECUTABLE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 
 class _RunStage(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, program: Any, grad_slots: tuple[int, ...], *flat: torch.Tensor) -> Any:
-        outs, saved = program.forward_many([tc.local_tensor(x) for x in flat])
-        ctx.program, ctx.saved, ctx.grad_slots = program, saved, grad_slots
+    def forward(ctx: Any, program: Any, grad_slots: tuple[int, ...], states: ParamStates, *flat: torch.Tensor) -> Any:
+        outs, saved = program.forward_many(states.local_inputs(flat))
+        ctx.program, ctx.saved, ctx.grad_slots, ctx.states = program, saved, grad_slots, states
         ctx.like = [x if isinstance(x, DTensor) else None for x in flat]
         ctx.out_meta = [(o.shape, o.dtype, o.device) for o in outs]
         # outputs with no tangent in the captured program (tables derived from buffers, integer tensors) carry
@@ -63,7 +63,7 @@ class _RunStage(torch.autograd.Function):
         ]
         grads = ctx.program.backward_many(ctx.saved, grads_in)
         ctx.saved = None
-        return (None, None, *scatter_grads(grads, ctx.grad_slots, ctx.like))
+        return (None, None, None, *scatter_grads(grads, ctx.grad_slots, ctx.like, ctx.states))
 
 
 def input_key(i: int) -> str:
@@ -87,7 +87,8 @@ class StageModule(nn.Module):
         stage = plan.stages[0]
         self._param_names = [t.name for t in stage.tensors if t.role == "parameter"]
         layouts = program.layouts  # Placement objects by name, from the planned graph
-        rebind_optimizers(self, distribute_parameters(module, mesh, {n: layouts[n] for n in self._param_names}))
+        self._states = ParamStates(mesh, self._param_names, program)
+        rebind_optimizers(self, distribute_parameters(module, mesh, self._states.master_placements()))
         self._buffer_names = [t.name for t in stage.tensors if t.role == "buffer"]
         inputs = sorted((t for t in stage.tensors if t.role == "input"), key=lambda t: int(t.name[6:-1]))
         self._input_placements = [layouts[t.name] for t in inputs]
@@ -112,7 +113,7 @@ class StageModule(nn.Module):
         bufs = dict(self.module.named_buffers())
         flat += [bufs[n] for n in self._buffer_names]
         flat += [self._local(a, pl) for a, pl in zip(args, self._input_placements)]
-        outs = _RunStage.apply(self._program, self._grad_slots, *flat)
+        outs = _RunStage.apply(self._program, self._grad_slots, self._states, *flat)
         sends = stage_sends(self._wiring, outs if isinstance(outs, tuple) else (outs,), received)
         sends = tuple(t.contiguous() for t in sends)  # the program's outputs may be views; sends need whole buffers
         return sends if len(sends) > 1 else sends[0]

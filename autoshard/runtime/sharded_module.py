@@ -23,6 +23,7 @@ from autoshard import _torch_compat as tc
 from autoshard.inputs import CallSignature
 from autoshard.notation import local_shape, placements_str, tensor_str
 from autoshard.plan import Plan
+from autoshard.runtime.param_state import ParamStates, scatter_grads
 from autoshard.runtime.rebind import rebind_optimizers, retire
 
 log = logging.getLogger(__name__)
@@ -30,11 +31,12 @@ log = logging.getLogger(__name__)
 
 class _RunProgram(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, program: Any, grad_slots: tuple[int, ...], *flat: torch.Tensor) -> torch.Tensor:
-        loss, saved = program.forward([tc.local_tensor(x) for x in flat])
+    def forward(ctx: Any, program: Any, grad_slots: tuple[int, ...], states: ParamStates, *flat: torch.Tensor) -> torch.Tensor:
+        loss, saved = program.forward(states.local_inputs(flat))
         ctx.program = program
         ctx.saved = saved
         ctx.grad_slots = grad_slots
+        ctx.states = states
         ctx.like = [x if isinstance(x, DTensor) else None for x in flat]
         return loss
 
@@ -42,18 +44,7 @@ class _RunProgram(torch.autograd.Function):
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple:
         grads = ctx.program.backward(ctx.saved, grad_loss)
         ctx.saved = None
-        return (None, None, *scatter_grads(grads, ctx.grad_slots, ctx.like))
-
-
-def scatter_grads(grads: Sequence[torch.Tensor], slots: Sequence[int], like: Sequence[DTensor | None]) -> list[torch.Tensor | None]:
-    """The program's (local) gradients placed at their inputs' positions among the flat inputs (None
-    elsewhere); the gradient of a DTensor input (a parameter, passed whole so that autograd records no
-    ``to_local`` per parameter and step) is wrapped in that parameter's layout."""
-    full: list[torch.Tensor | None] = [None] * len(like)
-    for slot, g in zip(slots, grads):
-        ref = like[slot]
-        full[slot] = g if ref is None else tc.dtensor_like(g, ref)
-    return full
+        return (None, None, None, *scatter_grads(grads, ctx.grad_slots, ctx.like, ctx.states))
 
 
 def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -163,7 +154,8 @@ class ShardedModule(nn.Module):
         self.module = model
         self._layouts = program.layouts  # Placement objects by name, from the planned graph
         self._param_names = [t.name for t in plan.stages[0].tensors if t.role == "parameter"]
-        placements = {n: self._layouts[n] for n in self._param_names}
+        self._states = ParamStates(mesh, self._param_names, program)
+        placements = self._states.master_placements()  # ZeRO-1/2 masters are sharded further than computed with
         self._grad_slots = tuple(self._param_names.index(n) for n in grad_names)
         # buffers stay replicated plain tensors on every rank
         self._buffer_names = [t.name for t in plan.stages[0].tensors if t.role == "buffer"]
@@ -171,6 +163,12 @@ class ShardedModule(nn.Module):
         self._inputs.sort(key=lambda t: int(t.name[len("input[") : -1]))
         self._local_params = parameters == "local"
         if self._local_params:
+            if self._states.sharded_masters():
+                raise ValueError(
+                    f"parameters='local' holds each parameter in its compute layout; the plan shards the optimizer "
+                    f"state of {self._states.sharded_masters()[:3]} further (ZeRO-1/2). Plan with "
+                    "shard_state=False, or use parameters='dtensor'."
+                )
             shard_parameters_in_place(model, mesh, placements)
         else:
             rebind_optimizers(self, distribute_parameters(model, mesh, placements))
@@ -243,7 +241,7 @@ class ShardedModule(nn.Module):
         self._check_inputs(tensors)
         params = self._flat_params()
         flat = params + self._buffers_local() + list(tensors)
-        return _RunProgram.apply(self._program, self._grad_slots, *flat)
+        return _RunProgram.apply(self._program, self._grad_slots, self._states, *flat)
 
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """One training step's forward and backward on a global-shaped call (as ``PipelinedModule.step``):

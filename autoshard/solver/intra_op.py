@@ -186,8 +186,8 @@ class IntraOpProblem:
                     unary[cu][i] += m * rcost(src_name, a, rep)
                 continue
             sv = strategies[cv]
-            if dst[0] == "param":
-                dst_layouts = [s.outputs[0][0] for s in sv]
+            if dst[0] == "param":  # the gradient is delivered in its parameter's gradient layout
+                dst_layouts = [s.outputs[0][0] if s.grad_placements is None else s.grad_placements for s in sv]
             else:
                 dst_layouts = [s.inputs[dst[1]][dst[2]] for s in sv]
             if cu == cv:

@@ -11,7 +11,12 @@ Megatron's sequence-parallel reduce-scatter + all-gather when that is cheaper.
 recipe     parameters (mesh axes: ``dp`` = every axis but the last, ``tp`` = the last; 1-D: the one axis)
 =========  ==========================================================================================
 ddp        Replicate everywhere; the batch is Shard(0) over every axis
+zero1      as ddp, and the optimizer state sharded over every axis (DeepSpeed ZeRO-1: gradients all-reduced,
+           each rank steps its shard, the parameters gathered back after the step)
+zero2      as zero1 with the gradients reduce-scattered to the state's shards (ZeRO-2)
 fsdp       Shard(0) over every axis (ZeRO-3: FSDP2's ``fully_shard`` on the flattened mesh); batch as DDP
+hsdp       Shard(0) over the last axis (within a node), Replicate over the others (FSDP2's hybrid sharding,
+           ``fully_shard`` on a 2-D mesh); batch as DDP
 tp         Megatron inside the last axis: column-parallel Linear weights Shard(0) (its bias Shard(0)),
            row-parallel Shard(1), the token embedding and LM head vocab-parallel Shard(0), the rest
            Replicate; Replicate on ``dp``, where the batch is Shard(0) (Megatron TP + SP x DP)
@@ -44,7 +49,8 @@ _COLUMN = re.compile(
     r"gate_up_proj|fc_in|intermediate\.dense|lm_head|output|head)(\.weight|\.bias|)$"
 )
 _ROW = re.compile(r"(^|\.)(wo|o_proj|out_proj|c_proj|w2|fc2|down_proj|fc_out|output\.dense|proj)(\.weight|)$")
-_TRANSPOSED = ("Conv1D",)  # Hugging Face GPT-2 stores Linear weights as [in, out]
+_TRANSPOSED = ("Conv1D",)
+DATA_PARALLEL = ("ddp", "zero1", "zero2", "fsdp", "hsdp")  # recipes whose batch is split over every axis  # Hugging Face GPT-2 stores Linear weights as [in, out]
 
 
 @dataclass(frozen=True)
@@ -61,7 +67,9 @@ class RecipeResult:
 
 def applicable(mesh_shape: Sequence[int]) -> tuple[str, ...]:
     """Recipes that mean something on this mesh (2-D recipes need two axes; TP needs a tp axis > 1)."""
-    out = ["ddp", "fsdp"]
+    out = ["ddp", "zero1", "zero2", "fsdp"]
+    if len(mesh_shape) >= 2 and mesh_shape[-1] > 1 and any(n > 1 for n in mesh_shape[:-1]):
+        out.append("hsdp")
     if mesh_shape[-1] > 1:
         out.append("tp")
         if len(mesh_shape) >= 2 and any(n > 1 for n in mesh_shape[:-1]):
@@ -97,7 +105,7 @@ def recipe_placements(
     if role == "input":
         if not shape:
             return tuple(rep), None
-        dp_axes = range(nd) if recipe in ("ddp", "fsdp") else range(nd - 1)
+        dp_axes = range(nd) if recipe in DATA_PARALLEL else range(nd - 1)
         return tuple(Shard(0) if i in dp_axes else Replicate() for i in range(nd)), None
     if role != "parameter" or not shape:
         return tuple(rep), None
@@ -110,10 +118,26 @@ def recipe_placements(
             note = "unmatched"
     if recipe == "fsdp":
         want = [Shard(0) for _ in range(nd)]
+    elif recipe == "hsdp":
+        want[nd - 1] = Shard(0)
     elif recipe == "fsdp+tp":
         for i in range(nd - 1):
             want[i] = Shard(0)
     return tuple(want), note
+
+
+def state_kind(recipe: str) -> str:
+    """How ``recipe`` holds a parameter's gradient and optimizer state: "zero1", "zero2" (sharded over every mesh
+    axis where the parameter is replicated; see ``passes/strategies.py: state_variants``) or "" (like the
+    parameter)."""
+    return recipe if recipe in ("zero1", "zero2") else ""
+
+
+def candidate_state_kind(grad: Sequence[Placement] | None, state: Sequence[Placement] | None) -> str:
+    """The state kind of one parameter candidate (``GroupStrategy.grad_placements`` / ``state_placements``)."""
+    if state is None:
+        return ""
+    return "zero2" if grad is not None and tuple(grad) == tuple(state) else "zero1"
 
 
 def even_prefix(target: tuple[Placement, ...], shape: Sequence[int], mesh_shape: Sequence[int]) -> tuple[Placement, ...]:

@@ -1,0 +1,104 @@
+"""Where a parameter lives between steps, and the layout it is computed with.
+
+Under most plans a parameter has one layout: the optimizer steps the DTensor the program computes with (DDP,
+FSDP, TP). Under ZeRO-1/2 (``NodeSharding.state``) the optimizer steps a *master* sharded further than the
+compute layout (its state is sharded like it), and the program computes with a copy in the compute layout:
+
+- the copy is gathered from the master at the first forward after the master changed (an optimizer step, a
+  ``load_state_dict``: any in-place write bumps the parameter's version counter), so it is gathered once per
+  step, not once per forward, and never used stale;
+- the program delivers the gradient in its gradient layout (ZeRO-2: reduce-scattered to the master's layout;
+  ZeRO-1: all-reduced whole), which is then cut to the master's layout on each rank (no communication).
+
+``ParamStates`` does both for ``ShardedModule`` and the pipeline stages; parameters are passed to the autograd
+functions as the masters, so ``.grad`` lands on what the optimizer steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
+
+from autoshard import _torch_compat as tc
+
+Layout = tuple[Placement, ...]
+
+
+class ParamStates:
+    """The compute, gradient and master layouts of a program's parameters (by ``names``, in the program's
+    order), and the gathered compute copies of those whose master is sharded further."""
+
+    def __init__(self, mesh: DeviceMesh, names: Sequence[str], program: Any) -> None:
+        self.mesh = mesh
+        self.names = list(names)
+        compute: Mapping[str, Layout] = program.layouts
+        grad: Mapping[str, Layout] = getattr(program, "grad_layouts", compute)
+        state: Mapping[str, Layout] = getattr(program, "state_layouts", compute)
+        self.compute = [tuple(compute[n]) for n in self.names]
+        self.grad = [tuple(grad.get(n, compute[n])) for n in self.names]
+        self.state = [tuple(state.get(n, compute[n])) for n in self.names]
+        self._copies: dict[int, tuple[int, int, torch.Tensor]] = {}  # slot -> (id, version of master, copy)
+
+    def master_placements(self) -> dict[str, Layout]:
+        """The layout each parameter is held (and stepped by the optimizer) in."""
+        return dict(zip(self.names, self.state))
+
+    def sharded_masters(self) -> list[str]:
+        return [n for n, c, s in zip(self.names, self.compute, self.state) if c != s]
+
+    def local_inputs(self, flat: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The program's local inputs: compute copies for the first ``len(names)`` (the parameters), the local
+        shard of everything else."""
+        out = []
+        for i, x in enumerate(flat):
+            if i >= len(self.names) or self.compute[i] == self.state[i]:
+                out.append(tc.local_tensor(x))
+                continue
+            out.append(self._copy(i, x))
+        return out
+
+    def _copy(self, i: int, master: torch.Tensor) -> torch.Tensor:
+        # the DTensor's own version counter: in-place ops reach its local shard below autograd's view/version layer,
+        # so only the outer tensor's counter moves
+        key = (id(master), master._version)
+        hit = self._copies.get(i)
+        if hit is None or hit[:2] != key:
+            if not isinstance(master, DTensor):
+                raise TypeError(f"parameter {self.names[i]}: its master must be a DTensor (got {type(master).__name__})")
+            with torch.no_grad():
+                copy = master.detach().redistribute(self.mesh, self.compute[i]).to_local()
+            self._copies[i] = (*key, copy)
+        return self._copies[i][2]
+
+    def gradient(self, slot: int, grad: torch.Tensor, like: DTensor) -> DTensor:
+        """The program's local gradient of parameter ``slot`` as a DTensor laid out like its master ``like``."""
+        if self.grad[slot] == self.state[slot]:
+            return tc.dtensor_like(grad, like)
+        whole = DTensor.from_local(grad, self.mesh, self.grad[slot], run_check=False, shape=like.shape,
+                                   stride=like.stride())
+        return whole.redistribute(self.mesh, self.state[slot])  # a local cut: the master is sharded further
+
+
+def scatter_grads(grads: Sequence[torch.Tensor], slots: Sequence[int], like: Sequence[DTensor | None],
+                  states: ParamStates | None = None) -> list[torch.Tensor | None]:
+    """The program's (local) gradients placed at their inputs' positions among the flat inputs (None
+    elsewhere); the gradient of a DTensor input (a parameter, passed whole so that autograd records no
+    ``to_local`` per parameter and step) is wrapped in that parameter's (master's) layout."""
+    full: list[torch.Tensor | None] = [None] * len(like)
+    for slot, g in zip(slots, grads):
+        ref = like[slot]
+        if ref is None:
+            full[slot] = g
+        elif states is not None and slot < len(states.names):
+            full[slot] = states.gradient(slot, g, ref)
+        else:
+            full[slot] = tc.dtensor_like(g, ref)
+    return full
+
+
+__all__ = ["ParamStates", "scatter_grads"]
