@@ -291,7 +291,8 @@ def measure_peak(
     ``keep_timeline``: a path to copy the exported ``[times, sizes]`` JSON to (for plotting or a later look).
     ``attempts``: the profiler's memory pass sometimes fails on a step (an AssertionError "duplicate outputs" in
     its data-flow graph, seen on foreach optimizer ops in Inductor-compiled training); then another step is
-    measured, up to this many. If all fail and ``baseline`` is given (bytes the step starts with: parameters,
+    measured, up to this many (a step with collectives must then be re-run on every rank alike: there use
+    ``attempts=1`` with ``baseline``, or one rank waits in a collective the others never enter). If all fail and ``baseline`` is given (bytes the step starts with: parameters,
     optimizer state, inputs), the result is rebuilt from the allocator's own events: that baseline plus the
     running sum of the step's allocations and frees (``method="allocator"``, categories "pre-existing" and
     "allocated in step"); without ``baseline`` a RuntimeError says so.
