@@ -5,9 +5,8 @@ on the cluster later, and a user reviews the decision in between. So the plan mu
 (``Plan.from_json(p.to_json()) == p``), hold no torch objects (placements are notation strings such as
 ``"S(0)"``, dtypes are names such as ``"float32"``), and read as a table (:meth:`Plan.report`).
 
-A plan is a tuple of stages. Today the solver emits one stage that spans the whole mesh; pipeline parallelism
-(DESIGN.md §4) emits several, each on a sub-mesh with its own ranks, layers and intra-op decisions. Nothing
-here assumes one stage except :attr:`Plan.only_stage`, which says so and raises otherwise.
+A plan is a tuple of stages: one that spans the whole mesh, or (pipeline parallelism) several, each on a
+sub-mesh with its own ranks, layers and intra-op decisions.
 """
 
 from __future__ import annotations
@@ -90,16 +89,15 @@ class TensorLayout:
         _set(self, shape=tuple(int(d) for d in self.shape), dtype=dtype_name(self.dtype))
         _set(self, placements=_placements(self.placements), grad_placements=_placements(self.grad_placements),
              state_placements=_placements(self.state_placements))
-        for what in (self.grad_placements, self.state_placements):
-            if what and len(what) != len(self.placements):
-                raise ValueError(f"tensor {self.name!r}: {what} needs one placement per mesh axis, like {self.placements}")
+        if any(w and len(w) != len(self.placements) for w in (self.grad_placements, self.state_placements)):
+            raise ValueError(f"tensor {self.name!r}: grad/state placements need one placement per mesh axis")
 
     @property
     def zero(self) -> str:
         """"zero1" / "zero2" when the optimizer state is sharded further than the parameter, else ""."""
         if not self.state_placements or self.state_placements == self.placements:
             return ""
-        return "zero1" if not self.grad_placements or self.grad_placements == self.placements else "zero2"
+        return "zero1" if self.grad_placements in ((), self.placements) else "zero2"
 
     def local_shape(self, mesh: MeshSpec) -> tuple[int, ...]:
         """Per-device shape on ``mesh``; raises ValueError (naming the tensor) if a shard is uneven."""
@@ -316,22 +314,17 @@ class Plan:
     def parameter_placements(self) -> dict[str, tuple[str, ...]]:
         """Parameter name -> placements, over all stages (a name in two stages keeps its first stage's)."""
         out: dict[str, tuple[str, ...]] = {}
-        for stage in self.stages:
-            for t in stage.tensors:
-                if t.role == "parameter":
-                    out.setdefault(t.name, t.placements)
+        for t in (t for stage in self.stages for t in stage.tensors if t.role == "parameter"):
+            out.setdefault(t.name, t.placements)
         return out
 
     def input_placements(self) -> tuple[tuple[str, ...], ...]:
         """Placements of the program inputs ``input[0], input[1], ...`` in index order, over all stages."""
         found: dict[int, tuple[str, ...]] = {}
-        for stage in self.stages:
-            for t in stage.tensors:
-                m = re.fullmatch(r"input\[(\d+)\]", t.name)
-                if t.role == "input" and m:
-                    found.setdefault(int(m.group(1)), t.placements)
-        missing = sorted(set(range(len(found))) - set(found))
-        if missing:
+        for t in (t for stage in self.stages for t in stage.tensors if t.role == "input"):
+            if m := re.fullmatch(r"input\[(\d+)\]", t.name):
+                found.setdefault(int(m.group(1)), t.placements)
+        if missing := sorted(set(range(len(found))) - set(found)):
             raise ValueError(f"plan lists inputs {sorted(found)} but not input[{missing[0]}]; inputs must be dense")
         return tuple(found[i] for i in range(len(found)))
 

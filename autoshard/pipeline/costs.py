@@ -188,6 +188,9 @@ def piece_detail(gm: fx.GraphModule, ctx: PassContext, solution: Any = None,
         if grad:  # a gradient reduction: once per step, partly hidden
             piece = group_piece[node_group[params[c.consumer]]]
             pieces[piece] += PieceCost(0.0, c.time_s * (1.0 - GRAD_SINK_CREDIT))
+        elif c.phase == "optimizer":  # a ZeRO-1/2 master gathered back after the step: once per step, not hidden
+            piece = group_piece[node_group[c.tensor]]
+            pieces[piece] += PieceCost(0.0, c.time_s)
         else:
             piece = TAIL if c.consumer == "output" else group_piece[node_group[c.consumer]]
             pieces[piece] += PieceCost(c.time_s, fwd_s=fwd)
