@@ -3,6 +3,7 @@
     python benchmarks/plan_quality.py                           # every case below (a few minutes)
     python benchmarks/plan_quality.py --cases llama3-8b vit     # only cases whose model name contains these
     python benchmarks/plan_quality.py --time-limit 10 --memory-budget none
+    python benchmarks/plan_quality.py --memory-bound            # only the memory-bound section (about a minute)
 
 Each case plans a zoo model offline with ``autoshard.plan(model, mesh, cluster=..., seq=..., global_batch=...)``:
 the model is built on the meta device, the mesh lives on a fake process group, three of the repeated layers are
@@ -17,16 +18,22 @@ fits is replaced by it.
 Columns: the case (model, cluster, mesh, global batch x sequence length), the solved plan's predicted step time
 and peak memory per device, each recipe's predicted step time ("OOM": over the memory budget; "n/a": the recipe
 does not apply to this mesh or batch), the fastest recipe that fits ("none": no recipe fits), ratio = solved /
-that recipe's step time and "x faster" = its inverse, then the solved plan's MFU and tokens/s. Goal: ratio <= 1.00
-in every case ("ok", else "WORSE"): solving the recipes alongside makes a worse plan a bug, not bad luck. The summary gives the
-largest ratio and the geometric-mean speedup over the best feasible recipe. A note follows for every plan whose
-step time (the Plan's own accounting, which the recipes' times also use) differs by more than 1% from the
-objective the solver minimized: "never slower than a recipe" holds only for the solver's number.
+that recipe's step time and "x faster" = its inverse, then the solved plan's MFU and tokens/s and the seconds
+the case took to plan. Goal: ratio <= 1.00 in every case ("ok", else "WORSE"): solving the recipes alongside makes
+a worse plan a bug, not bad luck. The summary gives the largest ratio and the geometric-mean speedup over the best
+feasible recipe. A note follows for every plan whose step time (the Plan's own accounting, which the recipes' times
+also use) differs by more than 1% from the objective the solver minimized: "never slower than a recipe" holds only
+for the solver's number.
 
 These are the cost model's predictions, not measurements on a cluster: the table says whether the search beats
 hand-made layouts under the model, not how good the model is. Solves are time-limited, so results can vary with
 the machine's load. A case no plan fits under the budget (``InfeasibleBudget``) is printed as such; a case that
 fails is reported (traceback on stderr) and the others go on.
+
+A second table follows (``benchmarks/plan_quality_memory.py``, issue 13 part 7): Llama-3-8B and 70B on H100 and
+A100-80GB clusters under budgets of 25%, 50% and 75% of what DDP needs, the plan against every recipe that fits
+(zero1, zero2 and hsdp included). Goal there: never above 1.00, geometric mean <= 0.85 where memory binds.
+``--memory-bound`` runs only that table, ``--no-memory-bound`` only the first.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -41,6 +50,9 @@ import autoshard
 from autoshard.config import RECIPES
 from autoshard.models.zoo import get_model
 from autoshard.solver.intra_op import InfeasibleBudget
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import plan_quality_memory  # noqa: E402  (this directory's helper, also when run from elsewhere)
 
 log = logging.getLogger("plan_quality")
 
@@ -102,11 +114,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--time-limit", type=float, default=30.0, help="solver time limit per solve (time_limit_s)")
     p.add_argument("--memory-budget", default=None,
                    help="override every case's budget: bytes ('80GB', ...) or 'none' (default: the device's memory)")
+    section = p.add_mutually_exclusive_group()
+    section.add_argument("--memory-bound", action="store_true",
+                         help="only the memory-bound table (budgets at 25/50/75%% of DDP's need)")
+    section.add_argument("--no-memory-bound", action="store_true", help="only the first table")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-case progress on stderr")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     log.setLevel(logging.WARNING if a.quiet else logging.INFO)
 
+    if a.memory_bound:
+        plan_quality_memory.run(a.time_limit, a.cases)
+        return
     cases = [c for c in CASES if not a.cases or any(k.lower() in c.model for k in a.cases)]
     if not cases:
         p.error(f"no case matches {a.cases}; models: {', '.join(sorted({c.model for c in CASES}))}")
@@ -114,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     rec_w = 9
     head = (f"{'model':<13}{'cluster':<15}{'mesh':>6}{'batch x seq':>13}{'solved ms':>11}{'GiB':>7}"
             + "".join(f"{r:>{rec_w}}" for r in RECIPES)
-            + f"  {'best':<8}{'ratio':>6}  {'goal':<6}{'x faster':>9}{'MFU':>7}{'tokens/s':>12}")
+            + f"  {'best':<8}{'ratio':>6}  {'goal':<6}{'x faster':>9}{'MFU':>7}{'tokens/s':>12}{'s':>6}")
     print(f"autoshard plan quality: solved plan vs manual recipes (ms per step, same cost model, fake process group); "
           f"time limit {a.time_limit:g} s per solve, budget "
           f"{a.memory_budget if a.memory_budget is not None else 'device memory'}")
@@ -156,8 +175,8 @@ def main(argv: list[str] | None = None) -> None:
             outcome["no recipe fits"] += 1
         mfu = f"{plan.mfu:.1%}" if plan.mfu else "-"
         tps = f"{plan.tokens_per_s:,.0f}" if plan.tokens_per_s else "-"
-        print(f"{prefix}{solved * 1e3:>11.1f}{plan.peak_memory.total / GIB:>7.1f}{cells}{tail}{mfu:>7}{tps:>12}",
-              flush=True)
+        print(f"{prefix}{solved * 1e3:>11.1f}{plan.peak_memory.total / GIB:>7.1f}{cells}{tail}{mfu:>7}{tps:>12}"
+              f"{wall:>6.1f}", flush=True)
     total = time.perf_counter() - t_all
     for m in mismatches:
         print(f"note: the plan's step time is not what the solver optimized: {m}")
@@ -172,6 +191,9 @@ def main(argv: list[str] | None = None) -> None:
               f"geometric-mean speedup over the best recipe {geo:.3f}x; {total:.0f} s")
     else:
         print(f"{head}; {total:.0f} s")
+    if not a.no_memory_bound and (not a.cases or any(k.lower() in c.model for c in plan_quality_memory.MEMORY_CASES
+                                                     for k in a.cases)):
+        plan_quality_memory.run(a.time_limit, a.cases)
 
 
 if __name__ == "__main__":
