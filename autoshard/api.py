@@ -4,22 +4,27 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
 from autoshard import _torch_compat as tc
 from autoshard.cluster import ClusterProfile, get_cluster
 from autoshard.config import PlanConfig
-from autoshard.inputs import Call, as_call
+from autoshard.inputs import Call, as_call, signature_of
+from autoshard.notation import format_bytes
 from autoshard.plan import Plan
 from autoshard.planner import plan_graph
 from autoshard.passes.context import BACKENDS
 from autoshard.passes.runner import check_disabled, rank_program
-from autoshard.runtime.lazy import LazyShardedModule, batch_constraint
+from autoshard.solver.intra_op import InfeasibleBudget
+from autoshard.runtime.accumulate import Accumulation, accumulated_plan, batched_inputs, loss_weighting, micro_example
+from autoshard.runtime.lazy import DATA_PARALLEL_NAMES, LazyShardedModule, batch_constraint
 from autoshard.runtime.pipeline import PipelinedModule
 from autoshard.runtime.sharded_module import ShardedModule
 
@@ -167,6 +172,13 @@ def compile(  # noqa: A001 - the one-line API the project promises
     (``sharded.shard_inputs(*global_tensors)``) and returns the loss, equal on every rank; or
     ``sharded.step(*global_tensors)`` runs forward and backward and returns the loss.
 
+    Gradient accumulation (no ``pp`` axis): ``microbatches=k`` plans and compiles the program on one micro-batch
+    (the batch, dim 0 of every batched input, cut into ``k``); ``sharded.step(*global)`` runs the ``k``
+    micro-batches' forward and backward and returns the whole batch's loss and gradients (each micro-batch's loss
+    weighted by the targets it counts: ``runtime/accumulate.py``); ``sharded(*pieces)`` runs one micro-batch.
+    With a ``memory_budget`` the whole batch cannot meet and no ``microbatches``, 2, 4, 8, ... micro-batches are
+    tried and the first that fits is taken (``plan.microbatches`` says how many).
+
     Pipeline stages: a mesh whose outermost axis is named ``"pp"`` runs that many stages, each on the sub-mesh
     of the other axes; ``pipeline="auto"`` weighs splitting the outermost axis into stages against no pipeline.
     ``microbatches`` and ``schedule`` ("GPipe", "1F1B", "Interleaved1F1B") are chosen unless given. A pipelined
@@ -186,6 +198,12 @@ def compile(  # noqa: A001 - the one-line API the project promises
     if parameters == "local":  # each parameter object holds its compute shard, which the optimizer steps
         options.setdefault("shard_state", False)
     if example_inputs is None:
+        if microbatches is not None and "pp" not in tuple(mesh.mesh_dim_names or ()) and pipeline != "auto":
+            raise ValueError(
+                f"microbatches={microbatches} without pipeline stages is gradient accumulation over the global "
+                "batch: pass global-shaped example_inputs to compile and train with sharded.step(global batch) "
+                "(compile without example_inputs takes each rank's batch shard in forward, one call per micro-batch)"
+            )
         return _compile_on_first_call(model, mesh, constraints, dict(
             cluster=cluster, memory_budget=memory_budget, backend=backend, pipeline=pipeline,
             microbatches=microbatches, schedule=schedule, parameters=parameters, **options))
@@ -204,12 +222,106 @@ def compile(  # noqa: A001 - the one-line API the project promises
                                    microbatches, schedule, real_group)
         if piped is not None:
             return piped
-    p, gm, ctx = plan_graph(model, inputs, mesh, get_cluster(cluster), config, real_group)
+    p, gm, ctx, accumulation = _plan_accumulated(model, inputs, mesh, get_cluster(cluster), config, real_group,
+                                                 microbatches)
     program = rank_program(gm, ctx, backend)
     grad_names = [r.name for r in ctx.output_roles if r.kind == "grad"]
-    sharded = ShardedModule(model, mesh, p, program, grad_names, ctx.signature, parameters)
+    sharded = ShardedModule(model, mesh, p, program, grad_names, ctx.signature, parameters, accumulation)
     sharded.timings = dict(ctx.timings)
     return sharded
+
+
+def _plan_accumulated(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
+                      config: PlanConfig, real_group: bool, microbatches: int | None
+                      ) -> tuple[Plan, Any, Any, Accumulation | None]:
+    """The plan of the whole batch, or of one of ``microbatches`` micro-batches (given, or the fewest that fit the
+    memory budget when the whole batch does not), with the Accumulation that ``ShardedModule.step`` runs."""
+    if microbatches is not None:
+        return _plan_micro(model, inputs, mesh, cluster, config, real_group, int(microbatches))
+    if config.memory_budget is None:
+        p, gm, ctx = plan_graph(model, inputs, mesh, cluster, config, real_group)
+        return p, gm, ctx, None
+    whole_plan, whole = _agreed(real_group, lambda: _plan_micro(model, inputs, mesh, cluster, config, real_group, 1))
+    if whole is None:
+        return whole_plan
+    least = whole.least_bytes
+    tried: list[str] = []
+    for k in _microbatch_counts(inputs, mesh, config):
+        found, err = _agreed(real_group, lambda k=k: _plan_micro(model, inputs, mesh, cluster, config, real_group, k))
+        if err is not None:
+            tried.append(f"{k}: {format_bytes(err.least_bytes) if err.least_bytes else 'none fits'}")
+            least = err.least_bytes if err.least_bytes and (least is None or err.least_bytes < least) else least
+            continue
+        peak = found[0].peak_memory.total
+        if peak > config.memory_budget:  # the solver's constraint may count less than the plan's full peak
+            tried.append(f"{k}: predicted peak {format_bytes(peak)}")
+            least = peak if least is None or peak < least else least
+            continue
+        log.info("compile: the whole batch does not fit memory_budget=%s (%s); gradient accumulation over %d "
+                 "micro-batches fits (predicted peak %s per device)", format_bytes(config.memory_budget),
+                 whole, k, format_bytes(peak))
+        return found
+    smallest = f"; the smallest budget any plan needs is {format_bytes(least)}" if least else ""
+    raise InfeasibleBudget(
+        f"{str(whole).rstrip('.')}. Gradient accumulation did not fit either (micro-batches tried: "
+        f"{'; '.join(tried) or 'none, the batch does not split further'}){smallest}", least) from whole
+
+
+def _agreed(real_group: bool, attempt: Callable[[], Any]) -> tuple[Any, InfeasibleBudget | None]:
+    """``attempt()`` on every rank: (its result, None), or (None, the error) when the budget is infeasible; other
+    errors are raised. On a real group rank 0 solves and the other ranks hear of its error only as a
+    RuntimeError (``passes/solve.py``): rank 0's verdict is broadcast so that every rank takes the same branch."""
+    result, err = None, None
+    try:
+        result = attempt()
+    except Exception as e:  # noqa: BLE001 - sorted below, on every rank alike
+        err = e
+    if real_group:
+        box: list[Any] = [err if isinstance(err, InfeasibleBudget) else ("failed" if err is not None else None)]
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], InfeasibleBudget):
+            return None, box[0]
+        if err is None and box[0] is not None:
+            raise RuntimeError("rank 0 could not plan (see its error); this rank stops too")
+    if isinstance(err, InfeasibleBudget):
+        return None, err
+    if err is not None:
+        raise err
+    return result, None
+
+
+def _plan_micro(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
+                config: PlanConfig, real_group: bool, k: int) -> tuple[Plan, Any, Any, Accumulation | None]:
+    """Plan one of ``k`` micro-batches of ``inputs``; the plan says ``microbatches=k``."""
+    if k == 1:
+        p, gm, ctx = plan_graph(model, inputs, mesh, cluster, config, real_group)
+        return p, gm, ctx, None
+    sig, tensors = signature_of(inputs)
+    p, gm, ctx = plan_graph(model, micro_example(sig, tensors, k), mesh, cluster, config, real_group)
+    weighting = loss_weighting(gm, ctx.output_roles)
+    return accumulated_plan(p, k), gm, ctx, Accumulation(k, batched_inputs(tensors), weighting)
+
+
+def _microbatch_counts(inputs: tuple | dict | Call, mesh: DeviceMesh, config: PlanConfig) -> list[int]:
+    """2, 4, 8, ... micro-batches that divide every batched input's dim 0 and leave each data-parallel shard of
+    a micro-batch non-empty and even (inputs pinned ``Shard(0)`` on mesh axes, or the mesh's data-parallel axes)."""
+    sig, tensors = signature_of(inputs)
+    names = tuple(mesh.mesh_dim_names or (f"d{i}" for i in range(mesh.ndim)))
+    batched = [(i, t) for i, (t, b) in enumerate(zip(tensors, batched_inputs(tensors))) if b]
+    if not batched:
+        return []
+    dp = math.prod(s for n, s in zip(names, mesh.shape) if n in DATA_PARALLEL_NAMES)
+    need = []  # per batched input: what its micro-batch's dim 0 must be a multiple of
+    for i, t in batched:
+        pinned = config.constraint_for(f"input[{i}]", "input", names, alias=sig.names[i]) or ()
+        split = math.prod(s for p, s in zip(pinned, mesh.shape) if isinstance(p, Shard) and p.dim == 0)
+        need.append((t.shape[0], max(split, 1), dp))
+    out, k = [], 2
+    while all(b // k >= 1 for b, _, _ in need):
+        if all(b % k == 0 and (b // k) % split == 0 and b // k >= d for b, split, d in need):
+            out.append(k)
+        k *= 2
+    return out
 
 
 def _compile_on_first_call(model: nn.Module, mesh: DeviceMesh, constraints: Mapping[str, Any] | None,

@@ -23,6 +23,7 @@ from autoshard import _torch_compat as tc
 from autoshard.inputs import CallSignature
 from autoshard.notation import local_shape, placements_str, tensor_str
 from autoshard.plan import Plan
+from autoshard.runtime.accumulate import Accumulation
 from autoshard.runtime.param_state import ParamStates, scatter_grads
 from autoshard.runtime.rebind import rebind_optimizers, retire
 
@@ -145,9 +146,11 @@ class ShardedModule(nn.Module):
     """A model sharded by a Plan. ``forward(*local_inputs)`` returns the loss, equal on every rank."""
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, plan: Plan, program: Any, grad_names: Sequence[str],
-                 signature: CallSignature, parameters: str = "dtensor") -> None:
+                 signature: CallSignature, parameters: str = "dtensor", accumulation: Accumulation | None = None
+                 ) -> None:
         super().__init__()
         self.plan = plan
+        self._accumulation = accumulation  # microbatches > 1: step runs the global batch as micro-batches
         self.signature = signature
         self.mesh = mesh
         self._program = program
@@ -245,16 +248,37 @@ class ShardedModule(nn.Module):
 
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """One training step's forward and backward on a global-shaped call (as ``PipelinedModule.step``):
-        returns the loss; the gradients are then in ``.grad``."""
-        pieces = self.shard_inputs(*args, **kwargs)
+        returns the loss; the gradients are then in ``.grad``.
+
+        Planned with ``microbatches=k`` (gradient accumulation, ``runtime/accumulate.py``): the call is cut into
+        ``k`` micro-batches along dim 0, each runs forward and backward (gradients add up in ``.grad``) with its
+        loss weighted so that the returned loss and the gradients are the whole batch's. Calling the module
+        itself (``sharded(*pieces)``) still runs one micro-batch (``shard_inputs`` of a micro-batch's call)."""
+        acc = self._accumulation
+        if acc is None:
+            loss = self._call_pieces(self.shard_inputs(*args, **kwargs), bool(args) and bool(kwargs))
+            loss.backward()
+            return loss.detach()
+        micro = acc.split(self.signature.names, self.signature.flatten(args, kwargs))
+        total: torch.Tensor | None = None
+        for tensors, weight in zip(micro, acc.weights(micro)):
+            if weight == 0.0:
+                continue  # counts no target (all padding): adds nothing to the loss or the gradients
+            m_args, m_kwargs = self.signature.unflatten(tensors)
+            loss = self._call_pieces(self.shard_inputs(*m_args, **m_kwargs), bool(m_args) and bool(m_kwargs))
+            (loss * weight).backward()
+            part = loss.detach() * weight
+            total = part if total is None else total + part
+        assert total is not None  # weights sum to 1 (or k for a sum): at least one is not 0
+        return total
+
+    def _call_pieces(self, pieces: Any, both: bool) -> torch.Tensor:
+        """Call the module with ``shard_inputs``' result: a dict, ``(args, kwargs)`` (``both``) or a tuple."""
         if isinstance(pieces, dict):
-            loss = self(**pieces)
-        elif args and kwargs:
-            loss = self(*pieces[0], **pieces[1])
-        else:
-            loss = self(*pieces)
-        loss.backward()
-        return loss.detach()
+            return self(**pieces)
+        if both:
+            return self(*pieces[0], **pieces[1])
+        return self(*pieces)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The model's state dict; parameters as DTensors with the plan's placements (for DCP), also when they

@@ -1,0 +1,178 @@
+"""Gradient accumulation without pipeline stages (issue 13 part 4): ``compile(..., microbatches=k)`` plans one
+micro-batch and ``step`` runs the global batch as ``k`` of them, and the planner picks ``k`` itself when the
+whole batch's activations do not fit the memory budget.
+
+Numerics against the single-device whole-batch run (loss, every gradient, the parameters after 3 AdamW steps,
+fp32), all ranks simulated in one process (LocalTensorMode)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
+
+import autoshard
+from autoshard.plan import Plan
+from autoshard.solver.intra_op import InfeasibleBudget
+
+from harness import assert_close_to_reference, local_ranks, single_device_reference
+from numerics_utils import LR, MODELS, PARAM_ATOL, train_sharded
+
+DP = {"inputs": {"dp": Shard(0)}}
+
+
+def _padded_gpt_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """The GPT batch (8 sequences) with ignored targets spread unevenly, so micro-batches count different
+    numbers of targets (a plain mean of their losses would be wrong)."""
+    tokens, targets = MODELS["gpt"][1]()
+    targets = targets.clone()
+    targets[0, :10] = -100
+    targets[1, :] = -100
+    targets[5, 3:] = -100
+    return tokens, targets
+
+
+def _train(make, inputs, k: int | None, world: int = 2, **kw) -> tuple[dict, Plan]:
+    ref = single_device_reference(make, inputs, steps=3, lr=LR)
+    with local_ranks(world):
+        got = train_sharded(make, inputs, (world,), ("dp",), lr=LR, microbatches=k, backend="eager", **kw)
+    assert_close_to_reference(ref, got["losses"], got["grads"], got["params"], param_atol=PARAM_ATOL)
+    return got, Plan.from_json(got["plan"])
+
+
+@pytest.mark.parametrize("k,kw", [(2, {"constraints": DP}), (4, {"recipe": "zero2"})], ids=["2-ddp", "4-zero2"])
+def test_mlp_microbatches_equal_the_whole_batch(k: int, kw: dict) -> None:
+    """Also under ZeRO-2, whose gradients accumulate into masters sharded further than the parameters."""
+    _, plan = _train(MODELS["mlp"][0], MODELS["mlp"][1](), k, **kw)
+    assert plan.microbatches == k
+    assert plan.step_time_s == pytest.approx(k * plan.stages[0].microbatch_time_s, rel=0.5)
+    x = next(t for t in plan.stages[0].tensors if t.name == "input[0]")
+    assert x.shape[0] == 16 // k  # planned on one micro-batch
+    assert f"gradient accumulation over {k} micro-batches" in plan.report()
+
+
+def test_hf_gpt2_padded_labels_called_with_keywords() -> None:
+    transformers = pytest.importorskip("transformers")  # noqa: F841
+    from autoshard.models.hf import build
+
+    _, batch = build("gpt2", dropout=False, layers=1)
+    assert (batch["labels"] == -100).any()
+    halves = [(batch["labels"][i * 2:(i + 1) * 2] != -100).sum().item() for i in range(2)]
+    assert halves[0] != halves[1]  # the micro-batches count different numbers of targets
+    got, plan = _train(lambda: build("gpt2", dropout=False, layers=1)[0], batch, 2)
+    assert plan.microbatches == 2
+
+
+def _gloo_worker(rank: int, world: int, k: int) -> dict:
+    make, inputs_fn = MODELS["gpt"]
+    return train_sharded(make, _padded_gpt_inputs(), (world,), ("dp",), lr=LR, microbatches=k, backend="eager",
+                         constraints=DP)
+
+
+def test_gloo_gpt_padded_targets_weighted_by_count() -> None:
+    """Real gloo processes, the GPT of ``MODELS`` with -100 targets spread unevenly: each micro-batch's mean
+    cross-entropy is weighted by the targets it counts, alike on every rank (from the global batch)."""
+    from autoshard.launch import launch
+
+    results = launch(2, _gloo_worker, 2)
+    inputs = _padded_gpt_inputs()
+    ref = single_device_reference(MODELS["gpt"][0], inputs, steps=3, lr=LR)
+    for got in results:
+        assert Plan.from_json(got["plan"]).microbatches == 2
+        assert_close_to_reference(ref, got["losses"], got["grads"], got["params"], param_atol=PARAM_ATOL)
+    # a plain average of the two micro-batches' losses is not the whole batch's: the weighting mattered
+    model = MODELS["gpt"][0]()
+    with torch.no_grad():
+        halves = [model(inputs[0][i * 4:(i + 1) * 4], inputs[1][i * 4:(i + 1) * 4]).item() for i in range(2)]
+    assert abs(sum(halves) / 2 - ref.losses[0]) > 1e-3
+
+
+def test_direct_call_runs_one_micro_batch() -> None:
+    """``sharded(*pieces)`` with one micro-batch's pieces is that micro-batch's loss, as before."""
+    make, inputs_fn = MODELS["mlp"]
+    x, y = inputs_fn()
+    want = make()(x[:8], y[:8]).item()
+    with local_ranks(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        sharded = autoshard.compile(make(), mesh, (x, y), microbatches=2, backend="eager", constraints=DP)
+        loss = sharded(*sharded.shard_inputs(x[:8], y[:8]))
+        got = {float(v) for v in loss._local_tensors.values()}
+        with pytest.raises(ValueError, match=r"expected global shape"):
+            sharded.shard_inputs(x, y)  # the whole batch is for step, not for a direct call
+    assert len(got) == 1 and abs(got.pop() - want) < 1e-5
+
+
+def test_microbatches_must_divide_the_batch() -> None:
+    make, inputs_fn = MODELS["mlp"]
+    with local_ranks(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        with pytest.raises(ValueError, match=r"microbatches=3: argument args\[0\] has batch size 16.*divides 16"):
+            autoshard.compile(make(), mesh, inputs_fn(), microbatches=3, backend="eager")
+        with pytest.raises(ValueError, match=r"microbatches=2 without pipeline stages.*example_inputs"):
+            autoshard.compile(make(), mesh, microbatches=2)  # planned from each rank's shard: not accumulation
+
+
+def _make_mlp() -> torch.nn.Module:
+    from autoshard.models.mlp import MLP
+
+    torch.manual_seed(0)
+    return MLP(32, 64, 32)
+
+
+def _big_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from autoshard.models.mlp import mlp_example_inputs
+
+    return mlp_example_inputs(n, 32, 32)
+
+
+def _tight_budget(mesh) -> int:
+    """3/4 of the least memory any plan of the whole batch needs (the solver's lower bound)."""
+    with pytest.raises(InfeasibleBudget) as e:
+        autoshard.plan(_make_mlp(), mesh, _big_batch(2048), memory_budget=1, constraints=DP)
+    return e.value.least_bytes * 3 // 4
+
+
+def test_planner_accumulates_when_the_whole_batch_does_not_fit(caplog: pytest.LogCaptureFixture) -> None:
+    """A budget the whole batch cannot meet but a micro-batch can: compile picks micro-batches, says why, the
+    plan's predicted peak is within the budget, and training still equals the whole-batch run."""
+    inputs = _big_batch(2048)
+    with local_ranks(2):
+        budget = _tight_budget(init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)))
+    ref = single_device_reference(_make_mlp, inputs, steps=3, lr=LR)
+    with local_ranks(2), caplog.at_level("INFO", logger="autoshard.api"):
+        got = train_sharded(_make_mlp, inputs, (2,), ("dp",), lr=LR, backend="eager", memory_budget=budget,
+                            constraints=DP)
+    plan = Plan.from_json(got["plan"])
+    assert plan.microbatches > 1
+    assert plan.peak_memory.total <= budget
+    assert f"gradient accumulation over {plan.microbatches} micro-batches fits" in caplog.text
+    assert_close_to_reference(ref, got["losses"], got["grads"], got["params"], param_atol=PARAM_ATOL)
+
+
+def _gloo_budget_worker(rank: int, world: int, arg: None) -> dict:
+    budget = _tight_budget(init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
+    got = train_sharded(_make_mlp, _big_batch(2048), (world,), ("dp",), steps=1, lr=LR, backend="eager",
+                        memory_budget=budget, constraints=DP)
+    return {**got, "budget": budget}
+
+
+def test_gloo_ranks_agree_on_the_micro_batches() -> None:
+    """On a real group rank 0 solves each try; every rank follows its verdict to the same micro-batch count."""
+    from autoshard.launch import launch
+
+    results = launch(2, _gloo_budget_worker, None)
+    ref = single_device_reference(_make_mlp, _big_batch(2048), steps=1, lr=LR)
+    for got in results:
+        plan = Plan.from_json(got["plan"])
+        assert plan.microbatches > 1 and plan.peak_memory.total <= got["budget"]
+        assert_close_to_reference(ref, got["losses"], got["grads"], got["params"], param_atol=PARAM_ATOL)
+
+
+def test_no_micro_batch_fits_names_the_smallest_budget() -> None:
+    make, inputs_fn = MODELS["mlp"]
+    with local_ranks(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        with pytest.raises(InfeasibleBudget, match=r"micro-batches tried: 2: .*; 4: .*smallest budget any plan needs") as e:
+            autoshard.compile(make(), mesh, inputs_fn(), memory_budget=1, constraints=DP, backend="eager")
+    assert e.value.least_bytes and e.value.least_bytes > 1
