@@ -94,6 +94,37 @@ def layer_key(name: str) -> tuple[str, int] | None:
     return None if found is None else (found[0], found[1])
 
 
+def is_saved(node: fx.Node) -> bool:
+    """A forward tensor the backward reads (held from the forward until the backward)."""
+    return node.meta.get("autoshard_phase") == "forward" and any(
+        u.meta.get("autoshard_phase") == "backward" for u in node.users)
+
+
+def is_view(target: object) -> bool:
+    if target is torch.ops.aten._unsafe_view.default:
+        return True
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
+
+
+def owns_storage(node: fx.Node) -> bool:
+    """Whether a saved tensor holds memory of its own: a view of a parameter or input (``t(w)`` read by the
+    backward's matmul) holds the parameter's, and a view of a tensor that is saved too holds that one's (counted
+    there), so neither adds to the saved activations."""
+    root = node
+    while root.op == "call_function" and is_view(root.target):
+        args = tensor_args(root)
+        if not args:
+            break
+        root = args[0]
+    if root is node:
+        return True
+    return root.op != "placeholder" and not is_saved(root)
+
+
 def tensor_args(node: fx.Node) -> list[fx.Node]:
     """Tensor-valued input nodes of ``node`` in DTensor's flattened argument order (lists expanded)."""
     out: list[fx.Node] = []

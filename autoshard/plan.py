@@ -169,13 +169,14 @@ class MemoryBreakdown:
     gradients: int
     optimizer: int
     activations: int
+    temporaries: int = 0  # the rest of the peak: backward temporaries, gathered weights (autoshard/cost/memory.py)
 
     def __post_init__(self) -> None:
         _set(self, **{f.name: int(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.activations
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.temporaries
 
 
 @dataclass(frozen=True)
@@ -303,13 +304,6 @@ class Plan:
         """The fastest recipe that applies and fits the budget (None if none does)."""
         ok = [b for b in self.recipes if b.applies and b.fits]
         return min(ok, key=lambda b: b.step_time_s) if ok else None
-
-    @property
-    def only_stage(self) -> StagePlan:
-        """The single stage of a plan without pipelining; raises for pipelined plans (use ``stages``)."""
-        if len(self.stages) != 1:
-            raise ValueError(f"plan has {len(self.stages)} stages; iterate plan.stages instead of only_stage")
-        return self.stages[0]
 
     def parameter_placements(self) -> dict[str, tuple[str, ...]]:
         """Parameter name -> placements, over all stages (a name in two stages keeps its first stage's)."""

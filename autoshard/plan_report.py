@@ -132,6 +132,7 @@ def _memory_line(m: MemoryBreakdown, label: str) -> str:
     return (
         f"{label} {f(m.total)} = params {f(m.parameters)} + grads {f(m.gradients)} + "
         f"optimizer {f(m.optimizer)} + activations {f(m.activations)}"
+        + (f" + temporaries {f(m.temporaries)}" if m.temporaries else "")
     )
 
 

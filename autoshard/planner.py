@@ -24,6 +24,7 @@ from torch.distributed.tensor import Replicate
 from autoshard.cluster import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.cost.comm import redistribute_steps
+from autoshard.cost.memory import temporaries, transients
 from autoshard.notation import placement_str
 from autoshard.ir import tensor_args
 from autoshard.passes.context import PassContext
@@ -109,7 +110,10 @@ def build_plan(gm: fx.GraphModule, ctx: PassContext, solution: Any = None, recip
     comm = sum(c.time_s * c.repeat for c in collectives)
     # the solver's overlap credit (GRAD_SINK_CREDIT): part of each gradient reduction hides behind backward
     hidden = GRAD_SINK_CREDIT * sum(c.time_s * c.repeat for c in collectives if c.consumer in ctx.param_modules)
-    memory = MemoryBreakdown(params, grads, opt, acts)
+    factor = ctx.config.optimizer_factor
+    t = transients(gm, ctx.mesh_shape, ctx.output_roles)
+    temps = temporaries(t, acts, opt / factor if factor else 0.0)
+    memory = MemoryBreakdown(params, grads, opt, acts, temps)
     stage = StagePlan(
         index=0,
         mesh=mesh,

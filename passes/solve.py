@@ -16,8 +16,8 @@ import logging
 import torch.distributed as dist
 import torch.fx as fx
 
-from autoshard.ir import NodeSharding
 from autoshard.passes.context import PassContext
+from autoshard.passes.solve_memory import layouts_of, solve_within
 from autoshard.passes.solve_recipes import best_recipe, recipe_pins, solve_recipes
 from autoshard.solver.intra_op import IntraOpProblem, Solution
 
@@ -59,8 +59,8 @@ def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
             log.warning("recipe %s: %s", ctx.config.recipe, note)
 
     def own() -> Solution:
-        return ctx.problem.solve(
-            memory_budget=ctx.config.memory_budget,
+        return solve_within(
+            gm, ctx, ctx.config.memory_budget,
             time_limit_s=ctx.config.time_limit_s,
             pins=pins,
             num_workers=ctx.config.num_workers,
@@ -86,10 +86,5 @@ def annotate(gm: fx.GraphModule, ctx: PassContext, solution=None) -> None:
     """Write a solution's layouts onto the nodes (default: ``ctx.solution``)."""
     sol = solution if solution is not None else ctx.solution
     nodes = {n.name: n for n in gm.graph.nodes}
-    for g in ctx.groups:
-        s = ctx.strategies[g.id][sol.choice[g.id]]
-        for i, name in enumerate(g.members):
-            first = i == 0 and g.kind == "parameter"
-            nodes[name].meta["autoshard"] = NodeSharding(g.id, s.outputs[i], s.inputs[i],
-                                                         s.grad_placements if first else None,
-                                                         s.state_placements if first else None)
+    for name, sh in layouts_of(ctx, sol).items():
+        nodes[name].meta["autoshard"] = sh

@@ -22,6 +22,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autoshard.config import normalize
 from autoshard.ir import tensor_args
 from autoshard.passes.context import PassContext
+from autoshard.passes.solve_memory import solve_within, temporaries_of
 from autoshard.solver.intra_op import InfeasibleBudget, SolverTimeout
 from autoshard.solver.recipes import (RecipeResult, applicable, candidate_state_kind, even_prefix, placement_short,
                                       recipe_placements, state_kind)
@@ -146,7 +147,7 @@ def solve_recipe(recipe: str, gm: fx.GraphModule, ctx: PassContext, time_limit_s
     kw = dict(time_limit_s=limit, pins=pins, num_workers=ctx.config.num_workers, seed=ctx.config.seed, what=recipe)
     fits = True
     try:
-        sol = ctx.problem.solve(memory_budget=budget, **kw)
+        sol = solve_within(gm, ctx, budget, **kw)
     except (InfeasibleBudget, SolverTimeout) as e:
         fits = False
         if isinstance(e, SolverTimeout):
@@ -158,7 +159,8 @@ def solve_recipe(recipe: str, gm: fx.GraphModule, ctx: PassContext, time_limit_s
     except ValueError as e:
         return RecipeResult(recipe, None, False, float("inf"), 0, f"n/a: {e}")
     choice = {c: sol.choice[c] for c in ctx.problem.canon_ids}
-    return RecipeResult(recipe, sol, fits, ctx.problem.evaluate(choice), sol.memory_bytes, "; ".join(notes))
+    peak = sol.memory_bytes + temporaries_of(gm, ctx, sol)
+    return RecipeResult(recipe, sol, fits, ctx.problem.evaluate(choice), peak, "; ".join(notes))
 
 
 def solve_recipes(gm: fx.GraphModule, ctx: PassContext, alongside: Callable[[], T] | None = None) -> tuple[list[RecipeResult], T | None]:

@@ -32,7 +32,7 @@ from autoshard import _torch_compat as tc
 from autoshard.cost.reshard import reshard_time as redistribute_time
 from autoshard.cost.compute import compute_time, op_flops
 from autoshard.ir import Group, GroupStrategy, NodeOut
-from autoshard.ir import tensor_args
+from autoshard.ir import is_saved, owns_storage, tensor_args
 from autoshard.ir import output_vals
 from autoshard.passes.candidates import CandidateEnumerator, evenly_divisible, shard_factor
 from autoshard.passes.context import PassContext
@@ -89,7 +89,7 @@ def _cost(
         flops = op_flops(node.target, *_real_args(node)) / split
         dtype = str(vals[0].dtype).replace("torch.", "") if vals and vals[0] is not None else "float32"
         compute += compute_time(flops, local_bytes + in_bytes, ctx.cluster.device, dtype)
-        if _saved(node) and _own_storage(node):
+        if is_saved(node) and owns_storage(node):
             act += local_bytes
     state = param = grad = opt = 0
     if group.kind == "parameter":
@@ -134,37 +134,6 @@ def state_variants(s: GroupStrategy, val: torch.Tensor, ctx: PassContext) -> lis
                 s, comm_s=s.comm_s + gather, state_bytes=param + g + opt, param_bytes=param, grad_bytes=g,
                 optimizer_bytes=opt, grad_placements=grad, state_placements=state))
     return out
-
-
-def _saved(node: fx.Node) -> bool:
-    """A forward tensor the backward reads (held from the forward until the backward)."""
-    return node.meta.get("autoshard_phase") == "forward" and any(
-        u.meta.get("autoshard_phase") == "backward" for u in node.users)
-
-
-def _is_view(target: object) -> bool:
-    if target is aten._unsafe_view.default:
-        return True
-    schema = getattr(target, "_schema", None)
-    if schema is None or not schema.returns:
-        return False
-    alias = schema.returns[0].alias_info
-    return alias is not None and not alias.is_write
-
-
-def _own_storage(node: fx.Node) -> bool:
-    """Whether a saved tensor holds memory of its own: a view of a parameter or input (``t(w)`` read by the
-    backward's matmul) holds the parameter's, and a view of a tensor that is saved too holds that one's (counted
-    there), so neither adds to the saved activations."""
-    root = node
-    while root.op == "call_function" and _is_view(root.target):
-        args = tensor_args(root)
-        if not args:
-            break
-        root = args[0]
-    if root is node:
-        return True
-    return root.op != "placeholder" and not _saved(root)
 
 
 def _real_args(node: fx.Node) -> tuple[tuple, dict, object]:

@@ -45,16 +45,17 @@ def test_mlp_no_budget_is_ddp():
 
 
 def test_mlp_budget_shards_optimizer_state_then_parameters():
-    """ZeRO where the budget asks for it, and only there: none without a budget; under 60% of DDP's memory the
+    """ZeRO where the budget asks for it, and only there: none without a budget; under 80% of DDP's memory the
     optimizer state of every weight is sharded, one weight as ZeRO-2 (replicated for compute, gathered once a step
-    where FSDP gathers in forward and backward); under 40% the weights themselves are sharded (FSDP-like)."""
+    where FSDP gathers in forward and backward); under 70% the weights themselves are sharded (FSDP-like). The
+    budgets count the step's whole peak, temporaries included."""
     with fake_world(4):
         mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
         ddp = autoshard.plan(_mlp(), mesh, _mlp_inputs(), constraints=BATCH_ON_DP)
         assert not any(t.zero for t in ddp.stages[0].tensors)
         weights = ("fc1.weight", "fc2.weight")
         mid = autoshard.plan(_mlp(), mesh, _mlp_inputs(), constraints=BATCH_ON_DP,
-                             memory_budget=int(ddp.peak_memory.total * 0.6))
+                             memory_budget=int(ddp.peak_memory.total * 0.8))
         assert mid.peak_memory.total <= mid.memory_budget_bytes
         layouts = {t.name: t for t in mid.stages[0].tensors}
         assert all(layouts[w].placements != ("R",) or layouts[w].zero for w in weights)
@@ -62,7 +63,7 @@ def test_mlp_budget_shards_optimizer_state_then_parameters():
         assert {(c.kind, c.phase) for c in mid.stages[0].collectives if c.consumer == "optimizer step"} == {("all_gather", "optimizer")}
         recipes = {r.name: r for r in mid.recipes}
         assert mid.step_time_s <= recipes["fsdp"].step_time_s
-        budget = int(ddp.peak_memory.total * 0.4)
+        budget = int(ddp.peak_memory.total * 0.7)
         config = PlanConfig(constraints=BATCH_ON_DP, memory_budget=budget)
         plan, gm, ctx = plan_graph(_mlp(), _mlp_inputs(), mesh, get_cluster("cpu"), config)
         assert plan.peak_memory.total <= budget

@@ -113,7 +113,9 @@ def _cut(gm: Any, ctx: Any, sub: Plan, solution: Any) -> _Cut:
                     found.append(group_piece[user.id])
         return found or [group_piece[g.id]]
 
-    stage = sub.only_stage
+    if len(sub.stages) != 1:
+        raise ValueError(f"a stage's plan has {len(sub.stages)} stages")
+    stage = sub.stages[0]
     tensor_group = {n.meta["autoshard_role"].name: group_of[n.name] for n in gm.graph.find_nodes(op="placeholder")
                     if n.name in group_of}
     tensors: dict[Piece, list[Any]] = defaultdict(list)

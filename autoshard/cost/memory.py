@@ -1,0 +1,158 @@
+"""The memory a step holds at its peak beyond its state and saved activations: temporaries.
+
+The solver's memory is a sum over decision groups: parameters, gradients and optimizer state (each in its
+layout) and the forward tensors the backward reads. Measured on gloo (``benchmarks/memory_truth.py``), a step
+holds more at its peak, which falls in the backward: every saved activation and gradient plus the backward's
+temporaries (the gradients of activations on their way down, a layer's weights gathered for compute, the
+full-size gradient before its reduce-scatter) — 13-19 MiB on a 2-layer GPT whose state is 32 MiB. The optimizer
+step has a peak of its own: the foreach kernels make one temporary per parameter shard they step.
+
+``transients`` walks the solved joint graph in order (forward, then backward) with every tensor at its local
+size under the plan's placements and keeps the most that is alive at once of what the sum does not count:
+
+- a tensor is alive from the op that makes it to its last use (views hold no storage of their own; they keep
+  their base alive until their own last use);
+- saved activations (forward tensors the backward reads) and gradient outputs are left out (counted in the
+  sum), as are parameters and inputs (placeholders); a gradient made larger than its layout (FSDP's and ZeRO-2's,
+  before their reduce-scatter) waits whole for its layer's bucket: two layers' worth is added to the backward's
+  peak (one bucket reduced while the next fills);
+- an input an op needs in a larger local layout than its producer's (an all-gather: a sharded weight gathered,
+  an activation made whole) is a temporary of the op that needs it.
+
+``MemoryBreakdown.temporaries`` is then the larger of the backward's and the forward's temporaries and the
+optimizer step's (one parameter shard), less what the step no longer holds then (saved activations).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Shard
+
+from autoshard.ir import NodeSharding, is_saved, is_view, layer_parts, tensor_args
+
+
+@dataclass(frozen=True)
+class Transients:
+    """The most bytes per device alive at once outside the state and saved activations, per phase."""
+
+    forward: int
+    backward: int
+
+
+def _local_bytes(val: object, placements: Sequence | None, mesh_shape: Sequence[int]) -> int:
+    if not isinstance(val, torch.Tensor):
+        return 0
+    split = 1
+    for p, n in zip(placements or (), mesh_shape):
+        if isinstance(p, Shard):
+            split *= n
+    return val.numel() * val.element_size() // split
+
+
+def _output_bytes(node: fx.Node, sh: NodeSharding | None, mesh_shape: Sequence[int]) -> int:
+    val = node.meta.get("val")
+    if sh is None:
+        return 0
+    if isinstance(val, (tuple, list)):
+        return sum(_local_bytes(v, p, mesh_shape) for v, p in zip(val, sh.outputs))
+    return _local_bytes(val, sh.outputs[0] if sh.outputs else None, mesh_shape)
+
+
+def _gathers(node: fx.Node, lay: Callable[[fx.Node], NodeSharding | None], mesh_shape: Sequence[int]) -> int:
+    """Bytes of the inputs ``node`` takes in a larger local layout than their producers give (made for it)."""
+    sh = lay(node)
+    if sh is None:
+        return 0
+    extra = 0
+    for k, src in enumerate(tensor_args(node)):
+        have = lay(src)
+        if have is None or k >= len(sh.inputs) or sh.inputs[k] is None:
+            continue
+        want = _local_bytes(src.meta["val"], sh.inputs[k], mesh_shape)
+        if want > _local_bytes(src.meta["val"], have.outputs[0], mesh_shape):
+            extra += want
+    return extra
+
+
+def transients(gm: fx.GraphModule, mesh_shape: Sequence[int], output_roles: Sequence,
+               layouts: Mapping[str, NodeSharding] | None = None) -> Transients:
+    """The forward's and the backward's temporaries at their peaks (see the module docstring), with the
+    ``layouts`` of a solution by node name (default: those written on the graph by ``passes.solve.annotate``).
+    (A peak over the captured graph: a captured layer standing for several identical ones changes nothing.)"""
+    def lay(n: fx.Node) -> NodeSharding | None:
+        return layouts.get(n.name) if layouts is not None else n.meta.get("autoshard")
+
+    def root(n: fx.Node) -> fx.Node:
+        while n.op == "call_function" and (is_view(n.target) or n.target is operator.getitem) and tensor_args(n):
+            n = tensor_args(n)[0] if n.target is not operator.getitem else n.args[0]
+        return n
+
+    nodes = list(gm.graph.nodes)
+    at = {n: i for i, n in enumerate(nodes)}
+    out = nodes[-1]
+    counted: set[fx.Node] = set()  # gradient outputs: in the sum
+    waiting: dict[tuple, int] = {}  # whole gradients by layer
+    params = {n.meta["autoshard_role"].name: n for n in gm.graph.find_nodes(op="placeholder")}
+    for src, role in zip(out.args[0], output_roles):
+        if isinstance(src, fx.Node) and role.kind in ("grad", "input_grad"):
+            made = _output_bytes(src, lay(src), mesh_shape)
+            sh = lay(params[role.name]) if role.name in params else None
+            delivered = made if sh is None else _local_bytes(src.meta["val"], sh.grad_layout, mesh_shape)
+            counted.add(root(src))  # (a gradient is often a view, t(mm(...)), of the op that makes it)
+            if made > delivered:  # the whole gradient waits for its bucket's reduce-scatter
+                parts = layer_parts(role.name)
+                layer = parts[:2] if parts else ("", -1)
+                waiting[layer] = waiting.get(layer, 0) + made
+
+    end: dict[fx.Node, int] = {}  # a storage's last use, over the views of it
+    for n in nodes:
+        if n.op != "call_function":
+            continue
+        base = root(n)
+        last = max((at[u] for u in n.users), default=at[n])  # an output lives to the end of the step
+        end[base] = max(end.get(base, at[base]), last)
+    free_at: dict[int, list[fx.Node]] = {}
+    for base, i in end.items():
+        free_at.setdefault(i, []).append(base)
+    live = 0
+    size: dict[fx.Node, int] = {}
+    peak = {"forward": 0, "backward": 0}
+    for i, n in enumerate(nodes):
+        if n.op != "call_function":
+            continue
+        phase = "backward" if n.meta.get("autoshard_phase") == "backward" else "forward"
+        if root(n) is n and n not in counted and not (is_saved(n) or any(is_saved(v) for v in _views(n))):
+            size[n] = _output_bytes(n, lay(n), mesh_shape)
+            live += size[n]
+        peak[phase] = max(peak[phase], live + _gathers(n, lay, mesh_shape))
+        for base in free_at.get(i, ()):
+            live -= size.pop(base, 0)
+    # a layer's gradients are reduced as one bucket as soon as the backward has made them (passes/overlap.py):
+    # while one bucket is reduced the next fills, so two layers' whole gradients wait at once, not every layer's
+    return Transients(peak["forward"], peak["backward"] + sum(sorted(waiting.values())[-2:]))
+
+
+def _views(n: fx.Node) -> list[fx.Node]:
+    """The views (and tuple items) of ``n``'s storage, transitively."""
+    out, todo = [], [n]
+    while todo:
+        for u in todo.pop().users:
+            if u.op == "call_function" and (is_view(u.target) or u.target is operator.getitem):
+                out.append(u)
+                todo.append(u)
+    return out
+
+
+def temporaries(t: Transients, activations: float, optimizer_shard: float) -> int:
+    """Bytes the step's peak holds beyond parameters, gradients, optimizer state and saved activations: the
+    backward's (or forward's) temporaries, or the optimizer step's foreach temporaries (about one local shard of
+    the parameters it steps) when those make a higher peak, the saved activations being gone by then."""
+    return int(max(t.backward, t.forward, optimizer_shard - activations, 0.0))
+
+
+__all__ = ["Transients", "temporaries", "transients"]

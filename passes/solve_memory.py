@@ -1,0 +1,86 @@
+"""The solve pass's memory constraint with the step's whole peak (part of ``solve``, not a pass of its own).
+
+The integer program's memory is a sum over decision groups (state in each group's layouts, saved activations);
+the step's peak also holds temporaries (``autoshard/cost/memory.py``) that depend on the whole solution, not on
+one group. ``solve_within`` keeps the budget honest by a fixed point: solve under the budget, price the
+solution's temporaries, and while the whole peak is over the budget solve again with the temporaries held back
+from it (a few rounds; they change little between rounds, as the layouts that set them do). A budget that no
+round meets raises ``InfeasibleBudget`` naming the peak of the last round.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch.fx as fx
+
+from autoshard.cost.memory import temporaries, transients
+from autoshard.ir import NodeSharding
+from autoshard.notation import format_bytes
+from autoshard.passes.context import PassContext
+from autoshard.solver.intra_op import InfeasibleBudget, Solution
+
+log = logging.getLogger(__name__)
+
+ROUNDS = 4
+
+
+def layouts_of(ctx: PassContext, sol: Solution) -> dict[str, NodeSharding]:
+    """Every node's layout under ``sol`` (what ``annotate`` writes on the graph), by node name."""
+    out: dict[str, NodeSharding] = {}
+    for g in ctx.groups:
+        s = ctx.strategies[g.id][sol.choice[g.id]]
+        for i, name in enumerate(g.members):
+            first = i == 0 and g.kind == "parameter"
+            out[name] = NodeSharding(g.id, s.outputs[i], s.inputs[i], s.grad_placements if first else None,
+                                     s.state_placements if first else None)
+    return out
+
+
+def temporaries_of(gm: fx.GraphModule, ctx: PassContext, sol: Solution) -> int:
+    """The bytes ``sol``'s step holds at its peak beyond the solver's sum (``MemoryBreakdown.temporaries``)."""
+    acts = opt = 0.0
+    for g in ctx.groups:
+        s = ctx.strategies[g.id][sol.choice[g.id]]
+        w = ctx.group_weight.get(g.id, 1.0)
+        acts += w * s.activation_bytes
+        opt += w * s.optimizer_bytes
+    factor = ctx.config.optimizer_factor
+    t = transients(gm, ctx.mesh_shape, ctx.output_roles, layouts_of(ctx, sol))
+    return temporaries(t, acts, opt / factor if factor else 0.0)
+
+
+def solve_within(gm: fx.GraphModule, ctx: PassContext, budget: int | None, **kw: Any) -> Solution:
+    """``ctx.problem.solve`` under ``budget`` counting the whole peak (see the module docstring)."""
+    sol = ctx.problem.solve(memory_budget=budget, **kw)
+    if budget is None:
+        return sol
+    held = 0
+    for _ in range(ROUNDS):
+        extra = temporaries_of(gm, ctx, sol)
+        if sol.memory_bytes + extra <= budget:
+            return sol
+        held = max(held + 1, extra, held + (sol.memory_bytes + extra - budget))
+        log.info("solve %s: peak %s with %s of temporaries is over the budget %s; solving again with %s held back",
+                 kw.get("what", "plan"), format_bytes(sol.memory_bytes + extra), format_bytes(extra),
+                 format_bytes(budget), format_bytes(held))
+        if held >= budget:
+            break
+        try:
+            sol = ctx.problem.solve(memory_budget=budget - held, **kw)
+        except InfeasibleBudget as e:
+            least = (e.least_bytes or budget - held) + extra
+            raise InfeasibleBudget(
+                f"memory_budget={format_bytes(budget)} per device is below what any {kw.get('what', 'plan')} needs "
+                f"with the step's temporaries: about {format_bytes(least)} (the state and saved activations sharded "
+                f"as far as the mesh allows, plus {format_bytes(extra)} of backward temporaries and gathered "
+                "weights). Raise the budget, use more devices, or a smaller batch.", int(least)) from None
+    peak = sol.memory_bytes + temporaries_of(gm, ctx, sol)
+    raise InfeasibleBudget(
+        f"memory_budget={format_bytes(budget)} per device: the plan that fits it on the solver's count still peaks "
+        f"at {format_bytes(peak)} with the step's temporaries (backward temporaries, gathered weights); raise the "
+        f"budget to at least {format_bytes(peak)}, use more devices, or a smaller batch.", int(peak))
+
+
+__all__ = ["layouts_of", "solve_within", "temporaries_of"]
