@@ -70,6 +70,7 @@ class PlanConfig:
     sample_layers: int | None = None
     tie_axes: bool = True
     shard_state: bool = True
+    recompute: tuple[str, ...] = ()  # module paths whose forward the backward runs again (passes/recompute.py)
     # picks the scalar loss out of what forward returns; default: a tensor itself, a ModelOutput's or dict's
     # "loss", a tuple's first element (passes/capture.py: loss_of)
     loss_fn: Callable[[Any], Any] | None = None
@@ -84,6 +85,9 @@ class PlanConfig:
             )
         if self.recipe is not None:
             object.__setattr__(self, "recipe", normalize(self.recipe))
+        if isinstance(self.recompute, str):
+            object.__setattr__(self, "recompute", (self.recompute,))
+        object.__setattr__(self, "recompute", tuple(self.recompute))
         if self.sample_layers is not None and self.sample_layers < 2:
             raise ValueError(f"sample_layers must be >= 2 (or None to capture every layer), got {self.sample_layers}")
         if self.time_limit_s <= 0:

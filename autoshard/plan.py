@@ -276,7 +276,7 @@ class Plan:
     format_version: int = FORMAT_VERSION
     chunks: int = 1  # model chunks per pipeline rank (interleaved schedules); each stage's layers hold all of its
     bubble_fraction: float = 0.0  # predicted idle share of the step on the busiest stage (pipelined plans)
-    recompute: bool = False  # pipelined: every layer's forward runs again before its backward (keeps its input only)
+    recompute: bool = False  # layers run their forward again in the backward (pipelined: all; else config.recompute)
 
     def __post_init__(self) -> None:
         _set(self, stages=tuple(self.stages), step_time_s=float(self.step_time_s), microbatches=int(self.microbatches))

@@ -201,7 +201,7 @@ def _pipeline_lines(plan: Plan) -> list[str]:
     if len(plan.stages) < 2:
         if plan.microbatches > 1:
             return ["", f"no pipeline stages: gradient accumulation over {plan.microbatches} micro-batches{redo}"]
-        return []
+        return ["", "activation recomputation: the chosen layers run their forward again in the backward"] if redo else []
     chunks = f" ({plan.chunks} model chunks per rank)" if plan.chunks > 1 else ""
     if plan.schedule in SPLIT_BACKWARD:  # a schedule for offline plans: the runtime has no split backward
         chunks += " [offline plan: autoshard.compile does not run split-backward schedules]"

@@ -149,6 +149,7 @@ def build_plan(gm: fx.GraphModule, ctx: PassContext, solution: Any = None, recip
         hidden_comm_s=hidden,
         memory_budget_bytes=int(ctx.config.memory_budget or 0),
         sampled_layers=sampled,
+        recompute=bool(ctx.config.recompute),
     )
 
 

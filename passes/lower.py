@@ -87,7 +87,8 @@ class PlanInterpreter:
 
     def run(self, env: dict[str, Any], nodes: Sequence[fx.Node]) -> None:
         for node in nodes:
-            env[node.name] = self.run_node(node, env)
+            with tc.tag_traced(node):  # (traced: the ops recorded for it carry its recompute tag)
+                env[node.name] = self.run_node(node, env)
 
     def run_node(self, node: fx.Node, env: dict[str, Any]) -> Any:
         if node.op == "get_attr":

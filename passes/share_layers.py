@@ -34,7 +34,8 @@ def _signature(group, nodes: dict[str, fx.Node], prefix: str) -> tuple:
         n = nodes[name]
         v = n.meta.get("val")
         shape = tuple(v.shape) if hasattr(v, "shape") else tuple(tuple(x.shape) if hasattr(x, "shape") else None for x in (v or ()))
-        members.append((n.op if n.op == "placeholder" else str(n.target), shape, n.meta.get("autoshard_follow")))
+        members.append((n.op if n.op == "placeholder" else str(n.target), shape, n.meta.get("autoshard_follow"),
+                        n.meta.get("recompute")))  # a recomputed layer is not like one that saves
     return (group.kind, group.phase, rel, tuple(members))
 
 

@@ -36,6 +36,7 @@ from autoshard.ir import is_saved, owns_storage, tensor_args
 from autoshard.ir import output_vals
 from autoshard.passes.candidates import CandidateEnumerator, evenly_divisible, shard_factor
 from autoshard.passes.context import PassContext
+from autoshard.passes.recompute import is_recomputed
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -88,8 +89,10 @@ def _cost(
                 split *= n
         flops = op_flops(node.target, *_real_args(node)) / split
         dtype = str(vals[0].dtype).replace("torch.", "") if vals and vals[0] is not None else "float32"
-        compute += compute_time(flops, local_bytes + in_bytes, ctx.cluster.device, dtype)
-        if is_saved(node) and owns_storage(node):
+        once = compute_time(flops, local_bytes + in_bytes, ctx.cluster.device, dtype)
+        # a recomputed op (passes/recompute.py) runs again in the backward and is not saved for it
+        compute += 2 * once if is_recomputed(node) else once
+        if is_saved(node) and owns_storage(node) and not is_recomputed(node):
             act += local_bytes
     state = param = grad = opt = 0
     if group.kind == "parameter":

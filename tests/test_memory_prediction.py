@@ -40,7 +40,8 @@ def _worker(rank: int, world: int, kw: dict) -> tuple[int, int, int]:
     return sharded.plan.peak_memory.total, peak.peak_bytes, sharded.plan.memory_budget_bytes
 
 
-@pytest.mark.parametrize("kw", [{}, {"recipe": "zero2"}, {"memory_budget": "budget"}], ids=["solved", "zero2", "budget"])
+@pytest.mark.parametrize("kw", [{}, {"recipe": "zero2"}, {"recompute": ("layers",)}, {"memory_budget": "budget"}],
+                         ids=["solved", "zero2", "recompute", "budget"])
 def test_predicted_peak_within_10_percent_of_measured(kw):
     if kw.get("memory_budget") == "budget":  # 90% of the free plan's predicted peak
         free = launch(2, _worker, {})[0][0]

@@ -14,6 +14,7 @@ Callers use the flat namespace: ``from autoshard import _torch_compat as tc``.
 """
 
 from autoshard._torch_compat.capture import (
+    PREFER_RECOMPUTE,
     InputRole,
     OutputRole,
     data_dependent_op,
@@ -30,6 +31,7 @@ from autoshard._torch_compat.capture import (
     tree_flatten,
     tree_flatten_with_path,
     tree_unflatten,
+    tag_traced,
 )
 from autoshard._torch_compat.dtensor import (
     AxisRules,
@@ -60,6 +62,7 @@ from autoshard._torch_compat.worlds import (
 )
 
 __all__ = [
+    "PREFER_RECOMPUTE", "tag_traced",
     "AxisRules", "InputRole", "OpOverload", "OutputRole", "Placements", "RawStrategy", "all_placements",
     "clear_dtensor_caches", "compiling_call", "forget_guards_on", "graph_break_reason", "data_dependent_op", "decomposition_table", "dtensor_like", "local_tensor", "detach_from_fake_modes", "export_joint", "fake_process_group",
     "has_sharding_rule", "in_local_tensor_mode", "inductor_compile", "is_fake", "make_spec", "new_fake_mode",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -296,3 +296,32 @@ def decomposition_table() -> dict:
     from torch._inductor.decomposition import select_decomp_table
 
     return select_decomp_table()
+
+
+def _checkpoint_policy() -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+PREFER_RECOMPUTE = _checkpoint_policy()
+
+
+@contextlib.contextmanager
+def tag_traced(node: fx.Node, key: str = "recompute") -> Iterator[None]:
+    """While make_fx traces, put ``node.meta[key]`` (if set) on every node recorded inside the block."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    value = node.meta.get(key)
+    mode = get_proxy_mode() if value is not None else None
+    if mode is None:
+        yield
+        return
+    graph = mode.tracer.graph
+    before = list(graph.nodes)[-1] if len(graph.nodes) else None
+    yield
+    started = before is None
+    for n in graph.nodes:
+        if started and n.op == "call_function":
+            n.meta[key] = value
+        started = started or n is before
