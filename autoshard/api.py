@@ -17,8 +17,7 @@ from autoshard import _torch_compat as tc
 from autoshard.cluster import ClusterProfile, get_cluster
 from autoshard.config import PlanConfig
 from autoshard.inputs import Call, as_call, signature_of
-from autoshard.ir import repeated_layers
-from autoshard.notation import format_bytes, format_seconds
+from autoshard.notation import format_bytes
 from autoshard.plan import Plan
 from autoshard.planner import plan_graph
 from autoshard.passes.context import BACKENDS
@@ -100,6 +99,7 @@ def plan(
             raise ValueError("pipeline planning runs on the offline path: call autoshard.plan(model, "
                              "example_inputs=..., cluster=...) without a DeviceMesh (or compile with pipeline=)")
         if "sample_layers" not in options:  # planning only: compile captures every layer (it runs them)
+            from autoshard.ir import repeated_layers
             from autoshard.offline import DEFAULT_SAMPLE_LAYERS
 
             found = repeated_layers(model)
@@ -242,18 +242,6 @@ def _plan_accumulated(model: nn.Module, inputs: tuple | dict | Call, mesh: Devic
         p, gm, ctx = plan_graph(model, inputs, mesh, cluster, config, real_group)
         return p, gm, ctx, None
     whole_plan, whole = _agreed(real_group, lambda: _plan_micro(model, inputs, mesh, cluster, config, real_group, 1))
-    layers = repeated_layers(model)
-    if not config.recompute and layers is not None and layers[0]:
-        # activation recomputation of every repeated layer: kept when only it fits, or it is faster (the budget
-        # forced the plan without it into slower layouts)
-        redo = dataclasses.replace(config, recompute=(layers[0],))
-        again, err = _agreed(real_group, lambda: _plan_micro(model, inputs, mesh, cluster, redo, real_group, 1))
-        if err is None and again[0].peak_memory.total <= config.memory_budget and (
-                whole is not None or again[0].step_time_s < whole_plan[0].step_time_s):
-            log.info("compile: recomputing the layers of %s in the backward: predicted step %s, peak %s per device "
-                     "(without: %s)", layers[0], format_seconds(again[0].step_time_s),
-                     format_bytes(again[0].peak_memory.total), whole or format_seconds(whole_plan[0].step_time_s))
-            return again
     if whole is None:
         return whole_plan
     least = whole.least_bytes

@@ -30,7 +30,8 @@ from autoshard.ir import tensor_args
 from autoshard.passes.context import PassContext
 from autoshard.passes.runner import PLANNING, run_passes
 from autoshard.passes.solve import annotate
-from autoshard.solver.intra_op import GRAD_SINK_CREDIT
+from autoshard.ir import repeated_layers
+from autoshard.solver.intra_op import GRAD_SINK_CREDIT, InfeasibleBudget
 from autoshard.plan import (
     RecipeSummary,
     CollectiveStat,
@@ -218,7 +219,37 @@ def plan_graph(
     progress: Any = None,
     stage: bool = False,
 ) -> tuple[Plan, fx.GraphModule, PassContext]:
-    """Plan ``model``; ``stage=True`` plans a pipeline stage (tensor outputs, input gradients; see capture)."""
+    """Plan ``model``; ``stage=True`` plans a pipeline stage (tensor outputs, input gradients; see capture).
+
+    Under a memory budget (and no ``config.recompute`` given) the plan that recomputes every repeated layer's
+    forward in the backward is weighed too, and kept when only it fits or it is faster: the budget may have forced
+    the plan that saves everything into slower layouts (``passes/recompute.py``)."""
+    layers = repeated_layers(model) if config.memory_budget is not None and not stage and not config.recompute else None
+    if layers is None or not layers[0]:
+        return _plan_once(model, example_inputs, mesh, cluster, config, broadcast_solution, progress, stage)
+    try:
+        saving = _plan_once(model, example_inputs, mesh, cluster, config, broadcast_solution, progress, stage)
+        failed = None
+    except InfeasibleBudget as e:
+        saving, failed = None, e
+    redo = dataclasses.replace(config, recompute=(layers[0],))
+    try:
+        again = _plan_once(model, example_inputs, mesh, cluster, redo, broadcast_solution, progress, stage)
+    except InfeasibleBudget as e:
+        if saving is None:
+            raise (e if (e.least_bytes or math.inf) < (failed.least_bytes or math.inf) else failed) from None
+        return saving
+    if saving is None or again[0].step_time_s < saving[0].step_time_s:
+        log.info("plan: recomputing the layers of %s in the backward (%s)", layers[0],
+                 "only that fits the budget" if saving is None else
+                 f"{again[0].step_time_s:.6f} s against {saving[0].step_time_s:.6f} s saving every activation")
+        return again
+    return saving
+
+
+def _plan_once(model: nn.Module, example_inputs: Sequence[Any], mesh: DeviceMesh, cluster: ClusterProfile,
+               config: PlanConfig, broadcast_solution: bool, progress: Any, stage: bool
+               ) -> tuple[Plan, fx.GraphModule, PassContext]:
     t0 = time.perf_counter()
     ctx = PassContext(mesh=mesh, cluster=cluster, config=config, broadcast_solution=broadcast_solution,
                       progress=progress, stage=stage, example_inputs=example_inputs)

@@ -19,7 +19,7 @@ import torch.fx as fx
 from autoshard.passes.context import PassContext
 from autoshard.passes.solve_memory import layouts_of, solve_within
 from autoshard.passes.solve_recipes import best_recipe, recipe_pins, solve_recipes
-from autoshard.solver.intra_op import IntraOpProblem, Solution
+from autoshard.solver.intra_op import InfeasibleBudget, IntraOpProblem, Solution
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,8 @@ def solve(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         # (with the recipes it was compared against, so every rank's Plan reads the same)
         box: list = [None]
         dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], InfeasibleBudget):  # the same verdict on every rank (the planner acts on it)
+            raise box[0]
         if isinstance(box[0], BaseException):
             raise RuntimeError(f"rank 0 could not plan: {box[0]}")
         ctx.solution, ctx.recipes = box[0]
