@@ -57,6 +57,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser
 
 import autoshard  # noqa: E402
 from autoshard.launch import LaunchError, launch  # noqa: E402
+from autoshard.ir import repeated_layers  # noqa: E402
 from autoshard.memory_probe import measure_peak  # noqa: E402
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs  # noqa: E402
 
@@ -81,6 +82,7 @@ class RowSpec:
     recipe: str | None
     budget: int | None  # bytes
     backend: str
+    recompute: bool = False  # every repeated layer's forward run again in the backward (PlanConfig.recompute)
 
 
 def make_model(kind: str) -> nn.Module:
@@ -125,8 +127,10 @@ def _row_worker(rank: int, world: int, spec: RowSpec) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     inputs = global_inputs(spec.model)
     t0 = time.perf_counter()
-    sharded = autoshard.compile(make_model(spec.model), mesh, inputs, backend=spec.backend, recipe=spec.recipe,
-                                memory_budget=spec.budget)
+    model = make_model(spec.model)
+    redo = {"recompute": (repeated_layers(model)[0],)} if spec.recompute else {}
+    sharded = autoshard.compile(model, mesh, inputs, backend=spec.backend, recipe=spec.recipe,
+                                memory_budget=spec.budget, **redo)
     compile_s = time.perf_counter() - t0
     pieces = sharded.shard_inputs(**inputs) if isinstance(inputs, dict) else sharded.shard_inputs(*inputs)
     opt = torch.optim.AdamW(sharded.parameters(), lr=LR, foreach=True)
@@ -255,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=("gpt", "hf", "both"), default="both")
     ap.add_argument("--backend", choices=("inductor", "eager"), default="inductor")
-    ap.add_argument("--rows", default="", help="comma-separated subset of: solved, <recipes>, budget")
+    ap.add_argument("--rows", default="", help="comma-separated subset of: solved, recompute, <recipes>, budget")
     ap.add_argument("--timeout", type=float, default=240.0)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -268,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     t_all = time.perf_counter()
     for kind in kinds:
         results = []
-        specs = [RowSpec(kind, "solved", None, None, args.backend)]
+        specs = [RowSpec(kind, "solved", None, None, args.backend),
+                 RowSpec(kind, "recompute", None, None, args.backend, recompute=True)]
         for rec in RECIPES:
             if rec in known:
                 specs.append(RowSpec(kind, rec, rec, None, args.backend))

@@ -17,7 +17,9 @@ size under the plan's placements and keeps the most that is alive at once of wha
   before their reduce-scatter) waits whole for its layer's bucket: two layers' worth is added to the backward's
   peak (one bucket reduced while the next fills);
 - an input an op needs in a larger local layout than its producer's (an all-gather: a sharded weight gathered,
-  an activation made whole) is a temporary of the op that needs it.
+  an activation made whole) is a temporary of the op that needs it;
+- a recomputed layer (``passes/recompute.py``) makes its activations again in the backward: the largest layer's
+  are added to the backward's peak (layers replay one at a time).
 
 ``MemoryBreakdown.temporaries`` is then the larger of the backward's and the forward's temporaries and the
 optimizer step's (one parameter shard), less what the step no longer holds then (saved activations).
@@ -119,6 +121,12 @@ def transients(gm: fx.GraphModule, mesh_shape: Sequence[int], output_roles: Sequ
     free_at: dict[int, list[fx.Node]] = {}
     for base, i in end.items():
         free_at.setdefault(i, []).append(base)
+    replayed: dict[str, int] = {}  # by module: what a recomputed module's forward makes again in the backward
+    for n in nodes:
+        if n.op == "call_function" and n.meta.get("recompute") is not None and is_saved(n) and root(n) is n:
+            parts = layer_parts(n.meta.get("autoshard_module", "") + ".")
+            key = f"{parts[0]}.{parts[1]}" if parts else n.meta.get("autoshard_module", "")
+            replayed[key] = replayed.get(key, 0) + _output_bytes(n, lay(n), mesh_shape)
     live = 0
     size: dict[fx.Node, int] = {}
     peak = {"forward": 0, "backward": 0}
@@ -134,7 +142,9 @@ def transients(gm: fx.GraphModule, mesh_shape: Sequence[int], output_roles: Sequ
             live -= size.pop(base, 0)
     # a layer's gradients are reduced as one bucket as soon as the backward has made them (passes/overlap.py):
     # while one bucket is reduced the next fills, so two layers' whole gradients wait at once, not every layer's
-    return Transients(peak["forward"], peak["backward"] + sum(sorted(waiting.values())[-2:]))
+    # one recomputed layer's activations live again while its backward runs (the layers replay one at a time)
+    again = max(replayed.values(), default=0)
+    return Transients(peak["forward"], peak["backward"] + sum(sorted(waiting.values())[-2:]) + again)
 
 
 def _views(n: fx.Node) -> list[fx.Node]:
