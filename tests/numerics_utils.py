@@ -65,8 +65,11 @@ def train_sharded(
     *,
     steps: int = 3,
     lr: float = 1e-2,
+    probe: Callable[[Any], dict[str, Any]] | None = None,
     **compile_kw: Any,
 ) -> dict[str, Any]:
+    """Train ``steps`` AdamW steps on ``autoshard.compile``'s module: losses, first-step gradients, final
+    parameters and the plan (``probe(sharded)``'s entries added)."""
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     model = make_model()
     sharded = autoshard.compile(model, mesh, inputs, **compile_kw)
@@ -80,4 +83,5 @@ def train_sharded(
         opt.zero_grad()
         losses.append(_scalar(loss))
     params = {n: _full(p.data) for n, p in sharded.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": params, "plan": sharded.plan.to_json()}
+    out = {"losses": losses, "grads": grads, "params": params, "plan": sharded.plan.to_json()}
+    return {**out, **(probe(sharded) if probe is not None else {})}

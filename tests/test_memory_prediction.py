@@ -19,7 +19,7 @@ from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 CFG = GPTConfig(n_layer=2, d_model=256, n_head=4, vocab=2048, seq_len=128, mlp_ratio=4, bias=False)
 
 
-def _worker(rank: int, world: int, kw: dict) -> tuple[int, int, int]:
+def _worker(rank: int, world: int, kw: dict) -> tuple[int, int, int, str]:
     torch.manual_seed(0)
     inputs = gpt_example_inputs(CFG, 8)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
@@ -37,16 +37,20 @@ def _worker(rank: int, world: int, kw: dict) -> tuple[int, int, int]:
     held = sum(t._local_tensor.nbytes for t in sharded.parameters()) + sum(
         v._local_tensor.nbytes for s in opt.state.values() for v in s.values() if hasattr(v, "_local_tensor"))
     peak = measure_peak(step, attempts=1, baseline=lambda: held + sum(p.nbytes for p in pieces))
-    return sharded.plan.peak_memory.total, peak.peak_bytes, sharded.plan.memory_budget_bytes
+    return sharded.plan.peak_memory.total, peak.peak_bytes, sharded.plan.memory_budget_bytes, peak.method
 
 
 @pytest.mark.parametrize("kw", [{}, {"recipe": "zero2"}, {"recompute": ("layers",)}, {"memory_budget": "budget"}],
                          ids=["solved", "zero2", "recompute", "budget"])
 def test_predicted_peak_within_10_percent_of_measured(kw):
-    if kw.get("memory_budget") == "budget":  # 90% of the free plan's predicted peak
-        free = launch(2, _worker, {})[0][0]
-        kw = {"memory_budget": int(0.9 * free)}
-    for predicted, measured, budget in launch(2, _worker, kw):
+    if kw.get("memory_budget") == "budget":  # about 90% of the free plan's predicted peak (64.5 MiB)
+        kw = {"memory_budget": "58MiB"}
+    results = launch(2, _worker, kw)
+    if any(r[3] != "timeline" for r in results):
+        # the profiler's memory pass sometimes fails on a foreach op ("duplicate outputs"; memory_probe falls back
+        # to the allocator's events, a coarser count): measure again, on every rank alike
+        results = launch(2, _worker, kw)
+    for predicted, measured, budget, _ in results:
         if budget:  # the budget is honoured when measured; a mixed plan's prediction is high (1.19 seen), not low
             assert measured <= budget and 1.0 <= predicted / measured <= 1.25, (predicted, measured, budget)
         else:

@@ -4,22 +4,22 @@ fewer tensors and replays the layers' forward in the backward; numerics equal to
 
 from __future__ import annotations
 
-from torch.distributed.device_mesh import init_device_mesh
-
 import autoshard
 from autoshard.launch import launch
 from harness import assert_close_to_reference, single_device_reference
 from numerics_utils import LR, MODELS, PARAM_ATOL, train_sharded
 
 
+def _program_counts(sharded) -> dict:
+    program = sharded._program
+    return {"saved": program.n_saved,  # tensors the forward keeps for the backward
+            "backward_mm": sum(1 for n in program.bw_gm.graph.nodes if "mm" in str(n.target))}
+
+
 def _worker(rank: int, world: int, recompute: tuple[str, ...]) -> dict:
     make, inputs_fn = MODELS["gpt"]
-    got = train_sharded(make, inputs_fn(), (world,), ("dp",), lr=LR, recompute=recompute, backend="eager")
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    sharded = autoshard.compile(make(), mesh, inputs_fn(), recompute=recompute, backend="eager")
-    got["saved"] = sharded._program.n_saved  # tensors the forward keeps for the backward
-    got["backward_mm"] = sum(1 for n in sharded._program.bw_gm.graph.nodes if "mm" in str(n.target))
-    return got
+    return train_sharded(make, inputs_fn(), (world,), ("dp",), lr=LR, recompute=recompute, backend="eager",
+                         probe=_program_counts)
 
 
 def test_recomputed_layers_save_less_and_train_like_one_device():
