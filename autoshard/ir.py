@@ -125,6 +125,35 @@ def owns_storage(node: fx.Node) -> bool:
     return root.op != "placeholder" and not is_saved(root)
 
 
+def node_arg(node: fx.Node, pos: int, name: str, default: object) -> object:
+    """An op's argument by position or keyword (``default`` when the call leaves it out)."""
+    return node.args[pos] if len(node.args) > pos else node.kwargs.get(name, default)
+
+
+def kept_target_counter(owner: fx.GraphModule, target: fx.Node, ignore: object) -> tuple[fx.GraphModule, list[fx.Node]]:
+    """A graph computing ``sum(target != ignore)`` (the targets a mean NLL / cross-entropy averages over) from the
+    placeholders ``target`` depends on, and those placeholders in its argument order."""
+    seen: set[fx.Node] = set()
+    todo = [target]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    used = []
+    for n in (n for n in target.graph.nodes if n in seen):  # graph order: placeholders first
+        if n.op == "placeholder":
+            used.append(n)
+            env[n] = g.placeholder(n.name)
+        else:
+            env[n] = g.node_copy(n, lambda a: env[a])
+    kept = g.call_function(torch.ops.aten.ne.Scalar, (env[target], ignore))
+    g.output(g.call_function(torch.ops.aten.sum.default, (kept,)))
+    return fx.GraphModule(owner, g), used
+
+
 def tensor_args(node: fx.Node) -> list[fx.Node]:
     """Tensor-valued input nodes of ``node`` in DTensor's flattened argument order (lists expanded)."""
     out: list[fx.Node] = []

@@ -32,6 +32,7 @@ import torch.fx as fx
 from torch import nn
 
 from autoshard import _torch_compat as tc
+from autoshard.ir import kept_target_counter, node_arg
 from autoshard.inputs import CallSignature
 
 Source = tuple[str, int]  # ("input", i): model input i; ("recv", p): received value p; ("out", j): own output j
@@ -166,48 +167,19 @@ def loss_counter(stage: fx.GraphModule, wiring: StageWiring) -> tuple[int, Calla
     if not isinstance(loss, fx.Node) or loss.target not in ops:
         return 0, None
     r_at, ig_at = ops[loss.target]
-    reduction = _arg(loss, r_at, "reduction", _MEAN)
-    weight = _arg(loss, 2, "weight", None)
+    reduction = node_arg(loss, r_at, "reduction", _MEAN)
+    weight = node_arg(loss, 2, "weight", None)
     if reduction != _MEAN or weight is not None:
         return (reduction if weight is None else 0), None
-    ignore = _arg(loss, ig_at, "ignore_index", -100)
+    ignore = node_arg(loss, ig_at, "ignore_index", -100)
     target = loss.args[1]
     placeholders = stage.graph.find_nodes(op="placeholder")
     which = {placeholders[pos]: i for pos, (kind, i) in enumerate(wiring.args) if kind == "input"}
-    needed = _ancestors(target)
-    if any(n.op == "placeholder" and n not in which for n in needed):
+    counter, used = kept_target_counter(stage, target, ignore)
+    if any(p not in which for p in used):
         return _MEAN, None  # the targets depend on received values: cannot be counted from the inputs
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    used = [p for p in placeholders if p in needed]
-    for p in used:
-        env[p] = g.placeholder(p.name)
-    for n in stage.graph.nodes:
-        if n in needed and n.op != "placeholder":
-            env[n] = g.node_copy(n, lambda a: env[a])
-    ne = g.call_function(torch.ops.aten.ne.Scalar, (env[target], ignore))
-    g.output(g.call_function(torch.ops.aten.sum.default, (ne,)))
-    counter = fx.GraphModule(stage, g)
     order = [which[p] for p in used]
     return _MEAN, lambda inputs: counter(*[inputs[i] for i in order])
-
-
-def _arg(node: fx.Node, pos: int, name: str, default: Any) -> Any:
-    if len(node.args) > pos:
-        return node.args[pos]
-    return node.kwargs.get(name, default)
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    todo = [node]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        todo.extend(n.all_input_nodes)
-    return seen
 
 
 def loss_weights(reduction: int, counter: Callable[..., torch.Tensor] | None, tensors: Sequence[torch.Tensor],

@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 
 from autoshard import _torch_compat as tc
+from autoshard.ir import kept_target_counter, node_arg
 
 log = logging.getLogger(__name__)
 
@@ -151,44 +152,20 @@ def _getitem_of(node: Any, index: int) -> fx.Node | None:
     return None
 
 
-def _arg(node: fx.Node, pos: int, name: str, default: Any) -> Any:
-    if len(node.args) > pos:
-        return node.args[pos]
-    return node.kwargs.get(name, default)
-
-
-def _ancestors(node: fx.Node) -> list[fx.Node]:
-    seen: set[fx.Node] = set()
-    todo = [node]
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            todo.extend(n.all_input_nodes)
-    return [n for n in node.graph.nodes if n in seen]  # graph order
-
-
 def _target_counter(gm: fx.GraphModule, nll: fx.Node) -> LossWeighting | None:
     """A graph of the model inputs counting the targets ``nll`` averages over (``target != ignore_index``), or
     None when the targets depend on more than the inputs or the classes are weighted."""
-    if _arg(nll, 2, "weight", None) is not None:
+    if node_arg(nll, 2, "weight", None) is not None:
         return None
-    target, ignore = nll.args[1], _arg(nll, 4, "ignore_index", -100)
-    needed = _ancestors(target)
+    target, ignore = nll.args[1], node_arg(nll, 4, "ignore_index", -100)
+    counter, used = kept_target_counter(gm, target, ignore)
     inputs: list[int] = []
-    for n in needed:
-        if n.op == "placeholder":
-            role = n.meta.get("autoshard_role")
-            if role is None or role.kind != "input":
-                return None  # the targets depend on a parameter or buffer
-            inputs.append(role.index)
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for n in needed:
-        env[n] = g.placeholder(n.name) if n.op == "placeholder" else g.node_copy(n, lambda a: env[a])
-    kept = g.call_function(aten.ne.Scalar, (env[target], ignore))
-    g.output(g.call_function(aten.sum.default, (kept,)))
-    return LossWeighting(MEAN_COUNTED, fx.GraphModule(gm, g), tuple(inputs))
+    for n in used:
+        role = n.meta.get("autoshard_role")
+        if role is None or role.kind != "input":
+            return None  # the targets depend on a parameter or buffer
+        inputs.append(role.index)
+    return LossWeighting(MEAN_COUNTED, counter, tuple(inputs))
 
 
 def loss_weighting(gm: fx.GraphModule, output_roles: Sequence[Any]) -> LossWeighting:
@@ -205,7 +182,7 @@ def loss_weighting(gm: fx.GraphModule, output_roles: Sequence[Any]) -> LossWeigh
                 found = _target_counter(gm, num)
                 why = "a class-weighted NLL or targets made from parameters"
         elif (nll := _getitem_of(root, 0)) is not None:
-            kind = _REDUCTION.get(_arg(nll, 3, "reduction", 1), MEAN)
+            kind = _REDUCTION.get(node_arg(nll, 3, "reduction", 1), MEAN)
             found = _target_counter(gm, nll) if kind == MEAN else LossWeighting(kind)
             why = "a class-weighted NLL or targets made from parameters"
         elif root.target in (aten.sum.default, aten.sum.dim_IntList):
@@ -214,7 +191,7 @@ def loss_weighting(gm: fx.GraphModule, output_roles: Sequence[Any]) -> LossWeigh
             found = LossWeighting(MEAN)
         elif hasattr(root.target, "_schema") and any(a.name == "reduction" for a in root.target._schema.arguments):
             names = [a.name for a in root.target._schema.arguments]
-            kind = _REDUCTION.get(_arg(root, names.index("reduction"), "reduction", 1), MEAN)
+            kind = _REDUCTION.get(node_arg(root, names.index("reduction"), "reduction", 1), MEAN)
             found = LossWeighting(SUM if kind == SUM else MEAN)
     if found is None:
         log.info("gradient accumulation: the loss (%s) is not a recognised mean or sum%s; the micro-batches' losses "
