@@ -22,6 +22,14 @@ ConstraintValue = Any
 
 
 # the manual recipes a plan can be forced to (PlanConfig.recipe) and is compared with (autoshard.solver.recipes)
+# PlanConfig.mixed_precision: compute dtype of autocast's lower-precision ops (fp32 master weights and state)
+MIXED_PRECISION = {"bf16": "bfloat16", "bfloat16": "bfloat16"}
+# PlanConfig.reduce_dtype: the dtype gradients are reduced in under mixed precision
+REDUCE_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+# PlanConfig.offload: what may live in host memory between steps ("auto": the solver's choice where device memory
+# forces it; "none": nothing; "optimizer": every optimizer state; "params": parameters and optimizer state)
+OFFLOAD_MODES = ("auto", "none", "optimizer", "params")
+
 RECIPES = ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "fsdp+tp")
 ALIASES = {"megatron": "tp", "megatron-tp": "tp", "zero3": "fsdp", "2d": "fsdp+tp", "fsdp+megatron": "fsdp+tp",
            "zero-1": "zero1", "zero-2": "zero2", "zero-3": "fsdp", "hybrid": "hsdp"}
@@ -70,6 +78,11 @@ class PlanConfig:
     sample_layers: int | None = None
     tie_axes: bool = True
     shard_state: bool = True
+    # "bf16": the step traced and run under torch.autocast(dtype=torch.bfloat16): matmuls and convolutions in
+    # bf16 on bf16 copies of the fp32 parameters, which stay the master weights the optimizer steps
+    mixed_precision: str | None = None
+    reduce_dtype: str = "float32"  # gradients reduced in this dtype under mixed_precision
+    offload: str = "auto"
     recompute: tuple[str, ...] = ()  # module paths whose forward the backward runs again (passes/recompute.py)
     # picks the scalar loss out of what forward returns; default: a tensor itself, a ModelOutput's or dict's
     # "loss", a tuple's first element (passes/capture.py: loss_of)
@@ -85,6 +98,19 @@ class PlanConfig:
             )
         if self.recipe is not None:
             object.__setattr__(self, "recipe", normalize(self.recipe))
+        if self.mixed_precision is not None:
+            key = str(self.mixed_precision).removeprefix("torch.").lower()
+            if key in ("fp16", "float16", "half"):
+                raise ValueError("mixed_precision='fp16' needs loss scaling, which autoshard does not do; use 'bf16'")
+            if key not in MIXED_PRECISION:
+                raise ValueError(f"mixed_precision={self.mixed_precision!r} is not known; use 'bf16' (or None)")
+            object.__setattr__(self, "mixed_precision", MIXED_PRECISION[key])
+        key = str(self.reduce_dtype).removeprefix("torch.").lower()
+        if key not in REDUCE_DTYPES:
+            raise ValueError(f"reduce_dtype={self.reduce_dtype!r} is not known; use 'float32' or 'bfloat16'")
+        object.__setattr__(self, "reduce_dtype", REDUCE_DTYPES[key])
+        if self.offload not in OFFLOAD_MODES:
+            raise ValueError(f"offload={self.offload!r} is not known; use one of {', '.join(OFFLOAD_MODES)}")
         if isinstance(self.recompute, str):
             object.__setattr__(self, "recompute", (self.recompute,))
         object.__setattr__(self, "recompute", tuple(self.recompute))
