@@ -56,18 +56,27 @@ class GroupStrategy:
     # the same as the compute layout (DDP, FSDP/ZeRO-3, TP)
     grad_placements: Placements | None = None
     state_placements: Placements | None = None
+    # offload (ZeRO-Offload, ``passes/strategies.py: offload_variants``): "optimizer" or "params" when the optimizer
+    # state and the master it steps live in host memory (``state_placements`` then says how the master is sharded),
+    # "" on the device. ``offload_s``: the per-step host copies and host optimizer step, included in ``compute_s``;
+    # ``host_bytes``: what this group holds in host memory (master, its gradient, optimizer state)
+    offload: str = ""
+    offload_s: float = 0.0
+    host_bytes: int = 0
 
 
 @dataclass(frozen=True)
 class NodeSharding:
     """The solved layout of one node: ``node.meta["autoshard"]`` (``grad``/``state``: a parameter's gradient and
-    optimizer-state layouts, when not its compute layout ``outputs[0]``)."""
+    optimizer-state layouts, when not its compute layout ``outputs[0]``; ``offload``: its master and optimizer state
+    held in host memory, see ``GroupStrategy.offload``)."""
 
     group: int
     outputs: NodeOut
     inputs: tuple[Placements | None, ...]
     grad: Placements | None = None
     state: Placements | None = None
+    offload: str = ""  # a parameter whose master and optimizer state live in host memory: "optimizer" / "params"
 
     @property
     def grad_layout(self) -> Placements:
@@ -76,6 +85,17 @@ class NodeSharding:
     @property
     def state_layout(self) -> Placements:
         return self.state if self.state is not None else self.outputs[0]
+
+
+def param_offload_of(gm: fx.GraphModule) -> dict[str, str]:
+    """Parameter name -> offload mode ("optimizer" / "params") of the solved graph's offloaded parameters (the
+    runtime holds their masters and optimizer state in host memory: ``autoshard/runtime/offload.py``)."""
+    out: dict[str, str] = {}
+    for n in gm.graph.find_nodes(op="placeholder"):
+        sh = n.meta.get("autoshard")
+        if sh is not None and getattr(sh, "offload", "") and n.meta["autoshard_role"].kind == "parameter":
+            out[n.meta["autoshard_role"].name] = sh.offload
+    return out
 
 
 def layer_parts(name: str) -> tuple[str, int, str] | None:

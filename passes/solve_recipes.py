@@ -4,7 +4,9 @@ A recipe (``autoshard.solver.recipes``: ddp, fsdp, Megatron tp, fsdp+tp) says wh
 go; ``recipe_pins`` turns that into the candidates each decision group may keep (and, with data parallelism,
 keeps every op on the batch on its batch shard), and ``solve_recipe`` solves ``ctx.problem`` with those pins.
 A recipe is therefore the same program with fewer choices, costed by the same model as the plan: the best
-program that recipe allows, not a straw man.
+program that recipe allows, not a straw man. Recipes keep the optimizer state on the device (the offloaded
+candidates of ``strategies.offload_variants`` are the plan's choice alone), except where ``PlanConfig.offload``
+forces it to the host for every parameter: then a recipe pins its layouts' offloaded forms.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext) -> tuple[dict
     pins: dict[int, set[int]] = {}
     dp_axes: set[int] = set()
     bent = unmatched = kept_whole = 0
+    forced = ctx.config.offload in ("optimizer", "params")
     for g in ctx.groups:
         if g.kind not in ("parameter", "input") or canon[g.id] != g.id:
             continue
@@ -56,9 +59,13 @@ def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext) -> tuple[dict
         whole = [s.state_placements is None or all(isinstance(p, Shard) or n == 1
                                                    for p, n in zip(s.state_placements, ms)) for s in cands]
         want = state_kind(recipe) if role.kind == "parameter" else ""
+        # a recipe keeps its state on the device, unless PlanConfig.offload forces every parameter's to the host:
+        # then the recipe's layouts are pinned with their offloaded forms (ZeRO-Offload over ddp, fsdp, ...)
+        offloaded = [bool(s.offload) for s in cands]
 
         def matching(layout: tuple, kind: str) -> set[int]:  # the state sharded over every axis it can be
-            return {i for i, pl in enumerate(layouts) if tuple(pl) == layout and kinds[i] == kind and whole[i]}
+            return {i for i, pl in enumerate(layouts) if tuple(pl) == layout and offloaded[i] == forced
+                    and (forced or (kinds[i] == kind and whole[i]))}
 
         keep = matching(target, want)
         if not keep and want:  # a parameter whose state cannot be sharded evenly stays whole, as ddp holds it

@@ -31,6 +31,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autoshard import _torch_compat as tc
 from autoshard.cost.reshard import reshard_time as redistribute_time
 from autoshard.cost.compute import compute_time, op_flops
+from autoshard.cost.offload import host_is_device, offload_cost
 from autoshard.ir import Group, GroupStrategy, NodeOut
 from autoshard.ir import is_saved, owns_storage, tensor_args
 from autoshard.ir import output_vals
@@ -139,6 +140,67 @@ def state_variants(s: GroupStrategy, val: torch.Tensor, ctx: PassContext) -> lis
     return out
 
 
+def _full_state(compute: tuple, val: torch.Tensor, ms: tuple[int, ...]) -> tuple:
+    """``compute`` sharded further over every mesh axis where it is replicated (on the first dim that divides
+    evenly), or ``compute`` itself when no such shard exists."""
+    free = [a for a, p in enumerate(compute) if isinstance(p, Replicate) and ms[a] > 1]
+    for d in range(val.ndim):
+        st = tuple(Shard(d) if a in free else p for a, p in enumerate(compute))
+        if free and evenly_divisible(val.shape, st, ms):
+            return st
+    return compute
+
+
+def offload_variants(s: GroupStrategy, val: torch.Tensor, ctx: PassContext) -> list[GroupStrategy]:
+    """The ZeRO-Offload form of a parameter candidate ``s`` (``PlanConfig.offload``): its optimizer state and the
+    master the optimizer updates live in host memory, sharded over every mesh axis where the compute layout is
+    replicated (each rank steps its shard); the device keeps the compute copy and the gradient until it is copied
+    out. Per step: the gradient shard to the host, the host's optimizer step, the updated shard back and, when the
+    compute copy is less sharded, its all-gather on the device (``autoshard/cost/offload.py``; in ``compute_s``,
+    since the runtime overlaps none of it). Device bytes: compute copy + gradient, no optimizer state; host bytes:
+    master + its gradient + optimizer state. With ``offload="params"`` only compute layouts sharded over every
+    axis (ZeRO-3 / FSDP, as DeepSpeed's parameter offload requires) are offered, so the device holds a shard of
+    the parameter and nothing else."""
+    mode = ctx.config.offload
+    factor = ctx.config.optimizer_factor
+    shared = host_is_device(ctx.cluster)  # a CPU cluster: host memory is the device's own, offloading frees nothing
+    if mode == "none" or factor == 0 or (shared and mode == "auto"):
+        return []
+    ms = ctx.mesh_shape
+    compute = s.outputs[0][0]
+    state = _full_state(compute, val, ms) if ctx.config.shard_state or mode == "params" else compute
+    size = val.numel() * val.element_size()
+    shard = size // shard_factor(state, ms)
+    on_device = size // shard_factor(compute, ms)
+    gather = redistribute_time(state, compute, tuple(val.shape), val.element_size(), ms, ctx.cluster)
+    if math.isinf(gather):
+        return []
+    cost = offload_cost(shard, shard, factor, ctx.cluster)
+    moved = None if state == compute else state
+    # where host memory is the device's (forced on a CPU cluster, to run the mechanism), the master and the state
+    # stay in the device's count: the compute copy is then one more copy, not one fewer
+    param, opt = (on_device + shard, shard * factor) if shared else (on_device, 0)
+    return [dataclasses.replace(
+        s, compute_s=s.compute_s + cost.total_s, comm_s=s.comm_s + gather, state_bytes=param + shard + opt,
+        param_bytes=param, grad_bytes=shard, optimizer_bytes=opt, grad_placements=moved, state_placements=moved,
+        offload="params" if mode == "params" else "optimizer", offload_s=cost.total_s,
+        host_bytes=shard * (2 + factor))]
+
+
+def _forced_offload(result: dict[tuple, GroupStrategy], mode: str, ms: tuple[int, ...], name: str) -> dict:
+    """Under ``offload="optimizer"`` / ``"params"`` only the offloaded candidates; for "params" those whose compute
+    copy is sharded over every axis of size > 1, where the parameter has such a layout."""
+    kept = {k: v for k, v in result.items() if v.offload}
+    if not kept:
+        raise ValueError(f"offload={mode!r}: parameter {name} has no offloaded layout on mesh {ms} (the optimizer "
+                         "keeps no state, optimizer='none'?); use offload='auto' or 'none'")
+    if mode == "params":
+        sharded = {k: v for k, v in kept.items()
+                   if all(isinstance(p, Shard) or n == 1 for p, n in zip(v.outputs[0][0], ms))}
+        kept = sharded or kept
+    return kept
+
+
 def _real_args(node: fx.Node) -> tuple[tuple, dict, object]:
     def conv(a: object) -> object:
         if isinstance(a, fx.Node):
@@ -201,6 +263,11 @@ def group_strategies(group: Group, nodes: dict[str, fx.Node], ctx: PassContext, 
             if group.kind == "parameter" and ctx.config.shard_state:
                 for v in state_variants(s, anchor.meta["val"], ctx):
                     result[(*key, v.grad_placements, v.state_placements)] = v
+            if group.kind == "parameter":
+                for v in offload_variants(s, anchor.meta["val"], ctx):
+                    result[(*key, v.grad_placements, v.state_placements, v.offload)] = v
+    if group.kind == "parameter" and ctx.config.offload in ("optimizer", "params"):
+        result = _forced_offload(result, ctx.config.offload, ms, anchor.meta["autoshard_role"].name)
     result = _prune_dominated(group, nodes, result)
     if not result:
         # all-Replicate always propagates; reaching here means the group's own ops reject replication
@@ -268,3 +335,14 @@ def strategies(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ctx.stats["strategies"] = sum(len(ctx.strategies[g.id]) for g in ctx.groups if canon[g.id] == g.id)
     log.info("strategies: %d candidates over %d groups", ctx.stats["strategies"], len(ctx.groups))
     return gm
+
+
+def offloaded_params(gm: fx.GraphModule, ctx: PassContext, solution: object = None) -> dict[str, str]:
+    """Parameter name -> offload mode of the parameters ``solution`` (default ``ctx.solution``) holds in host memory."""
+    sol = solution if solution is not None else ctx.solution
+    nodes = {n.name: n for n in gm.graph.nodes}
+    out: dict[str, str] = {}
+    for g in ctx.groups:
+        if g.kind == "parameter" and (mode := ctx.strategies[g.id][sol.choice[g.id]].offload):
+            out[nodes[g.anchor].meta["autoshard_role"].name] = mode
+    return out

@@ -12,6 +12,10 @@ compute layout (its state is sharded like it), and the program computes with a c
 
 ``ParamStates`` does both for ``ShardedModule`` and the pipeline stages; parameters are passed to the autograd
 functions as the masters, so ``.grad`` lands on what the optimizer steps.
+
+An offloaded parameter (``program.offload``: name -> "optimizer" / "params", from ``NodeSharding.offload``) has
+its master, and so its optimizer state, in host memory (``autoshard/runtime/offload.py``): the compute copy is the
+master uploaded and gathered at the first forward after each step, and the gradient is copied to the host.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from autoshard import _torch_compat as tc
+from autoshard.runtime.offload import HostOffload
 
 Layout = tuple[Placement, ...]
 
@@ -33,7 +38,8 @@ class ParamStates:
     """The compute, gradient and master layouts of a program's parameters (by ``names``, in the program's
     order), and the gathered compute copies of those whose master is sharded further."""
 
-    def __init__(self, mesh: DeviceMesh, names: Sequence[str], program: Any) -> None:
+    def __init__(self, mesh: DeviceMesh, names: Sequence[str], program: Any,
+                 offload: Mapping[str, str] | None = None) -> None:
         self.mesh = mesh
         self.names = list(names)
         compute: Mapping[str, Layout] = program.layouts
@@ -42,6 +48,9 @@ class ParamStates:
         self.compute = [tuple(compute[n]) for n in self.names]
         self.grad = [tuple(grad.get(n, compute[n])) for n in self.names]
         self.state = [tuple(state.get(n, compute[n])) for n in self.names]
+        modes: Mapping[str, str] = offload if offload is not None else getattr(program, "offload", {})
+        self.offload = [modes.get(n, "") for n in self.names]  # "" on the device, else "optimizer" / "params"
+        self._host = HostOffload(mesh) if any(self.offload) else None
         self._copies: dict[int, tuple[int, int, torch.Tensor]] = {}  # slot -> (id, version of master, copy)
 
     def master_placements(self) -> dict[str, Layout]:
@@ -49,14 +58,19 @@ class ParamStates:
         return dict(zip(self.names, self.state))
 
     def sharded_masters(self) -> list[str]:
-        return [n for n, c, s in zip(self.names, self.compute, self.state) if c != s]
+        """Parameters whose master is not the tensor the program computes with (ZeRO-1/2, offloaded)."""
+        return [n for n, c, s, o in zip(self.names, self.compute, self.state, self.offload) if c != s or o]
+
+    def offloaded(self) -> list[str]:
+        """Parameters whose master and optimizer state live in host memory."""
+        return [n for n, o in zip(self.names, self.offload) if o]
 
     def local_inputs(self, flat: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The program's local inputs: compute copies for the first ``len(names)`` (the parameters), the local
         shard of everything else."""
         out = []
         for i, x in enumerate(flat):
-            if i >= len(self.names) or self.compute[i] == self.state[i]:
+            if i >= len(self.names) or (self.compute[i] == self.state[i] and not self.offload[i]):
                 out.append(tc.local_tensor(x))
                 continue
             out.append(self._copy(i, x))
@@ -70,18 +84,27 @@ class ParamStates:
         if hit is None or hit[:2] != key:
             if not isinstance(master, DTensor):
                 raise TypeError(f"parameter {self.names[i]}: its master must be a DTensor (got {type(master).__name__})")
-            with torch.no_grad():
-                copy = master.detach().redistribute(self.mesh, self.compute[i]).to_local()
+            if self._host is not None and self.offload[i]:
+                self._host.ensure_on_host(master)  # (in place: the optimizer holds this object)
+                key = (id(master), master._version)
+                copy = self._host.compute_copy(master, self.compute[i])
+            else:
+                with torch.no_grad():
+                    copy = master.detach().redistribute(self.mesh, self.compute[i]).to_local()
             self._copies[i] = (*key, copy)
         return self._copies[i][2]
 
     def gradient(self, slot: int, grad: torch.Tensor, like: DTensor) -> DTensor:
         """The program's local gradient of parameter ``slot`` as a DTensor laid out like its master ``like``."""
         if self.grad[slot] == self.state[slot]:
-            return tc.dtensor_like(grad, like)
-        whole = DTensor.from_local(grad, self.mesh, self.grad[slot], run_check=False, shape=like.shape,
-                                   stride=like.stride())
-        return whole.redistribute(self.mesh, self.state[slot])  # a local cut: the master is sharded further
+            out = tc.dtensor_like(grad, like)
+        else:
+            whole = DTensor.from_local(grad, self.mesh, self.grad[slot], run_check=False, shape=like.shape,
+                                       stride=like.stride())
+            out = whole.redistribute(self.mesh, self.state[slot])  # a local cut: the master is sharded further
+        if self._host is not None and self.offload[slot]:
+            return self._host.to_host(out, like)  # the master (and so its .grad) lives in host memory
+        return out
 
 
 def scatter_grads(grads: Sequence[torch.Tensor], slots: Sequence[int], like: Sequence[DTensor | None],
