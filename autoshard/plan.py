@@ -218,8 +218,8 @@ class StagePlan:
     def __post_init__(self) -> None:
         _set(self, ranks=tuple(int(r) for r in self.ranks), layers=tuple(self.layers), tensors=tuple(self.tensors))
         _set(self, ops=tuple(self.ops), collectives=tuple(self.collectives))
-        _set(self, compute_s=float(self.compute_s), comm_s=float(self.comm_s))
-        _set(self, microbatch_time_s=float(self.microbatch_time_s))
+        _set(self, compute_s=float(self.compute_s), comm_s=float(self.comm_s),
+             microbatch_time_s=float(self.microbatch_time_s))
         if self.ranks and len(self.ranks) != self.mesh.size:
             raise ValueError(f"stage {self.index}: {len(self.ranks)} ranks for mesh {self.mesh} of {self.mesh.size}")
         ndim = len(self.mesh.shape)
@@ -277,11 +277,14 @@ class Plan:
     chunks: int = 1  # model chunks per pipeline rank (interleaved schedules); each stage's layers hold all of its
     bubble_fraction: float = 0.0  # predicted idle share of the step on the busiest stage (pipelined plans)
     recompute: bool = False  # layers run their forward again in the backward (pipelined: all; else config.recompute)
+    recompute_layers: tuple[str, ...] = ()  # which modules replay, in which mode ("layers.3:selective"; recompute.py)
+    recompute_s: float = 0.0  # predicted time the replays add to the step (in step_time_s)
 
     def __post_init__(self) -> None:
         _set(self, stages=tuple(self.stages), step_time_s=float(self.step_time_s), microbatches=int(self.microbatches))
         _set(self, recipes=tuple(self.recipes), tokens_per_step=int(self.tokens_per_step))
         _set(self, chunks=int(self.chunks), bubble_fraction=float(self.bubble_fraction), recompute=bool(self.recompute))
+        _set(self, recompute_layers=tuple(self.recompute_layers), recompute_s=float(self.recompute_s))
         if self.microbatches < 1 or self.chunks < 1 or not 0.0 <= self.bubble_fraction < 1.0:
             raise ValueError(
                 f"plan: microbatches {self.microbatches} and chunks {self.chunks} must be >= 1 and bubble_fraction "

@@ -201,7 +201,7 @@ def _pipeline_lines(plan: Plan) -> list[str]:
     if len(plan.stages) < 2:
         if plan.microbatches > 1:
             return ["", f"no pipeline stages: gradient accumulation over {plan.microbatches} micro-batches{redo}"]
-        return ["", "activation recomputation: the chosen layers run their forward again in the backward"] if redo else []
+        return ["", f"activation recomputation: {_recompute_str(plan)}"] if redo else []
     chunks = f" ({plan.chunks} model chunks per rank)" if plan.chunks > 1 else ""
     if plan.schedule in SPLIT_BACKWARD:  # a schedule for offline plans: the runtime has no split backward
         chunks += " [offline plan: autoshard.compile does not run split-backward schedules]"
@@ -220,6 +220,16 @@ def _pipeline_lines(plan: Plan) -> list[str]:
     if min(times) > 0:
         lines.append(f"stage balance: slowest / fastest stage = {max(times) / min(times):.2f}{_why_unbalanced(plan)}")
     return lines
+def _recompute_str(plan: Plan) -> str:
+    """Which layers replay their forward in the backward, in which mode, and what the replays cost."""
+    if not plan.recompute_layers:
+        return "the chosen layers run their forward again in the backward"
+    from autoshard.passes.recompute import describe
+
+    return (f"{describe(plan.recompute_layers)} (full: the whole forward runs again in the backward; selective: all "
+            f"but the matmuls and attention), +{format_seconds(plan.recompute_s)} per step")
+
+
 
 
 def _why_unbalanced(plan: Plan) -> str:

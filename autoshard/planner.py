@@ -8,6 +8,7 @@ graph and context.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import operator
@@ -28,6 +29,7 @@ from autoshard.cost.memory import temporaries, transients
 from autoshard.notation import placement_str
 from autoshard.ir import tensor_args
 from autoshard.passes.context import PassContext
+from autoshard.passes.recompute import best_mix, describe, layer_replays, mix_specs, replay_time
 from autoshard.passes.runner import PLANNING, run_passes
 from autoshard.passes.solve import annotate
 from autoshard.ir import repeated_layers
@@ -151,6 +153,8 @@ def build_plan(gm: fx.GraphModule, ctx: PassContext, solution: Any = None, recip
         memory_budget_bytes=int(ctx.config.memory_budget or 0),
         sampled_layers=sampled,
         recompute=bool(ctx.config.recompute),
+        recompute_layers=ctx.config.recompute,
+        recompute_s=replay_time(gm, ctx.mesh_shape, ctx.cluster.device, ctx.group_weight) if ctx.config.recompute else 0.0,
     )
 
 
@@ -221,34 +225,69 @@ def plan_graph(
 ) -> tuple[Plan, fx.GraphModule, PassContext]:
     """Plan ``model``; ``stage=True`` plans a pipeline stage (tensor outputs, input gradients; see capture).
 
-    Under a memory budget (and no ``config.recompute`` given) the plan that recomputes every repeated layer's
-    forward in the backward is weighed too, and kept when only it fits or it is faster: the budget may have forced
-    the plan that saves everything into slower layouts (``passes/recompute.py``)."""
+    Under a memory budget (and no ``config.recompute`` given) recomputation is weighed per layer
+    (``passes/recompute.py``): the plan that saves everything, the plan that recomputes every repeated layer
+    in full and, from that plan's layout and its layers' replay costs (``layer_replays``), the mix of saved,
+    selective (all but the matmuls) and fully recomputed layers that fits the budget fastest (``best_mix``),
+    planned once more. The fastest that fits is kept: the budget may have forced the plan that saves everything
+    into slower layouts, and recomputing only some layers, or only their cheap ops, may be enough."""
     layers = repeated_layers(model) if config.memory_budget is not None and not stage and not config.recompute else None
+    once = functools.partial(_plan_once, model, example_inputs, mesh, cluster, broadcast_solution=broadcast_solution,
+                             progress=progress, stage=stage)
     if layers is None or not layers[0]:
-        return _plan_once(model, example_inputs, mesh, cluster, config, broadcast_solution, progress, stage)
-    try:
-        saving = _plan_once(model, example_inputs, mesh, cluster, config, broadcast_solution, progress, stage)
-        failed = None
-    except InfeasibleBudget as e:
-        saving, failed = None, e
-    redo = dataclasses.replace(config, recompute=(layers[0],))
-    try:
-        again = _plan_once(model, example_inputs, mesh, cluster, redo, broadcast_solution, progress, stage)
-    except InfeasibleBudget as e:
-        if saving is None:
-            raise (e if (e.least_bytes or math.inf) < (failed.least_bytes or math.inf) else failed) from None
-        return saving
-    if saving is None or again[0].step_time_s < saving[0].step_time_s:
-        log.info("plan: recomputing the layers of %s in the backward (%s)", layers[0],
-                 "only that fits the budget" if saving is None else
-                 f"{again[0].step_time_s:.6f} s against {saving[0].step_time_s:.6f} s saving every activation")
-        return again
-    return saving
+        return once(config)
+    container, total = layers
+    plans: list[tuple[Plan, fx.GraphModule, PassContext]] = []
+    failed: list[InfeasibleBudget] = []
+
+    def attempt(specs: tuple[str, ...]) -> tuple[Plan, fx.GraphModule, PassContext] | None:
+        try:
+            plans.append(once(dataclasses.replace(config, recompute=specs)))
+            return plans[-1]
+        except InfeasibleBudget as e:
+            failed.append(e)
+            return None
+
+    saving = attempt(())
+    full = attempt((container,))
+    if full is not None:
+        replays = layer_replays(full[1], full[2].mesh_shape, cluster.device)
+        if replays:
+            rep = max(replays.values(), key=lambda r: r.full_bytes)
+            counts = best_mix(total, rep, full[0].step_time_s, full[0].peak_memory.total,
+                              0.98 * config.memory_budget)
+            log.info("plan: a layer of %s in the all-full plan's layout: full recomputation frees %.3g B for %.3g s, "
+                     "selective %.3g B for %.3g s; best mix (saved, selective, full) %s", container, rep.full_bytes,
+                     rep.full_s, rep.cheap_bytes, rep.cheap_s, counts)
+            if counts is not None and counts[1:] != (0, total) and counts[0] != total:
+                attempt(mix_specs(container, counts))
+    if not plans:
+        raise min(failed, key=lambda e: e.least_bytes or math.inf)
+    best = min(plans, key=lambda p: p[0].step_time_s)
+    best = (dataclasses.replace(best[0], recipes=_recipes_of([r for r in (saving, full) if r is not None])), *best[1:])
+    if best[0].recompute:
+        log.info("plan: recomputing %s in the backward (%s)", describe(best[2].config.recompute),
+                 ", ".join(f"{p[0].step_time_s:.6f} s with {describe(p[2].config.recompute) or 'every activation saved'}"
+                           for p in plans))
+    return best
+
+
+def _recipes_of(runs: Sequence[tuple[Plan, fx.GraphModule, PassContext]]) -> tuple[RecipeSummary, ...]:
+    """The recipes as people run them, each the faster that fits of saving every activation and recomputing every
+    layer (the runs that planned those): the mixes the planner found are its own, not the recipes'."""
+    best: dict[str, RecipeSummary] = {}
+    for plan, _, ctx in runs:
+        for r in plan.recipes:
+            if ctx.config.recompute and r.applies:
+                r = dataclasses.replace(r, note="; ".join(x for x in (r.note, "every layer recomputed") if x))
+            cur = best.get(r.name)
+            if cur is None or (r.fits, -r.step_time_s) > (cur.fits, -cur.step_time_s):
+                best[r.name] = r
+    return tuple(best.values())
 
 
 def _plan_once(model: nn.Module, example_inputs: Sequence[Any], mesh: DeviceMesh, cluster: ClusterProfile,
-               config: PlanConfig, broadcast_solution: bool, progress: Any, stage: bool
+               config: PlanConfig, *, broadcast_solution: bool, progress: Any, stage: bool
                ) -> tuple[Plan, fx.GraphModule, PassContext]:
     t0 = time.perf_counter()
     ctx = PassContext(mesh=mesh, cluster=cluster, config=config, broadcast_solution=broadcast_solution,

@@ -20,7 +20,7 @@ from autoshard.config import PlanConfig
 from autoshard.ir import repeated_layers
 from autoshard.passes.capture import capture
 from autoshard.passes.context import PassContext
-from autoshard.passes.recompute import tag_recompute
+from autoshard.passes.recompute import sampled_specs, tag_recompute
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,10 @@ def capture_model(model: nn.Module, ctx: PassContext) -> fx.GraphModule:
     only the first few of its repeated layers; then the constraints are checked against the model's parameter
     names and the call's argument names (a pipeline stage's were checked on the whole model)."""
     gm = _capture_some(model, ctx)
-    tag_recompute(gm, ctx.config.recompute, [n for n, _ in model.named_modules()])
+    specs = ctx.config.recompute
+    if specs and ctx.sampled_layers is not None:  # the captured layers stand for all: their modes too
+        specs = sampled_specs(specs, *ctx.sampled_layers)[0]
+    tag_recompute(gm, specs, [n for n, _ in model.named_modules()])
     if not ctx.stage:
         params = [n for n, _ in model.named_parameters(remove_duplicate=False)]
         ctx.config.check_constraints(params, ctx.signature.names if ctx.signature else (), ctx.mesh_names)

@@ -1,55 +1,178 @@
 """Activation recomputation (checkpointing) of chosen modules: which forward ops the backward runs again.
 
-``tag_recompute`` marks every forward op that ran inside one of the named modules (``PlanConfig.recompute``:
-module paths such as ``"layers.3"``, or a container such as ``"layers"`` for all of its layers) with torch's
-``CheckpointPolicy.PREFER_RECOMPUTE`` in ``meta["recompute"]``, as ``torch.utils.checkpoint``'s selective
-policies do, except ops that draw random numbers (attention with dropout), which are saved. The tag travels:
+``PlanConfig.recompute`` names modules, each with a mode (``spec``: ``"layers.3"`` or ``"layers.3:full"``, the
+whole forward replayed; ``"layers.3:selective"``, all but the matmuls replayed; a container such as
+``"layers"`` stands for all of its layers). ``tag_recompute`` marks the forward ops that ran inside them, in
+``meta["recompute"]``, with torch's ``CheckpointPolicy`` as ``torch.utils.checkpoint``'s selective policies do:
 
-- into the costs: ``strategies`` counts a tagged op's outputs as not saved (only what the backward cannot
-  recompute, the module's inputs, stays) and its forward compute twice;
-- into ``share_layers``: a recomputed layer is not identical to one that is not;
-- into this rank's program: ``lower`` traces each op with its global node's metadata, so the lowered ops (the
-  collectives a recomputed op needs included) carry the tag, and torch's partitioner saves none of them and
-  replays them in the backward (``passes/partition.py``).
+- ``PREFER_RECOMPUTE`` on the ops the backward runs again;
+- ``MUST_SAVE`` on what stays: in selective mode the expensive ops (matmuls, convolutions, attention: ``EXPENSIVE``)
+  and their items; in both modes a recomputed layer's outputs (the values another layer or module reads: the
+  residual stream), so that a backward replays one layer from its saved input, not the whole stack from the
+  embedding. Ops that draw random numbers (attention with dropout) are left untagged, i.e. saved.
+
+Non-recomputed ops that a replay reads (a layer's saved input, a selective layer's matmul outputs read through a
+recomputed view) get ``meta[KEPT]``: they are held for the backward although no backward op reads them.
+
+The tags travel into the costs (``strategies``: a recomputed op is not saved and costs its forward twice;
+``stored`` says what is saved), into ``share_layers`` (layers in different modes are not identical), into
+``cost/memory.py`` (the replay's working set) and into this rank's program: ``lower`` traces each op with its
+global node's metadata, so the lowered ops (collectives included) carry the tag and torch's partitioner saves and
+replays what they say (``passes/partition.py``).
+
+With sampled capture (``ctx.sampled_layers``: k of a container's L layers captured), ``sampled_specs`` gives the
+captured layers modes such that every mode of the L layers is represented, and ``mode_counts`` how many real
+layers each mode stands for (``share_layers`` weighs them).
 
 Part of capture (not a pass of its own): it runs on the captured graph before ``coarsen``.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Sequence
+import operator
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from autoshard import _torch_compat as tc
+from autoshard.cost.compute import compute_time, op_flops
+from autoshard.ir import is_saved, is_view, layer_key, layer_parts, owns_storage, tensor_args
 
 log = logging.getLogger(__name__)
 
+FULL, SELECTIVE = "full", "selective"
+MODES = (FULL, SELECTIVE)
+KEPT = "autoshard_replay_input"  # meta key: a kept value a replay reads (see the module docstring)
+MUST_SAVE = type(tc.PREFER_RECOMPUTE).MUST_SAVE  # the same enum (torch.utils.checkpoint.CheckpointPolicy)
+# what selective recomputation keeps (torch's selective-checkpoint examples and torchtitan's op list save these)
+EXPENSIVE = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution", "_scaled_mm", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
+})
 
-def _inside(module: str, prefixes: Sequence[str]) -> bool:
-    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    """``"layers.3:selective"`` -> ``("layers.3", "selective")``; no mode is ``full``."""
+    path, _, mode = str(spec).partition(":")
+    mode = mode or FULL
+    if mode not in MODES:
+        raise ValueError(f"recompute={spec!r}: mode {mode!r} is not one of {', '.join(MODES)} (write 'PATH' or "
+                         f"'PATH:selective')")
+    return path, mode
 
 
-def tag_recompute(gm: fx.GraphModule, prefixes: Sequence[str], modules: Sequence[str]) -> int:
-    """Tag the forward ops run inside ``prefixes`` (see the module docstring); ``modules`` are the model's module
-    paths, to refuse a prefix that names none. Returns how many ops were tagged."""
-    if not prefixes:
+def spec(path: str, mode: str) -> str:
+    return path if mode == FULL else f"{path}:{mode}"
+
+
+def _inside(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def _mode_of(module: str, parsed: Sequence[tuple[str, str]]) -> tuple[str, str] | None:
+    """The (path, mode) of the most specific spec whose path holds ``module``."""
+    found = [p for p in parsed if _inside(module, p[0])]
+    return max(found, key=lambda p: len(p[0])) if found else None
+
+
+def layer_modes(specs: Sequence[str], container: str, total: int) -> list[str | None]:
+    """The mode of each of ``container``'s ``total`` layers under ``specs`` (None: saved)."""
+    parsed = [parse_spec(s) for s in specs]
+    out: list[str | None] = []
+    for i in range(total):
+        hit = _mode_of(f"{container}.{i}", parsed)
+        out.append(hit[1] if hit is not None else None)
+    return out
+
+
+def layer_specs(container: str, modes: Sequence[str | None]) -> tuple[str, ...]:
+    """Specs for ``container``'s layers in ``modes`` (None: saved); the container itself when all share one."""
+    if modes and all(m == modes[0] for m in modes) and modes[0] is not None:
+        return (spec(container, modes[0]),)
+    return tuple(spec(f"{container}.{i}", m) for i, m in enumerate(modes) if m is not None)
+
+
+def sampled_specs(specs: Sequence[str], container: str, k: int, total: int) -> tuple[tuple[str, ...], Counter]:
+    """Specs for the ``k`` captured layers of ``total`` (sampled capture) and the real layers per mode.
+
+    Layer 0 keeps its own mode; the others take modes so that every mode of layers 1.. is represented (the one
+    with more layers left first); specs naming modules outside ``container`` are kept as they are."""
+    modes = layer_modes(specs, container, total)
+    counts = Counter(modes)
+    left = Counter(modes[1:])
+    captured = [modes[0]]
+    for _ in range(1, k):
+        unseen = [m for m in left if left[m] > 0 and m not in captured[1:]]
+        pool = unseen or [m for m in left if left[m] > 0]
+        m = max(pool, key=lambda x: (left[x], str(x)))
+        captured.append(m)
+        left[m] -= 1
+    others = tuple(s for s in specs if not _inside(container, parse_spec(s)[0])
+                   and not _inside(parse_spec(s)[0], container))
+    return others + layer_specs(container, captured), counts
+
+
+def tag_recompute(gm: fx.GraphModule, specs: Sequence[str], modules: Sequence[str]) -> int:
+    """Tag the forward ops run inside ``specs`` (see the module docstring); ``modules`` are the model's module
+    paths, to refuse a spec that names none. Returns how many ops the backward runs again."""
+    if not specs:
         return 0
-    unknown = [p for p in prefixes if not any(_inside(m, [p]) for m in modules)]
+    parsed = [parse_spec(s) for s in specs]
+    unknown = [p for p, _ in parsed if not any(_inside(m, p) for m in modules)]
     if unknown:
-        raise ValueError(f"recompute={list(prefixes)}: {unknown} name no module of the model; give module paths "
-                         f"such as {[m for m in modules if m.count('.') == 1][:3]} or a container of layers")
-    tagged = 0
+        raise ValueError(f"recompute={list(specs)}: {unknown} name no module of the model; give module paths "
+                         f"such as {[m for m in modules if m.count('.') == 1][:3]} or a container of layers, "
+                         f"optionally with ':selective'")
+    region: dict[fx.Node, tuple] = {}
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.meta.get("autoshard_phase") != "forward":
             continue
-        if _inside(n.meta.get("autoshard_module", ""), prefixes) and not _seeded(n):
-            n.meta["recompute"] = tc.PREFER_RECOMPUTE
-            tagged += 1
-    log.info("recompute: %d forward ops inside %s run again in the backward", tagged, list(prefixes))
-    return tagged
+        module = n.meta.get("autoshard_module", "")
+        hit = _mode_of(module, parsed)
+        if hit is None or _seeded(n):
+            continue
+        region[n] = (hit[0], layer_key(module))
+        keep = hit[1] == SELECTIVE and _expensive(n)
+        n.meta["recompute"] = MUST_SAVE if keep else tc.PREFER_RECOMPUTE
+    for n in region:  # a region's outputs (read by another layer or module) are saved: replays start there
+        if n.meta["recompute"] == tc.PREFER_RECOMPUTE and any(
+                u.op == "output" or (u.meta.get("autoshard_phase") == "forward" and region.get(u) != region[n])
+                for u in n.users):
+            n.meta["recompute"] = MUST_SAVE
+    _mark_kept(gm)
+    replayed = sum(is_recomputed(n) for n in region)
+    log.info("recompute: %d forward ops inside %s run again in the backward, %d saved", replayed, list(specs),
+             len(region) - replayed)
+    return replayed
+
+
+def _expensive(node: fx.Node) -> bool:
+    if node.target is operator.getitem:
+        return _expensive(node.args[0]) if isinstance(node.args[0], fx.Node) else False
+    packet = getattr(node.target, "overloadpacket", None)
+    return getattr(packet, "__name__", "") in EXPENSIVE
+
+
+def _mark_kept(gm: fx.GraphModule) -> None:
+    """``meta[KEPT]`` on the non-recomputed forward values that the replays the backward needs read."""
+    todo = [n for n in gm.graph.nodes if is_recomputed(n) and is_saved(n)]
+    needed: set[fx.Node] = set()
+    while todo:
+        n = todo.pop()
+        if n in needed:
+            continue
+        needed.add(n)
+        for a in n.all_input_nodes:
+            if is_recomputed(a):
+                todo.append(a)
+            elif a.op == "call_function":
+                a.meta[KEPT] = True
 
 
 def _seeded(node: fx.Node) -> bool:
@@ -62,4 +185,129 @@ def is_recomputed(node: fx.Node) -> bool:
     return node.meta.get("recompute") == tc.PREFER_RECOMPUTE
 
 
-__all__ = ["is_recomputed", "tag_recompute"]
+def stored(node: fx.Node) -> bool:
+    """Whether a forward value is held for the backward in storage of its own (an activation the costs count):
+    read by the backward or by a replay, not replayed itself, and not a view of what is counted elsewhere."""
+    return (is_saved(node) or bool(node.meta.get(KEPT))) and owns_storage(node) and not is_recomputed(node)
+
+
+def describe(specs: Sequence[str]) -> str:
+    """``layers.0-3 full, layers.4-31 selective``: specs with runs of consecutive layers folded."""
+    runs: list[list] = []  # [container, first, last, mode] or [path, None, None, mode]
+    for s in specs:
+        path, mode = parse_spec(s)
+        parts = layer_parts(path + ".x")
+        if parts and parts[2] == "x" and runs and runs[-1][0] == parts[0] and runs[-1][3] == mode \
+                and runs[-1][2] == parts[1] - 1:
+            runs[-1][2] = parts[1]
+        elif parts and parts[2] == "x":
+            runs.append([parts[0], parts[1], parts[1], mode])
+        else:
+            runs.append([path, None, None, mode])
+    return ", ".join(f"{c}.{a}" + (f"-{b}" if b != a else "") + f" {m}" if a is not None else f"{c} {m}"
+                     for c, a, b, m in runs)
+
+
+@dataclass(frozen=True)
+class LayerReplay:
+    """One recomputed layer under a solved layout, per device: the saved bytes full / selective recomputation
+    frees against saving it, and the time each replay adds to the step."""
+
+    full_bytes: float
+    cheap_bytes: float
+    full_s: float
+    cheap_s: float
+
+
+def _local_bytes(val: object, placements: Sequence | None, mesh_shape: Sequence[int]) -> int:
+    if not isinstance(val, torch.Tensor):
+        return 0
+    split = 1
+    for p, n in zip(placements or (), mesh_shape):
+        split *= n if p is not None and p.is_shard() else 1
+    return val.numel() * val.element_size() // split
+
+
+def _once_s(n: fx.Node, mesh_shape: Sequence[int], device: object) -> float:
+    """One run of ``n`` under its solved layout (``meta["autoshard"]``): the roofline ``strategies`` prices."""
+    sh = n.meta.get("autoshard")
+    val = n.meta.get("val")
+    if sh is None or n.target is operator.getitem:
+        return 0.0
+    vals = val if isinstance(val, (tuple, list)) else (val,)
+    nbytes = sum(_local_bytes(v, p, mesh_shape) for v, p in zip(vals, sh.outputs))
+    nbytes += sum(_local_bytes(a.meta.get("val"), p, mesh_shape) for a, p in zip(tensor_args(n), sh.inputs))
+    split = 1
+    for axis, size in enumerate(mesh_shape):
+        if any(ps is not None and ps[axis].is_shard() for ps in (*sh.inputs, *sh.outputs)):
+            split *= size
+
+    def conv(a: object) -> object:
+        return a.meta.get("val") if isinstance(a, fx.Node) else type(a)(conv(x) for x in a) if isinstance(
+            a, (list, tuple)) else a
+
+    flops = op_flops(n.target, conv(tuple(n.args)), {k: conv(v) for k, v in n.kwargs.items()}, val) / split
+    dtype = next((str(v.dtype) for v in vals if isinstance(v, torch.Tensor)), "float32")
+    return compute_time(flops, nbytes, device, dtype)
+
+
+def _storage_root(n: fx.Node) -> fx.Node:
+    while n.op == "call_function" and is_view(n.target) and tensor_args(n):
+        n = tensor_args(n)[0]
+    return n
+
+
+def layer_replays(gm: fx.GraphModule, mesh_shape: Sequence[int], device: object) -> dict[tuple, LayerReplay]:
+    """Per recomputed layer (``ir.layer_key``) of a solved graph whose layers are tagged in full mode: what full
+    and selective recomputation of it free and cost (``autoshard/planner.py`` weighs mixes with them)."""
+    acc: dict[tuple, list[float]] = {}
+    for n in gm.graph.nodes:
+        if not is_recomputed(n):
+            continue
+        key = layer_key(n.meta.get("autoshard_module", "")) or (n.meta.get("autoshard_module", ""), -1)
+        row = acc.setdefault(key, [0.0, 0.0, 0.0, 0.0])
+        cheap = not _expensive(n) and not _expensive(_storage_root(n))
+        once = _once_s(n, mesh_shape, device)
+        row[2] += once
+        row[3] += once if not _expensive(n) else 0.0
+        if is_saved(n) and owns_storage(n):
+            sh = n.meta.get("autoshard")
+            vals = n.meta["val"] if isinstance(n.meta.get("val"), (tuple, list)) else (n.meta.get("val"),)
+            b = sum(_local_bytes(v, p, mesh_shape) for v, p in zip(vals, sh.outputs)) if sh is not None else 0
+            row[0] += b
+            row[1] += b if cheap else 0
+    return {k: LayerReplay(*v) for k, v in acc.items()}
+
+
+def replay_time(gm: fx.GraphModule, mesh_shape: Sequence[int], device: object, weight: Mapping[int, float]) -> float:
+    """The time the replays of a solved graph add to its step (a captured layer counted as the layers it stands
+    for: ``weight`` by group, ``ctx.group_weight``)."""
+    return sum(_once_s(n, mesh_shape, device) * weight.get(n.meta["autoshard"].group, 1.0)
+               for n in gm.graph.nodes if is_recomputed(n) and n.meta.get("autoshard") is not None)
+
+
+def best_mix(layers: int, replay: LayerReplay, full_step_s: float, full_bytes: float, budget: float
+             ) -> tuple[int, int, int] | None:
+    """(saved, selective, full) layer counts (at most two modes) that make a plan with the layout of the
+    all-full plan (``full_step_s``, peak ``full_bytes``) fit ``budget`` fastest; None when none fits."""
+    best: tuple[float, tuple[int, int, int]] | None = None
+    for a, b in itertools.product(range(layers + 1), repeat=2):
+        counts = (a, b, layers - a - b)
+        if counts[2] < 0 or sum(c > 0 for c in counts) > 2:
+            continue
+        peak = full_bytes + a * replay.full_bytes + b * (replay.full_bytes - replay.cheap_bytes)
+        step = full_step_s - a * replay.full_s - b * (replay.full_s - replay.cheap_s)
+        if peak <= budget and (best is None or step < best[0] - 1e-12):
+            best = (step, counts)
+    return best[1] if best is not None else None
+
+
+def mix_specs(container: str, counts: tuple[int, int, int]) -> tuple[str, ...]:
+    """Specs for (saved, selective, full) layer counts: full layers first, then selective, then saved."""
+    saved, sel, full = counts
+    return layer_specs(container, [FULL] * full + [SELECTIVE] * sel + [None] * saved)
+
+
+__all__ = ["EXPENSIVE", "FULL", "KEPT", "MODES", "SELECTIVE", "LayerReplay", "best_mix", "describe", "is_recomputed",
+           "layer_modes", "layer_replays", "layer_specs", "mix_specs", "parse_spec", "replay_time", "sampled_specs",
+           "spec", "stored", "tag_recompute"]

@@ -23,6 +23,7 @@ import torch.fx as fx
 
 from autoshard.ir import layer_key
 from autoshard.passes.context import PassContext
+from autoshard.passes.recompute import layer_modes, sampled_specs
 
 log = logging.getLogger(__name__)
 
@@ -42,18 +43,27 @@ def _signature(group, nodes: dict[str, fx.Node], prefix: str) -> tuple:
 def _weigh_sampled(ctx: PassContext, container: str, members: dict[int, list[int]], by_index: dict) -> None:
     """When only ``k`` of ``L`` identical layers were captured, the largest class of captured layers (the
     middle ones; the first and last may differ at their edges) stands for the ``L - k`` missing ones: each of
-    its layers' groups weighs ``(n + L - k) / n``."""
+    its layers' groups weighs ``(n + L - k) / n``. When the layers recompute in different modes
+    (``passes/recompute.py: sampled_specs``), the missing layers of each mode are weighed onto the largest class
+    of captured layers in that mode."""
     if ctx.sampled_layers is None or ctx.sampled_layers[0] != container:
         return
     _, k, total = ctx.sampled_layers
-    ref = max(members, key=lambda r: (len(members[r]), -abs(r - 1)))
-    n = len(members[ref])
-    w = (n + total - k) / n
-    for idx in members[ref]:
-        for g in by_index[idx]:
-            ctx.group_weight[g.id] = w
-    log.info("share_layers: %s: %d captured layers like layer %d stand for %d (weight %.2f each)", container, n, ref,
-             n + total - k, w)
+    captured_specs, counts = sampled_specs(ctx.config.recompute, container, k, total)
+    captured = layer_modes(captured_specs, container, k)
+    for mode in dict.fromkeys(captured):
+        refs = [r for r in members if captured[r] == mode]
+        missing = counts[mode] - captured.count(mode)
+        if not refs or missing <= 0:
+            continue
+        ref = max(refs, key=lambda r: (len(members[r]), -abs(r - 1)))
+        n = len(members[ref])
+        w = (n + missing) / n
+        for idx in members[ref]:
+            for g in by_index[idx]:
+                ctx.group_weight[g.id] = w
+        log.info("share_layers: %s: %d captured layers like layer %d (recompute %s) stand for %d (weight %.2f each)",
+                 container, n, ref, mode or "none", n + missing, w)
 
 
 def share_layers(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

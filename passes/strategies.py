@@ -33,11 +33,11 @@ from autoshard.cost.reshard import reshard_time as redistribute_time
 from autoshard.cost.compute import compute_time, op_flops
 from autoshard.cost.offload import host_is_device, offload_cost
 from autoshard.ir import Group, GroupStrategy, NodeOut
-from autoshard.ir import is_saved, owns_storage, tensor_args
+from autoshard.ir import tensor_args
 from autoshard.ir import output_vals
 from autoshard.passes.candidates import CandidateEnumerator, evenly_divisible, shard_factor
 from autoshard.passes.context import PassContext
-from autoshard.passes.recompute import is_recomputed
+from autoshard.passes.recompute import is_recomputed, stored
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -93,7 +93,7 @@ def _cost(
         once = compute_time(flops, local_bytes + in_bytes, ctx.cluster.device, dtype)
         # a recomputed op (passes/recompute.py) runs again in the backward and is not saved for it
         compute += 2 * once if is_recomputed(node) else once
-        if is_saved(node) and owns_storage(node) and not is_recomputed(node):
+        if stored(node):  # saved for the backward (or for a replay), not replayed
             act += local_bytes
     state = param = grad = opt = 0
     if group.kind == "parameter":

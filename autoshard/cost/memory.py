@@ -35,6 +35,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Shard
 
+from autoshard import _torch_compat as tc
 from autoshard.ir import NodeSharding, is_saved, is_view, layer_parts, tensor_args
 
 
@@ -123,7 +124,7 @@ def transients(gm: fx.GraphModule, mesh_shape: Sequence[int], output_roles: Sequ
         free_at.setdefault(i, []).append(base)
     replayed: dict[str, int] = {}  # by module: what a recomputed module's forward makes again in the backward
     for n in nodes:
-        if n.op == "call_function" and n.meta.get("recompute") is not None and is_saved(n) and root(n) is n:
+        if n.op == "call_function" and n.meta.get("recompute") == tc.PREFER_RECOMPUTE and is_saved(n) and root(n) is n:
             parts = layer_parts(n.meta.get("autoshard_module", "") + ".")
             key = f"{parts[0]}.{parts[1]}" if parts else n.meta.get("autoshard_module", "")
             replayed[key] = replayed.get(key, 0) + _output_bytes(n, lay(n), mesh_shape)
