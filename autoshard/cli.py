@@ -5,6 +5,7 @@
     autoshard plan --model path/to/config.json --cluster a100-80gb:4x8 --global-batch 64 --recipe fsdp
     autoshard plan --model gpt2-1.5b --cluster a100-80gb:4x8 --global-batch 64 --pipeline auto
     autoshard plan --model gpt2-1.5b --cluster a100-80gb:4x8 --global-batch 64 --mesh pp=4,tp=8
+    autoshard plan --model llama3-70b --cluster a100-80gb:1x8 --seq 2048 --global-batch 8   # offloads: only that fits
     autoshard models          # the zoo
     autoshard clusters        # the cluster presets
     autoshard calibrate --out my_cpu.json [--ranks 4] [--quick]   # measure this machine -> --cluster my_cpu.json
@@ -84,6 +85,9 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--memory-per-device", default=None, help="budget per device, e.g. 80GB (default: device memory)")
     pl.add_argument("--recipe", default=None, help="plan a manual recipe instead: ddp, fsdp, tp, fsdp+tp")
     pl.add_argument("--no-recipes", action="store_true", help="skip solving the manual recipes alongside the plan (and the comparison with them)")
+    pl.add_argument("--offload", choices=("auto", "none", "optimizer", "params"), default="auto",
+                    help="optimizer state (and with 'params' the parameters) in host memory: auto = where device "
+                    "memory forces it (default), none, or forced for every parameter")
     pl.add_argument("--time-limit", type=float, default=30.0, help="solver time limit per solve, seconds")
     pl.add_argument("--sample-layers", type=int, default=3, help="repeated layers captured (they stand for all)")
     pl.add_argument("--out", default=None, help="write the plan as JSON here")
@@ -122,6 +126,7 @@ def _plan(a: argparse.Namespace) -> int:
         time_limit_s=a.time_limit,
         sample_layers=a.sample_layers,
         pipeline=a.pipeline,
+        offload=a.offload,
     )
     sys.stdout.write(plan.report(collapse=not a.full))
     if a.out:

@@ -235,10 +235,25 @@ def _plan_flat(
             if solves is not None:
                 plan = solves.plan(dm, prof, cfg, progress)
             else:
-                plan, _, _ = plan_graph(job.module, job.inputs, dm, prof, cfg, progress=progress)
+                plan, gm, ctx = plan_graph(job.module, job.inputs, dm, prof, cfg, progress=progress)
+                _say_offload(gm, ctx, progress)
         except InfeasibleBudget as e:  # (a SolverTimeout is not an out-of-memory verdict: it passes through)
             raise InfeasibleBudget(_explain_oom(job, e, prof, shape, cfg.memory_budget), e.least_bytes) from None
     return plan
+
+
+def _say_offload(gm: Any, ctx: Any, progress: Progress | None) -> None:
+    """Log (and show as ``autoshard plan``'s progress) what the plan holds in host memory, if anything."""
+    from autoshard.passes.strategies import offload_summary
+    from autoshard.plan_report import offload_text
+
+    found = offload_summary(gm, ctx)
+    if found is None:
+        return
+    text = offload_text(found.mode, found.params, found.total, found.host_bytes, found.step_s, found.link)
+    log.info("%s", text)
+    if progress:
+        progress("offload", 1.0, text.removeprefix("offload: "))
 
 
 __all__ = ["PIPELINE_MODES", "default_mesh", "fake_world", "mesh_names", "parse_mesh", "parse_mesh_spec",

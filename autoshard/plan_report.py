@@ -88,11 +88,14 @@ def _tensor_rows(stage: StagePlan, role: str) -> list[_Row]:
             local = "(uneven shard)"
         header, label = _split(t.name)
         where = placements_str(t.placements)
-        if t.zero:  # the optimizer steps a shard of it (ZeRO-1/2)
+        offload = getattr(t, "offload", "")  # master and optimizer state in host memory (ZeRO-Offload)
+        if offload:
+            where += f" offload: state {placements_str(t.state_placements or t.placements)} on the host"
+        elif t.zero:  # the optimizer steps a shard of it (ZeRO-1/2)
             where += f" {t.zero}: state {placements_str(t.state_placements)}"
         cells = (tensor_str(t.dtype, t.shape), where, local)
         rows.append(_Row(t.name, header, label, (t.shape, t.dtype, t.placements, t.state_placements,
-                                                 t.grad_placements), cells))
+                                                 t.grad_placements, offload), cells))
     return rows
 
 
@@ -134,6 +137,28 @@ def _memory_line(m: MemoryBreakdown, label: str) -> str:
         f"optimizer {f(m.optimizer)} + activations {f(m.activations)}"
         + (f" + temporaries {f(m.temporaries)}" if m.temporaries else "")
     )
+
+
+def offload_text(mode: str, params: int, total: int, host_bytes: int, step_s: float, link: str) -> str:
+    """The report's offload line (also ``autoshard plan``'s progress line): what lives in host memory and what
+    it costs per step (``autoshard/cost/offload.py``)."""
+    what = "parameters (ZeRO-3 shards on the device) and optimizer state" if mode == "params" else "optimizer state"
+    return (f"offload: {what} of {params} of {total} parameters in host memory ({format_bytes(host_bytes)} per "
+            f"device: masters, their gradients, optimizer state), {format_seconds(step_s)} per step (gradient to "
+            f"the host, host optimizer step, parameter back over {link}; in the predicted step)")
+
+
+def _offload_lines(plan: Plan) -> list[str]:
+    """One line when the plan holds optimizer state in host memory (``TensorLayout.offload``; the host bytes and
+    per-step seconds of ``MemoryBreakdown.host`` and ``StagePlan.offload_s``)."""
+    stage = max(plan.stages, key=lambda s: s.memory.total) if plan.stages else None
+    off = [t for t in (stage.tensors if stage is not None else ()) if getattr(t, "offload", "")]
+    if not off:
+        return []
+    total = sum(1 for t in stage.tensors if t.role == "parameter")
+    mode = max(t.offload for t in off)
+    return [offload_text(mode, len(off), total, getattr(stage.memory, "host", 0), getattr(stage, "offload_s", 0.0),
+                         "the host link")]
 
 
 def _pipelined(plan: Plan) -> bool:
@@ -275,6 +300,7 @@ def report_lines(plan: Plan, *, collapse: bool, max_rows: int) -> list[str]:
         lines.append(f"stage layout: recipe {plan.recipe} (the free layout's stages do not fit the memory budget)")
     elif plan.recipe:
         lines.append(f"manual recipe: {plan.recipe} (parameter and batch layouts pinned, the rest solved)")
+    lines += _offload_lines(plan)
     if plan.tokens_per_step and plan.step_time_s > 0:
         mfu = f"  MFU {plan.mfu:.1%}" if plan.peak_flops_per_device and plan.model_flops_per_step else ""
         lines.append(f"throughput {plan.tokens_per_s:,.0f} tokens/s ({plan.tokens_per_step:,} tokens per step){mfu}")

@@ -15,6 +15,12 @@ Guarantees on exit: ``ctx.strategies[g]`` is a non-empty list of ``GroupStrategy
 
 Costs per candidate (one device): compute = roofline over local FLOPs and bytes; activation bytes = outputs of
 forward nodes that the backward reads; state bytes = parameter + gradient + optimizer state.
+
+A parameter's candidates also come in ZeRO-1/2 forms (``state_variants``: gradient and optimizer state sharded
+further) and, per ``PlanConfig.offload``, in a ZeRO-Offload form (``offload_variants``: master and optimizer state
+in host memory, the host link's copies and the host's optimizer step in ``compute_s``); "optimizer"/"params" keep
+only offloaded candidates, "auto" lets the solver weigh them (never on a CPU cluster, whose host memory is the
+device's), "none" offers none.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autoshard import _torch_compat as tc
 from autoshard.cost.reshard import reshard_time as redistribute_time
 from autoshard.cost.compute import compute_time, op_flops
-from autoshard.cost.offload import host_is_device, offload_cost
+from autoshard.cost.offload import OffloadSummary, host_is_device, offload_cost
 from autoshard.ir import Group, GroupStrategy, NodeOut
 from autoshard.ir import tensor_args
 from autoshard.ir import output_vals
@@ -346,3 +352,17 @@ def offloaded_params(gm: fx.GraphModule, ctx: PassContext, solution: object = No
         if g.kind == "parameter" and (mode := ctx.strategies[g.id][sol.choice[g.id]].offload):
             out[nodes[g.anchor].meta["autoshard_role"].name] = mode
     return out
+
+
+def offload_summary(gm: fx.GraphModule, ctx: PassContext, solution: object = None) -> OffloadSummary | None:
+    """What ``solution`` (default ``ctx.solution``) holds in host memory, over every layer (shared layers weighted
+    by the layers they stand for): None when nothing is offloaded."""
+    sol = solution if solution is not None else ctx.solution
+    found = [(ctx.strategies[g.id][sol.choice[g.id]], ctx.group_weight.get(g.id, 1.0))
+             for g in ctx.groups if g.kind == "parameter"]
+    off = [(s, w) for s, w in found if s.offload]
+    if not off:
+        return None
+    return OffloadSummary(mode=max({s.offload for s, _ in off}), params=round(sum(w for _, w in off)),
+                          total=round(sum(w for _, w in found)), host_bytes=int(sum(w * s.host_bytes for s, w in off)),
+                          step_s=sum(w * s.offload_s for s, w in off), link=ctx.cluster.host_link.name)

@@ -145,3 +145,16 @@ def test_offloaded_training_equals_one_device_on_gloo(mode):
         assert got["offloaded"] and len(got["offloaded"]) == len(ref.grads)
         assert got["distinct"] and got["grad_on_master_device"] and got["state_with_master"]
         assert all(got["refreshed"])
+
+
+def test_cli_offload_flag_and_progress_line(capsys):
+    """``autoshard plan --offload optimizer``: every optimizer state on the host, said on the progress line, none
+    on the device; the report's step includes the offload's seconds."""
+    from autoshard.cli import main
+
+    assert main(["plan", "--model", "gpt2-124m", "--cluster", "a100-80gb:1x8", "--global-batch", "8",
+                 "--no-recipes", "--offload", "optimizer"]) == 0
+    out, err = capsys.readouterr()
+    line = next(x for x in err.splitlines() if "offload    done" in x)
+    assert "optimizer state of 196 of 196 parameters in host memory" in line and "pcie-gen4-x16" in line
+    assert "optimizer 0.00" in out

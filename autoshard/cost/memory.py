@@ -23,6 +23,13 @@ size under the plan's placements and keeps the most that is alive at once of wha
 
 ``MemoryBreakdown.temporaries`` is then the larger of the backward's and the forward's temporaries and the
 optimizer step's (one parameter shard), less what the step no longer holds then (saved activations).
+
+Offload (``strategies.offload_variants``): an offloaded parameter's optimizer state, its master and the master's
+gradient are in host memory, so its group counts no optimizer bytes on the device, and the optimizer step's foreach
+temporaries for it are made on the host: the shard passed to ``temporaries`` is the device's optimizer bytes over
+the state factor, which leaves offloaded parameters out. Its upload and gather at the next forward write into the
+compute copy the step already holds (counted as a parameter), and its gradient on the device is counted like any
+other until it is copied out.
 """
 
 from __future__ import annotations
@@ -162,7 +169,8 @@ def _views(n: fx.Node) -> list[fx.Node]:
 def temporaries(t: Transients, activations: float, optimizer_shard: float) -> int:
     """Bytes the step's peak holds beyond parameters, gradients, optimizer state and saved activations: the
     backward's (or forward's) temporaries, or the optimizer step's foreach temporaries (about one local shard of
-    the parameters it steps) when those make a higher peak, the saved activations being gone by then."""
+    the parameters it steps on the device: ``optimizer_shard``, without offloaded parameters, which the host
+    steps) when those make a higher peak, the saved activations being gone by then."""
     return int(max(t.backward, t.forward, optimizer_shard - activations, 0.0))
 
 

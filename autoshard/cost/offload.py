@@ -53,6 +53,20 @@ class OffloadCost:
         return self.to_host_s + self.host_step_s + self.to_device_s
 
 
+@dataclass(frozen=True)
+class OffloadSummary:
+    """What a plan holds in host memory: ``params`` of its ``total`` parameters (every layer counted) have their
+    master and optimizer state there (``mode``: "optimizer" or "params"), ``host_bytes`` per device, costing
+    ``step_s`` per step over the host link ``link`` (copies and the host optimizer step)."""
+
+    mode: str
+    params: int
+    total: int
+    host_bytes: int
+    step_s: float
+    link: str
+
+
 def host_is_device(cluster: ClusterProfile) -> bool:
     """A CPU cluster: "host memory" is the device's own (its host link is a memcpy)."""
     return cluster.host_link.name.startswith("host-memcpy")
@@ -82,4 +96,4 @@ def offload_cost(shard_bytes: int, grad_bytes: int, factor: int, cluster: Cluste
     return OffloadCost(down, step, up)
 
 
-__all__ = ["OffloadCost", "host_is_device", "host_memory_rate", "offload_cost"]
+__all__ = ["OffloadCost", "OffloadSummary", "host_is_device", "host_memory_rate", "offload_cost"]
