@@ -123,6 +123,19 @@ class PlanConfig:
     def optimizer_factor(self) -> int:
         return OPTIMIZER_STATE_FACTOR[self.optimizer]
 
+    @property
+    def precision_fields(self) -> dict[str, str]:
+        """The ``Plan`` fields that record the precision it was planned in."""
+        if self.mixed_precision is None:
+            return {}
+        return {"mixed_precision": self.mixed_precision, "reduce_dtype": self.reduce_dtype}
+
+    @property
+    def reduce_itemsize(self) -> int | None:
+        """Bytes per element gradients are reduced in when that is not their own dtype (mixed precision with
+        ``reduce_dtype="bfloat16"``: fp32 gradients cast to bf16 for their reduction); None otherwise."""
+        return 2 if self.mixed_precision is not None and self.reduce_dtype == "bfloat16" else None
+
     def check_constraints(self, params: Sequence[str], inputs: Sequence[str], mesh_names: Sequence[str]) -> None:
         """Refuse a constraint that would be silently ignored: a key that names no input and whose glob matches
         no parameter, or a mesh axis the mesh does not have. ``inputs`` are the arguments' names in the call

@@ -271,6 +271,9 @@ class Plan:
     peak_flops_per_device: float = 0.0  # the device's dense peak for the model's dtype
     hidden_comm_s: float = 0.0  # communication the cost model assumes overlapped (already out of step_time_s)
     memory_budget_bytes: int = 0  # 0 = none given
+    # "bfloat16": traced and run under autocast to it (fp32 master weights, gradients and state); "" = the model's dtypes
+    mixed_precision: str = ""
+    reduce_dtype: str = ""  # under mixed_precision, the dtype gradients are reduced in
     sampled_layers: str = ""  # e.g. "layers: 3 of 80 captured" when identical layers were extrapolated
     recipes: tuple[RecipeSummary, ...] = ()
     format_version: int = FORMAT_VERSION

@@ -220,6 +220,16 @@ def _ranks_str(r: Sequence[int]) -> str:
     return f"{r[0]}–{r[-1]}" if r and list(r) == list(range(r[0], r[-1] + 1)) else ",".join(map(str, r))
 
 
+def _recompute_str(plan: Plan) -> str:
+    """Which layers replay their forward in the backward, in which mode, and what the replays cost."""
+    if not plan.recompute_layers:
+        return "the chosen layers run their forward again in the backward"
+    from autoshard.passes.recompute import describe
+
+    return (f"{describe(plan.recompute_layers)} (full: the whole forward runs again in the backward; selective: all "
+            f"but the matmuls and attention), +{format_seconds(plan.recompute_s)} per step")
+
+
 def _pipeline_lines(plan: Plan) -> list[str]:
     """Per stage: ranks, sub-mesh, predicted time per micro-batch, memory and layers; then the balance."""
     redo = "; activation recomputation (layers keep only their inputs)" if plan.recompute else ""
@@ -245,16 +255,6 @@ def _pipeline_lines(plan: Plan) -> list[str]:
     if min(times) > 0:
         lines.append(f"stage balance: slowest / fastest stage = {max(times) / min(times):.2f}{_why_unbalanced(plan)}")
     return lines
-def _recompute_str(plan: Plan) -> str:
-    """Which layers replay their forward in the backward, in which mode, and what the replays cost."""
-    if not plan.recompute_layers:
-        return "the chosen layers run their forward again in the backward"
-    from autoshard.passes.recompute import describe
-
-    return (f"{describe(plan.recompute_layers)} (full: the whole forward runs again in the backward; selective: all "
-            f"but the matmuls and attention), +{format_seconds(plan.recompute_s)} per step")
-
-
 
 
 def _why_unbalanced(plan: Plan) -> str:
@@ -308,6 +308,10 @@ def report_lines(plan: Plan, *, collapse: bool, max_rows: int) -> list[str]:
         lines.append(f"overlap: {format_seconds(plan.hidden_comm_s)} of gradient reductions hidden behind backward")
     if plan.sampled_layers:
         lines.append(f"repeated layers: {plan.sampled_layers}")
+    if plan.mixed_precision:
+        lines.append(f"mixed precision: autocast to {plan.mixed_precision} (matmuls on {plan.mixed_precision} copies of "
+                     f"the fp32 master weights; fp32 gradients and optimizer state; gradients reduced in "
+                     f"{plan.reduce_dtype})")
     lines += _recipe_lines(plan)
     lines += _pipeline_lines(plan)
     for stage in plan.stages:

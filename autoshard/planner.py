@@ -155,6 +155,7 @@ def build_plan(gm: fx.GraphModule, ctx: PassContext, solution: Any = None, recip
         recompute=bool(ctx.config.recompute),
         recompute_layers=ctx.config.recompute,
         recompute_s=replay_time(gm, ctx.mesh_shape, ctx.cluster.device, ctx.group_weight) if ctx.config.recompute else 0.0,
+        **ctx.config.precision_fields,
     )
 
 
@@ -164,11 +165,13 @@ def _collectives(gm: fx.GraphModule, ctx: PassContext) -> list[CollectiveStat]:
     nodes = {n.name: n for n in gm.graph.nodes}
     out: list[CollectiveStat] = []
 
-    def add(src: fx.Node, a: Sequence, b: Sequence, consumer: str, phase: str, repeat: float) -> None:
+    def add(src: fx.Node, a: Sequence, b: Sequence, consumer: str, phase: str, repeat: float,
+            itemsize: int | None = None) -> None:
         if a is None or b is None or tuple(a) == tuple(b):
             return
         v = src.meta["val"]
-        for st in redistribute_steps(tuple(a), tuple(b), tuple(v.shape), v.element_size(), ctx.mesh_shape, ctx.cluster):
+        size = min(v.element_size(), itemsize or v.element_size())  # gradients: mixed precision's reduce_dtype
+        for st in redistribute_steps(tuple(a), tuple(b), tuple(v.shape), size, ctx.mesh_shape, ctx.cluster):
             out.append(CollectiveStat(st.kind, names[st.axis], int(st.nbytes), float(st.time), src.name, consumer,
                                       phase, repeat))
 
@@ -191,7 +194,8 @@ def _collectives(gm: fx.GraphModule, ctx: PassContext) -> list[CollectiveStat]:
         if role.kind in ("loss", "output"):
             add(src, have, rep, "output", "forward", w)
         elif role.kind in ("grad", "input_grad"):
-            add(src, have, params[role.name].meta["autoshard"].grad_layout, role.name, "backward", w)
+            add(src, have, params[role.name].meta["autoshard"].grad_layout, role.name, "backward", w,
+                ctx.config.reduce_itemsize)
     for name, ph in params.items():  # ZeRO-1/2: the stepped master shard gathered back to the compute layout
         sh = ph.meta["autoshard"]
         if sh.state is not None and tuple(sh.state) != tuple(sh.outputs[0]):

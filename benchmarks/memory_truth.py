@@ -7,7 +7,7 @@
 Each row is one ``autoshard.launch`` of 2 forked gloo ranks (1 thread each; mesh (2,) "dp"): the model is built
 with fixed weights, ``autoshard.compile``d (the solved plan, a forced ``recipe=``, or the solved plan under a
 ``memory_budget`` of 0.9 / 0.85 of the no-budget plan's predicted peak), and trained with
-``torch.optim.AdamW(foreach=True)`` (the multi-tensor path GPU users get by default) and
+``torch.optim.AdamW(foreach=True)`` (rows ``bf16``: ``mixed_precision="bf16"``, autocast with fp32 master weights) (the multi-tensor path GPU users get by default) and
 ``zero_grad(set_to_none=True)``: 2 warm-up steps, then one step measured on every rank.
 
 Measuring method: ``autoshard.memory_probe.measure_peak``, the PyTorch profiler's CPU memory timeline
@@ -83,6 +83,7 @@ class RowSpec:
     budget: int | None  # bytes
     backend: str
     recompute: bool = False  # every repeated layer's forward run again in the backward (PlanConfig.recompute)
+    mixed_precision: bool = False  # autocast to bf16 (PlanConfig.mixed_precision), fp32 master weights and state
 
 
 def make_model(kind: str) -> nn.Module:
@@ -129,6 +130,8 @@ def _row_worker(rank: int, world: int, spec: RowSpec) -> dict[str, Any]:
     t0 = time.perf_counter()
     model = make_model(spec.model)
     redo = {"recompute": (repeated_layers(model)[0],)} if spec.recompute else {}
+    if spec.mixed_precision:
+        redo["mixed_precision"] = "bf16"
     sharded = autoshard.compile(model, mesh, inputs, backend=spec.backend, recipe=spec.recipe,
                                 memory_budget=spec.budget, **redo)
     compile_s = time.perf_counter() - t0
@@ -259,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=("gpt", "hf", "both"), default="both")
     ap.add_argument("--backend", choices=("inductor", "eager"), default="inductor")
-    ap.add_argument("--rows", default="", help="comma-separated subset of: solved, recompute, <recipes>, budget")
+    ap.add_argument("--rows", default="", help="comma-separated subset of: solved, recompute, bf16, 'bf16 fsdp', "
+                    "<recipes>, budget")
     ap.add_argument("--timeout", type=float, default=240.0)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -273,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     for kind in kinds:
         results = []
         specs = [RowSpec(kind, "solved", None, None, args.backend),
-                 RowSpec(kind, "recompute", None, None, args.backend, recompute=True)]
+                 RowSpec(kind, "recompute", None, None, args.backend, recompute=True),
+                 RowSpec(kind, "bf16", None, None, args.backend, mixed_precision=True),
+                 RowSpec(kind, "bf16 fsdp", "fsdp", None, args.backend, mixed_precision=True)]
         for rec in RECIPES:
             if rec in known:
                 specs.append(RowSpec(kind, rec, rec, None, args.backend))

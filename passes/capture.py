@@ -114,14 +114,16 @@ def _traceable(model: nn.Module, fake_mode: Any, device: torch.device) -> nn.Mod
 class _Outputs(nn.Module):
     """A pipeline stage: keeps every tensor the module returns (activations for the next stage, or the loss)."""
 
-    def __init__(self, inner: nn.Module, signature: CallSignature) -> None:
+    def __init__(self, inner: nn.Module, signature: CallSignature, precision: Callable[[], Any]) -> None:
         super().__init__()
         self.inner = inner
         self.signature = signature
+        self.precision = precision
 
     def forward(self, *tensors: Any) -> Any:
         args, kwargs = self.signature.unflatten(tensors)
-        out = self.inner(*args, **kwargs)
+        with self.precision():
+            out = self.inner(*args, **kwargs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         if not outs or not all(isinstance(o, torch.Tensor) for o in outs):
             raise TypeError(
@@ -170,15 +172,30 @@ def loss_of(out: Any, model_name: str, loss_fn: Callable[[Any], torch.Tensor] | 
 class _LossOnly(nn.Module):
     """Calls the model as the example call did and keeps only the loss (see ``loss_of``)."""
 
-    def __init__(self, inner: nn.Module, signature: CallSignature, loss_fn: Callable[[Any], torch.Tensor] | None) -> None:
+    def __init__(self, inner: nn.Module, signature: CallSignature, loss_fn: Callable[[Any], torch.Tensor] | None,
+                 precision: Callable[[], Any]) -> None:
         super().__init__()
         self.inner = inner
         self.signature = signature
         self.loss_fn = loss_fn
+        self.precision = precision
 
     def forward(self, *tensors: Any) -> torch.Tensor:
         args, kwargs = self.signature.unflatten(tensors)
-        return loss_of(self.inner(*args, **kwargs), type(self.inner).__name__, self.loss_fn)
+        with self.precision():
+            out = self.inner(*args, **kwargs)
+        return loss_of(out, type(self.inner).__name__, self.loss_fn)
+
+
+def precision_context(mixed_precision: str | None, device: torch.device) -> Callable[[], Any]:
+    """The context the model runs in: ``torch.autocast`` to ``mixed_precision`` (a dtype name) on ``device``'s
+    type, or nothing. Traced under it, the joint graph holds autocast's casts as ops (a parameter's bf16 copy is
+    an ``_to_copy`` of the fp32 parameter, and its gradient is cast back to fp32), so the program needs no
+    autocast when it runs and the parameters, gradients and optimizer state stay fp32."""
+    if mixed_precision is None:
+        return contextlib.nullcontext
+    dtype = getattr(torch, mixed_precision)
+    return lambda: torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def _inherit_modules(gm: fx.GraphModule) -> None:
@@ -229,7 +246,9 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], ctx: PassContext) -
     signature, tensors = signature_of(example_inputs)
     ctx.signature = signature
     args = tuple(_fake_input(t, fake_mode, device, keep_grad=ctx.stage) for t in tensors)
-    wrapper = _Outputs(traced, signature) if ctx.stage else _LossOnly(traced, signature, ctx.config.loss_fn)
+    precision = precision_context(ctx.config.mixed_precision, device)
+    wrapper = (_Outputs(traced, signature, precision) if ctx.stage
+               else _LossOnly(traced, signature, ctx.config.loss_fn, precision))
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(_annotate_modules(traced))

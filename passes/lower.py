@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoshard import _torch_compat as tc
@@ -186,10 +186,13 @@ class PlanInterpreter:
             return type(out)(res)
         return out
 
-    def outputs(self, env: dict[str, Any], output_roles: Sequence, param_placements: dict[str, tuple]) -> list[Any]:
+    def outputs(self, env: dict[str, Any], output_roles: Sequence, param_placements: dict[str, tuple],
+                reduce_dtype: torch.dtype | None = None) -> list[Any]:
         """Loss and outputs made Replicate, gradients moved to their parameter's (or input's) gradient placement
-        (``param_placements``), all as local tensors."""
+        (``param_placements``), all as local tensors. ``reduce_dtype``: floating gradients that a move sums
+        (Partial) are cast to it for the collective and back after (mixed precision's bf16 reduction)."""
         result: list[Any] = []
+        dtypes: dict[int, torch.dtype] = {}  # result slot -> the gradient's own dtype, where it was reduced in another
         buckets: dict[tuple, list[tuple[int, DTensor]]] = {}
         made_at = {n.name: i for i, n in enumerate(self.nodes)}
         order: dict[int, int] = {}  # result slot -> where the backward makes that gradient
@@ -202,6 +205,9 @@ class PlanInterpreter:
             elif role.kind in ("grad", "input_grad"):
                 want = tuple(param_placements[role.name])
                 have = tuple(val.placements)
+                if _reduced_in(reduce_dtype, val, want):
+                    dtypes[len(result)] = val.dtype
+                    val = val.to(reduce_dtype)
                 axes = scatter_axes(have, want, tuple(val.shape), tuple(self.mesh.shape))
                 if bucketable(have, want) or axes is not None:
                     buckets.setdefault((have, want, val.dtype, axes), []).append((len(result), val))
@@ -209,7 +215,8 @@ class PlanInterpreter:
                     result.append(None)
                     continue
                 val = tc.redistribute(val, self.mesh, want)
-            result.append(val.to_local())
+            local = val.to_local()
+            result.append(local.to(dtypes[len(result)]) if len(result) in dtypes else local)
         for (have, want, _, axes), members in buckets.items():
             # in the order the backward makes them, so that a bucket is complete (and its reduction can start,
             # see passes/overlap.py) while the backward goes on with earlier layers
@@ -219,8 +226,16 @@ class PlanInterpreter:
                 reduced = (reduce_together(self.mesh, vals, have, want) if axes is None
                            else scatter_together(self.mesh, axes, vals))
                 for slot, local in zip((i for i, _ in chunk), reduced):
-                    result[slot] = local
+                    result[slot] = local.to(dtypes[slot]) if slot in dtypes else local
         return result
+
+
+def _reduced_in(dtype: torch.dtype | None, val: DTensor, want: tuple) -> bool:
+    """Whether gradient ``val`` is summed in ``dtype`` on its way to ``want``: a floating gradient of another
+    dtype that is Partial on an axis where ``want`` is not."""
+    if dtype is None or val.dtype == dtype or not val.dtype.is_floating_point:
+        return False
+    return any(isinstance(h, Partial) and h != w for h, w in zip(val.placements, want))
 
 
 _aten = torch.ops.aten
@@ -300,6 +315,7 @@ def trace_rank_program(
     interp = PlanInterpreter(gm, mesh, group_gathers=group_gathers)
     roles = ctx.output_roles
     grad_layouts = param_placements_of(gm, "grad")
+    reduce_dtype = getattr(torch, ctx.config.reduce_dtype) if ctx.config.reduce_itemsize else None
     primal_nodes = [n for n in interp.placeholders if n.meta["autoshard_role"].kind != "tangent"]
     tangent_nodes = [n for n in interp.placeholders if n.meta["autoshard_role"].kind == "tangent"]
 
@@ -308,7 +324,7 @@ def trace_rank_program(
         interp.bind(env, primal_nodes, primals)
         interp.bind(env, tangent_nodes, tangents)
         interp.run(env, [n for n in interp.nodes if n.op in ("call_function", "get_attr")])
-        return interp.outputs(env, roles, grad_layouts)
+        return interp.outputs(env, roles, grad_layouts, reduce_dtype)
 
     shapes = local_placeholder_shapes(gm, ctx.mesh_shape)
     device = torch.device(mesh.device_type)

@@ -52,7 +52,8 @@ def solve(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
     ctx.problem = IntraOpProblem(
-        gm, ctx.groups, ctx.strategies, canon, ctx.output_roles, ctx.mesh_shape, ctx.cluster, ctx.group_weight
+        gm, ctx.groups, ctx.strategies, canon, ctx.output_roles, ctx.mesh_shape, ctx.cluster, ctx.group_weight,
+        grad_itemsize=ctx.config.reduce_itemsize,
     )
     pins = None
     if ctx.config.recipe is not None:

@@ -67,8 +67,10 @@ def single_device_reference(
     steps: int = 3,
     lr: float = 1e-2,
     seed: int = 0,
+    autocast: torch.dtype | None = None,
 ) -> Reference:
-    """Train ``make_model()`` for ``steps`` AdamW steps on the same ``inputs`` each step (fp32).
+    """Train ``make_model()`` for ``steps`` AdamW steps on the same ``inputs`` each step (fp32 parameters; the
+    forward under ``torch.autocast("cpu", autocast)`` when given, as mixed-precision users run it).
 
     ``torch.manual_seed(seed)`` is applied before ``make_model()`` inside a forked RNG state,
     so two calls agree and the caller's RNG is untouched.
@@ -82,7 +84,8 @@ def single_device_reference(
     grads: dict[str, Tensor] = {}
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        loss = call_loss(model, inputs)
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            loss = call_loss(model, inputs)
         loss.backward()
         losses.append(float(loss.detach()))
         if step == 0:

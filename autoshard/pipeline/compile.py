@@ -239,6 +239,8 @@ def compile_pipelined(
         bubble_fraction=split.bubble_fraction,
         model=type(model).__name__,
         memory_budget_bytes=stage_plans[0].memory_budget_bytes,
+        mixed_precision=stage_plans[0].mixed_precision,
+        reduce_dtype=stage_plans[0].reduce_dtype,
     )
 
     # what each stage receives and sends, as metadata for the schedule; received float activations need their

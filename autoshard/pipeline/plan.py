@@ -307,6 +307,7 @@ def pipelined_plan(
         bubble_fraction=split.bubble_fraction,
         recompute=split.recompute,
         memory_budget_bytes=int(config.memory_budget or 0),
+        **config.precision_fields,
         sampled_layers=sub.sampled_layers,
         recipe=option.recipe,
     )

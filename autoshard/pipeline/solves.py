@@ -326,7 +326,8 @@ class StageSolves:
 
                 canon = ctx.layer_of_group or {g.id: g.id for g in ctx.groups}
                 ctx.problem = IntraOpProblem(entry.gm, ctx.groups, ctx.strategies, canon, ctx.output_roles,
-                                             ctx.mesh_shape, ctx.cluster, ctx.group_weight)
+                                             ctx.mesh_shape, ctx.cluster, ctx.group_weight,
+                                             grad_itemsize=ctx.config.reduce_itemsize)
             res = solve_recipe(recipe, entry.gm, ctx)
             entry.solutions[recipe] = res.solution
         return entry.solutions[recipe]

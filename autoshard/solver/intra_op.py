@@ -132,6 +132,7 @@ class IntraOpProblem:
         mesh_shape: tuple[int, ...],
         cluster: ClusterProfile,
         weights: dict[int, float] | None = None,
+        grad_itemsize: int | None = None,
     ) -> None:
         t0 = time.perf_counter()
         self.groups = list(groups)
@@ -152,9 +153,10 @@ class IntraOpProblem:
         edges, sinks = collect_edges(gm, groups, output_roles)
         rep = tuple(Replicate() for _ in mesh_shape)
 
-        def rcost(node_name: str, a: Placements, b: Placements) -> float:
+        def rcost(node_name: str, a: Placements, b: Placements, itemsize: int | None = None) -> float:
             v = nodes[node_name].meta["val"]
-            return redistribute_time(a, b, tuple(v.shape), v.element_size(), mesh_shape, cluster)
+            size = min(v.element_size(), itemsize or v.element_size())
+            return redistribute_time(a, b, tuple(v.shape), size, mesh_shape, cluster)
 
         # Edges of identical layers connect the same variables: key them by the canonical group's member (same
         # shape) so they merge into one edge with a multiplicity instead of one set of edge variables per layer.
@@ -197,7 +199,9 @@ class IntraOpProblem:
             P = sorted(set(src_layouts), key=src_layouts.index)
             Q = sorted(set(dst_layouts), key=dst_layouts.index)
             w = m * (1.0 - GRAD_SINK_CREDIT) if dst[0] == "param" else m
-            R = [[w * rcost(src_name, p, q) for q in Q] for p in P]
+            # gradients reduced in grad_itemsize (mixed precision's reduce_dtype), the rest in their own dtype
+            size = grad_itemsize if dst[0] == "param" else None
+            R = [[w * rcost(src_name, p, q, size) for q in Q] for p in P]
             if all(r == 0 for row in R for r in row):
                 continue
             self.pair_costs.append((cu, cv, [P.index(a) for a in src_layouts], [Q.index(b) for b in dst_layouts], R))
