@@ -62,10 +62,11 @@ def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext) -> tuple[dict
         # a recipe keeps its state on the device, unless PlanConfig.offload forces every parameter's to the host:
         # then the recipe's layouts are pinned with their offloaded forms (ZeRO-Offload over ddp, fsdp, ...)
         offloaded = [bool(s.offload) for s in cands]
+        host = forced and role.kind == "parameter"
 
         def matching(layout: tuple, kind: str) -> set[int]:  # the state sharded over every axis it can be
-            return {i for i, pl in enumerate(layouts) if tuple(pl) == layout and offloaded[i] == forced
-                    and (forced or (kinds[i] == kind and whole[i]))}
+            return {i for i, pl in enumerate(layouts) if tuple(pl) == layout and offloaded[i] == host
+                    and (host or (kinds[i] == kind and whole[i]))}
 
         keep = matching(target, want)
         if not keep and want:  # a parameter whose state cannot be sharded evenly stays whole, as ddp holds it
@@ -87,7 +88,9 @@ def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext) -> tuple[dict
                 )
             raise ValueError(
                 f"recipe {recipe!r} needs {role.name} {list(shape)} placed {{{want}}}, which its candidates do not "
-                f"include (a constraint in PlanConfig.constraints may forbid it)"
+                f"include (" + ("offload='params' keeps only layouts sharded over every axis; " if
+                                 ctx.config.offload == "params" else "") + "a constraint in PlanConfig.constraints may "
+                "forbid it)"
             )
         pins[g.id] = keep
         if role.kind == "input":

@@ -40,11 +40,11 @@ def test_offload_cost_is_two_host_copies_and_a_host_step():
     assert host_memory_rate(get_cluster("cpu")) < get_cluster("cpu").device.memory_bandwidth
 
 
-def _plan(budget=None, **kw):
+def _plan(budget=None, recipes=False, **kw):
     with torch.device("meta"):
         model = MLP(1024, 4096, 1024)
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
-    config = PlanConfig(constraints=BATCH, memory_budget=budget, solve_recipes=False, **kw)
+    config = PlanConfig(constraints=BATCH, memory_budget=budget, solve_recipes=recipes, **kw)
     # 4 A100s in 4 nodes: gathers cross InfiniBand, so the fastest plan without a budget is DDP-like
     plan, gm, ctx = plan_graph(model, mlp_example_inputs(512, 1024, 1024), mesh, get_cluster("a100-80gb:4x1"), config)
     return plan, offloaded_params(gm, ctx), ctx
@@ -72,9 +72,11 @@ def test_planner_offloads_when_and_only_when_the_budget_asks():
 
 def test_forced_offload_modes():
     with fake_world(4):
-        plan, off, _ = _plan(offload="optimizer")
+        plan, off, ctx = _plan(offload="optimizer", recipes=True)
         assert len(off) == 4 and set(off.values()) == {"optimizer"}
         assert plan.peak_memory.optimizer == 0  # every optimizer state on the host
+        # the recipes are pinned with their layouts' offloaded forms (their batch layouts as usual)
+        assert {r.name for r in ctx.recipes if r.solution is not None} == {"ddp", "zero1", "zero2", "fsdp"}
         params, off, ctx = _plan(offload="params")
         assert set(off.values()) == {"params"} and len(off) == 4
         # the device holds a shard of each parameter (ZeRO-3 layouts), the master and state on the host
@@ -115,7 +117,7 @@ def _train_offloaded(rank: int, world: int, arg: tuple) -> dict:
         if step == 0:
             grads = {n: _full(p.grad) for n, p in sharded.named_parameters()}
             facts["grad_on_master_device"] = all(p.grad.device == p.device for p in masters.values())
-            facts["distinct"] = all(c.data_ptr() != m._local_tensor.data_ptr() for c, m in
+            facts["distinct"] = all(c.data_ptr() != m.to_local().data_ptr() for c, m in
                                     zip(copies, (masters[n] for n in names)))
         opt.step()
         opt.zero_grad()
@@ -126,7 +128,7 @@ def _train_offloaded(rank: int, world: int, arg: tuple) -> dict:
             for c, b, m, lay in zip(after, before, (masters[n] for n in names), states.compute)))
         losses.append(_scalar(loss))
     facts["state_with_master"] = all(
-        isinstance(t, DTensor) and t.placements == p.placements and t._local_tensor.device == p._local_tensor.device
+        isinstance(t, DTensor) and t.placements == p.placements and t.to_local().device == p.to_local().device
         for p in masters.values() for t in opt.state[p].values() if torch.is_tensor(t) and t.ndim)
     params = {n: _full(p.data) for n, p in sharded.named_parameters()}
     return {"losses": losses, "grads": grads, "params": params, "plan": sharded.plan.to_json(), **facts}
