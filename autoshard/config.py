@@ -26,8 +26,10 @@ ConstraintValue = Any
 MIXED_PRECISION = {"bf16": "bfloat16", "bfloat16": "bfloat16"}
 # PlanConfig.reduce_dtype: the dtype gradients are reduced in under mixed precision
 REDUCE_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
-# PlanConfig.offload: what may live in host memory between steps ("auto": the solver's choice where device memory
-# forces it; "none": nothing; "optimizer": every optimizer state; "params": parameters and optimizer state)
+# PlanConfig.offload (ZeRO-Offload, passes/strategies.py: offload_variants): a parameter's optimizer state and the
+# master it steps held and stepped in host memory. "auto": the solver's choice where device memory forces it (not on
+# a CPU cluster, whose host memory is the device's); "none": never; "optimizer": every parameter's; "params": every
+# parameter's, with ZeRO-3 compute layouts (the device keeps only a shard of each parameter)
 OFFLOAD_MODES = ("auto", "none", "optimizer", "params")
 
 RECIPES = ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "fsdp+tp")
@@ -110,7 +112,8 @@ class PlanConfig:
             raise ValueError(f"reduce_dtype={self.reduce_dtype!r} is not known; use 'float32' or 'bfloat16'")
         object.__setattr__(self, "reduce_dtype", REDUCE_DTYPES[key])
         if self.offload not in OFFLOAD_MODES:
-            raise ValueError(f"offload={self.offload!r} is not known; use one of {', '.join(OFFLOAD_MODES)}")
+            raise ValueError(f"offload={self.offload!r} is not known; use one of {', '.join(OFFLOAD_MODES)} (auto: "
+                             "host memory where device memory forces it, none: never, optimizer/params: always)")
         if isinstance(self.recompute, str):
             object.__setattr__(self, "recompute", (self.recompute,))
         object.__setattr__(self, "recompute", tuple(self.recompute))
