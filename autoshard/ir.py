@@ -130,19 +130,44 @@ def is_view(target: object) -> bool:
     return alias is not None and not alias.is_write
 
 
-def owns_storage(node: fx.Node) -> bool:
-    """Whether a saved tensor holds memory of its own: a view of a parameter or input (``t(w)`` read by the
-    backward's matmul) holds the parameter's, and a view of a tensor that is saved too holds that one's (counted
-    there), so neither adds to the saved activations."""
+def view_root(node: fx.Node) -> fx.Node:
+    """The tensor whose storage ``node`` is a view of (``node`` itself when it is no view)."""
     root = node
     while root.op == "call_function" and is_view(root.target):
         args = tensor_args(root)
         if not args:
             break
         root = args[0]
+    return root
+
+
+def owns_storage(node: fx.Node) -> bool:
+    """Whether a saved tensor holds memory of its own: a view of a parameter or input (``t(w)`` read by the
+    backward's matmul) holds the parameter's, and a view of a tensor that is saved too holds that one's (counted
+    there), so neither adds to the saved activations; of several saved views of one unsaved tensor (the
+    ``view`` before each of the q, k and v matmuls of one norm's output) one holds the storage."""
+    root = view_root(node)
     if root is node:
         return True
-    return root.op != "placeholder" and not is_saved(root)
+    if root.op == "placeholder" or is_saved(root):
+        return False
+    return node is _first_saved_view(root)
+
+
+def _first_saved_view(root: fx.Node) -> fx.Node | None:
+    """The saved view of ``root`` (through chains of views) with the smallest name: one representative."""
+    found: list[fx.Node] = []
+    todo = [u for u in root.users if u.op == "call_function" and is_view(u.target)]
+    seen: set[fx.Node] = set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if is_saved(n):
+            found.append(n)
+        todo.extend(u for u in n.users if u.op == "call_function" and is_view(u.target))
+    return min(found, key=lambda n: n.name) if found else None
 
 
 def node_arg(node: fx.Node, pos: int, name: str, default: object) -> object:
