@@ -29,7 +29,7 @@ from autoshard.cost.memory import temporaries, transients
 from autoshard.notation import placement_str
 from autoshard.ir import tensor_args
 from autoshard.passes.context import PassContext
-from autoshard.passes.recompute import best_mix, describe, layer_replays, mix_specs, replay_time
+from autoshard.passes.recompute import best_mix, describe, layer_replays, mix_peak, mix_specs, replay_time, typical_replay
 from autoshard.passes.runner import PLANNING, run_passes
 from autoshard.passes.solve import annotate
 from autoshard.ir import repeated_layers
@@ -79,10 +79,10 @@ def build_plan(gm: fx.GraphModule, ctx: PassContext, solution: Any = None, recip
         v = n.meta["val"]
         sh = n.meta["autoshard"]
         tensors.append(TensorLayout(role.name, role.kind, tuple(v.shape), _dtype(v), _pl(sh.outputs[0]),
-                                    _pl(sh.grad) if sh.state is not None else (), _pl(sh.state)))
+                                    _pl(sh.grad) if sh.state is not None else (), _pl(sh.state), sh.offload))
     ops = []
     compute = 0.0
-    params = grads = opt = acts = 0.0
+    params = grads = opt = acts = host = offload_s = 0.0
     for g in ctx.groups:
         s = ctx.strategies[g.id][sol.choice[g.id]]
         w = ctx.group_weight.get(g.id, 1.0)
@@ -91,6 +91,8 @@ def build_plan(gm: fx.GraphModule, ctx: PassContext, solution: Any = None, recip
         grads += w * s.grad_bytes
         opt += w * s.optimizer_bytes
         acts += w * s.activation_bytes
+        host += w * s.host_bytes
+        offload_s += w * s.offload_s
         if g.kind in ("op",):
             a = nodes[g.anchor]
             v = a.meta["val"]
@@ -116,7 +118,7 @@ def build_plan(gm: fx.GraphModule, ctx: PassContext, solution: Any = None, recip
     factor = ctx.config.optimizer_factor
     t = transients(gm, ctx.mesh_shape, ctx.output_roles)
     temps = temporaries(t, acts, opt / factor if factor else 0.0)
-    memory = MemoryBreakdown(params, grads, opt, acts, temps)
+    memory = MemoryBreakdown(params, grads, opt, acts, temps, host)
     stage = StagePlan(
         index=0,
         mesh=mesh,
@@ -128,6 +130,7 @@ def build_plan(gm: fx.GraphModule, ctx: PassContext, solution: Any = None, recip
         memory=memory,
         compute_s=compute,
         comm_s=comm - hidden,
+        offload_s=offload_s,
     )
     stats = SolverStats(
         status=sol.status,
@@ -254,17 +257,23 @@ def plan_graph(
 
     saving = attempt(())
     full = attempt((container,))
-    if full is not None:
-        replays = layer_replays(full[1], full[2].mesh_shape, cluster.device)
-        if replays:
-            rep = max(replays.values(), key=lambda r: r.full_bytes)
+    if full is not None and (replays := layer_replays(full[1], full[2].mesh_shape, cluster.device)):
+        rep = typical_replay(replays.values())
+        offset, tried = 0.0, set()
+        for _ in range(2):  # the mix the estimate picks; once more with the estimate corrected by what it missed
             counts = best_mix(total, rep, full[0].step_time_s, full[0].peak_memory.total,
-                              0.98 * config.memory_budget)
+                              0.98 * config.memory_budget, offset)
             log.info("plan: a layer of %s in the all-full plan's layout: full recomputation frees %.3g B for %.3g s, "
-                     "selective %.3g B for %.3g s; best mix (saved, selective, full) %s", container, rep.full_bytes,
+                     "selective %.3g B for %.3g s; mix (saved, selective, full) %s", container, rep.full_bytes,
                      rep.full_s, rep.cheap_bytes, rep.cheap_s, counts)
-            if counts is not None and counts[1:] != (0, total) and counts[0] != total:
-                attempt(mix_specs(container, counts))
+            if counts is None or counts in tried or counts[1:] == (0, total) or counts[0] == total:
+                break
+            tried.add(counts)
+            got = attempt(mix_specs(container, counts))
+            peak = got[0].peak_memory.total if got is not None else failed[-1].least_bytes
+            if not peak:
+                break
+            offset = peak - mix_peak(rep, full[0].peak_memory.total, counts)
     if not plans:
         raise min(failed, key=lambda e: e.least_bytes or math.inf)
     best = min(plans, key=lambda p: p[0].step_time_s)

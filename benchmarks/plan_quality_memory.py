@@ -19,9 +19,15 @@ sharded on some mesh axis out of all the captured graph's parameters (three samp
 axis, those whose gradients and optimizer state are sharded apart from them (ZeRO-1 / ZeRO-2,
 ``TensorLayout.zero``), and the program inputs' placements (tokens, targets).
 
+The plan may recompute activations per layer (``autoshard/planner.py``: every layer saved, every layer recomputed
+in full, and the fastest mix of saved, selective and fully recomputed layers that fits); "uses" says which layers
+recompute and what the replays cost. The recipes are compared as people run them: each recipe's faster fitting
+variant of saving every activation and recomputing every layer ("recipes with full recomputation"), not with the
+plan's mixes. "free" is the plan without any budget (its layouts unconstrained, nothing recomputed): no plan under
+a budget can be faster, so free / best recipe bounds the ratio any plan could reach on that row.
+
 Goal (issue 13): the plan / best fitting recipe is never above 1.00, and its geometric mean is <= 0.85 over the
-rows where the budget excludes DDP. Activation checkpointing and offload are not solver choices yet, so a budget
-only recomputation or offload could meet has no plan: such a row prints the smallest budget any plan needs.
+rows where the budget excludes DDP. A budget no plan fits prints the smallest budget any plan needs.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import autoshard
 from autoshard.cluster import get_cluster
 from autoshard.config import RECIPES
 from autoshard.models.zoo import get_model
+from autoshard.passes.recompute import describe
 from autoshard.solver.intra_op import InfeasibleBudget
 
 log = logging.getLogger("plan_quality")
@@ -75,6 +82,12 @@ class Row:
     plan: autoshard.Plan | None = None
     error: str = ""
     least_bytes: int | None = None
+    free_s: float | None = None  # the plan without a budget: a bound on any plan's step time
+
+    def bound(self) -> float | None:
+        """free / best fitting recipe: the smallest ratio any plan under this budget could reach."""
+        b = self.best()
+        return self.free_s / b.step_time_s if b is not None and self.free_s and b.step_time_s > 0 else None
 
     def best(self):
         return self.plan.best_recipe() if self.plan is not None else None
@@ -117,15 +130,22 @@ def ddp_need(case: MemCase, time_limit: float) -> tuple[int, float, float]:
     return p.peak_memory.total, p.step_time_s, time.perf_counter() - t0
 
 
+def free_plan(case: MemCase, time_limit: float) -> float:
+    """The step time of the plan without a budget (no recipes solved): no plan under a budget is faster."""
+    return autoshard.plan(case.model, case.mesh, cluster=case.cluster, seq=case.seq, global_batch=case.batch,
+                          memory_budget="none", time_limit_s=time_limit, solve_recipes=False).step_time_s
+
+
 def solve_rows(case: MemCase, time_limit: float) -> list[Row]:
     need, ddp_step, t_need = ddp_need(case, time_limit)
+    free = free_plan(case, time_limit)
     device = get_cluster(case.cluster).device.memory_bytes
     log.info("%s %s: DDP needs %.1f GiB (%.0f ms/step), device %.1f GiB; %.1f s", case.model, case.cluster,
              need / GIB, ddp_step * 1e3, device / GIB, t_need)
     rows = []
     for fractions, budget, capped in budgets(need, device):
         t0 = time.perf_counter()
-        row = Row(case, fractions, budget, capped, need, 0.0)
+        row = Row(case, fractions, budget, capped, need, 0.0, free_s=free)
         try:
             row.plan = autoshard.plan(case.model, case.mesh, cluster=case.cluster, seq=case.seq,
                                       global_batch=case.batch, memory_budget=budget, time_limit_s=time_limit)
@@ -155,7 +175,9 @@ def uses(plan: autoshard.Plan) -> str:
         inputs = " ".join(f"[{','.join(pl)}]" for pl in plan.input_placements())
     except ValueError:
         inputs = "?"
-    return f"sharded {sharded}/{len(params)} ({per_axis}), zero1 {z1}, zero2 {z2}; inputs {inputs}"
+    redo = (f"; recompute {describe(plan.recompute_layers)} (+{plan.recompute_s * 1e3:.1f} ms)"
+            if plan.recompute_layers else "; recompute none")
+    return f"sharded {sharded}/{len(params)} ({per_axis}), zero1 {z1}, zero2 {z2}; inputs {inputs}{redo}"
 
 
 def _solver(plan: autoshard.Plan) -> str:
@@ -176,7 +198,7 @@ REC_W = 8
 def header() -> str:
     return (f"{'model':<11}{'cluster':<15}{'mesh':>6}{'batch x seq':>12}{'DDP GiB':>8}  {'budget':<16}{'plan ms':>8}"
             f"{'GiB':>7}{'used':>6}" + "".join(f"{r:>{REC_W}}" for r in RECIPES)
-            + f"  {'best':<8}{'ratio':>6} {'goal':<6}{'solver':<9}{'s':>5}  uses")
+            + f"  {'best':<8}{'ratio':>6} {'goal':<6}{'free':>6} {'solver':<9}{'s':>5}  uses")
 
 
 def format_row(row: Row) -> str:
@@ -196,10 +218,11 @@ def format_row(row: Row) -> str:
     cells = "".join(f"{_cell(p, r, row.budget):>{REC_W}}" for r in RECIPES)
     best, ratio = row.best(), row.ratio()
     if best is None:
-        tail = f"  {'none':<8}{'-':>6} {'-':<6}"
+        tail = f"  {'none':<8}{'-':>6} {'-':<6}{'-':>6} "
     else:
         goal = "WORSE" if ratio > GOAL_MAX + 1e-9 else "OVER" if row.over() else "ok"
-        tail = f"  {best.name:<8}{ratio:>6.3f} {goal:<6}"
+        free = f"{row.bound():.3f}" if row.bound() is not None else "-"
+        tail = f"  {best.name:<8}{ratio:>6.3f} {goal:<6}{free:>6} "
     return (f"{prefix}{p.step_time_s * 1e3:>8.1f}{peak / GIB:>7.1f}{peak / row.budget:>6.0%}{cells}{tail}"
             f"{_solver(p):<9}{row.wall_s:>5.1f}  {uses(p)}")
 
@@ -234,6 +257,11 @@ def summary(rows: list[Row], total_s: float, failed_cases: int = 0) -> list[str]
         lines.append(f"geometric mean plan / best fitting recipe where the budget excludes DDP: {geo:.3f} over "
                      f"{len(bound)} budgets (goal <= {GOAL_GEO:.2f}: {'met' if geo_ok else 'NOT met'}); "
                      f"the plan is {1 / geo - 1:.1%} faster on average")
+        free = [r.bound() for r in rows if r.ratio() is not None and r.excludes_ddp() and r.bound() is not None]
+        if len(free) == len(bound):
+            lines.append(f"bound: the plans without a budget over the same recipes, geometric mean "
+                         f"{math.exp(sum(math.log(r) for r in free) / len(free)):.3f} (no plan under the budgets "
+                         f"can do better)")
     else:
         geo_ok = False
         lines.append("geometric mean: no row where the budget excludes DDP has a plan and a fitting recipe")

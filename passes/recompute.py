@@ -33,7 +33,7 @@ import itertools
 import logging
 import operator
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -159,8 +159,10 @@ def _expensive(node: fx.Node) -> bool:
     return getattr(packet, "__name__", "") in EXPENSIVE
 
 
-def _mark_kept(gm: fx.GraphModule) -> None:
+def _mark_kept(gm: fx.GraphModule, reset: bool = False) -> None:
     """``meta[KEPT]`` on the non-recomputed forward values that the replays the backward needs read."""
+    for n in gm.graph.nodes if reset else ():
+        n.meta.pop(KEPT, None)
     todo = [n for n in gm.graph.nodes if is_recomputed(n) and is_saved(n)]
     needed: set[fx.Node] = set()
     while todo:
@@ -211,12 +213,15 @@ def describe(specs: Sequence[str]) -> str:
 @dataclass(frozen=True)
 class LayerReplay:
     """One recomputed layer under a solved layout, per device: the saved bytes full / selective recomputation
-    frees against saving it, and the time each replay adds to the step."""
+    frees against saving it (as ``strategies`` counts them), the time each replay adds to the step, and the
+    bytes each replay makes again in the backward (``cost/memory.py``'s replay line)."""
 
     full_bytes: float
     cheap_bytes: float
     full_s: float
     cheap_s: float
+    full_again: float = 0.0
+    cheap_again: float = 0.0
 
 
 def _local_bytes(val: object, placements: Sequence | None, mesh_shape: Sequence[int]) -> int:
@@ -257,26 +262,62 @@ def _storage_root(n: fx.Node) -> fx.Node:
     return n
 
 
+def _key(n: fx.Node) -> tuple:
+    return layer_key(n.meta.get("autoshard_module", "")) or (n.meta.get("autoshard_module", ""), -1)
+
+
+def _out_bytes(n: fx.Node, mesh_shape: Sequence[int]) -> int:
+    sh, val = n.meta.get("autoshard"), n.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else (val,)
+    return sum(_local_bytes(v, p, mesh_shape) for v, p in zip(vals, sh.outputs)) if sh is not None else 0
+
+
+def _by_layer(gm: fx.GraphModule, mesh_shape: Sequence[int], keys: set) -> tuple[Counter, Counter]:
+    """Per layer: bytes ``stored`` under the graph's present tags, and bytes its replay makes again."""
+    kept, again = Counter(), Counter()
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.meta.get("autoshard_phase") == "forward" and (k := _key(n)) in keys:
+            kept[k] += _out_bytes(n, mesh_shape) if stored(n) else 0
+            again[k] += _out_bytes(n, mesh_shape) if is_recomputed(n) and is_saved(n) and _storage_root(n) is n else 0
+    return kept, again
+
+
 def layer_replays(gm: fx.GraphModule, mesh_shape: Sequence[int], device: object) -> dict[tuple, LayerReplay]:
     """Per recomputed layer (``ir.layer_key``) of a solved graph whose layers are tagged in full mode: what full
-    and selective recomputation of it free and cost (``autoshard/planner.py`` weighs mixes with them)."""
-    acc: dict[tuple, list[float]] = {}
-    for n in gm.graph.nodes:
-        if not is_recomputed(n):
-            continue
-        key = layer_key(n.meta.get("autoshard_module", "")) or (n.meta.get("autoshard_module", ""), -1)
-        row = acc.setdefault(key, [0.0, 0.0, 0.0, 0.0])
-        cheap = not _expensive(n) and not _expensive(_storage_root(n))
-        once = _once_s(n, mesh_shape, device)
-        row[2] += once
-        row[3] += once if not _expensive(n) else 0.0
-        if is_saved(n) and owns_storage(n):
-            sh = n.meta.get("autoshard")
-            vals = n.meta["val"] if isinstance(n.meta.get("val"), (tuple, list)) else (n.meta.get("val"),)
-            b = sum(_local_bytes(v, p, mesh_shape) for v, p in zip(vals, sh.outputs)) if sh is not None else 0
-            row[0] += b
-            row[1] += b if cheap else 0
-    return {k: LayerReplay(*v) for k, v in acc.items()}
+    and selective recomputation of it free and cost in its layout, each mode's tags put on the graph in turn
+    (and the full tags put back) so that bytes are counted as ``strategies`` counts them."""
+    tagged = {n: n.meta["recompute"] for n in gm.graph.nodes if "recompute" in n.meta}
+    keys = {_key(n) for n in tagged if is_recomputed(n)}
+    times: dict[tuple, list[float]] = {k: [0.0, 0.0] for k in keys}
+    for n in tagged:
+        if is_recomputed(n):
+            once = _once_s(n, mesh_shape, device)
+            times[_key(n)][0] += once
+            times[_key(n)][1] += 0.0 if _expensive(n) else once
+    full, full_again = _by_layer(gm, mesh_shape, keys)
+    try:
+        for n in tagged:  # selective: the expensive ops saved
+            n.meta["recompute"] = MUST_SAVE if is_recomputed(n) and _expensive(n) else tagged[n]
+        _mark_kept(gm, reset=True)
+        sel, sel_again = _by_layer(gm, mesh_shape, keys)
+        for n in tagged:  # nothing recomputed
+            del n.meta["recompute"]
+        _mark_kept(gm, reset=True)
+        save, _ = _by_layer(gm, mesh_shape, keys)
+    finally:
+        for n, tag in tagged.items():
+            n.meta["recompute"] = tag
+        _mark_kept(gm, reset=True)
+    return {k: LayerReplay(save[k] - full[k], save[k] - sel[k], times[k][0], times[k][1], full_again[k], sel_again[k])
+            for k in keys}
+
+
+def typical_replay(replays: Iterable[LayerReplay]) -> LayerReplay:
+    """The mean layer (what a mix of many layers adds up to), with the largest layer's replay working set (only
+    one layer replays at a time)."""
+    rs = list(replays)
+    mean = [sum(getattr(r, f) for r in rs) / len(rs) for f in ("full_bytes", "cheap_bytes", "full_s", "cheap_s")]
+    return LayerReplay(*mean, max(r.full_again for r in rs), max(r.cheap_again for r in rs))
 
 
 def replay_time(gm: fx.GraphModule, mesh_shape: Sequence[int], device: object, weight: Mapping[int, float]) -> float:
@@ -286,18 +327,29 @@ def replay_time(gm: fx.GraphModule, mesh_shape: Sequence[int], device: object, w
                for n in gm.graph.nodes if is_recomputed(n) and n.meta.get("autoshard") is not None)
 
 
-def best_mix(layers: int, replay: LayerReplay, full_step_s: float, full_bytes: float, budget: float
-             ) -> tuple[int, int, int] | None:
+def mix_peak(replay: LayerReplay, full_bytes: float, counts: tuple[int, int, int]) -> float:
+    """The peak of a (saved, selective, full) mix estimated from the all-full plan's (``full_bytes``) in its
+    layout: each saved layer keeps what full recomputation frees, a selective one what it does not replay; the
+    replay's working set (``cost/memory.py``: the largest replayed layer) is a full layer's, a selective one's,
+    or none."""
+    saved, sel, full = counts
+    again = replay.full_again if full else replay.cheap_again if sel else 0.0
+    return (full_bytes - replay.full_again + again + saved * replay.full_bytes
+            + sel * (replay.full_bytes - replay.cheap_bytes))
+
+
+def best_mix(layers: int, replay: LayerReplay, full_step_s: float, full_bytes: float, budget: float,
+             offset: float = 0.0) -> tuple[int, int, int] | None:
     """(saved, selective, full) layer counts (at most two modes) that make a plan with the layout of the
-    all-full plan (``full_step_s``, peak ``full_bytes``) fit ``budget`` fastest; None when none fits."""
+    all-full plan (``full_step_s``, peak ``full_bytes``) fit ``budget`` fastest (``mix_peak`` + ``offset``, what
+    an earlier estimate missed by); None when none fits."""
     best: tuple[float, tuple[int, int, int]] | None = None
     for a, b in itertools.product(range(layers + 1), repeat=2):
         counts = (a, b, layers - a - b)
         if counts[2] < 0 or sum(c > 0 for c in counts) > 2:
             continue
-        peak = full_bytes + a * replay.full_bytes + b * (replay.full_bytes - replay.cheap_bytes)
         step = full_step_s - a * replay.full_s - b * (replay.full_s - replay.cheap_s)
-        if peak <= budget and (best is None or step < best[0] - 1e-12):
+        if mix_peak(replay, full_bytes, counts) + offset <= budget and (best is None or step < best[0] - 1e-12):
             best = (step, counts)
     return best[1] if best is not None else None
 
@@ -309,5 +361,5 @@ def mix_specs(container: str, counts: tuple[int, int, int]) -> tuple[str, ...]:
 
 
 __all__ = ["EXPENSIVE", "FULL", "KEPT", "MODES", "SELECTIVE", "LayerReplay", "best_mix", "describe", "is_recomputed",
-           "layer_modes", "layer_replays", "layer_specs", "mix_specs", "parse_spec", "replay_time", "sampled_specs",
-           "spec", "stored", "tag_recompute"]
+           "layer_modes", "layer_replays", "layer_specs", "mix_peak", "mix_specs", "parse_spec", "replay_time", "sampled_specs",
+           "spec", "stored", "tag_recompute", "typical_replay"]

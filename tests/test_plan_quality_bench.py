@@ -63,9 +63,11 @@ def test_geomean_only_where_ddp_is_excluded_and_infeasible_rows_reported():
     fits = [RecipeSummary("fsdp", 1.0, 9 * G, True)]
     ddp_fits = _row(1.0, 10 * G, 90 * G, fits)  # budget above DDP's need: not where memory binds
     bound = _row(0.8, 10 * G, 20 * G, fits)
+    bound.free_s = 0.7  # the plan without a budget: 0.7 / 1.0 is as far as any plan could go
     none = pqm.Row(CASE, (0.25,), 5 * G, False, 80 * G, 2.0, error="no plan fits", least_bytes=7 * G)
     lines = pqm.summary([ddp_fits, bound, none], 1.0)
     assert "1 with no plan (InfeasibleBudget)" in lines[0]
     assert any("0.800 over 1 budgets" in line for line in lines)
+    assert any(line.startswith("bound:") and "geometric mean 0.700" in line for line in lines)
     text = pqm.format_row(none)
     assert "no plan fits in 5.0 GiB" in text and "needs is 7.0 GiB" in text and "no recipe fits either" in text
