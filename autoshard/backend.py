@@ -111,6 +111,7 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, opti
     # the parameter objects dynamo traced hold their compute shard, which the user's optimizer steps: no ZeRO-1/2
     # masters sharded further than that (see runtime/param_state.py)
     opts.setdefault("shard_state", False)
+    opts.setdefault("offload", "none")  # nor masters in host memory
     with tc.outside_dynamo():
         sharded = autoshard_compile(root, mesh, example, constraints=constraints, parameters="local", **opts)
     freed = tc.forget_guards_on(gm, list(root.parameters()))

@@ -1,13 +1,9 @@
-"""The Plan: what autoshard decided, as a frozen, serializable value.
-
-Why a value type of its own: planning runs on a laptop for any device count (``autoshard plan``), execution runs
-on the cluster later, and a user reviews the decision in between. So the plan must survive JSON exactly
-(``Plan.from_json(p.to_json()) == p``), hold no torch objects (placements are notation strings such as
-``"S(0)"``, dtypes are names such as ``"float32"``), and read as a table (:meth:`Plan.report`).
-
-A plan is a tuple of stages: one that spans the whole mesh, or (pipeline parallelism) several, each on a
-sub-mesh with its own ranks, layers and intra-op decisions.
-"""
+"""The Plan: what autoshard decided, as a frozen, serializable value. Planning runs on a laptop for any device
+count, execution on the cluster later, and a user reviews the decision in between: so the plan survives JSON
+exactly (``Plan.from_json(p.to_json()) == p``), holds no torch objects (placements are notation strings such as
+``"S(0)"``, dtypes names such as ``"float32"``) and reads as a table (:meth:`Plan.report`). It is a tuple of
+stages: one spanning the whole mesh, or (pipeline parallelism) several, each on a sub-mesh with its own ranks,
+layers and intra-op decisions."""
 
 from __future__ import annotations
 
@@ -83,9 +79,11 @@ class TensorLayout:
     placements: tuple[str, ...]
     grad_placements: tuple[str, ...] = ()
     state_placements: tuple[str, ...] = ()
+    offload: str = ""  # "optimizer" / "params": master and optimizer state in host memory (ZeRO-Offload)
 
     def __post_init__(self) -> None:
         _check(self.role, TENSOR_ROLES, "role", f"tensor {self.name!r}")
+        _check(self.offload, ("", "optimizer", "params"), "offload", f"tensor {self.name!r}")
         _set(self, shape=tuple(int(d) for d in self.shape), dtype=dtype_name(self.dtype))
         _set(self, placements=_placements(self.placements), grad_placements=_placements(self.grad_placements),
              state_placements=_placements(self.state_placements))
@@ -170,6 +168,7 @@ class MemoryBreakdown:
     optimizer: int
     activations: int
     temporaries: int = 0  # the rest of the peak: backward temporaries, gathered weights (autoshard/cost/memory.py)
+    host: int = 0  # offloaded masters, their gradients and optimizer state, in host memory (not in total)
 
     def __post_init__(self) -> None:
         _set(self, **{f.name: int(getattr(self, f.name)) for f in dataclasses.fields(self)})
@@ -214,12 +213,13 @@ class StagePlan:
     compute_s: float  # per step on each of the stage's devices (every micro-batch), as is comm_s
     comm_s: float
     microbatch_time_s: float = 0.0  # pipelined: forward + backward of one micro-batch, boundary sends included
+    offload_s: float = 0.0  # offload's host copies and host optimizer step per step (in compute_s)
 
     def __post_init__(self) -> None:
         _set(self, ranks=tuple(int(r) for r in self.ranks), layers=tuple(self.layers), tensors=tuple(self.tensors))
         _set(self, ops=tuple(self.ops), collectives=tuple(self.collectives))
         _set(self, compute_s=float(self.compute_s), comm_s=float(self.comm_s),
-             microbatch_time_s=float(self.microbatch_time_s))
+             microbatch_time_s=float(self.microbatch_time_s), offload_s=float(self.offload_s))
         if self.ranks and len(self.ranks) != self.mesh.size:
             raise ValueError(f"stage {self.index}: {len(self.ranks)} ranks for mesh {self.mesh} of {self.mesh.size}")
         ndim = len(self.mesh.shape)

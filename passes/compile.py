@@ -7,7 +7,7 @@ traced), only ``solve``.
 Guarantees on exit: ``ctx.program`` runs this rank's step, and its ``layouts`` give the placements of the
 parameters and inputs by name (``input[i]`` for the call's tensors), as ``Placement`` objects, ``grad_layouts``
 those its gradients come back in and ``state_layouts`` those the optimizer steps (they differ for ZeRO-1/2
-parameters): the runtime distributes parameters and cuts inputs with them (the Plan's strings are for reports and JSON). ``forward(flat local inputs)`` returns (the loss,
+parameters), ``offload`` the parameters whose masters live in host memory (``runtime/offload.py``): the runtime distributes parameters and cuts inputs with them (the Plan's strings are for reports and JSON). ``forward(flat local inputs)`` returns (the loss,
 what backward needs) and ``backward(saved, grad_loss)`` the local gradients (parameters, then inputs that
 require grad); a pipeline stage's ``forward_many`` / ``backward_many`` take and return every output. Backends:
 
@@ -30,6 +30,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate
 
 from autoshard import _torch_compat as tc
+from autoshard.ir import param_offload_of
 from autoshard.passes.context import PassContext
 from autoshard.passes.lower import PlanInterpreter, param_placements_of
 
@@ -60,6 +61,7 @@ class CompiledProgram:
         self.layouts = param_placements_of(planned) if planned is not None else {}
         self.state_layouts = param_placements_of(planned, "state") if planned is not None else {}
         self.grad_layouts = param_placements_of(planned, "grad") if planned is not None else {}
+        self.offload = param_offload_of(planned) if planned is not None else {}  # masters in host memory
 
     def _compile(self, gm: fx.GraphModule, args: Sequence[torch.Tensor]) -> Callable[[list[torch.Tensor]], Any]:
         if self._compiler is _eager:
@@ -99,6 +101,7 @@ class InterpretedProgram:
         self.layouts = param_placements_of(gm)
         self.state_layouts = param_placements_of(gm, "state")
         self.grad_layouts = param_placements_of(gm, "grad")
+        self.offload = param_offload_of(gm)
         ph = self.interp.placeholders
         self.primals = [n for n in ph if n.meta["autoshard_role"].kind != "tangent"]
         self.tangents = [n for n in ph if n.meta["autoshard_role"].kind == "tangent"]

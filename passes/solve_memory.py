@@ -34,7 +34,7 @@ def layouts_of(ctx: PassContext, sol: Solution) -> dict[str, NodeSharding]:
         for i, name in enumerate(g.members):
             first = i == 0 and g.kind == "parameter"
             out[name] = NodeSharding(g.id, s.outputs[i], s.inputs[i], s.grad_placements if first else None,
-                                     s.state_placements if first else None)
+                                     s.state_placements if first else None, s.offload if first else "")
     return out
 
 

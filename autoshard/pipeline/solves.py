@@ -259,8 +259,8 @@ class StageSolves:
                 return None
             want = src.ctx.strategies[g.id][sol.choice[g.id]]
             hit = next((i for i, s in enumerate(ctx.strategies[g.id])
-                        if (s.outputs, s.inputs, s.grad_placements, s.state_placements)
-                        == (want.outputs, want.inputs, want.grad_placements, want.state_placements)), None)
+                        if (s.outputs, s.inputs, s.grad_placements, s.state_placements, s.offload)
+                        == (want.outputs, want.inputs, want.grad_placements, want.state_placements, want.offload)), None)
             if hit is None:
                 return None
             choice[g.id] = hit
