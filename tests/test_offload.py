@@ -13,6 +13,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+import autoshard
 from autoshard.cluster import get_cluster
 from autoshard.config import PlanConfig
 from autoshard.cost.offload import host_memory_rate, offload_cost
@@ -88,22 +89,13 @@ def test_forced_offload_modes():
 
 
 def _train_offloaded(rank: int, world: int, arg: tuple) -> dict:
-    from autoshard.passes.runner import rank_program
-    from autoshard.runtime.sharded_module import ShardedModule
     from numerics_utils import _full, _scalar
 
     name, mode = arg
     make, inputs_fn = MODELS[name]
     inputs = inputs_fn()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    model = make()
-    config = PlanConfig(offload=mode, solve_recipes=False)
-    plan, gm, ctx = plan_graph(model, inputs, mesh, get_cluster("cpu"), config, broadcast_solution=True)
-    program = rank_program(gm, ctx, "eager")
-    # autoshard.compile's path; the program is told which parameters are offloaded (NodeSharding.offload)
-    program.offload = offloaded_params(gm, ctx)
-    grads_of = [r.name for r in ctx.output_roles if r.kind == "grad"]
-    sharded = ShardedModule(model, mesh, plan, program, grads_of, ctx.signature)
+    sharded = autoshard.compile(make(), mesh, inputs, offload=mode, solve_recipes=False, backend="eager")
     opt = torch.optim.AdamW(sharded.parameters(), lr=LR)
     states = sharded._states
     names = states.names
