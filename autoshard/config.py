@@ -22,6 +22,11 @@ ConstraintValue = Any
 
 
 # the manual recipes a plan can be forced to (PlanConfig.recipe) and is compared with (autoshard.solver.recipes)
+# gradient buckets of the lowered program (passes/lower_buckets.py) and the memory they take (cost/memory.py):
+# DDP's defaults, a small first bucket so that its reduction starts early, then 25 MiB
+FIRST_BUCKET_BYTES = 2**20
+BUCKET_BYTES = 25 * 2**20
+
 # PlanConfig.mixed_precision: compute dtype of autocast's lower-precision ops (fp32 master weights and state)
 MIXED_PRECISION = {"bf16": "bfloat16", "bfloat16": "bfloat16"}
 # PlanConfig.reduce_dtype: the dtype gradients are reduced in under mixed precision

@@ -24,8 +24,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from autoshard import _torch_compat as tc
 
-BUCKET_BYTES = 25 * 2**20  # per gradient bucket, DDP's default
-FIRST_BUCKET_BYTES = 2**20  # the first bucket is small, as DDP's, so that its reduction starts early
+from autoshard.config import BUCKET_BYTES, FIRST_BUCKET_BYTES  # noqa: F401 (lower's bucket sizes, DDP's)
 
 
 def bucketable(have: tuple, want: tuple) -> bool:

@@ -16,6 +16,9 @@ size under the plan's placements and keeps the most that is alive at once of wha
   sum), as are parameters and inputs (placeholders); a gradient made larger than its layout (FSDP's and ZeRO-2's,
   before their reduce-scatter) waits whole for its layer's bucket: two layers' worth is added to the backward's
   peak (one bucket reduced while the next fills);
+- gradients all-reduced in DDP's buckets (``passes/lower_buckets.py``: Partial -> Replicate, flattened together)
+  are concatenated into one flat tensor per bucket when its last gradient is made: that copy is a temporary at
+  that point of the backward;
 - an input an op needs in a larger local layout than its producer's (an all-gather: a sharded weight gathered,
   an activation made whole) is a temporary of the op that needs it;
 - a recomputed layer (``passes/recompute.py``) makes its activations again in the backward: the largest layer's
@@ -40,9 +43,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Partial, Shard
 
 from autoshard import _torch_compat as tc
+from autoshard.config import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from autoshard.ir import NodeSharding, is_saved, is_view, layer_parts, tensor_args
 
 
@@ -107,6 +111,7 @@ def transients(gm: fx.GraphModule, mesh_shape: Sequence[int], output_roles: Sequ
     out = nodes[-1]
     counted: set[fx.Node] = set()  # gradient outputs: in the sum
     waiting: dict[tuple, int] = {}  # whole gradients by layer
+    bucketed: list[tuple[int, int]] = []  # (where made, bytes) of the gradients all-reduced in buckets
     params = {n.meta["autoshard_role"].name: n for n in gm.graph.find_nodes(op="placeholder")}
     for src, role in zip(out.args[0], output_roles):
         if isinstance(src, fx.Node) and role.kind in ("grad", "input_grad"):
@@ -118,6 +123,8 @@ def transients(gm: fx.GraphModule, mesh_shape: Sequence[int], output_roles: Sequ
                 parts = layer_parts(role.name)
                 layer = parts[:2] if parts else ("", -1)
                 waiting[layer] = waiting.get(layer, 0) + made
+            elif sh is not None and _summed(lay(src), sh.grad_layout):
+                bucketed.append((at[src], made))
 
     end: dict[fx.Node, int] = {}  # a storage's last use, over the views of it
     for n in nodes:
@@ -135,6 +142,7 @@ def transients(gm: fx.GraphModule, mesh_shape: Sequence[int], output_roles: Sequ
             parts = layer_parts(n.meta.get("autoshard_module", "") + ".")
             key = f"{parts[0]}.{parts[1]}" if parts else n.meta.get("autoshard_module", "")
             replayed[key] = replayed.get(key, 0) + _output_bytes(n, lay(n), mesh_shape)
+    flat = _bucket_copies(bucketed)
     live = 0
     size: dict[fx.Node, int] = {}
     peak = {"forward": 0, "backward": 0}
@@ -145,7 +153,7 @@ def transients(gm: fx.GraphModule, mesh_shape: Sequence[int], output_roles: Sequ
         if root(n) is n and n not in counted and not (is_saved(n) or any(is_saved(v) for v in _views(n))):
             size[n] = _output_bytes(n, lay(n), mesh_shape)
             live += size[n]
-        peak[phase] = max(peak[phase], live + _gathers(n, lay, mesh_shape))
+        peak[phase] = max(peak[phase], live + _gathers(n, lay, mesh_shape) + flat.get(i, 0))
         for base in free_at.get(i, ()):
             live -= size.pop(base, 0)
     # a layer's gradients are reduced as one bucket as soon as the backward has made them (passes/overlap.py):
@@ -153,6 +161,28 @@ def transients(gm: fx.GraphModule, mesh_shape: Sequence[int], output_roles: Sequ
     # one recomputed layer's activations live again while its backward runs (the layers replay one at a time)
     again = max(replayed.values(), default=0)
     return Transients(peak["forward"], peak["backward"] + sum(sorted(waiting.values())[-2:]) + again)
+
+
+def _summed(sh: NodeSharding | None, want: Sequence | None) -> bool:
+    """Whether a gradient made in ``sh`` is Partial on a mesh axis where its delivered layout ``want`` is not."""
+    if sh is None or want is None or not sh.outputs or sh.outputs[0] is None:
+        return False
+    return any(isinstance(h, Partial) and h != w for h, w in zip(sh.outputs[0], want))
+
+
+def _bucket_copies(made: Sequence[tuple[int, int]]) -> dict[int, int]:
+    """Where each all-reduce bucket is complete (its last gradient made) and the bytes of its flat copy, with the
+    lowering's bucket sizes (the first small, then up to 25 MiB, in the order the backward makes them)."""
+    out: dict[int, int] = {}
+    size, last, first = 0, -1, True
+    for at, nbytes in sorted(made):
+        if size and size + nbytes > (FIRST_BUCKET_BYTES if first else BUCKET_BYTES):
+            out[last] = out.get(last, 0) + size
+            size, first = 0, False
+        size, last = size + nbytes, at
+    if size:
+        out[last] = out.get(last, 0) + size
+    return out
 
 
 def _views(n: fx.Node) -> list[fx.Node]:
