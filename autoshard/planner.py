@@ -29,7 +29,8 @@ from autoshard.cost.memory import temporaries, transients
 from autoshard.notation import placement_str
 from autoshard.ir import tensor_args
 from autoshard.passes.context import PassContext
-from autoshard.passes.recompute import best_mix, describe, layer_replays, mix_peak, mix_specs, replay_time, typical_replay
+from autoshard.passes.recompute import (FULL, SELECTIVE, best_mix, describe, layer_replays, mix_peak, mix_specs,
+                                        replay_time, spec, typical_replay)
 from autoshard.passes.runner import PLANNING, run_passes
 from autoshard.passes.solve import annotate
 from autoshard.ir import repeated_layers
@@ -233,11 +234,13 @@ def plan_graph(
     """Plan ``model``; ``stage=True`` plans a pipeline stage (tensor outputs, input gradients; see capture).
 
     Under a memory budget (and no ``config.recompute`` given) recomputation is weighed per layer
-    (``passes/recompute.py``): the plan that saves everything, the plan that recomputes every repeated layer
-    in full and, from that plan's layout and its layers' replay costs (``layer_replays``), the mix of saved,
-    selective (all but the matmuls) and fully recomputed layers that fits the budget fastest (``best_mix``),
-    planned once more. The fastest that fits is kept: the budget may have forced the plan that saves everything
-    into slower layouts, and recomputing only some layers, or only their cheap ops, may be enough."""
+    (``passes/recompute.py``): the plans that save everything, recompute every repeated layer in full, and
+    selectively (all but the matmuls); then, from the last two's layouts and their layers' replay costs
+    (``layer_replays``), the mix of saved, selective and fully recomputed layers predicted to fit the budget
+    fastest (``best_mix``) is planned when it is predicted ahead, and once more with the estimate corrected. The
+    fastest that fits is kept: the budget may have forced the plan that saves everything into slower layouts, and
+    recomputing only some layers, or only their cheap ops, may be enough. Its recipes are those of the first two
+    plans (each recipe saving everything or recomputing every layer, the faster that fits)."""
     layers = repeated_layers(model) if config.memory_budget is not None and not stage and not config.recompute else None
     once = functools.partial(_plan_once, model, example_inputs, mesh, cluster, broadcast_solution=broadcast_solution,
                              progress=progress, stage=stage)
@@ -257,23 +260,35 @@ def plan_graph(
 
     saving = attempt(())
     full = attempt((container,))
-    if full is not None and (replays := layer_replays(full[1], full[2].mesh_shape, cluster.device)):
-        rep = typical_replay(replays.values())
-        offset, tried = 0.0, set()
-        for _ in range(2):  # the mix the estimate picks; once more with the estimate corrected by what it missed
-            counts = best_mix(total, rep, full[0].step_time_s, full[0].peak_memory.total,
-                              0.98 * config.memory_budget, offset)
-            log.info("plan: a layer of %s in the all-full plan's layout: full recomputation frees %.3g B for %.3g s, "
-                     "selective %.3g B for %.3g s; mix (saved, selective, full) %s", container, rep.full_bytes,
-                     rep.full_s, rep.cheap_bytes, rep.cheap_s, counts)
-            if counts is None or counts in tried or counts[1:] == (0, total) or counts[0] == total:
-                break
+    sel = attempt((spec(container, SELECTIVE),))
+    pure = {(total, 0, 0), (0, total, 0), (0, 0, total)}
+    options = []  # (predicted step, counts, anchor run, anchor counts, its typical layer)
+    for run, mode, anchor in ((full, FULL, (0, 0, total)), (sel, SELECTIVE, (0, total, 0))):
+        if run is not None and (replays := layer_replays(run[1], run[2].mesh_shape, cluster.device, mode)):
+            rep = typical_replay(replays.values())
+            found = best_mix(total, rep, anchor, run[0].step_time_s, run[0].peak_memory.total,
+                             0.98 * config.memory_budget, allow_full=mode == FULL)
+            log.info("plan: a layer of %s in the %s plan's layout: full recomputation frees %.3g B for %.3g s, "
+                     "selective %.3g B for %.3g s; fastest mix (saved, selective, full) %s", container, mode,
+                     rep.full_bytes, rep.full_s, rep.cheap_bytes, rep.cheap_s, found)
+            if found is not None and found[0] not in pure:
+                options.append((found[1], found[0], run, anchor, rep, mode))
+    ahead = [o for o in options if o[0] < min((p[0].step_time_s for p in plans), default=math.inf)]
+    if ahead:  # the mix predicted fastest, if ahead; once more with the estimate corrected by what it missed
+        _, counts, run, anchor, rep, mode = min(ahead, key=lambda o: o[0])
+        tried = set(pure)
+        while counts not in tried:
             tried.add(counts)
             got = attempt(mix_specs(container, counts))
             peak = got[0].peak_memory.total if got is not None else failed[-1].least_bytes
             if not peak:
                 break
-            offset = peak - mix_peak(rep, full[0].peak_memory.total, counts)
+            offset = peak - mix_peak(rep, anchor, run[0].peak_memory.total, counts)
+            found = best_mix(total, rep, anchor, run[0].step_time_s, run[0].peak_memory.total,
+                             0.98 * config.memory_budget, offset, allow_full=mode == FULL)
+            if found is None or len(tried) > len(pure) + 1:
+                break
+            counts = found[0]
     if not plans:
         raise min(failed, key=lambda e: e.least_bytes or math.inf)
     best = min(plans, key=lambda p: p[0].step_time_s)

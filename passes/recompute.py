@@ -282,10 +282,12 @@ def _by_layer(gm: fx.GraphModule, mesh_shape: Sequence[int], keys: set) -> tuple
     return kept, again
 
 
-def layer_replays(gm: fx.GraphModule, mesh_shape: Sequence[int], device: object) -> dict[tuple, LayerReplay]:
-    """Per recomputed layer (``ir.layer_key``) of a solved graph whose layers are tagged in full mode: what full
+def layer_replays(gm: fx.GraphModule, mesh_shape: Sequence[int], device: object, mode: str = FULL
+                  ) -> dict[tuple, LayerReplay]:
+    """Per recomputed layer (``ir.layer_key``) of a solved graph whose layers are tagged in ``mode``: what full
     and selective recomputation of it free and cost in its layout, each mode's tags put on the graph in turn
-    (and the full tags put back) so that bytes are counted as ``strategies`` counts them."""
+    (and its own put back) so that bytes are counted as ``strategies`` counts them. A selective graph cannot say
+    what full recomputation would free: its full figures are the selective ones."""
     tagged = {n: n.meta["recompute"] for n in gm.graph.nodes if "recompute" in n.meta}
     keys = {_key(n) for n in tagged if is_recomputed(n)}
     times: dict[tuple, list[float]] = {k: [0.0, 0.0] for k in keys}
@@ -294,12 +296,14 @@ def layer_replays(gm: fx.GraphModule, mesh_shape: Sequence[int], device: object)
             once = _once_s(n, mesh_shape, device)
             times[_key(n)][0] += once
             times[_key(n)][1] += 0.0 if _expensive(n) else once
-    full, full_again = _by_layer(gm, mesh_shape, keys)
+    own, own_again = _by_layer(gm, mesh_shape, keys)
+    sel, sel_again = own, own_again
     try:
-        for n in tagged:  # selective: the expensive ops saved
-            n.meta["recompute"] = MUST_SAVE if is_recomputed(n) and _expensive(n) else tagged[n]
-        _mark_kept(gm, reset=True)
-        sel, sel_again = _by_layer(gm, mesh_shape, keys)
+        if mode == FULL:  # selective: the expensive ops saved
+            for n in tagged:
+                n.meta["recompute"] = MUST_SAVE if is_recomputed(n) and _expensive(n) else tagged[n]
+            _mark_kept(gm, reset=True)
+            sel, sel_again = _by_layer(gm, mesh_shape, keys)
         for n in tagged:  # nothing recomputed
             del n.meta["recompute"]
         _mark_kept(gm, reset=True)
@@ -308,7 +312,7 @@ def layer_replays(gm: fx.GraphModule, mesh_shape: Sequence[int], device: object)
         for n, tag in tagged.items():
             n.meta["recompute"] = tag
         _mark_kept(gm, reset=True)
-    return {k: LayerReplay(save[k] - full[k], save[k] - sel[k], times[k][0], times[k][1], full_again[k], sel_again[k])
+    return {k: LayerReplay(save[k] - own[k], save[k] - sel[k], times[k][0], times[k][1], own_again[k], sel_again[k])
             for k in keys}
 
 
@@ -327,31 +331,40 @@ def replay_time(gm: fx.GraphModule, mesh_shape: Sequence[int], device: object, w
                for n in gm.graph.nodes if is_recomputed(n) and n.meta.get("autoshard") is not None)
 
 
-def mix_peak(replay: LayerReplay, full_bytes: float, counts: tuple[int, int, int]) -> float:
-    """The peak of a (saved, selective, full) mix estimated from the all-full plan's (``full_bytes``) in its
-    layout: each saved layer keeps what full recomputation frees, a selective one what it does not replay; the
-    replay's working set (``cost/memory.py``: the largest replayed layer) is a full layer's, a selective one's,
-    or none."""
+def _mix_bytes(replay: LayerReplay, counts: tuple[int, int, int]) -> float:
     saved, sel, full = counts
     again = replay.full_again if full else replay.cheap_again if sel else 0.0
-    return (full_bytes - replay.full_again + again + saved * replay.full_bytes
-            + sel * (replay.full_bytes - replay.cheap_bytes))
+    return saved * replay.full_bytes + sel * (replay.full_bytes - replay.cheap_bytes) + again
 
 
-def best_mix(layers: int, replay: LayerReplay, full_step_s: float, full_bytes: float, budget: float,
-             offset: float = 0.0) -> tuple[int, int, int] | None:
-    """(saved, selective, full) layer counts (at most two modes) that make a plan with the layout of the
-    all-full plan (``full_step_s``, peak ``full_bytes``) fit ``budget`` fastest (``mix_peak`` + ``offset``, what
-    an earlier estimate missed by); None when none fits."""
-    best: tuple[float, tuple[int, int, int]] | None = None
+def _mix_s(replay: LayerReplay, counts: tuple[int, int, int]) -> float:
+    return counts[1] * replay.cheap_s + counts[2] * replay.full_s
+
+
+def mix_peak(replay: LayerReplay, anchor: tuple[int, int, int], anchor_bytes: float,
+             counts: tuple[int, int, int]) -> float:
+    """The peak of a (saved, selective, full) mix estimated from a plan of the ``anchor`` mix (peak
+    ``anchor_bytes``) in its layout: each saved layer keeps what full recomputation frees, a selective one what it
+    does not replay; the replay's working set (``cost/memory.py``: the largest replayed layer) is a full layer's,
+    a selective one's, or none."""
+    return anchor_bytes + _mix_bytes(replay, counts) - _mix_bytes(replay, anchor)
+
+
+def best_mix(layers: int, replay: LayerReplay, anchor: tuple[int, int, int], anchor_s: float, anchor_bytes: float,
+             budget: float, offset: float = 0.0, allow_full: bool = True) -> tuple[tuple[int, int, int], float] | None:
+    """The (saved, selective, full) layer counts (at most two modes; no full layers unless ``allow_full``) that
+    fit ``budget`` fastest in the layout of a plan of the ``anchor`` mix (step ``anchor_s``, peak
+    ``anchor_bytes``), and that mix's predicted step; ``offset``: what an earlier estimate missed by. None when
+    no mix fits."""
+    best: tuple[tuple[int, int, int], float] | None = None
     for a, b in itertools.product(range(layers + 1), repeat=2):
         counts = (a, b, layers - a - b)
-        if counts[2] < 0 or sum(c > 0 for c in counts) > 2:
+        if counts[2] < 0 or sum(c > 0 for c in counts) > 2 or (counts[2] and not allow_full):
             continue
-        step = full_step_s - a * replay.full_s - b * (replay.full_s - replay.cheap_s)
-        if mix_peak(replay, full_bytes, counts) + offset <= budget and (best is None or step < best[0] - 1e-12):
-            best = (step, counts)
-    return best[1] if best is not None else None
+        step = anchor_s - _mix_s(replay, anchor) + _mix_s(replay, counts)
+        if mix_peak(replay, anchor, anchor_bytes, counts) + offset <= budget and (best is None or step < best[1] - 1e-12):
+            best = (counts, step)
+    return best
 
 
 def mix_specs(container: str, counts: tuple[int, int, int]) -> tuple[str, ...]:

@@ -121,11 +121,19 @@ def test_best_mix_and_sampled_layers():
     """The mix of saved / selective / full layers that fits fastest (at most two modes), and the modes the
     captured layers take when 3 of 10 stand for all."""
     rep = LayerReplay(full_bytes=100, cheap_bytes=60, full_s=1.0, cheap_s=0.1)
-    assert best_mix(10, rep, 20.0, 500, 1500) == (10, 0, 0)  # everything saved fits
-    assert best_mix(10, rep, 20.0, 500, 900) == (0, 10, 0)  # every layer selective: 400 more than all-full
-    assert best_mix(10, rep, 20.0, 500, 1000) == (1, 9, 0)  # one layer saved
-    assert best_mix(10, rep, 20.0, 500, 600) == (0, 2, 8)  # selective frees too little: most layers in full
-    assert best_mix(10, rep, 20.0, 500, 499) is None
+    full = (0, 0, 10)  # estimated from a plan recomputing all 10 layers in full: 20 s, 500 bytes
+
+    def mix(budget: float, **kw) -> tuple | None:
+        found = best_mix(10, rep, full, 20.0, 500, budget, **kw)
+        return found[0] if found is not None else None
+
+    assert mix(1500) == (10, 0, 0)  # everything saved fits
+    assert mix(900) == (0, 10, 0)  # every layer selective: 400 more than all-full
+    assert mix(1000) == (1, 9, 0)  # one layer saved
+    assert mix(600) == (0, 2, 8)  # selective frees too little: most layers in full
+    assert mix(600, allow_full=False) is None and mix(499) is None
+    counts, step = best_mix(10, rep, (0, 10, 0), 11.0, 900, 1000, allow_full=False)  # from all-selective
+    assert counts == (1, 9, 0) and abs(step - 10.9) < 1e-9
     specs = mix_specs("layers", (5, 3, 2))
     assert specs[:2] == ("layers.0", "layers.1") and specs[2:] == tuple(f"layers.{i}:selective" for i in (2, 3, 4))
     captured, counts = sampled_specs(specs, "layers", 3, 10)
