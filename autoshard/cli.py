@@ -88,6 +88,11 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--offload", choices=("auto", "none", "optimizer", "params"), default="auto",
                     help="optimizer state (and with 'params' the parameters) in host memory: auto = where device "
                     "memory forces it (default), none, or forced for every parameter")
+    pl.add_argument("--mixed-precision", choices=("none", "bf16"), default="none",
+                    help="bf16: fp32 parameters (masters), gradients and AdamW state, matmuls in bf16 under autocast "
+                         "(default none: the model in bf16 throughout)")
+    pl.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="with --mixed-precision bf16: the dtype gradients are reduced in")
     pl.add_argument("--time-limit", type=float, default=30.0, help="solver time limit per solve, seconds")
     pl.add_argument("--sample-layers", type=int, default=3, help="repeated layers captured (they stand for all)")
     pl.add_argument("--out", default=None, help="write the plan as JSON here")
@@ -127,6 +132,8 @@ def _plan(a: argparse.Namespace) -> int:
         sample_layers=a.sample_layers,
         pipeline=a.pipeline,
         offload=a.offload,
+        mixed_precision=None if a.mixed_precision == "none" else a.mixed_precision,
+        reduce_dtype=a.reduce_dtype,
     )
     sys.stdout.write(plan.report(collapse=not a.full))
     if a.out:

@@ -156,7 +156,8 @@ def plan_offline(
 ) -> Plan:
     """Plan ``model`` for ``cluster`` without its devices. ``mesh`` is a shape (default: nodes x devices per
     node), ``{axis name: size}`` outer axis first, or a DeviceMesh; the memory budget defaults to the device's
-    memory.
+    memory. A zoo model is built in ``dtype``, or in float32 under ``config.mixed_precision`` (fp32 masters,
+    gradients and optimizer state; matmuls in bf16 under autocast).
 
     Pipeline stages: ``pipeline="auto"`` searches stage counts, micro-batches and schedules
     (``autoshard.pipeline.search``) and returns the pipelined plan when more than one stage is fastest, else
@@ -190,7 +191,9 @@ def plan_offline(
         budget = None
     sample = base.sample_layers if base.sample_layers is not None else DEFAULT_SAMPLE_LAYERS
     cfg = dataclasses.replace(base, memory_budget=budget, sample_layers=sample)
-    job = resolve_model(model, example_inputs, seq=seq, global_batch=global_batch, dtype=dtype)
+    # mixed precision: the model's parameters in fp32 (the masters), its matmuls in bf16 under autocast
+    job = resolve_model(model, example_inputs, seq=seq, global_batch=global_batch,
+                        dtype=torch.float32 if cfg.mixed_precision else dtype)
     _check_batch(job, shape, names, cfg.recipe)
     if progress:
         where = f"{stages} stages of {tuple(shape)}" if stages else f"mesh {tuple(shape)}"
@@ -207,7 +210,8 @@ def plan_offline(
                                   progress=progress)
     else:
         plan = flat(None)
-    peak = prof.device.peak_flops.get(job.dtype, prof.device.peak_flops["float32"])
+    compute = cfg.mixed_precision or job.dtype
+    peak = prof.device.peak_flops.get(compute, prof.device.peak_flops["float32"])
     return dataclasses.replace(
         plan,
         model=job.name,

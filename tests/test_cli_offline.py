@@ -91,3 +91,21 @@ def test_cli_pipeline_auto_puts_a_stage_on_each_node(tmp_path, capsys):
     assert plan.tokens_per_step == 16 * 1024 and 0 < plan.mfu < 1
     flat = next(b for b in plan.recipes if b.name == "1 stage (no pipeline)")
     assert plan.step_time_s < flat.step_time_s
+
+
+def test_cli_mixed_precision_plans_fp32_masters_and_bf16_matmuls(tmp_path, capsys):
+    """``--mixed-precision bf16``: the zoo model's parameters are fp32 masters (16 bytes per parameter with their
+    gradient and AdamW state, against 8 in pure bf16), MFU against the bf16 peak, and the report says so."""
+    out = tmp_path / "plan.json"
+    assert main(["plan", *SMALL, "--recipe", "ddp", "-q", "--mixed-precision", "bf16", "--reduce-dtype", "bf16",
+                 "--out", str(out)]) == 0
+    assert "mixed precision: autocast to bfloat16" in capsys.readouterr().out
+    mixed = Plan.from_json(out.read_text())
+    assert (mixed.mixed_precision, mixed.reduce_dtype) == ("bfloat16", "bfloat16")
+    pure = autoshard.plan("gpt2-124m", cluster="h100-sxm:1x8", seq=128, global_batch=16, recipe="ddp")
+    assert "mixed precision" not in pure.report() and not pure.mixed_precision
+    dtypes = {t.dtype for t in mixed.stages[0].tensors if t.role == "parameter"}
+    assert dtypes == {"float32"} and {t.dtype for t in pure.stages[0].tensors if t.role == "parameter"} == {"bfloat16"}
+    assert mixed.peak_flops_per_device == pure.peak_flops_per_device  # the bf16 peak, not fp32's
+    state = lambda p: p.peak_memory.parameters + p.peak_memory.gradients + p.peak_memory.optimizer  # noqa: E731
+    assert state(mixed) == pytest.approx(2 * state(pure), rel=0.01)
