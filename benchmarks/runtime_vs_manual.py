@@ -26,9 +26,9 @@ of its hand-written twin's eager / compiled rows. "first loss" is the global bat
 (hand-written rows average their shards' losses over the data-parallel group on that call only): equal on
 every row, it shows every variant trains the same model on the same batch.
 
-Not done (stated, not hidden): hand-written TP and FSDP2+TP for HF GPT-2 (its ``Conv1D`` layers and fused
-``c_attn`` are not ``nn.Linear``: ColwiseParallel/RowwiseParallel do not apply without rewriting the model),
-so on HF only DDP and FSDP2 are twins. On the 2-D mesh the "TP" twin has no DDP wrapper: DDP does not take
+Hand-written TP (``benchmarks/manual_tp.py``): on HF GPT-2 its ``Conv1D`` projections are first replaced by the
+``nn.Linear`` each equals and the fused ``c_attn``'s rows reordered rank-major (what a user must write, since
+ColwiseParallel/RowwiseParallel take ``nn.Linear``), so HF has every twin too. On the 2-D mesh the "TP" twin has no DDP wrapper: DDP does not take
 DTensor parameters, so its gradients are averaged over "dp" by a plain per-parameter all-reduce (unbucketed).
 
 Predicted: the plan's step time (calibrated profile, ``--profile``) plus the AdamW update over the device's state;
@@ -44,18 +44,20 @@ import math
 import os
 import tempfile
 import time
-import types
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "autoshard-inductor"))
 
+import sys  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/manual_tp.py, when loaded by path
 import autoshard  # noqa: E402
+from manual_tp import apply_tp  # noqa: E402
 from autoshard.bench import Row, Variant, call_loss, side_by_side, spearman  # noqa: E402
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs  # noqa: E402
 from autoshard.solver.recipes import applicable  # noqa: E402
@@ -140,30 +142,6 @@ def _local_batch(inputs: Any, index: int, parts: int) -> Any:
     return tuple(t.chunk(parts, dim=0)[index].contiguous() for t in inputs)
 
 
-def _local_heads_forward(self: nn.Module, x: Tensor) -> Tensor:
-    """CausalSelfAttention.forward on column-parallel q/k/v: this rank's heads (``-1`` where the global count was)."""
-    b, t, _ = x.shape
-    q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-    k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-    v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return self.wo(y.transpose(1, 2).contiguous().view(b, t, -1))
-
-
-def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
-    """Megatron TP of the hand-written GPT's attention and MLP projections with ``parallelize_module``."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    plan: dict[str, Any] = {}
-    for i, block in enumerate(model.layers):
-        for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.fc1"):
-            plan[f"layers.{i}.{name}"] = ColwiseParallel()
-        for name in ("attn.wo", "mlp.fc2"):
-            plan[f"layers.{i}.{name}"] = RowwiseParallel()
-        block.attn.forward = types.MethodType(_local_heads_forward, block.attn)
-    parallelize_module(model, tp_mesh, plan)
-
-
 def _param_groups(model: nn.Module) -> list[dict[str, Any]]:
     """DTensor and plain parameters in separate groups: foreach AdamW cannot mix them in one group (TP shards
     only the projections; layer norms and embeddings stay plain tensors)."""
@@ -228,10 +206,10 @@ def make_variants(rank: int, world: int, setup: Setup) -> list[Variant]:
                 module = fully_shard(model, mesh=flat)
                 local = _local_batch(inputs, rank, world)
             elif name == "TP":
-                apply_tp(model, mesh if len(shape) == 1 else mesh["tp"])
+                apply_tp(model, mesh if len(shape) == 1 else mesh["tp"], kind)
                 module = model
             else:  # FSDP2+TP
-                apply_tp(model, mesh["tp"])
+                apply_tp(model, mesh["tp"], kind)
                 for b in blocks(model, kind):
                     fully_shard(b, mesh=mesh["dp"])
                 module = fully_shard(model, mesh=mesh["dp"])
@@ -254,7 +232,7 @@ def make_variants(rank: int, world: int, setup: Setup) -> list[Variant]:
 
     variants.append(autoshard_variant(None))
     variants += [autoshard_variant(r) for r in recipes]
-    twins = [TWINS[r] for r in recipes if not (kind == "hf" and r in ("tp", "fsdp+tp"))]
+    twins = [TWINS[r] for r in recipes]
     variants += [hand(t, False) for t in twins]
     if setup.compiled:
         variants += [hand(t, True) for t in twins]
