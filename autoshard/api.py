@@ -32,6 +32,13 @@ log = logging.getLogger(__name__)
 
 
 def _config(memory_budget: Any, constraints: Mapping | None, **kw: Any) -> PlanConfig:
+    saved = kw.pop("plan", None)
+    if saved is not None:  # compile(..., plan=saved): its choices and program options, no solve, no budget
+        kw.setdefault("recompute", saved.recompute_layers)
+        kw.setdefault("mixed_precision", saved.mixed_precision or None)
+        kw.setdefault("reduce_dtype", saved.reduce_dtype or "float32")
+        kw.update(reuse=saved, solve_recipes=False)
+        memory_budget = None
     return PlanConfig(memory_budget=memory_budget, constraints=dict(constraints or {}), **kw)
 
 
@@ -188,6 +195,10 @@ def compile(  # noqa: A001 - the one-line API the project promises
     ``parameters="dtensor"`` (default) replaces each parameter by a DTensor parameter (optimizers built before
     are pointed at them on their next step); ``"local"`` keeps the parameter objects and makes each hold this
     rank's shard as a plain tensor (what the ``torch.compile`` backend does; ``state_dict()`` still gives DTensors).
+
+    ``plan=Plan.from_json(text)`` runs a saved single-stage plan without solving: it must have been made for this
+    program (``plan.fingerprint``: ops, parameters, input shapes, mesh, cluster, precision, versions), or it is
+    refused naming what differs (``passes/solve_reuse.py``).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not known; use one of {BACKENDS}")
@@ -197,6 +208,8 @@ def compile(  # noqa: A001 - the one-line API the project promises
                          "parameter objects, holding this rank's shard)")
     if parameters == "local":  # each parameter object holds its compute shard, which the optimizer steps
         options.setdefault("shard_state", False)
+    if options.get("plan") is not None and options["plan"].microbatches > 1:
+        microbatches = microbatches or options["plan"].microbatches
     if example_inputs is None:
         if microbatches is not None and "pp" not in tuple(mesh.mesh_dim_names or ()) and pipeline != "auto":
             raise ValueError(

@@ -90,6 +90,7 @@ class PlanConfig:
     mixed_precision: str | None = None
     reduce_dtype: str = "float32"  # gradients reduced in this dtype under mixed_precision
     offload: str = "auto"
+    reuse: Any = None  # a saved Plan whose choices are run instead of solving (compile(..., plan=saved))
     recompute: tuple[str, ...] = ()  # module paths whose forward the backward runs again (passes/recompute.py)
     # picks the scalar loss out of what forward returns; default: a tensor itself, a ModelOutput's or dict's
     # "loss", a tuple's first element (passes/capture.py: loss_of)

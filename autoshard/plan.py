@@ -38,8 +38,7 @@ def _check(value: str, allowed: Sequence[str], what: str, owner: str) -> None:
         raise ValueError(f"{owner}: {what} {value!r} is not one of {', '.join(allowed)}")
 
 
-def _placements(ps: Iterable[Any]) -> tuple[str, ...]:
-    # canonical notation, so that "Shard(0)" and "S(0)" make equal plans
+def _placements(ps: Iterable[Any]) -> tuple[str, ...]:  # canonical: "Shard(0)" and "S(0)" make equal plans
     return tuple(placement_str(p) for p in ps)
 
 
@@ -271,8 +270,7 @@ class Plan:
     peak_flops_per_device: float = 0.0  # the device's dense peak for the model's dtype
     hidden_comm_s: float = 0.0  # communication the cost model assumes overlapped (already out of step_time_s)
     memory_budget_bytes: int = 0  # 0 = none given
-    # "bfloat16": traced and run under autocast to it (fp32 master weights, gradients and state); "" = the model's dtypes
-    mixed_precision: str = ""
+    mixed_precision: str = ""  # "bfloat16": run under autocast to it (fp32 masters, gradients, state); "": the model's
     reduce_dtype: str = ""  # under mixed_precision, the dtype gradients are reduced in
     sampled_layers: str = ""  # e.g. "layers: 3 of 80 captured" when identical layers were extrapolated
     recipes: tuple[RecipeSummary, ...] = ()
@@ -282,12 +280,14 @@ class Plan:
     recompute: bool = False  # layers run their forward again in the backward (pipelined: all; else config.recompute)
     recompute_layers: tuple[str, ...] = ()  # which modules replay, in which mode ("layers.3:selective"; recompute.py)
     recompute_s: float = 0.0  # predicted time the replays add to the step (in step_time_s)
+    fingerprint: tuple[tuple[str, str], ...] = ()  # what the plan was made for (autoshard/fingerprint.py)
 
     def __post_init__(self) -> None:
         _set(self, stages=tuple(self.stages), step_time_s=float(self.step_time_s), microbatches=int(self.microbatches))
         _set(self, recipes=tuple(self.recipes), tokens_per_step=int(self.tokens_per_step))
         _set(self, chunks=int(self.chunks), bubble_fraction=float(self.bubble_fraction), recompute=bool(self.recompute))
-        _set(self, recompute_layers=tuple(self.recompute_layers), recompute_s=float(self.recompute_s))
+        _set(self, recompute_layers=tuple(self.recompute_layers), recompute_s=float(self.recompute_s),
+             fingerprint=tuple((str(k), str(v)) for k, v in self.fingerprint))
         if self.microbatches < 1 or self.chunks < 1 or not 0.0 <= self.bubble_fraction < 1.0:
             raise ValueError(
                 f"plan: microbatches {self.microbatches} and chunks {self.chunks} must be >= 1 and bubble_fraction "

@@ -33,6 +33,7 @@ from autoshard.passes.recompute import (FULL, SELECTIVE, best_mix, describe, lay
                                         replay_time, spec, typical_replay)
 from autoshard.passes.runner import PLANNING, run_passes
 from autoshard.passes.solve import annotate
+from autoshard.passes.solve_reuse import program_fingerprint
 from autoshard.ir import repeated_layers
 from autoshard.solver.intra_op import GRAD_SINK_CREDIT, InfeasibleBudget
 from autoshard.plan import (
@@ -160,6 +161,7 @@ def build_plan(gm: fx.GraphModule, ctx: PassContext, solution: Any = None, recip
         recompute_layers=ctx.config.recompute,
         recompute_s=replay_time(gm, ctx.mesh_shape, ctx.cluster.device, ctx.group_weight) if ctx.config.recompute else 0.0,
         **ctx.config.precision_fields,
+        fingerprint=program_fingerprint(gm, ctx),
     )
 
 

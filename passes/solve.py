@@ -19,6 +19,7 @@ import torch.fx as fx
 from autoshard.passes.context import PassContext
 from autoshard.passes.solve_memory import layouts_of, solve_within
 from autoshard.passes.solve_recipes import best_recipe, recipe_pins, solve_recipes
+from autoshard.passes.solve_reuse import reused_solution
 from autoshard.solver.intra_op import InfeasibleBudget, IntraOpProblem, Solution
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,8 @@ def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
         gm, ctx.groups, ctx.strategies, canon, ctx.output_roles, ctx.mesh_shape, ctx.cluster, ctx.group_weight,
         grad_itemsize=ctx.config.reduce_itemsize,
     )
+    if ctx.config.reuse is not None:  # compile(..., plan=saved): its choices, checked against this program
+        return reused_solution(gm, ctx, ctx.config.reuse)
     pins = None
     if ctx.config.recipe is not None:
         pins, notes = recipe_pins(ctx.config.recipe, gm, ctx)

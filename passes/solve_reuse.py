@@ -1,0 +1,83 @@
+"""A saved plan's choices instead of a new solve (part of ``solve``, not a pass of its own): ``compile(model, mesh,
+inputs, plan=saved)``.
+
+The captured program is first checked against the plan's fingerprint (``autoshard/fingerprint.py``): a plan made
+for another program, input shapes, mesh, cluster, precision or torch/autoshard version is refused with the parts
+that differ. Then every decision group takes the candidate the plan names: an op group the one whose anchor has
+the plan's output and input placements (``OpDecision``), a parameter or input the one with the plan's layouts
+(``TensorLayout``: placements, gradient and state layouts, offload), a group with one candidate that one. A plan
+that names no candidate of some group is refused naming the node. The solution is priced by the same integer
+program (``IntraOpProblem.evaluate``), so the rebuilt plan predicts what the saved one did.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from autoshard.fingerprint import fingerprint, mismatch
+from autoshard.ir import GroupStrategy
+from autoshard.notation import placement_str
+from autoshard.passes.context import PassContext
+from autoshard.solver.intra_op import Solution
+
+
+def _pl(ps: object) -> tuple[str, ...]:
+    return tuple(placement_str(p) for p in ps) if ps is not None else ()
+
+
+def _tensor_key(s: GroupStrategy) -> tuple:
+    zero = s.state_placements is not None
+    return (_pl(s.outputs[0][0]), _pl(s.grad_placements) if zero else (), _pl(s.state_placements), s.offload)
+
+
+def _op_key(s: GroupStrategy) -> tuple:
+    return _pl(s.outputs[0][0]), tuple(_pl(p) for p in s.inputs[0])
+
+
+def program_fingerprint(gm: fx.GraphModule, ctx: PassContext) -> tuple[tuple[str, str], ...]:
+    names = ctx.signature.names if ctx.signature is not None else ()
+    return fingerprint(gm, ctx.mesh_shape, ctx.mesh_names, ctx.cluster, ctx.config, names)
+
+
+def reused_solution(gm: fx.GraphModule, ctx: PassContext, plan: object) -> Solution:
+    """The solution that realises ``plan`` on this captured program (see the module docstring)."""
+    stages = getattr(plan, "stages", ())
+    if len(stages) != 1:
+        raise ValueError(f"plan= runs a single-stage plan; this one has {len(stages)} pipeline stages (compile with "
+                         "the 'pp' mesh and let it plan the stages)")
+    if plan.fingerprint:
+        diff = mismatch(plan.fingerprint, program_fingerprint(gm, ctx))
+        if diff:
+            raise ValueError("plan= was made for another program; what differs: " + "; ".join(diff)
+                             + ". Re-plan (autoshard.plan / compile without plan=) for this one.")
+    tensors = {t.name: (t.placements, t.grad_placements, t.state_placements, t.offload) for t in stages[0].tensors}
+    ops = {d.node: (d.output, d.inputs) for d in stages[0].ops}
+    nodes = {n.name: n for n in gm.graph.nodes}
+    choice_c: dict[int, int] = {}
+    for c in ctx.problem.canon_ids:
+        group = next(g for g in ctx.groups if g.id == c)
+        cands = ctx.strategies[c]
+        if len(cands) == 1:
+            choice_c[c] = 0
+            continue
+        anchor = nodes[group.anchor]
+        role = anchor.meta.get("autoshard_role")
+        if role is not None and role.name in tensors:
+            want, key = tensors[role.name], _tensor_key
+        elif group.anchor in ops:
+            want, key = ops[group.anchor], _op_key
+        else:
+            raise ValueError(f"plan= names no layout for {group.anchor} ({anchor.target}); the plan does not match "
+                             "this program: re-plan it")
+        hit = next((i for i, s in enumerate(cands) if key(s) == want), None)
+        if hit is None:
+            raise ValueError(f"plan= asks {group.anchor} ({anchor.target}) for {want}, which is not one of its "
+                             f"{len(cands)} candidates here; re-plan it for this program")
+        choice_c[c] = hit
+    canon = ctx.layer_of_group or {}
+    choice = {g.id: choice_c[canon.get(g.id, g.id)] for g in ctx.groups}
+    objective = ctx.problem.evaluate(choice_c)
+    return Solution(choice, "REUSED", objective, objective, ctx.problem.build_s, 0, int(ctx.problem.memory(choice_c)))
+
+
+__all__ = ["program_fingerprint", "reused_solution"]
