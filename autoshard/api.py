@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from autoshard import _torch_compat as tc
+from autoshard.autotune import autotune as _autotune
 from autoshard.cluster import ClusterProfile, get_cluster
 from autoshard.config import PlanConfig
 from autoshard.inputs import Call, as_call, signature_of
@@ -167,6 +168,7 @@ def compile(  # noqa: A001 - the one-line API the project promises
     microbatches: int | None = None,
     schedule: str | None = None,
     parameters: str = "dtensor",
+    autotune: int | None = None,
     **options: Any,
 ) -> ShardedModule | PipelinedModule | LazyShardedModule:
     """Plan, lower and compile ``model`` for this rank; returns a trainable ``ShardedModule``.
@@ -198,7 +200,8 @@ def compile(  # noqa: A001 - the one-line API the project promises
 
     ``plan=Plan.from_json(text)`` runs a saved single-stage plan without solving: it must have been made for this
     program (``plan.fingerprint``: ops, parameters, input shapes, mesh, cluster, precision, versions), or it is
-    refused naming what differs (``passes/solve_reuse.py``).
+    refused naming what differs (``passes/solve_reuse.py``). ``autotune=k``: the solver's k best distinct plans and
+    the recipes that fit are timed on the mesh and the fastest kept, cached on disk (``autoshard/autotune.py``).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not known; use one of {BACKENDS}")
@@ -235,6 +238,10 @@ def compile(  # noqa: A001 - the one-line API the project promises
                                    microbatches, schedule, real_group)
         if piped is not None:
             return piped
+    if autotune:
+        return _autotune(model, inputs, int(autotune), backend, real_group, lambda: plan_graph(
+            model, inputs, mesh, get_cluster(cluster), config, real_group), lambda m, saved: compile(
+            m, mesh, example_inputs, cluster=cluster, backend=backend, parameters=parameters, plan=saved))
     p, gm, ctx, accumulation = _plan_accumulated(model, inputs, mesh, get_cluster(cluster), config, real_group,
                                                  microbatches)
     program = rank_program(gm, ctx, backend)

@@ -51,10 +51,8 @@ class MeshSpec:
 
     def __post_init__(self) -> None:
         _set(self, shape=tuple(int(n) for n in self.shape), names=tuple(str(n) for n in self.names))
-        if len(self.shape) != len(self.names):
-            raise ValueError(f"mesh shape {self.shape} and names {self.names} differ in length; name every axis")
-        if any(n < 1 for n in self.shape) or len(set(self.names)) != len(self.names):
-            raise ValueError(f"mesh {self.shape} {self.names}: sizes must be ≥ 1 and axis names unique")
+        if not len(self.shape) == len(self.names) == len(set(self.names)) or min(self.shape, default=1) < 1:
+            raise ValueError(f"mesh {self.shape} {self.names}: name every axis, once; sizes must be ≥ 1")
 
     @property
     def size(self) -> int:
@@ -243,9 +241,11 @@ class RecipeSummary:
     peak_memory_bytes: int
     fits: bool  # within the memory budget
     note: str = ""
+    measured_s: float = 0.0  # autotune: its median step measured on the mesh (0: not measured)
 
     def __post_init__(self) -> None:
-        _set(self, step_time_s=float(self.step_time_s), peak_memory_bytes=int(self.peak_memory_bytes))
+        _set(self, step_time_s=float(self.step_time_s), peak_memory_bytes=int(self.peak_memory_bytes),
+             measured_s=float(self.measured_s))
 
     @property
     def applies(self) -> bool:
@@ -281,6 +281,7 @@ class Plan:
     recompute_layers: tuple[str, ...] = ()  # which modules replay, in which mode ("layers.3:selective"; recompute.py)
     recompute_s: float = 0.0  # predicted time the replays add to the step (in step_time_s)
     fingerprint: tuple[tuple[str, str], ...] = ()  # what the plan was made for (autoshard/fingerprint.py)
+    measured_s: float = 0.0  # autotune: this plan's median step measured on the mesh; recipes hold the others'
 
     def __post_init__(self) -> None:
         _set(self, stages=tuple(self.stages), step_time_s=float(self.step_time_s), microbatches=int(self.microbatches))
@@ -289,10 +290,8 @@ class Plan:
         _set(self, recompute_layers=tuple(self.recompute_layers), recompute_s=float(self.recompute_s),
              fingerprint=tuple((str(k), str(v)) for k, v in self.fingerprint))
         if self.microbatches < 1 or self.chunks < 1 or not 0.0 <= self.bubble_fraction < 1.0:
-            raise ValueError(
-                f"plan: microbatches {self.microbatches} and chunks {self.chunks} must be >= 1 and bubble_fraction "
-                f"{self.bubble_fraction} in [0, 1)"
-            )
+            raise ValueError(f"plan: microbatches {self.microbatches} and chunks {self.chunks} must be >= 1 and "
+                             f"bubble_fraction {self.bubble_fraction} in [0, 1)")
         if [s.index for s in self.stages] != list(range(len(self.stages))):
             raise ValueError(f"stage indices {[s.index for s in self.stages]} must be 0, 1, ... in order")
 

@@ -166,16 +166,20 @@ def _pipelined(plan: Plan) -> bool:
 
 
 def _recipe_lines(plan: Plan) -> list[str]:
-    """The plan next to every manual recipe, in the same cost model; ratio = recipe time / plan time."""
+    """The plan next to every manual recipe, in the same cost model; ratio = recipe time / plan time. Autotuned
+    plans (``measured_s``) add each candidate's measured median step and its ratio to the plan's."""
     if not plan.recipes:
         return []
     budget = plan.memory_budget_bytes
     piped = _pipelined(plan)
-    rows = [("autoshard" if piped or not plan.recipe else plan.recipe, plan.step_time_s, plan.peak_memory.total, True, "")]
-    rows += [(b.name, b.step_time_s, b.peak_memory_bytes, b.fits, b.note) for b in plan.recipes]
+    timed = plan.measured_s > 0
+    own = "autoshard" if piped or not plan.recipe else plan.recipe
+    rows = [(own, plan.step_time_s, plan.peak_memory.total, True, "", plan.measured_s)]
+    rows += [(b.name, b.step_time_s, b.peak_memory_bytes, b.fits, b.note, b.measured_s) for b in plan.recipes]
     w = max(len(r[0]) for r in rows) + 2
-    lines = ["", f"{'vs manual recipes':<{w}}{'step':>12}{'x plan':>9}{'memory/device':>16}  fits  note"]
-    for name, t, mem, fits, note in rows:
+    head = f"{'vs manual recipes':<{w}}{'step':>12}{'x plan':>9}{'memory/device':>16}  fits  note"
+    lines = ["", head.replace("  fits", f"{'measured':>12}{'x plan':>9}  fits") if timed else head]
+    for name, t, mem, fits, note, m in rows:
         if not math.isfinite(t):
             lines.append(f"  {name:<{w - 2}}{'-':>12}{'-':>9}{'-':>16}  -     {note}")
             continue
@@ -183,7 +187,14 @@ def _recipe_lines(plan: Plan) -> list[str]:
         if not budget and fits:
             fit = "-"
         ratio = t / plan.step_time_s if plan.step_time_s > 0 else math.nan
-        lines.append(f"  {name:<{w - 2}}{format_seconds(t):>12}{ratio:>8.2f}x{format_bytes(mem):>16}  {fit:<5} {note}".rstrip())
+        clock = ""
+        if timed:
+            clock = f"{format_seconds(m):>12}{m / plan.measured_s:>8.2f}x" if m > 0 else f"{'-':>12}{'-':>9}"
+        lines.append(f"  {name:<{w - 2}}{format_seconds(t):>12}{ratio:>8.2f}x{format_bytes(mem):>16}{clock}  {fit:<5} "
+                     f"{note}".rstrip())
+    if timed:
+        lines.append(f"autotune: the fastest of {len(rows)} candidates as measured on the mesh (median step)")
+        return lines
     best = plan.best_recipe()
     if best is not None and (piped or not plan.recipe):
         gain = best.step_time_s / plan.step_time_s if plan.step_time_s > 0 else math.nan
@@ -309,8 +320,8 @@ def report_lines(plan: Plan, *, collapse: bool, max_rows: int) -> list[str]:
     if plan.sampled_layers:
         lines.append(f"repeated layers: {plan.sampled_layers}")
     if plan.mixed_precision:
-        lines.append(f"mixed precision: autocast to {plan.mixed_precision} (matmuls on {plan.mixed_precision} copies of "
-                     f"the fp32 master weights; fp32 gradients and optimizer state; gradients reduced in "
+        lines.append(f"mixed precision: autocast to {plan.mixed_precision} (matmuls on {plan.mixed_precision} copies of"
+                     f" the fp32 master weights; fp32 gradients and optimizer state; gradients reduced in "
                      f"{plan.reduce_dtype})")
     lines += _recipe_lines(plan)
     lines += _pipeline_lines(plan)

@@ -304,9 +304,11 @@ class IntraOpProblem:
         num_workers: int = 1,
         seed: int = 0,
         what: str = "plan",
+        exclude: Sequence[dict[int, int]] = (),
     ) -> Solution:
         """Minimize the step time under ``memory_budget``; ``pins`` restricts canonical groups to candidate
-        subsets (a manual recipe)."""
+        subsets (a manual recipe); ``exclude``: choices ({canonical group: candidate}) the solution must differ
+        from in at least one of their groups (the next-best distinct plans, for autotuning)."""
         t0 = time.perf_counter()
         canon_ids = self.canon_ids
         allowed = {c: set(range(len(self.strategies[c]))) for c in canon_ids}
@@ -326,6 +328,9 @@ class IntraOpProblem:
                 )
         order = {c: sorted(allowed[c]) for c in canon_ids}
         model, x, const = self._build(order)
+        for other in exclude:
+            same = [x[c][order[c].index(i)] for c, i in other.items() if c in x and i in order[c]]
+            model.Add(sum(same) <= len(same) - 1)  # (no free group in it: infeasible, no other plan)
         if memory_budget is not None:
             fixed = sum(self.mem[c][order[c][0]] for c in canon_ids if c not in x)
             model.Add(
