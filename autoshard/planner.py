@@ -241,8 +241,9 @@ def plan_graph(
     (``layer_replays``), the mix of saved, selective and fully recomputed layers predicted to fit the budget
     fastest (``best_mix``) is planned when it is predicted ahead, and once more with the estimate corrected. The
     fastest that fits is kept: the budget may have forced the plan that saves everything into slower layouts, and
-    recomputing only some layers, or only their cheap ops, may be enough. Its recipes are those of the first two
-    plans (each recipe saving everything or recomputing every layer, the faster that fits)."""
+    recomputing only some layers, or only their cheap ops, may be enough. A plan that saves everything and peaks
+    below ``SLACK`` of the budget is not bound by it and is kept without the others. The plan's recipes are each
+    recipe's faster fitting form of saving everything and recomputing every layer."""
     layers = repeated_layers(model) if config.memory_budget is not None and not stage and not config.recompute else None
     once = functools.partial(_plan_once, model, example_inputs, mesh, cluster, broadcast_solution=broadcast_solution,
                              progress=progress, stage=stage)
@@ -261,6 +262,11 @@ def plan_graph(
             return None
 
     saving = attempt(())
+    if saving is not None and saving[0].peak_memory.total <= SLACK * config.memory_budget:
+        # the budget does not bind the plan that saves everything: recomputing could only cost time (the recipes,
+        # whose layouts the budget may bind, are solved recomputing every layer too: the forms people would run)
+        full = attempt((container,)) if config.solve_recipes else None
+        return dataclasses.replace(saving[0], recipes=_recipes_of([r for r in (saving, full) if r])), *saving[1:]
     full = attempt((container,))
     sel = attempt((spec(container, SELECTIVE),))
     pure = {(total, 0, 0), (0, total, 0), (0, 0, total)}
@@ -300,6 +306,9 @@ def plan_graph(
                  ", ".join(f"{p[0].step_time_s:.6f} s with {describe(p[2].config.recompute) or 'every activation saved'}"
                            for p in plans))
     return best
+
+
+SLACK = 0.9  # a plan whose peak is below this share of the budget is taken as not bound by it
 
 
 def _recipes_of(runs: Sequence[tuple[Plan, fx.GraphModule, PassContext]]) -> tuple[RecipeSummary, ...]:
