@@ -268,12 +268,21 @@ def plan_graph(
         full = attempt((container,)) if config.solve_recipes else None
         return dataclasses.replace(saving[0], recipes=_recipes_of([r for r in (saving, full) if r])), *saving[1:]
     full = attempt((container,))
-    sel = attempt((spec(container, SELECTIVE),))
+    reps = {}
+    if full is not None and (replays := layer_replays(full[1], full[2].mesh_shape, cluster.device, FULL)):
+        reps[FULL] = typical_replay(replays.values())
+    # the selective plan holds more than the full one and its layout is no faster: planned where the full plan's
+    # step less the replays selective recomputation spares is ahead of the plans so far
+    sel = None
+    if FULL in reps and full[0].step_time_s - total * (reps[FULL].full_s - reps[FULL].cheap_s) < _fastest(plans):
+        sel = attempt((spec(container, SELECTIVE),))
+    if sel is not None and (replays := layer_replays(sel[1], sel[2].mesh_shape, cluster.device, SELECTIVE)):
+        reps[SELECTIVE] = typical_replay(replays.values())
     pure = {(total, 0, 0), (0, total, 0), (0, 0, total)}
     options = []  # (predicted step, counts, anchor run, anchor counts, its typical layer)
     for run, mode, anchor in ((full, FULL, (0, 0, total)), (sel, SELECTIVE, (0, total, 0))):
-        if run is not None and (replays := layer_replays(run[1], run[2].mesh_shape, cluster.device, mode)):
-            rep = typical_replay(replays.values())
+        if mode in reps:
+            rep = reps[mode]
             found = best_mix(total, rep, anchor, run[0].step_time_s, run[0].peak_memory.total,
                              0.98 * config.memory_budget, allow_full=mode == FULL)
             log.info("plan: a layer of %s in the %s plan's layout: full recomputation frees %.3g B for %.3g s, "
@@ -281,7 +290,7 @@ def plan_graph(
                      rep.full_bytes, rep.full_s, rep.cheap_bytes, rep.cheap_s, found)
             if found is not None and found[0] not in pure:
                 options.append((found[1], found[0], run, anchor, rep, mode))
-    ahead = [o for o in options if o[0] < min((p[0].step_time_s for p in plans), default=math.inf)]
+    ahead = [o for o in options if o[0] < _fastest(plans)]
     if ahead:  # the mix predicted fastest, if ahead; once more with the estimate corrected by what it missed
         _, counts, run, anchor, rep, mode = min(ahead, key=lambda o: o[0])
         tried = set(pure)
@@ -306,6 +315,10 @@ def plan_graph(
                  ", ".join(f"{p[0].step_time_s:.6f} s with {describe(p[2].config.recompute) or 'every activation saved'}"
                            for p in plans))
     return best
+
+
+def _fastest(plans: Sequence[tuple[Plan, fx.GraphModule, PassContext]]) -> float:
+    return min((p[0].step_time_s for p in plans), default=math.inf)
 
 
 SLACK = 0.9  # a plan whose peak is below this share of the budget is taken as not bound by it
