@@ -201,7 +201,7 @@ class PlanInterpreter:
                 continue
             val = env[src.name]
             if role.kind in ("loss", "output"):
-                val = val.redistribute(self.mesh, [Replicate()] * self.mesh.ndim)
+                val = tc.redistribute(val, self.mesh, [Replicate()] * self.mesh.ndim)
             elif role.kind in ("grad", "input_grad"):
                 want = tuple(param_placements[role.name])
                 have = tuple(val.placements)

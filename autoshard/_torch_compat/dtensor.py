@@ -280,6 +280,12 @@ def redistribute(t: DTensor, mesh: DeviceMesh, placements: Sequence[Placement]) 
     """``DTensor.redistribute`` that also makes Partial targets (R -> P), which the public API refuses but
     DTensor's own dispatch does when an op wants a Partial input (a zeroed copy on all but one rank)."""
     placements = tuple(placements)
+    summed = _summed_axes(t.placements, placements)
+    if len(summed) > 1 and mesh.mesh_dim_names:  # one all-reduce over the flattened axes, not one per axis
+        import torch.distributed._functional_collectives as funcol
+
+        local = funcol.all_reduce(t._local_tensor, "sum", flat_mesh(mesh, summed))
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
     if not any(isinstance(p, Partial) and not isinstance(q, Partial) for p, q in zip(placements, t.placements)):
         return t.redistribute(mesh, placements)
     from torch.distributed.tensor._redistribute import redistribute_local_tensor
@@ -287,6 +293,27 @@ def redistribute(t: DTensor, mesh: DeviceMesh, placements: Sequence[Placement]) 
     target = DTensorSpec(mesh, placements, tensor_meta=t._spec.tensor_meta)
     local = redistribute_local_tensor(t.to_local(), t._spec, target)
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
+
+
+def flat_mesh(mesh: DeviceMesh, axes: Sequence[int]) -> DeviceMesh:
+    """The 1-D mesh of ``mesh``'s ``axes`` flattened (made once per root mesh and kept by it). Made outside any
+    tracing mode: inside ``make_fx``'s fake tracing the mesh's own index tensors would be fake or recorded."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    names = tuple(mesh.mesh_dim_names[a] for a in axes)
+    with unset_fake_temporarily(), disable_proxy_modes_tracing():
+        return mesh[names]._flatten()
+
+
+def _summed_axes(have: Sequence[Placement], want: Sequence[Placement]) -> tuple[int, ...]:
+    """The mesh axes of a move that only sums Partial(sum) into Replicate (every other axis unchanged); () for any
+    other move."""
+    axes = tuple(a for a, (h, w) in enumerate(zip(have, want)) if h != w)
+    if any(not (isinstance(have[a], Partial) and have[a].reduce_op == "sum" and isinstance(want[a], Replicate))
+           for a in axes):
+        return ()
+    return axes
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -211,6 +211,15 @@ def _plan(
 
     sharded = [p.is_shard() for p in src]
     total = math.prod(shape) * itemsize
+    axes = sorted(a for _, a in phases)
+    if len(phases) > 1 and all(ph == _ALL_REDUCE for ph, _ in phases) and axes == list(range(axes[0], axes[-1] + 1)):
+        # Partial -> Replicate on neighbouring axes: ONE all-reduce over them flattened (as the lowering runs it,
+        # _torch_compat.redistribute), laid out like one axis of their product
+        merged = (*mesh[:axes[0]], math.prod(mesh[a] for a in axes), *mesh[axes[-1] + 1:])
+        divisor = math.prod(mesh[a] for a, s in enumerate(sharded) if s)
+        nbytes = -(-total // divisor)
+        algorithm, seconds = best_algorithm("all_reduce", nbytes, cluster.axis_layout(merged, axes[0]), intra, inter)
+        return (CollectiveStep("all_reduce", axes[0], nbytes, seconds, algorithm),)
     steps: list[CollectiveStep] = []
     for phase, axis in sorted(phases, key=order):
         if phase == _FREE_SCATTER:
