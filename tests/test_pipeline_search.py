@@ -41,12 +41,10 @@ def _compile_choice(model: GPT, inputs: tuple) -> pipeline_compile.PipelineChoic
                                                 [2], None, None)
 
 
-def test_compile_and_plan_run_one_stage_search(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both entries call ``search_stages``: offline plans price boundaries as each device's share and may pick any
-    schedule; compile prices them whole (its stages exchange Replicate activations), runs only what it can and
-    neither recomputes nor falls back to recipes (it plans each stage itself)."""
-    assert pipeline_compile.search_stages is pipeline_search.search_stages
-    assert not hasattr(pipeline_search, "plan_split") and not hasattr(pipeline_compile, "best_split")
+@pytest.fixture(scope="module")
+def searched() -> tuple[autoshard.Plan, pipeline_compile.PipelineChoice, list[pipeline_search.SearchSpace]]:
+    """The deep model's offline plan (``pipeline="auto"``) and compile's choice on the same cluster, made once for the
+    tests below, with the search space each entry handed ``search_stages`` recorded (a spy on both modules)."""
     spaces: list[pipeline_search.SearchSpace] = []
     real = pipeline_search.search_stages
 
@@ -54,11 +52,22 @@ def test_compile_and_plan_run_one_stage_search(monkeypatch: pytest.MonkeyPatch) 
         spaces.append(args[5])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline_search, "search_stages", spy)
-    monkeypatch.setattr(pipeline_compile, "search_stages", spy)
-    model, inputs = _deep()
-    plan = autoshard.plan(model, example_inputs=inputs, cluster=CLUSTER, pipeline="auto", solve_recipes=False)
-    choice = _compile_choice(model, inputs)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pipeline_search, "search_stages", spy)
+        mp.setattr(pipeline_compile, "search_stages", spy)
+        model, inputs = _deep()
+        plan = autoshard.plan(model, example_inputs=inputs, cluster=CLUSTER, pipeline="auto", solve_recipes=False)
+        choice = _compile_choice(model, inputs)
+    return plan, choice, spaces
+
+
+def test_compile_and_plan_run_one_stage_search(searched) -> None:
+    """Both entries call ``search_stages``: offline plans price boundaries as each device's share and may pick any
+    schedule; compile prices them whole (its stages exchange Replicate activations), runs only what it can and
+    neither recomputes nor falls back to recipes (it plans each stage itself)."""
+    assert pipeline_compile.search_stages is pipeline_search.search_stages
+    assert not hasattr(pipeline_search, "plan_split") and not hasattr(pipeline_compile, "best_split")
+    plan, choice, spaces = searched
     offline, online = spaces
     assert offline.boundary == "share" and offline.schedules == SCHEDULES and offline.recompute is None
     assert online.boundary == "whole" and online.schedules == EXECUTABLE_SCHEDULES
@@ -66,14 +75,12 @@ def test_compile_and_plan_run_one_stage_search(monkeypatch: pytest.MonkeyPatch) 
     assert len(plan.stages) == choice.stages == 2
 
 
-def test_compile_never_picks_a_schedule_it_cannot_run() -> None:
+def test_compile_never_picks_a_schedule_it_cannot_run(searched) -> None:
     """Where the offline plan takes the zero-bubble schedule (marked in its report as one compile does not run),
     compile's search on the same model and cluster picks one of its own schedules."""
     assert set(EXECUTABLE_SCHEDULES) == set(SCHEDULES) - set(SPLIT_BACKWARD)
-    model, inputs = _deep()
-    plan = autoshard.plan(model, example_inputs=inputs, cluster=CLUSTER, pipeline="auto", solve_recipes=False)
+    plan, choice, _ = searched
     assert plan.schedule in SPLIT_BACKWARD and "autoshard.compile does not run" in plan.report()
-    choice = _compile_choice(model, inputs)
     assert choice.split.schedule in EXECUTABLE_SCHEDULES
     assert len(choice.stage_times) == len(choice.split.layers) and min(choice.stage_times) > 0
 
@@ -96,11 +103,10 @@ def test_the_search_finds_what_solving_every_configuration_finds() -> None:
     assert found.step_time_s == pytest.approx(best.step_time_s, rel=1e-9)
 
 
-def test_pipelined_stages_are_balanced_to_a_tenth() -> None:
+def test_pipelined_stages_are_balanced_to_a_tenth(searched) -> None:
     """Among splits as fast, the DP keeps the most balanced; interleaved ranks are balanced by rank (a rank's
     time is the sum over its chunks): the deep, narrow model's 2 stages are within 10% of each other."""
-    model, inputs = _deep()
-    plan = autoshard.plan(model, example_inputs=inputs, cluster=CLUSTER, pipeline="auto", solve_recipes=False)
+    plan = searched[0]
     times = [s.microbatch_time_s for s in plan.stages]
     assert len(times) == 2 and max(times) <= 1.10 * min(times), times
 
