@@ -176,3 +176,55 @@ def assert_close_to_reference(
         shown = "\n  ".join(problems[:40])
         more = f"\n  ... and {len(problems) - 40} more" if len(problems) > 40 else ""
         raise AssertionError(f"{len(problems)} mismatch(es) against the single-device reference:\n  {shown}{more}")
+
+
+# --------------------------------------------------------------------------- two at a time
+
+
+def selected_cases(request: Any, test_name: str, param: str) -> list[Any]:
+    """The values of ``param`` of ``test_name``'s items in the calling module that this session runs (``-k`` aware)."""
+    return [item.callspec.params[param] for item in request.session.items
+            if item.module is request.module and item.originalname == test_name]
+
+
+def _run_share(rank: int, world: int, arg: tuple) -> dict:
+    import traceback
+
+    run, cases = arg
+    if world > 1:
+        torch.set_num_threads(1)  # a forked child per core
+    out = {}
+    for case in cases[rank::world]:
+        try:
+            out[case] = {"result": run(case)}
+        except Exception:  # noqa: BLE001 - reported by the case's own test
+            out[case] = {"error": traceback.format_exc()}
+    return out
+
+
+def run_two_at_a_time(run: Callable[[Any], Any], cases: Sequence[Any], cost: dict[Any, float] | None = None,
+                      timeout: float = 900.0) -> dict[Any, dict]:
+    """``run(case)`` for every case, in two forked processes (no process group: ``launch(gloo=False)``), each
+    child at one thread: for single-threaded work (planning, LocalTensorMode's simulated ranks) on a 2-core
+    machine. Cases are dealt longest first (by ``cost``) alternately. Returns ``{case: {"result": ...}}`` or
+    ``{case: {"error": traceback}}``; :func:`case_result` turns the latter into the case's test failure.
+    ``run`` must be a module-level function and its results plain (``torch.save``-able)."""
+    from autoshard.launch import launch
+
+    cases = sorted(dict.fromkeys(cases), key=lambda c: -(cost or {}).get(c, 0.0))
+    if len(cases) < 2:
+        return _run_share(0, 1, (run, cases)) if cases else {}
+    out: dict[Any, dict] = {}
+    for part in launch(2, _run_share, (run, cases), gloo=False, timeout=timeout):
+        out.update(part)
+    return out
+
+
+def case_result(results: dict[Any, dict], case: Any) -> Any:
+    """The case's result, or its test fails with the traceback its forked run raised."""
+    import pytest
+
+    r = results[case]
+    if "error" in r:
+        pytest.fail(f"{case!r} raised in its forked run:\n{r['error']}")
+    return r["result"]

@@ -16,7 +16,8 @@ from autoshard.meshes import fake_world
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.models.llama import Llama, LlamaConfig, llama_example_inputs
 from autoshard.models.mlp import MLP, mlp_example_inputs
-from harness import assert_close_to_reference, local_ranks, single_device_reference
+from harness import (assert_close_to_reference, case_result, local_ranks, run_two_at_a_time, selected_cases,
+                     single_device_reference)
 from numerics_utils import LR, MODELS, PARAM_ATOL, train_sharded
 
 CFG = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab=128, seq_len=16)
@@ -127,22 +128,36 @@ def test_solved_plan_never_slower_than_a_recipe_llama_and_mlp_under_budget():
     assert "OOM" in tight.report()
 
 
-@pytest.mark.parametrize(
-    "recipe,shape,names",
-    [
-        ("fsdp", (4,), ("dp",)),
-        ("ddp", (4,), ("dp",)),
-        ("fsdp", (2, 2), ("dp", "tp")),
-        ("fsdp+tp", (2, 2), ("dp", "tp")),
-    ],
-)
-def test_recipe_plan_trains_like_one_device(recipe, shape, names):
-    """A recipe is a Plan that runs: the recipe on LocalTensorMode (2, 2) equals single-device training."""
+TRAINED = [
+    ("fsdp", (4,), ("dp",)),
+    ("ddp", (4,), ("dp",)),
+    ("fsdp", (2, 2), ("dp", "tp")),
+    ("fsdp+tp", (2, 2), ("dp", "tp")),
+]
+
+
+def _train_recipe(case: tuple) -> tuple:
+    recipe, shape, names = case
     make, inputs_fn = MODELS["gpt"]
     inputs = inputs_fn()  # outside LocalTensorMode: inside, each simulated rank would draw different tokens
     ref = single_device_reference(make, inputs, steps=3, lr=LR)
     with local_ranks(4):
         got = train_sharded(make, inputs, shape, names, steps=3, lr=LR, recipe=recipe)
+    return ref, got
+
+
+@pytest.fixture(scope="module")
+def trained(request: pytest.FixtureRequest) -> dict:
+    """The selected cases' LocalTensorMode runs, two at a time in forked processes (single-threaded work)."""
+    cases = [(r, s, n) for r, s, n in TRAINED if (r, s, n) in selected_cases(request, "test_recipe_plan_trains_like_one_device", "case")]
+    return run_two_at_a_time(_train_recipe, cases)
+
+
+@pytest.mark.parametrize("case", TRAINED, ids=[f"{r}-{'x'.join(map(str, s))}" for r, s, _ in TRAINED])
+def test_recipe_plan_trains_like_one_device(case, trained):
+    """A recipe is a Plan that runs: the recipe on LocalTensorMode (2, 2) equals single-device training."""
+    recipe = case[0]
+    ref, got = case_result(trained, case)
     assert f'"recipe": "{recipe}"' in got["plan"]
     assert_close_to_reference(ref, got["losses"], got["grads"], got["params"], param_atol=PARAM_ATOL)
 
