@@ -11,10 +11,24 @@ from torch.distributed.tensor import Shard
 
 import autoshard
 
-from harness import assert_close_to_reference, local_ranks, single_device_reference
+from harness import (assert_close_to_reference, case_result, local_ranks, run_two_at_a_time,
+                     single_device_reference)
 from numerics_utils import LR, MODELS, PARAM_ATOL, train_sharded
 
-def _check(name: str, shape: tuple[int, ...], names: tuple[str, ...], **kw) -> dict:
+DP = {"inputs": {"dp": Shard(0)}}
+# case -> (model, mesh shape, axis names, compile options); the tests using it
+CASES = {
+    "mlp-2x4": ("mlp", (2, 4), ("dp", "tp"), {"constraints": DP}),
+    "gpt-2x4": ("gpt", (2, 4), ("dp", "tp"), {"constraints": DP}),
+    "gpt-2x2-zero2": ("gpt", (2, 2), ("dp", "tp"), {"recipe": "zero2"}),
+    "gpt-8-budget": ("gpt", (8,), ("dp",), {"constraints": DP, "memory_budget": "600KiB"}),  # forces sharding
+}
+USES = {"test_mesh_2x4_batch_on_dp": ("mlp-2x4", "gpt-2x4"), "test_mesh_2x2_zero2_state_sharded_over_both_axes":
+        ("gpt-2x2-zero2",), "test_mesh_8_gpt_fsdp_like_budget": ("gpt-8-budget",)}
+
+
+def _train(case: str) -> tuple:
+    name, shape, names, kw = CASES[case]
     make, inputs_fn = MODELS[name]
     inputs = inputs_fn()
     ref = single_device_reference(make, inputs, steps=3, lr=LR)
@@ -23,17 +37,30 @@ def _check(name: str, shape: tuple[int, ...], names: tuple[str, ...], **kw) -> d
         n *= s
     with local_ranks(n):
         got = train_sharded(make, inputs, shape, names, lr=LR, **kw)
+    return ref, got
+
+
+@pytest.fixture(scope="module")
+def runs(request: pytest.FixtureRequest) -> dict:
+    """The selected tests' cases, two at a time in forked processes (LocalTensorMode is single-threaded work)."""
+    wanted = [c for item in request.session.items if item.module is request.module
+              for c in USES.get(item.originalname, ())]
+    return run_two_at_a_time(_train, wanted, cost={"gpt-2x4": 4, "gpt-2x2-zero2": 3, "gpt-8-budget": 3})
+
+
+def _check(runs: dict, case: str) -> dict:
+    ref, got = case_result(runs, case)
     assert_close_to_reference(ref, got["losses"], got["grads"], got["params"], param_atol=PARAM_ATOL)
     return got
 
 
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
-def test_mesh_2x4_batch_on_dp(name):
-    _check(name, (2, 4), ("dp", "tp"), constraints={"inputs": {"dp": Shard(0)}})
+def test_mesh_2x4_batch_on_dp(name, runs):
+    _check(runs, f"{name}-2x4")
 
 
-def test_mesh_2x2_zero2_state_sharded_over_both_axes():
-    got = _check("gpt", (2, 2), ("dp", "tp"), recipe="zero2")
+def test_mesh_2x2_zero2_state_sharded_over_both_axes(runs):
+    got = _check(runs, "gpt-2x2-zero2")
     from autoshard.plan import Plan
 
     tensors = [t for t in Plan.from_json(got["plan"]).stages[0].tensors if t.role == "parameter"]
@@ -41,9 +68,9 @@ def test_mesh_2x2_zero2_state_sharded_over_both_axes():
     assert {t.zero for t in tensors} == {"zero2"}
 
 
-def test_mesh_8_gpt_fsdp_like_budget():
+def test_mesh_8_gpt_fsdp_like_budget(runs):
     # a budget that forces sharded parameters on 8 simulated ranks
-    got = _check("gpt", (8,), ("dp",), constraints={"inputs": {"dp": Shard(0)}}, memory_budget="600KiB")
+    got = _check(runs, "gpt-8-budget")
     from autoshard.plan import Plan
 
     placements = Plan.from_json(got["plan"]).parameter_placements()
