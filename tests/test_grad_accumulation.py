@@ -7,6 +7,8 @@ fp32), all ranks simulated in one process (LocalTensorMode)."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -16,7 +18,8 @@ import autoshard
 from autoshard.plan import Plan
 from autoshard.solver.intra_op import InfeasibleBudget
 
-from harness import assert_close_to_reference, local_ranks, single_device_reference
+from harness import (assert_close_to_reference, case_result, local_ranks, run_two_at_a_time,
+                     single_device_reference)
 from numerics_utils import LR, MODELS, PARAM_ATOL, train_sharded
 
 DP = {"inputs": {"dp": Shard(0)}}
@@ -41,10 +44,38 @@ def _train(make, inputs, k: int | None, world: int = 2, **kw) -> tuple[dict, Pla
     return got, Plan.from_json(got["plan"])
 
 
+def _hf_gpt2():
+    from autoshard.models.hf import build
+
+    return build("gpt2", dropout=False, layers=1)[0]
+
+
+def _case(case: str) -> tuple[dict, Plan]:
+    """One LocalTensorMode training (run in a forked child; the comparison with one device is made there too)."""
+    if case == "hf-gpt2":
+        from autoshard.models.hf import build
+
+        return _train(_hf_gpt2, build("gpt2", dropout=False, layers=1)[1], 2)
+    k, kw = {"2-ddp": (2, {"constraints": DP}), "4-zero2": (4, {"recipe": "zero2"})}[case]
+    return _train(MODELS["mlp"][0], MODELS["mlp"][1](), k, **kw)
+
+
+@pytest.fixture(scope="module")
+def runs(request: pytest.FixtureRequest) -> dict:
+    """The selected cases, two at a time in forked processes (LocalTensorMode is single-threaded work)."""
+    wanted = [f"{item.callspec.params['k']}-{'ddp' if item.callspec.params['k'] == 2 else 'zero2'}"
+              for item in request.session.items
+              if item.module is request.module and item.originalname == "test_mlp_microbatches_equal_the_whole_batch"]
+    if any(item.module is request.module and item.originalname == "test_hf_gpt2_padded_labels_called_with_keywords"
+           for item in request.session.items) and importlib.util.find_spec("transformers") is not None:
+        wanted.append("hf-gpt2")
+    return run_two_at_a_time(_case, wanted, cost={"hf-gpt2": 10})
+
+
 @pytest.mark.parametrize("k,kw", [(2, {"constraints": DP}), (4, {"recipe": "zero2"})], ids=["2-ddp", "4-zero2"])
-def test_mlp_microbatches_equal_the_whole_batch(k: int, kw: dict) -> None:
+def test_mlp_microbatches_equal_the_whole_batch(k: int, kw: dict, runs: dict) -> None:
     """Also under ZeRO-2, whose gradients accumulate into masters sharded further than the parameters."""
-    _, plan = _train(MODELS["mlp"][0], MODELS["mlp"][1](), k, **kw)
+    _, plan = case_result(runs, f"{k}-{'ddp' if k == 2 else 'zero2'}")
     assert plan.microbatches == k
     assert plan.step_time_s == pytest.approx(k * plan.stages[0].microbatch_time_s, rel=0.5)
     x = next(t for t in plan.stages[0].tensors if t.name == "input[0]")
@@ -52,7 +83,7 @@ def test_mlp_microbatches_equal_the_whole_batch(k: int, kw: dict) -> None:
     assert f"gradient accumulation over {k} micro-batches" in plan.report()
 
 
-def test_hf_gpt2_padded_labels_called_with_keywords() -> None:
+def test_hf_gpt2_padded_labels_called_with_keywords(runs: dict) -> None:
     transformers = pytest.importorskip("transformers")  # noqa: F841
     from autoshard.models.hf import build
 
@@ -60,7 +91,7 @@ def test_hf_gpt2_padded_labels_called_with_keywords() -> None:
     assert (batch["labels"] == -100).any()
     halves = [(batch["labels"][i * 2:(i + 1) * 2] != -100).sum().item() for i in range(2)]
     assert halves[0] != halves[1]  # the micro-batches count different numbers of targets
-    got, plan = _train(lambda: build("gpt2", dropout=False, layers=1)[0], batch, 2)
+    got, plan = case_result(runs, "hf-gpt2")
     assert plan.microbatches == 2
 
 
