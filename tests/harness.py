@@ -190,11 +190,11 @@ def selected_cases(request: Any, test_name: str, param: str) -> list[Any]:
 def _run_share(rank: int, world: int, arg: tuple) -> dict:
     import traceback
 
-    run, cases = arg
+    run, shares = arg
     if world > 1:
         torch.set_num_threads(1)  # a forked child per core
     out = {}
-    for case in cases[rank::world]:
+    for case in shares[rank]:
         try:
             out[case] = {"result": run(case)}
         except Exception:  # noqa: BLE001 - reported by the case's own test
@@ -206,16 +206,23 @@ def run_two_at_a_time(run: Callable[[Any], Any], cases: Sequence[Any], cost: dic
                       timeout: float = 900.0) -> dict[Any, dict]:
     """``run(case)`` for every case, in two forked processes (no process group: ``launch(gloo=False)``), each
     child at one thread: for single-threaded work (planning, LocalTensorMode's simulated ranks) on a 2-core
-    machine. Cases are dealt longest first (by ``cost``) alternately. Returns ``{case: {"result": ...}}`` or
-    ``{case: {"error": traceback}}``; :func:`case_result` turns the latter into the case's test failure.
-    ``run`` must be a module-level function and its results plain (``torch.save``-able)."""
+    machine. Cases go longest first (by ``cost``, seconds; 1 where not given) to the child with less work so far.
+    Returns ``{case: {"result": ...}}`` or ``{case: {"error": traceback}}``; :func:`case_result` turns the latter
+    into the case's test failure. ``run`` must be a module-level function and its results plain
+    (``torch.save``-able)."""
     from autoshard.launch import launch
 
-    cases = sorted(dict.fromkeys(cases), key=lambda c: -(cost or {}).get(c, 0.0))
+    cases = sorted(dict.fromkeys(cases), key=lambda c: -(cost or {}).get(c, 1.0))
     if len(cases) < 2:
-        return _run_share(0, 1, (run, cases)) if cases else {}
+        return _run_share(0, 1, (run, [cases])) if cases else {}
+    shares: list[list[Any]] = [[], []]
+    load = [0.0, 0.0]
+    for case in cases:
+        i = 0 if load[0] <= load[1] else 1
+        shares[i].append(case)
+        load[i] += (cost or {}).get(case, 1.0)
     out: dict[Any, dict] = {}
-    for part in launch(2, _run_share, (run, cases), gloo=False, timeout=timeout):
+    for part in launch(2, _run_share, (run, shares), gloo=False, timeout=timeout):
         out.update(part)
     return out
 

@@ -14,7 +14,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 
-from harness import assert_close_to_reference, local_ranks, single_device_reference
+from harness import (assert_close_to_reference, case_result, local_ranks, run_two_at_a_time, selected_cases,
+                     single_device_reference)
 from numerics_utils import LR, PARAM_ATOL, train_sharded
 
 pytest.importorskip("transformers")
@@ -27,62 +28,40 @@ def _make(name: str):
 
 
 # The LocalTensorMode runs below take one core each (the planner and the simulated ranks are single-threaded
-# Python); on the suite's 2-core machine they are run two at a time in forked processes (``launch(gloo=False)``:
-# no process group, each child simulates its 4 ranks with LocalTensorMode), and each test checks its own.
+# Python); on the suite's 2-core machine they run two at a time in forked processes (harness.run_two_at_a_time:
+# no process group, each child simulates its 4 ranks with LocalTensorMode), and each test checks its own case.
 SOLVED_LLAMA = "solved-llama"
-COST = {"t5": 40, SOLVED_LLAMA: 20, "vit": 17, "bert": 16, "gemma": 10}  # seconds, roughly; others ~6
+COST = {"t5": 12, "gemma": 7.6, "bert": 7.2, "mixtral": 6.5, "mistral": 5.9, "qwen2": 5.5, "llama": 5.0,
+        "phi3": 4.4, "vit": 4.4, SOLVED_LLAMA: 4.0, "gpt2": 3.9}  # seconds on the idle 2-core machine, one thread
 
 
-def _run_case(case: str) -> dict:
-    """One case: the single-device reference and the 4 simulated ranks' run (or the traceback it raised)."""
-    import traceback
-
-    try:
-        if case == SOLVED_LLAMA:  # the solver's own plan (no recipe, no constraints), padded batch, 2 steps
-            _, batch = build("llama", dropout=False, batch=8)
-            ref = single_device_reference(_make("llama"), batch, steps=2, lr=LR)
-            with local_ranks(4):
-                got = train_sharded(_make("llama"), batch, (2, 2), ("dp", "tp"), steps=2, lr=LR)
-        else:  # parameters sharded on both axes (the fsdp+tp recipe: FSDP over dp, Megatron TP over tp)
-            _, batch = build(case, dropout=False)
-            ref = single_device_reference(_make(case), batch, steps=3, lr=LR)
-            with local_ranks(4):
-                got = train_sharded(_make(case), batch, (2, 2), ("dp", "tp"), lr=LR, recipe="fsdp+tp")
-        return {"ref": ref, "got": got, "padded": "attention_mask" not in batch or bool((batch["attention_mask"] == 0).any())}
-    except Exception:  # noqa: BLE001 - reported by the case's own test
-        return {"error": traceback.format_exc()}
-
-
-def _half(rank: int, world: int, cases: list[str]) -> dict[str, dict]:
-    torch.set_num_threads(1)  # two children on two cores
-    return {c: _run_case(c) for c in cases[rank::world]}
+def _run_case(case: str) -> tuple:
+    """One case: the single-device reference, the 4 simulated ranks' run, and whether the batch is padded."""
+    if case == SOLVED_LLAMA:  # the solver's own plan (no recipe, no constraints), padded batch, 2 steps
+        _, batch = build("llama", dropout=False, batch=8)
+        ref = single_device_reference(_make("llama"), batch, steps=2, lr=LR)
+        with local_ranks(4):
+            got = train_sharded(_make("llama"), batch, (2, 2), ("dp", "tp"), steps=2, lr=LR)
+    else:  # parameters sharded on both axes (the fsdp+tp recipe: FSDP over dp, Megatron TP over tp)
+        _, batch = build(case, dropout=False)
+        ref = single_device_reference(_make(case), batch, steps=3, lr=LR)
+        with local_ranks(4):
+            got = train_sharded(_make(case), batch, (2, 2), ("dp", "tp"), lr=LR, recipe="fsdp+tp")
+    return ref, got, "attention_mask" not in batch or bool((batch["attention_mask"] == 0).any())
 
 
 @pytest.fixture(scope="module")
 def runs(request: pytest.FixtureRequest) -> dict[str, dict]:
-    """Every case this session selected, two at a time (longest first, dealt alternately to the two children)."""
-    from autoshard.launch import launch
-
-    wanted = set()
-    for item in request.session.items:
-        if item.module is request.module and item.originalname == "test_stock_model_trains_like_one_device":
-            wanted.add(item.callspec.params["name"])
-        elif item.module is request.module and item.originalname == "test_solved_plan_on_a_padded_llama_batch":
-            wanted.add(SOLVED_LLAMA)
-    cases = sorted(wanted, key=lambda c: -COST.get(c, 6))
-    if len(cases) < 2:
-        return {c: _run_case(c) for c in cases}
-    out: dict[str, dict] = {}
-    for part in launch(2, _half, cases, gloo=False, timeout=900):
-        out.update(part)
-    return out
+    """Every case this session selected (``-k`` aware), two at a time."""
+    cases = selected_cases(request, "test_stock_model_trains_like_one_device", "name")
+    if any(item.module is request.module and item.originalname == "test_solved_plan_on_a_padded_llama_batch"
+           for item in request.session.items):
+        cases.append(SOLVED_LLAMA)
+    return run_two_at_a_time(_run_case, cases, cost=COST)
 
 
 def _result(runs: dict[str, dict], case: str) -> tuple:
-    r = runs[case]
-    if "error" in r:
-        pytest.fail(f"{case} raised in its forked run:\n{r['error']}")
-    return r["ref"], r["got"], r["padded"]
+    return case_result(runs, case)
 
 
 @pytest.mark.parametrize("name", sorted(TINY))

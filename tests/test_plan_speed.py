@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 import autoshard.api
+from autoshard.launch import launch
 from autoshard.meshes import fake_world
 from autoshard.ir import repeated_layers
 
@@ -46,13 +47,24 @@ def _per_layer(plan: autoshard.Plan) -> dict[int, tuple]:
     return {i: tuple(v) for i, v in out.items()}
 
 
+def _plan_both(rank: int, world: int, arg: tuple) -> dict:
+    """Rank 0: the sampled plan (``plan``'s default); rank 1: every layer captured (``sample_layers=None``)."""
+    torch.set_num_threads(1)
+    model, batch = arg
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        plan = autoshard.plan(model, mesh, batch, **FAST) if rank == 0 else \
+            autoshard.plan(model, mesh, batch, sample_layers=None, **FAST)
+    return {"plan": plan.to_json(), "layers": len(model.model.layers), "configured": model.config.num_hidden_layers}
+
+
 def test_plan_samples_stock_llama_layers_and_matches_full_capture() -> None:
     model, batch = _tiny_llama()
     assert repeated_layers(model) == ("model.layers", LAYERS)
-    with fake_world(4):
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        sampled = autoshard.plan(model, mesh, batch, **FAST)
-        full = autoshard.plan(model, mesh, batch, sample_layers=None, **FAST)
+    # the two plans are independent single-threaded work: one in each of two forked processes (2 cores)
+    results = launch(2, _plan_both, (model, batch), gloo=False)
+    sampled, full = (autoshard.Plan.from_json(r["plan"]) for r in results)
+    results_layers = [(r["layers"], r["configured"]) for r in results]
     assert sampled.sampled_layers.startswith(f"model.layers: 3 of {LAYERS} identical layers captured")
     assert "repeated layers: model.layers: 3 of 6" in sampled.report()
     assert full.sampled_layers == ""
@@ -66,7 +78,9 @@ def test_plan_samples_stock_llama_layers_and_matches_full_capture() -> None:
     assert sorted(got) == [0, 1, 2] and sorted(want) == list(range(LAYERS))
     assert all(want[i] == got[i] for i in range(3))
     assert {want[i] for i in range(LAYERS)} <= set(got.values())
-    # the shallow copy planned is not the user's model: every layer is still there
+    # the shallow copy planned is not the user's model: every layer is still there (after planning, in each process)
+    for layers, configured in results_layers:
+        assert layers == LAYERS and configured == LAYERS
     assert len(model.model.layers) == LAYERS and model.config.num_hidden_layers == LAYERS
 
 
