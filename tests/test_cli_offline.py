@@ -10,18 +10,52 @@ import autoshard
 from autoshard.cli import main
 from autoshard.plan import Plan
 from autoshard.solver.intra_op import InfeasibleBudget
+from harness import case_result, run_two_at_a_time
 
 SMALL = ["--model", "gpt2-124m", "--cluster", "h100-sxm:1x8", "--seq", "128", "--global-batch", "16"]
+# the CLI runs the tests below check, by case: its arguments (each with --out FILE); their planning is
+# single-threaded, so they run two at a time in forked processes (a module fixture) and each test checks its own
+CLI_RUNS = {
+    "plan": ["plan", *SMALL],
+    "pipeline": ["plan", "--model", "gpt2-124m", "--cluster", "a100-80gb:2x8", "--seq", "1024", "--global-batch", "16",
+                 "--pipeline", "auto", "--no-recipes"],
+    "mixed": ["plan", *SMALL, "--recipe", "ddp", "-q", "--mixed-precision", "bf16", "--reduce-dtype", "bf16"],
+}
+CLI_TESTS = {"test_cli_plan_writes_a_plan_that_reads_back": "plan", "test_cli_pipeline_auto_puts_a_stage_on_each_node":
+             "pipeline", "test_cli_mixed_precision_plans_fp32_masters_and_bf16_matmuls": "mixed"}
 
 
-def test_cli_plan_writes_a_plan_that_reads_back(tmp_path, capsys):
-    out = tmp_path / "plan.json"
-    assert main(["plan", *SMALL, "--out", str(out)]) == 0
-    captured = capsys.readouterr()
-    assert "capture" in captured.err and "solve" in captured.err  # progress per stage
-    report = captured.out
+def _cli(arg: tuple[str, str]) -> tuple[int, str, str, str]:
+    """``main(argv + --out FILE)`` with stdout and stderr captured: (exit code, stdout, stderr, the file's text)."""
+    import contextlib
+    import io
+    import os
+
+    case, folder = arg
+    out_file = os.path.join(folder, f"{case}.json")
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([*CLI_RUNS[case], "--out", out_file])
+    return code, out.getvalue(), err.getvalue(), open(out_file).read() if os.path.exists(out_file) else ""
+
+
+@pytest.fixture(scope="module")
+def cli_runs(request, tmp_path_factory) -> dict:
+    folder = str(tmp_path_factory.mktemp("cli"))
+    wanted = {CLI_TESTS[item.originalname] for item in request.session.items
+              if item.module is request.module and item.originalname in CLI_TESTS}
+    runs = run_two_at_a_time(_cli, [(c, folder) for c in sorted(wanted)],
+                             cost={("pipeline", folder): 9, ("mixed", folder): 4, ("plan", folder): 3})
+    return {case: r for (case, _), r in runs.items()}
+
+
+def test_cli_plan_writes_a_plan_that_reads_back(cli_runs):
+    code, out, err, text = case_result(cli_runs, "plan")  # main(["plan", *SMALL, "--out", FILE])
+    assert code == 0
+    assert "capture" in err and "solve" in err  # progress per stage
+    report = out
     assert "vs manual recipes" in report and "tokens/s" in report and "MFU" in report
-    plan = Plan.from_json(out.read_text())
+    plan = Plan.from_json(text)
     assert plan.model == "gpt2-124m" and plan.mesh.shape == (8,) and plan.step_time_s > 0
     assert {b.name for b in plan.recipes} == {"ddp", "zero1", "zero2", "fsdp", "tp"}
     assert plan.tokens_per_step == 16 * 128 and 0 < plan.mfu < 1
@@ -74,18 +108,15 @@ def test_plan_json_round_trip_keeps_recipes(tmp_path):
     assert again == plan and json.loads(plan.to_json())["recipes"]
 
 
-def test_cli_pipeline_auto_puts_a_stage_on_each_node(tmp_path, capsys):
+def test_cli_pipeline_auto_puts_a_stage_on_each_node(cli_runs):
     """GPT-2 small at sequence 1024 on 2 A100 nodes (25 GB/s per GPU between them): data parallelism over the
     nodes would all-reduce every gradient over the network; ``--pipeline auto`` puts a stage on each node instead,
     says why on stderr, prints the stage table and writes a plan that reads back."""
-    out = tmp_path / "plan.json"
-    argv = ["plan", "--model", "gpt2-124m", "--cluster", "a100-80gb:2x8", "--seq", "1024", "--global-batch", "16",
-            "--pipeline", "auto", "--no-recipes", "--out", str(out)]
-    assert main(argv) == 0
-    captured = capsys.readouterr()
-    assert "pipeline   done  2 stages of (8,)" in captured.err and "beats no stages" in captured.err
-    assert "pipeline: 2 stages" in captured.out and "1 stage (no pipeline)" in captured.out
-    plan = Plan.from_json(out.read_text())
+    code, out, err, text = case_result(cli_runs, "pipeline")  # main(CLI_RUNS["pipeline"] + ["--out", FILE])
+    assert code == 0
+    assert "pipeline   done  2 stages of (8,)" in err and "beats no stages" in err
+    assert "pipeline: 2 stages" in out and "1 stage (no pipeline)" in out
+    plan = Plan.from_json(text)
     assert plan.mesh.names == ("pp", "dp") and [s.ranks[0] for s in plan.stages] == [0, 8]
     assert plan.stages[0].layers[0] == "wte" and plan.stages[-1].layers[-1] == "ln_f"
     assert plan.tokens_per_step == 16 * 1024 and 0 < plan.mfu < 1
@@ -93,14 +124,13 @@ def test_cli_pipeline_auto_puts_a_stage_on_each_node(tmp_path, capsys):
     assert plan.step_time_s < flat.step_time_s
 
 
-def test_cli_mixed_precision_plans_fp32_masters_and_bf16_matmuls(tmp_path, capsys):
+def test_cli_mixed_precision_plans_fp32_masters_and_bf16_matmuls(cli_runs):
     """``--mixed-precision bf16``: the zoo model's parameters are fp32 masters (16 bytes per parameter with their
     gradient and AdamW state, against 8 in pure bf16), MFU against the bf16 peak, and the report says so."""
-    out = tmp_path / "plan.json"
-    assert main(["plan", *SMALL, "--recipe", "ddp", "-q", "--mixed-precision", "bf16", "--reduce-dtype", "bf16",
-                 "--out", str(out)]) == 0
-    assert "mixed precision: autocast to bfloat16" in capsys.readouterr().out
-    mixed = Plan.from_json(out.read_text())
+    code, out, _, text = case_result(cli_runs, "mixed")  # main(CLI_RUNS["mixed"] + ["--out", FILE])
+    assert code == 0
+    assert "mixed precision: autocast to bfloat16" in out
+    mixed = Plan.from_json(text)
     assert (mixed.mixed_precision, mixed.reduce_dtype) == ("bfloat16", "bfloat16")
     pure = autoshard.plan("gpt2-124m", cluster="h100-sxm:1x8", seq=128, global_batch=16, recipe="ddp")
     assert "mixed precision" not in pure.report() and not pure.mixed_precision
