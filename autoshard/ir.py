@@ -3,6 +3,7 @@ repeated layer, and the tensor arguments of a graph node."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -128,6 +129,11 @@ def is_view(target: object) -> bool:
         return False
     alias = schema.returns[0].alias_info
     return alias is not None and not alias.is_write
+
+
+def sums(have: Sequence[Placement], want: Sequence[Placement]) -> bool:
+    """Whether moving ``have`` to ``want`` reduces: Partial on some mesh axis where ``want`` is not."""
+    return any(h.is_partial() and h != w for h, w in zip(have, want))
 
 
 def view_root(node: fx.Node) -> fx.Node:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoshard import _torch_compat as tc
@@ -47,7 +47,7 @@ from autoshard.passes.lower_buckets import (
     scatter_axes,
     scatter_together,
 )
-from autoshard.ir import layer_key, tensor_args
+from autoshard.ir import layer_key, sums, tensor_args
 from autoshard.passes.context import PassContext
 
 log = logging.getLogger(__name__)
@@ -233,9 +233,7 @@ class PlanInterpreter:
 def _reduced_in(dtype: torch.dtype | None, val: DTensor, want: tuple) -> bool:
     """Whether gradient ``val`` is summed in ``dtype`` on its way to ``want``: a floating gradient of another
     dtype that is Partial on an axis where ``want`` is not."""
-    if dtype is None or val.dtype == dtype or not val.dtype.is_floating_point:
-        return False
-    return any(isinstance(h, Partial) and h != w for h, w in zip(val.placements, want))
+    return dtype is not None and val.dtype != dtype and val.dtype.is_floating_point and sums(val.placements, want)
 
 
 _aten = torch.ops.aten

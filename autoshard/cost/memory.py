@@ -43,11 +43,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor import Shard
 
 from autoshard import _torch_compat as tc
 from autoshard.config import BUCKET_BYTES, FIRST_BUCKET_BYTES
-from autoshard.ir import NodeSharding, is_saved, is_view, layer_parts, tensor_args
+from autoshard.ir import NodeSharding, is_saved, is_view, layer_parts, sums, tensor_args
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ def transients(gm: fx.GraphModule, mesh_shape: Sequence[int], output_roles: Sequ
                 parts = layer_parts(role.name)
                 layer = parts[:2] if parts else ("", -1)
                 waiting[layer] = waiting.get(layer, 0) + made
-            elif sh is not None and _summed(lay(src), sh.grad_layout):
+            elif sh is not None and (have := lay(src)) is not None and sums(have.outputs[0], sh.grad_layout):
                 bucketed.append((at[src], made))
 
     end: dict[fx.Node, int] = {}  # a storage's last use, over the views of it
@@ -161,13 +161,6 @@ def transients(gm: fx.GraphModule, mesh_shape: Sequence[int], output_roles: Sequ
     # one recomputed layer's activations live again while its backward runs (the layers replay one at a time)
     again = max(replayed.values(), default=0)
     return Transients(peak["forward"], peak["backward"] + sum(sorted(waiting.values())[-2:]) + again)
-
-
-def _summed(sh: NodeSharding | None, want: Sequence | None) -> bool:
-    """Whether a gradient made in ``sh`` is Partial on a mesh axis where its delivered layout ``want`` is not."""
-    if sh is None or want is None or not sh.outputs or sh.outputs[0] is None:
-        return False
-    return any(isinstance(h, Partial) and h != w for h, w in zip(sh.outputs[0], want))
 
 
 def _bucket_copies(made: Sequence[tuple[int, int]]) -> dict[int, int]:
