@@ -22,11 +22,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
+from autoshard.buckets import bucket_starts, bucketable
 from autoshard.cluster import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.cost.comm import redistribute_steps
 from autoshard.cost.memory import temporaries, transients
-from autoshard.notation import placement_str
+from autoshard.notation import local_shape, placement_str
 from autoshard.ir import tensor_args
 from autoshard.passes.context import PassContext
 from autoshard.passes.recompute import (FULL, SELECTIVE, best_mix, describe, layer_replays, mix_peak, mix_specs,
@@ -118,7 +119,7 @@ def build_plan(gm: fx.GraphModule, ctx: PassContext, solution: Any = None, recip
     # the solver's overlap credit (GRAD_SINK_CREDIT): part of each gradient reduction hides behind backward
     hidden = GRAD_SINK_CREDIT * sum(c.time_s * c.repeat for c in collectives if c.consumer in ctx.param_modules)
     factor = ctx.config.optimizer_factor
-    t = transients(gm, ctx.mesh_shape, ctx.output_roles)
+    t = transients(gm, ctx.mesh_shape, ctx.output_roles, weight=lambda n: _weight_of(nodes, n.name, ctx))
     temps = temporaries(t, acts, opt / factor if factor else 0.0)
     memory = MemoryBreakdown(params, grads, opt, acts, temps, host)
     stage = StagePlan(
@@ -166,20 +167,34 @@ def build_plan(gm: fx.GraphModule, ctx: PassContext, solution: Any = None, recip
 
 
 def _collectives(gm: fx.GraphModule, ctx: PassContext) -> list[CollectiveStat]:
-    """Every placement change the chosen plan makes, as the collectives DTensor runs for it."""
+    """Every placement change the chosen plan makes, as the collectives DTensor runs for it. A gradient that
+    the lowering all-reduces in a bucket with others (``autoshard/buckets.py``) is its bytes only; each bucket then
+    adds its collectives' latency once (tensor ``"bucket of N gradients"``, 0 bytes, the consumer its first
+    gradient's parameter)."""
     names = ctx.mesh_names
     nodes = {n.name: n for n in gm.graph.nodes}
+    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    in_bucket_link = ctx.cluster.bundled()
+    buckets: dict[tuple, list[tuple[int, int, list[CollectiveStat]]]] = {}  # move -> (made at, bytes, latencies)
     out: list[CollectiveStat] = []
 
     def add(src: fx.Node, a: Sequence, b: Sequence, consumer: str, phase: str, repeat: float,
-            itemsize: int | None = None) -> None:
+            itemsize: int | None = None, sink: bool = False) -> None:
         if a is None or b is None or tuple(a) == tuple(b):
             return
         v = src.meta["val"]
         size = min(v.element_size(), itemsize or v.element_size())  # gradients: mixed precision's reduce_dtype
-        for st in redistribute_steps(tuple(a), tuple(b), tuple(v.shape), size, ctx.mesh_shape, ctx.cluster):
+        move = (tuple(a), tuple(b), tuple(v.shape), size, ctx.mesh_shape)
+        in_bucket = sink and bucketable(tuple(a), tuple(b))  # as the solver prices it (solver/intra_op.py)
+        steps = redistribute_steps(*move, in_bucket_link if in_bucket else ctx.cluster)
+        for st in steps:
             out.append(CollectiveStat(st.kind, names[st.axis], int(st.nbytes), float(st.time), src.name, consumer,
                                       phase, repeat))
+        if in_bucket:
+            latency = [CollectiveStat(f.kind, names[f.axis], 0, f.time - st.time, "", consumer, phase)
+                       for f, st in zip(redistribute_steps(*move, ctx.cluster), steps)]
+            nbytes = math.prod(local_shape(tuple(v.shape), a, ctx.mesh_shape)) * size * repeat
+            buckets.setdefault((tuple(a), tuple(b), size), []).append((order[src.name], int(nbytes), latency))
 
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem:
@@ -201,11 +216,16 @@ def _collectives(gm: fx.GraphModule, ctx: PassContext) -> list[CollectiveStat]:
             add(src, have, rep, "output", "forward", w)
         elif role.kind in ("grad", "input_grad"):
             add(src, have, params[role.name].meta["autoshard"].grad_layout, role.name, "backward", w,
-                ctx.config.reduce_itemsize)
+                ctx.config.reduce_itemsize, sink=True)
     for name, ph in params.items():  # ZeRO-1/2: the stepped master shard gathered back to the compute layout
         sh = ph.meta["autoshard"]
         if sh.state is not None and tuple(sh.state) != tuple(sh.outputs[0]):
             add(ph, sh.state, sh.outputs[0], "optimizer step", "optimizer", _weight_of(nodes, ph.name, ctx))
+    for members in buckets.values():  # in the order the backward makes them, as the lowering fills buckets
+        members.sort(key=lambda m: m[0])
+        starts = bucket_starts([nbytes for _, nbytes, _ in members])
+        for i, j in zip(starts, [*starts[1:], len(members)]):
+            out += [dataclasses.replace(st, tensor=f"bucket of {j - i} gradients") for st in members[i][2]]
     return out
 
 

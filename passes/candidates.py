@@ -72,6 +72,19 @@ def axis_ties(ctx: PassContext) -> tuple[int, ...]:
     return tuple(ties)
 
 
+_SUMS = {aten.sum.dim_IntList, aten.sum.default}
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.squeeze.dim, aten.unsqueeze.default}
+
+
+def _summed(src: fx.Node) -> bool:
+    """Whether ``src`` is a sum (through views): a sum over a sharded dim is Partial, and an op that is linear in
+    that input (an embedding's backward taking a position gradient summed over a sharded batch) can keep it so
+    instead of reducing it first."""
+    while src.op == "call_function" and src.target in _VIEWS and isinstance(src.args[0], fx.Node):
+        src = src.args[0]
+    return src.op == "call_function" and src.target in _SUMS
+
+
 def _tied(placements: Placements | None, ties: Sequence[int]) -> bool:
     return placements is None or all(placements[a] == placements[t] for a, t in enumerate(ties))
 
@@ -93,18 +106,20 @@ def _valid(
     ins: list[fx.Node],
     node: fx.Node,
     mesh_shape: Sequence[int],
-    partial_inputs: bool = True,
+    partial_inputs: bool | Sequence[bool] = True,
     ties: Sequence[int] = (),
 ) -> bool:
     if ties and not all(_tied(p, ties) for p in list(raw.outputs) + list(raw.inputs)):
         return False
-    for pl, src in zip(raw.inputs, ins):
+    may = [partial_inputs] * len(ins) if isinstance(partial_inputs, bool) else list(partial_inputs)
+    for k, (pl, src) in enumerate(zip(raw.inputs, ins)):
         if pl is None:
             continue
         # an anchor candidate that asks for a Partial input only pays off when its producer is Partial
         # already; DTensor lists many such variants (every linear op), which multiply the search space for
-        # little gain: prune them there (followers keep whatever DTensor does with a Partial producer)
-        if not partial_inputs and any(isinstance(p, Partial) for p in pl):
+        # little gain: prune them there (followers keep whatever DTensor does with a Partial producer), except
+        # on inputs that a sum makes (``_summed``)
+        if not may[k] and any(isinstance(p, Partial) for p in pl):
             return False
         if any(isinstance(p, Partial) and p.reduce_op != "sum" for p in pl):
             return False
@@ -145,12 +160,13 @@ class CandidateEnumerator:
 
     def anchor(self, node: fx.Node) -> list[tc.RawStrategy]:
         self._cur = node
-        return self._anchor(self.key(node))
+        return self._anchor((self.key(node), tuple(_summed(s) for s in tensor_args(node))))
 
-    def _anchor_uncached(self, _key: tuple) -> list[tc.RawStrategy]:
+    def _anchor_uncached(self, key: tuple) -> list[tc.RawStrategy]:
         node = self._cur
         op = node.target
         ins = tensor_args(node)
+        summed = key[1]  # the inputs a sum makes: they may arrive Partial
         own = op_rules.candidates(node, self.ties)  # an op family autoshard has its own rule for (autoshard/rules)
         if own is not None:
             return own
@@ -172,7 +188,7 @@ class CandidateEnumerator:
                 outs = tuple(None if combo[0][o] is None else tuple(combo[a][o] for a in axes) for o in range(nout))
                 cins = tuple(tuple(combo[a][nout + i] for a in axes) for i in range(len(ins)))
                 c = tc.RawStrategy(cins, outs)
-                if _valid(c, ins, node, self.mesh_shape, partial_inputs=False, ties=self.ties):
+                if _valid(c, ins, node, self.mesh_shape, partial_inputs=summed, ties=self.ties):
                     found.setdefault((c.inputs, c.outputs), c)
         elif tc.has_sharding_rule(op):
             # vary the first input's layout, or the largest one's when the first is a scalar (nll_loss_backward)
@@ -186,7 +202,7 @@ class CandidateEnumerator:
                     errors.append(f"{type(e).__name__}: {e}")
                     continue
                 for c in cands:
-                    if _valid(c, ins, node, self.mesh_shape, partial_inputs=False, ties=self.ties):
+                    if _valid(c, ins, node, self.mesh_shape, partial_inputs=summed, ties=self.ties):
                         found.setdefault((c.inputs, c.outputs), c)
         if not found:
             if str(op) not in self.warned:

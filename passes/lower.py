@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoshard import _torch_compat as tc
@@ -104,7 +104,7 @@ class PlanInterpreter:
             val = env[src.name]
             if want is not None and isinstance(val, DTensor) and tuple(val.placements) != tuple(want):
                 key = (src.name, node.meta.get("autoshard_phase", "forward"), tuple(want))
-                val = self._gather_group(key, env) if key in self.group_of else tc.redistribute(val, self.mesh, want)
+                val = self._gather_group(key, env) if key in self.group_of else self._moved(key, val, env)
             moved[f"{src.name}#{k}"] = val
         counter = iter(range(len(ins)))
 
@@ -136,6 +136,18 @@ class PlanInterpreter:
                 raise
             out = node.target(args[0].contiguous(), *args[1:], **kwargs)
         return self._match(node, sh, out)
+
+    def _moved(self, use: tuple, val: DTensor, env: dict[str, Any]) -> DTensor:
+        """``val`` (the value ``use[0]``) redistributed to ``use[2]``, once for all its consumers that want that
+        placement: in the same phase, and also across phases when the move makes no bigger tensor (a summed
+        loss denominator is reduced once, and the backward reuses it; an all-gathered weight is gathered again
+        in the backward, so that it is not kept alive between them, as FSDP reshards after forward)."""
+        src, phase, want = use
+        grows = any(isinstance(h, Shard) and not isinstance(w, Shard) for h, w in zip(val.placements, want))
+        key = f"{src} -> {placements_str(want)} {phase if grows else ''}"  # (not a node name: those have no spaces)
+        if key not in env:
+            env[key] = tc.redistribute(val, self.mesh, want)
+        return env[key]
 
     def _gather_group(self, use: tuple, env: dict[str, Any]) -> DTensor:
         """The value ``use`` names, made from its parameter gathered (with every other parameter of its group,
@@ -331,10 +343,31 @@ def trace_rank_program(
     traced = make_fx(joint, tracing_mode="fake", decomposition_table=decompositions or {})(
         examples[:n_primals], examples[n_primals:]
     )
+    dropped = _drop_unused_collectives(traced)
     if interp.mismatches:
         log.warning("lower: %d op outputs needed an extra redistribution to match the plan", interp.mismatches)
     ctx.stats["lower_mismatches"] = interp.mismatches
+    ctx.stats["lower_dropped_collectives"] = dropped
     return traced
+
+
+def _drop_unused_collectives(gm: fx.GraphModule) -> int:
+    """Erase the collectives whose result nothing reads (their ``wait_tensor`` has no users; ``make_fx`` keeps
+    them as side effects): a move made for an op whose own result the trace dropped. Every rank traces the same
+    plan, so every rank drops the same ones and the others still pair up. Returns how many were dropped."""
+    dropped = 0
+    for w in reversed(list(gm.graph.nodes)):
+        if not (w.op == "call_function" and w.target is torch.ops._c10d_functional.wait_tensor.default) or w.users:
+            continue
+        coll = w.args[0]
+        gm.graph.erase_node(w)
+        if isinstance(coll, fx.Node) and not coll.users:
+            gm.graph.erase_node(coll)
+            dropped += 1
+    if dropped:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return dropped
 
 
 def lower(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

@@ -20,40 +20,19 @@ from __future__ import annotations
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 
 from autoshard import _torch_compat as tc
 
+from autoshard.buckets import bucket_starts, bucketable, gather_axes, scatter_axes  # noqa: F401 (lower's too)
 from autoshard.config import BUCKET_BYTES, FIRST_BUCKET_BYTES  # noqa: F401 (lower's bucket sizes, DDP's)
-
-
-def bucketable(have: tuple, want: tuple) -> bool:
-    """A move that only sums Partial(sum) into Replicate on some axes, with no Shard on either side (so the
-    local pieces of several gradients can be flattened and reduced together)."""
-    moves = False
-    for h, w in zip(have, want):
-        if isinstance(h, Shard) or isinstance(w, Shard):
-            return False
-        if h != w:
-            if not (isinstance(h, Partial) and h.reduce_op == "sum" and isinstance(w, Replicate)):
-                return False
-            moves = True
-    return moves
 
 
 def by_size(members: list[tuple[int, DTensor]], first: int, limit: int) -> list[list[tuple[int, DTensor]]]:
     """Consecutive members in buckets of at most ``first`` bytes (the first) and ``limit`` bytes (the others);
-    a member larger than that is a bucket of its own."""
-    out: list[list[tuple[int, DTensor]]] = [[]]
-    size = 0
-    for slot, v in members:
-        nbytes = v.to_local().numel() * v.element_size()
-        if out[-1] and size + nbytes > (first if len(out) == 1 else limit):
-            out.append([])
-            size = 0
-        out[-1].append((slot, v))
-        size += nbytes
-    return out
+    a member larger than that is a bucket of its own (``autoshard.buckets.bucket_starts``)."""
+    starts = bucket_starts([v.to_local().numel() * v.element_size() for _, v in members], first, limit)
+    return [members[a:b] for a, b in zip(starts, [*starts[1:], len(members)])] or [[]]
 
 
 def reduce_together(mesh: DeviceMesh, vals: list[DTensor], have: tuple, want: tuple) -> list[torch.Tensor]:
@@ -66,26 +45,6 @@ def reduce_together(mesh: DeviceMesh, vals: list[DTensor], have: tuple, want: tu
     reduced = tc.redistribute(DTensor.from_local(flat, mesh, have, run_check=False), mesh, want).to_local()
     pieces = torch.split(reduced, [t.numel() for t in locals_])
     return [p.view(t.shape) for p, t in zip(pieces, locals_)]
-
-
-def gather_axes(have: tuple, want: tuple, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[int, ...] | None:
-    """The mesh axes of a move that is only even all-gathers along dim 0 (Shard(0) -> Replicate on each of them,
-    every other axis unchanged and not splitting dim 0: FSDP's [S(0)] or, on a 2-D mesh, [S(0), S(0)] -> [R, R]);
-    None for any other move."""
-    axes = tuple(a for a, (h, w) in enumerate(zip(have, want)) if h != w)
-    if not axes or any(have[a] != Shard(0) or not isinstance(want[a], Replicate) for a in axes):
-        return None
-    return axes if _dim0_only_on(axes, have, shape, mesh_shape) else None
-
-
-def _dim0_only_on(axes: tuple[int, ...], placements: tuple, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> bool:
-    """Whether dim 0 splits evenly over ``axes`` and no other axis of ``placements`` splits it."""
-    if any(isinstance(p, Shard) and p.dim == 0 for i, p in enumerate(placements) if i not in axes):
-        return False
-    parts = 1
-    for a in axes:
-        parts *= mesh_shape[a]
-    return bool(shape) and shape[0] % parts == 0
 
 
 def gather_all(mesh: DeviceMesh, axes: tuple[int, ...], vals: list[DTensor]) -> list[DTensor]:
@@ -111,16 +70,6 @@ def gather_together(mesh: DeviceMesh, axis: int, vals: list[DTensor], wants: lis
         offset += n
         out.append(DTensor.from_local(piece, mesh, want, run_check=False, shape=v.shape, stride=v.stride()))
     return out
-
-
-def scatter_axes(have: tuple, want: tuple, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[int, ...] | None:
-    """The mesh axes of a move that only reduce-scatters along dim 0 (Partial(sum) -> Shard(0) on each of them,
-    evenly, every other axis unchanged and not splitting dim 0: an FSDP gradient); None for any other move."""
-    axes = tuple(a for a, (h, w) in enumerate(zip(have, want)) if h != w)
-    if not axes or any(not (isinstance(have[a], Partial) and have[a].reduce_op == "sum") or want[a] != Shard(0)
-                       for a in axes):
-        return None
-    return axes if _dim0_only_on(axes, want, shape, mesh_shape) else None
 
 
 def scatter_together(mesh: DeviceMesh, axes: tuple[int, ...], vals: list[DTensor]) -> list[torch.Tensor]:

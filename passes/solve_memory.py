@@ -47,40 +47,53 @@ def temporaries_of(gm: fx.GraphModule, ctx: PassContext, sol: Solution) -> int:
         acts += w * s.activation_bytes
         opt += w * s.optimizer_bytes
     factor = ctx.config.optimizer_factor
-    t = transients(gm, ctx.mesh_shape, ctx.output_roles, layouts_of(ctx, sol))
+    layouts = layouts_of(ctx, sol)
+    t = transients(gm, ctx.mesh_shape, ctx.output_roles, layouts,
+                   weight=lambda n: ctx.group_weight.get(layouts[n.name].group, 1.0) if n.name in layouts else 1.0)
     return temporaries(t, acts, opt / factor if factor else 0.0)
 
 
 def solve_within(gm: fx.GraphModule, ctx: PassContext, budget: int | None, **kw: Any) -> Solution:
-    """``ctx.problem.solve`` under ``budget`` counting the whole peak (see the module docstring)."""
+    """``ctx.problem.solve`` under ``budget`` counting the whole peak (see the module docstring).
+
+    Each round holds back the last solution's temporaries (at least its excess over the budget). A hold-back
+    the solver proves infeasible is not the end: the plans a tighter budget forces have temporaries of their
+    own, often smaller (fewer gradient buckets, no gathered weights), so the rounds then bisect between the
+    largest hold-back that still had a plan and the smallest that had none."""
     sol = ctx.problem.solve(memory_budget=budget, **kw)
     if budget is None:
         return sol
-    held = 0
-    for _ in range(ROUNDS):
+    what = kw.get("what", "plan")
+    held, solvable, unsolvable = 0, 0, budget  # hold-backs known to leave a plan / to leave none
+    proof: tuple[int, int] | None = None  # (least bytes, temporaries) when the last solve found no plan
+    for _ in range(ROUNDS + 4):
         extra = temporaries_of(gm, ctx, sol)
         if sol.memory_bytes + extra <= budget:
             return sol
-        held = max(held + 1, extra, held + (sol.memory_bytes + extra - budget))
-        log.info("solve %s: peak %s with %s of temporaries is over the budget %s; solving again with %s held back",
-                 kw.get("what", "plan"), format_bytes(sol.memory_bytes + extra), format_bytes(extra),
-                 format_bytes(budget), format_bytes(held))
-        if held >= budget:
+        solvable = max(solvable, held)
+        want = max(held + 1, extra, held + (sol.memory_bytes + extra - budget))
+        if want >= unsolvable:
+            want = (solvable + unsolvable) // 2
+        if want <= solvable:
             break
+        log.info("solve %s: peak %s with %s of temporaries is over the budget %s; solving again with %s held back",
+                 what, format_bytes(sol.memory_bytes + extra), format_bytes(extra), format_bytes(budget),
+                 format_bytes(want))
         try:
-            sol = ctx.problem.solve(memory_budget=budget - held, **kw)
+            sol, held, proof = ctx.problem.solve(memory_budget=budget - want, **kw), want, None
         except InfeasibleBudget as e:
-            least = (e.least_bytes or budget - held) + extra
-            raise InfeasibleBudget(
-                f"memory_budget={format_bytes(budget)} per device is below what any {kw.get('what', 'plan')} needs "
-                f"with the step's temporaries: about {format_bytes(least)} (the state and saved activations sharded "
-                f"as far as the mesh allows, plus {format_bytes(extra)} of backward temporaries and gathered "
-                "weights). Raise the budget, use more devices, or a smaller batch.", int(least)) from None
+            unsolvable, proof = want, ((e.least_bytes or budget - want) + extra, extra)
+    if proof is not None:
+        least, extra = proof
+        raise InfeasibleBudget(
+            f"memory_budget={format_bytes(budget)} per device is below what any {what} needs with the step's "
+            f"temporaries: about {format_bytes(least)} (the state and saved activations sharded as far as the mesh "
+            f"allows, plus {format_bytes(extra)} of backward temporaries and gathered weights). Raise the budget, "
+            "use more devices, or a smaller batch.", int(least))
     peak = sol.memory_bytes + temporaries_of(gm, ctx, sol)
     raise InfeasibleBudget(
         f"memory_budget={format_bytes(budget)} per device: the plan that fits it on the solver's count still peaks "
         f"at {format_bytes(peak)} with the step's temporaries (backward temporaries, gathered weights); raise the "
         f"budget to at least {format_bytes(peak)}, use more devices, or a smaller batch.", int(peak))
-
 
 __all__ = ["layouts_of", "solve_within", "temporaries_of"]

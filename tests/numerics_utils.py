@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
+from autoshard import _torch_compat as tc
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.models.mlp import MLP, mlp_example_inputs
 
@@ -39,12 +40,15 @@ MODELS = {
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     full = t.full_tensor() if hasattr(t, "full_tensor") else t
+    if hasattr(full, "trigger_wait"):  # an AsyncCollectiveTensor (a gathered value): the tensor it wraps
+        full = full.trigger_wait()
     lt = getattr(full, "_local_tensors", None)  # LocalTensorMode: every rank holds the same full value
     if lt is not None:
         ranks = sorted(lt)
         for r in ranks[1:]:
             assert torch.equal(lt[r], lt[ranks[0]]), "ranks disagree on a replicated value"
-        return lt[ranks[0]].detach().clone()
+        with tc.outside_local_tensor_mode():  # a plain copy (inside the mode a clone is a LocalTensor again)
+            return lt[ranks[0]].detach().clone()
     return full.detach().clone()
 
 

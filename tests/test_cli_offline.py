@@ -17,7 +17,7 @@ SMALL = ["--model", "gpt2-124m", "--cluster", "h100-sxm:1x8", "--seq", "128", "-
 # single-threaded, so they run two at a time in forked processes (a module fixture) and each test checks its own
 CLI_RUNS = {
     "plan": ["plan", *SMALL],
-    "pipeline": ["plan", "--model", "gpt2-124m", "--cluster", "a100-80gb:2x8", "--seq", "1024", "--global-batch", "16",
+    "pipeline": ["plan", "--model", "gpt2-1.5b", "--cluster", "a100-80gb:2x8", "--seq", "1024", "--global-batch", "16",
                  "--pipeline", "auto", "--no-recipes"],
     "mixed": ["plan", *SMALL, "--recipe", "ddp", "-q", "--mixed-precision", "bf16", "--reduce-dtype", "bf16"],
 }
@@ -109,8 +109,8 @@ def test_plan_json_round_trip_keeps_recipes(tmp_path):
 
 
 def test_cli_pipeline_auto_puts_a_stage_on_each_node(cli_runs):
-    """GPT-2 small at sequence 1024 on 2 A100 nodes (25 GB/s per GPU between them): data parallelism over the
-    nodes would all-reduce every gradient over the network; ``--pipeline auto`` puts a stage on each node instead,
+    """GPT-2 XL (1.5 B) at sequence 1024 on 2 A100 nodes (25 GB/s per GPU between them): data parallelism over
+    the nodes would all-reduce every gradient over the network (GPT-2 small's 0.12 B are few enough for that); ``--pipeline auto`` puts a stage on each node instead,
     says why on stderr, prints the stage table and writes a plan that reads back."""
     code, out, err, text = case_result(cli_runs, "pipeline")  # main(CLI_RUNS["pipeline"] + ["--out", FILE])
     assert code == 0

@@ -23,7 +23,7 @@ from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.runtime.pipeline import EXECUTABLE_SCHEDULES
 from autoshard.solver.inter_op import SCHEDULES, SPLIT_BACKWARD
 
-DEEP = GPTConfig(n_layer=8, d_model=256, n_head=4, vocab=512, seq_len=128)
+DEEP = GPTConfig(n_layer=8, d_model=1024, n_head=8, vocab=512, seq_len=128)
 CLUSTER = "a100-80gb:2x8"
 
 

@@ -46,7 +46,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Shard
 
 from autoshard import _torch_compat as tc
-from autoshard.config import BUCKET_BYTES, FIRST_BUCKET_BYTES
+from autoshard.buckets import bucket_starts
 from autoshard.ir import NodeSharding, is_saved, is_view, layer_parts, sums, tensor_args
 
 
@@ -94,10 +94,13 @@ def _gathers(node: fx.Node, lay: Callable[[fx.Node], NodeSharding | None], mesh_
 
 
 def transients(gm: fx.GraphModule, mesh_shape: Sequence[int], output_roles: Sequence,
-               layouts: Mapping[str, NodeSharding] | None = None) -> Transients:
+               layouts: Mapping[str, NodeSharding] | None = None,
+               weight: Callable[[fx.Node], float] | None = None) -> Transients:
     """The forward's and the backward's temporaries at their peaks (see the module docstring), with the
     ``layouts`` of a solution by node name (default: those written on the graph by ``passes.solve.annotate``).
-    (A peak over the captured graph: a captured layer standing for several identical ones changes nothing.)"""
+    (A peak over the captured graph: a captured layer standing for several identical ones changes nothing,
+    except in the all-reduce buckets, which hold every layer's gradients: a gradient counts ``weight(node)``
+    times there.)"""
     def lay(n: fx.Node) -> NodeSharding | None:
         return layouts.get(n.name) if layouts is not None else n.meta.get("autoshard")
 
@@ -124,7 +127,7 @@ def transients(gm: fx.GraphModule, mesh_shape: Sequence[int], output_roles: Sequ
                 layer = parts[:2] if parts else ("", -1)
                 waiting[layer] = waiting.get(layer, 0) + made
             elif sh is not None and (have := lay(src)) is not None and sums(have.outputs[0], sh.grad_layout):
-                bucketed.append((at[src], made))
+                bucketed.append((at[src], int(made * (weight(src) if weight is not None else 1.0))))
 
     end: dict[fx.Node, int] = {}  # a storage's last use, over the views of it
     for n in nodes:
@@ -165,16 +168,13 @@ def transients(gm: fx.GraphModule, mesh_shape: Sequence[int], output_roles: Sequ
 
 def _bucket_copies(made: Sequence[tuple[int, int]]) -> dict[int, int]:
     """Where each all-reduce bucket is complete (its last gradient made) and the bytes of its flat copy, with the
-    lowering's bucket sizes (the first small, then up to 25 MiB, in the order the backward makes them)."""
+    lowering's bucket sizes (``autoshard.buckets.bucket_starts``, in the order the backward makes them)."""
+    made = sorted(made)
+    starts = bucket_starts([nbytes for _, nbytes in made])
     out: dict[int, int] = {}
-    size, last, first = 0, -1, True
-    for at, nbytes in sorted(made):
-        if size and size + nbytes > (FIRST_BUCKET_BYTES if first else BUCKET_BYTES):
-            out[last] = out.get(last, 0) + size
-            size, first = 0, False
-        size, last = size + nbytes, at
-    if size:
-        out[last] = out.get(last, 0) + size
+    for a, b in zip(starts, [*starts[1:], len(made)]):
+        last = made[b - 1][0]
+        out[last] = out.get(last, 0) + sum(nbytes for _, nbytes in made[a:b])
     return out
 
 

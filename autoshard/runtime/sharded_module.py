@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
 from autoshard import _torch_compat as tc
@@ -134,6 +134,25 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) ->
     return total
 
 
+def _my_piece(t: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> torch.Tensor | None:
+    """This rank's piece of the global ``t`` under Shard/Replicate ``placements``, cut directly (a view per
+    axis, outer axis first, as DTensor nests its shards): what ``redistribute`` from Replicate gives, without its
+    per-call dispatch. None where DTensor must do it: under ``LocalTensorMode`` (no one rank), or a dim that
+    does not split evenly (DTensor's padding rules)."""
+    coord = None if tc.in_local_tensor_mode() else mesh.get_coordinate()
+    if coord is None:
+        return None
+    piece = t
+    for axis, p in enumerate(placements):
+        if isinstance(p, Replicate):
+            continue
+        n = mesh.size(axis)
+        if not isinstance(p, Shard) or piece.shape[p.dim] % n:
+            return None
+        piece = piece.narrow(p.dim, coord[axis] * (piece.shape[p.dim] // n), piece.shape[p.dim] // n)
+    return piece.contiguous()
+
+
 def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
     stride, acc = [], 1
     for n in reversed(tuple(shape)):
@@ -206,8 +225,11 @@ class ShardedModule(nn.Module):
                     f"{bad} hold different values than rank 0 (a tensor drawn from a random generator inside "
                     "LocalTensorMode differs per rank). Make the global inputs before entering LocalTensorMode."
                 )
-            d = DTensor.from_local(t.to(self.mesh.device_type), self.mesh, rep, run_check=False)
-            out.append(d.redistribute(self.mesh, self._layouts[layout.name]).to_local())
+            piece = _my_piece(t.to(self.mesh.device_type), self.mesh, self._layouts[layout.name])
+            if piece is None:  # simulated ranks, or an uneven split: DTensor cuts it
+                d = DTensor.from_local(t.to(self.mesh.device_type), self.mesh, rep, run_check=False)
+                piece = d.redistribute(self.mesh, self._layouts[layout.name]).to_local()
+            out.append(piece)
         local_args, local_kwargs = self.signature.unflatten(out)
         if not local_kwargs:
             return local_args

@@ -40,6 +40,7 @@ import torch.fx as fx
 from ortools.sat.python import cp_model
 from torch.distributed.tensor import Replicate
 
+from autoshard.buckets import bucketable
 from autoshard.cluster import ClusterProfile
 from autoshard.cost.reshard import reshard_time as redistribute_time
 from autoshard.ir import Edge, Group, GroupStrategy, Placements
@@ -152,10 +153,19 @@ class IntraOpProblem:
         edges, sinks = collect_edges(gm, groups, output_roles)
         rep = tuple(Replicate() for _ in mesh_shape)
 
-        def rcost(node_name: str, a: Placements, b: Placements, itemsize: int | None = None) -> float:
+        in_bucket = cluster.bundled()
+
+        def rcost(node_name: str, a: Placements, b: Placements, itemsize: int | None = None, sink: bool = False
+                  ) -> float:
+            """A move's seconds; a gradient's all-reduce to its layout (``sink``), which the lowering flattens
+            into DDP's buckets with the others (``autoshard/buckets.py``), pays bytes only: its bucket's latency
+            is shared. (A reduce-scatter is bundled per layer too, but keeps its latency here: the whole gradient
+            waits for it, a temporary the solver's memory sum does not see, so it is not made to look cheaper.)"""
             v = nodes[node_name].meta["val"]
             size = min(v.element_size(), itemsize or v.element_size())
-            return redistribute_time(a, b, tuple(v.shape), size, mesh_shape, cluster)
+            shape = tuple(v.shape)
+            link = in_bucket if sink and bucketable(tuple(a), tuple(b)) else cluster
+            return redistribute_time(a, b, shape, size, mesh_shape, link)
 
         # Edges of identical layers connect the same variables: key them by the canonical group's member (same
         # shape) so they merge into one edge with a multiplicity instead of one set of edge variables per layer.
@@ -193,14 +203,15 @@ class IntraOpProblem:
                 dst_layouts = [s.inputs[dst[1]][dst[2]] for s in sv]
             if cu == cv:
                 for i in range(len(su)):
-                    unary[cu][i] += m * rcost(src_name, src_layouts[i], dst_layouts[i])
+                    unary[cu][i] += m * rcost(src_name, src_layouts[i], dst_layouts[i], sink=dst[0] == "param")
                 continue
             P = sorted(set(src_layouts), key=src_layouts.index)
             Q = sorted(set(dst_layouts), key=dst_layouts.index)
             w = m * (1.0 - GRAD_SINK_CREDIT) if dst[0] == "param" else m
             # gradients reduced in grad_itemsize (mixed precision's reduce_dtype), the rest in their own dtype
             size = grad_itemsize if dst[0] == "param" else None
-            R = [[w * rcost(src_name, p, q, size) for q in Q] for p in P]
+            sink = dst[0] == "param"
+            R = [[w * rcost(src_name, p, q, size, sink) for q in Q] for p in P]
             if all(r == 0 for row in R for r in row):
                 continue
             self.pair_costs.append((cu, cv, [P.index(a) for a in src_layouts], [Q.index(b) for b in dst_layouts], R))

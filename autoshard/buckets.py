@@ -1,0 +1,79 @@
+"""Which placement changes the lowering bundles with others into one collective (``passes/lower_buckets.py``).
+
+Pure predicates on placements, shared by the lowering (which bundles these moves) and the cost model (which
+prices a bucketed all-reduce's latency once per bucket, not once per gradient):
+
+- ``bucketable``: a gradient's Partial(sum) -> Replicate, flattened with others into DDP's all-reduce buckets;
+- ``scatter_axes``: a gradient's Partial(sum) -> Shard(0), reduce-scattered with its layer's others (FSDP2's);
+- ``gather_axes``: a parameter's Shard(0) -> Replicate, all-gathered with its layer's others (FSDP's);
+- ``bucket_starts``: where each bucket of a run of gradients begins (DDP's sizes: the first bucket small).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autoshard.config import BUCKET_BYTES, FIRST_BUCKET_BYTES
+
+__all__ = ["bucket_starts", "bucketable", "gather_axes", "scatter_axes"]
+
+
+def bucketable(have: tuple, want: tuple) -> bool:
+    """A move that only sums Partial(sum) into Replicate on some axes, with no Shard on either side (so the
+    local pieces of several gradients can be flattened and reduced together)."""
+    moves = False
+    for h, w in zip(have, want):
+        if isinstance(h, Shard) or isinstance(w, Shard):
+            return False
+        if h != w:
+            if not (isinstance(h, Partial) and h.reduce_op == "sum" and isinstance(w, Replicate)):
+                return False
+            moves = True
+    return moves
+
+
+def gather_axes(have: tuple, want: tuple, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The mesh axes of a move that is only even all-gathers along dim 0 (Shard(0) -> Replicate on each of them,
+    every other axis unchanged and not splitting dim 0: FSDP's [S(0)] or, on a 2-D mesh, [S(0), S(0)] -> [R, R]);
+    None for any other move."""
+    axes = tuple(a for a, (h, w) in enumerate(zip(have, want)) if h != w)
+    if not axes or any(have[a] != Shard(0) or not isinstance(want[a], Replicate) for a in axes):
+        return None
+    return axes if _dim0_only_on(axes, have, shape, mesh_shape) else None
+
+
+def _dim0_only_on(axes: tuple[int, ...], placements: tuple, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> bool:
+    """Whether dim 0 splits evenly over ``axes`` and no other axis of ``placements`` splits it."""
+    if any(isinstance(p, Shard) and p.dim == 0 for i, p in enumerate(placements) if i not in axes):
+        return False
+    parts = 1
+    for a in axes:
+        parts *= mesh_shape[a]
+    return bool(shape) and shape[0] % parts == 0
+
+
+def scatter_axes(have: tuple, want: tuple, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The mesh axes of a move that only reduce-scatters along dim 0 (Partial(sum) -> Shard(0) on each of them,
+    evenly, every other axis unchanged and not splitting dim 0: an FSDP gradient); None for any other move."""
+    axes = tuple(a for a, (h, w) in enumerate(zip(have, want)) if h != w)
+    if not axes or any(not (isinstance(have[a], Partial) and have[a].reduce_op == "sum") or want[a] != Shard(0)
+                       for a in axes):
+        return None
+    return axes if _dim0_only_on(axes, want, shape, mesh_shape) else None
+
+
+
+def bucket_starts(sizes: Sequence[int], first: int = FIRST_BUCKET_BYTES, limit: int = BUCKET_BYTES) -> list[int]:
+    """The index of each bucket's first member, for members of ``sizes`` bytes in the order they are made:
+    consecutive members fill a bucket up to ``first`` bytes (the first bucket) or ``limit`` (the others); a
+    member larger than that is a bucket of its own."""
+    starts: list[int] = []
+    size = 0
+    for i, nbytes in enumerate(sizes):
+        if not starts or size + nbytes > (first if len(starts) == 1 else limit):
+            starts.append(i)
+            size = 0
+        size += nbytes
+    return starts
