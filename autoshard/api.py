@@ -167,7 +167,7 @@ def compile(  # noqa: A001 - the one-line API the project promises
     pipeline: str | None = None,
     microbatches: int | None = None,
     schedule: str | None = None,
-    parameters: str = "dtensor",
+    parameters: str = "auto",
     autotune: int | None = None,
     **options: Any,
 ) -> ShardedModule | PipelinedModule | LazyShardedModule:
@@ -194,9 +194,10 @@ def compile(  # noqa: A001 - the one-line API the project promises
     result is a :class:`PipelinedModule`: ``step(...)`` (the global batch, called as the model is) trains one step
     over all micro-batches; ``ShardedModule.step`` takes the same call, so one training loop serves both.
 
-    ``parameters="dtensor"`` (default) replaces each parameter by a DTensor parameter (optimizers built before
-    are pointed at them on their next step); ``"local"`` keeps the parameter objects and makes each hold this
-    rank's shard as a plain tensor (what the ``torch.compile`` backend does; ``state_dict()`` still gives DTensors).
+    ``parameters="dtensor"`` replaces each parameter by a DTensor parameter (optimizers built before are pointed
+    at them on their next step); ``"local"`` keeps the parameter objects, each holding this rank's shard as a plain
+    tensor (``state_dict()`` still gives DTensors); ``"auto"`` (default): "local" where the plan replicates every
+    parameter and its state (DDP's plain tensors: no DTensor dispatch in the optimizer step), else "dtensor".
 
     ``plan=Plan.from_json(text)`` runs a saved single-stage plan without solving: it must have been made for this
     program (``plan.fingerprint``: ops, parameters, input shapes, mesh, cluster, precision, versions), or it is
@@ -206,9 +207,8 @@ def compile(  # noqa: A001 - the one-line API the project promises
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not known; use one of {BACKENDS}")
     check_disabled(tuple(options.get("disable_passes", ())))
-    if parameters not in ("dtensor", "local"):
-        raise ValueError(f"parameters={parameters!r}: use 'dtensor' (new DTensor parameters) or 'local' (the same "
-                         "parameter objects, holding this rank's shard)")
+    if parameters not in ("auto", "dtensor", "local"):
+        raise ValueError(f"parameters={parameters!r}: use 'auto', 'dtensor' or 'local' (see compile's docstring)")
     if parameters == "local":  # each parameter object holds its compute shard, which the optimizer steps
         options.setdefault("shard_state", False)
     if options.get("plan") is not None and options["plan"].microbatches > 1:

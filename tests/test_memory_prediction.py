@@ -34,8 +34,9 @@ def _worker(rank: int, world: int, kw: dict) -> tuple[int, int, int, str]:
 
     for _ in range(2):
         step()
-    held = sum(t._local_tensor.nbytes for t in sharded.parameters()) + sum(
-        v._local_tensor.nbytes for s in opt.state.values() for v in s.values() if hasattr(v, "_local_tensor"))
+    held = sum(getattr(t, "_local_tensor", t).nbytes for t in sharded.parameters()) + sum(  # (DTensor or plain)
+        getattr(v, "_local_tensor", v).nbytes for s in opt.state.values() for v in s.values()
+        if isinstance(v, torch.Tensor))
     peak = measure_peak(step, attempts=1, baseline=lambda: held + sum(p.nbytes for p in pieces))
     return sharded.plan.peak_memory.total, peak.peak_bytes, sharded.plan.memory_budget_bytes, peak.method
 

@@ -183,6 +183,10 @@ class ShardedModule(nn.Module):
         self._buffer_names = [t.name for t in plan.stages[0].tensors if t.role == "buffer"]
         self._inputs = [t for t in plan.stages[0].tensors if t.role == "input"]
         self._inputs.sort(key=lambda t: int(t.name[len("input[") : -1]))
+        if parameters == "auto":  # plain tensors where every rank holds the whole parameter and state (DDP's)
+            whole = all(isinstance(q, Replicate) for pl in placements.values() for q in pl)
+            local = whole and not self._states.sharded_masters() and not tc.in_local_tensor_mode()
+            parameters = "local" if local else "dtensor"
         self._local_params = parameters == "local"
         if self._local_params:
             if self._states.sharded_masters():
@@ -318,6 +322,11 @@ class ShardedModule(nn.Module):
         return state
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+        """Load a state dict (``state_dict()``'s DTensors, or whole tensors for DTensor parameters); parameters held
+        as local shards take their shard of each DTensor value."""
+        if self._local_params:
+            state_dict = {k: (v.redistribute(self.mesh, self._layouts[k]).to_local()
+                              if isinstance(v, DTensor) and k in self._layouts else v) for k, v in state_dict.items()}
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):  # type: ignore[override]
