@@ -64,7 +64,6 @@ def scatter_axes(have: tuple, want: tuple, shape: tuple[int, ...], mesh_shape: t
     return axes if _dim0_only_on(axes, want, shape, mesh_shape) else None
 
 
-
 def bucket_starts(sizes: Sequence[int], first: int = FIRST_BUCKET_BYTES, limit: int = BUCKET_BYTES) -> list[int]:
     """The index of each bucket's first member, for members of ``sizes`` bytes in the order they are made:
     consecutive members fill a bucket up to ``first`` bytes (the first bucket) or ``limit`` (the others); a

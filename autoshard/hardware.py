@@ -158,9 +158,9 @@ class ClusterProfile:
         return replace(self, name=f"{base}:{nodes}x{per_node}", nodes=nodes, devices_per_node=per_node)
 
     def bundled(self) -> ClusterProfile:
-        """The links as one tensor of a bucket sees them (DDP's gradient buckets, FSDP's per-layer
-        reduce-scatter): its bytes cross at full bandwidth, and the collective's latency is paid once by the
-        whole bucket, not by each member (``autoshard/buckets.py``): links with no latency."""
+        """The links as one gradient of DDP's all-reduce buckets sees them: its bytes cross at full bandwidth,
+        and the collective's latency is paid once by the whole bucket, not by each member
+        (``autoshard/buckets.py``; the solver and the plan add it per bucket): links with no latency."""
         return replace(self, name=f"{self.name} (bundled)", intra_node=replace(self.intra_node, latency=0.0),
                        inter_node=replace(self.inter_node, latency=0.0))
 
