@@ -4,8 +4,8 @@ Pure predicates on placements, shared by the lowering (which bundles these moves
 prices a bucketed all-reduce's latency once per bucket, not once per gradient):
 
 - ``bucketable``: a gradient's Partial(sum) -> Replicate, flattened with others into DDP's all-reduce buckets;
-- ``scatter_axes``: a gradient's Partial(sum) -> Shard(0), reduce-scattered with its layer's others (FSDP2's);
-- ``gather_axes``: a parameter's Shard(0) -> Replicate, all-gathered with its layer's others (FSDP's);
+- ``scatter_axes``: a gradient's Partial(sum) -> Shard(d), reduce-scattered in buckets with others (FSDP2's);
+- ``gather_axes``: a parameter's Shard(d) -> Replicate, all-gathered with its layer's others (FSDP's);
 - ``bucket_starts``: where each bucket of a run of gradients begins (DDP's sizes: the first bucket small).
 """
 
@@ -35,33 +35,41 @@ def bucketable(have: tuple, want: tuple) -> bool:
 
 
 def gather_axes(have: tuple, want: tuple, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[int, ...] | None:
-    """The mesh axes of a move that is only even all-gathers along dim 0 (Shard(0) -> Replicate on each of them,
-    every other axis unchanged and not splitting dim 0: FSDP's [S(0)] or, on a 2-D mesh, [S(0), S(0)] -> [R, R]);
-    None for any other move."""
+    """The mesh axes of a move that is only even all-gathers of one tensor dim (Shard(d) -> Replicate on each of
+    them, the same d, every other axis unchanged and not splitting d: FSDP's [S(0)], on a 2-D mesh [S(0), S(0)] ->
+    [R, R], or fsdp+tp's column-parallel [S(1), S(0)] -> [R, S(0)]); None for any other move."""
     axes = tuple(a for a, (h, w) in enumerate(zip(have, want)) if h != w)
-    if not axes or any(have[a] != Shard(0) or not isinstance(want[a], Replicate) for a in axes):
+    if not axes or any(not isinstance(have[a], Shard) or not isinstance(want[a], Replicate) for a in axes):
         return None
-    return axes if _dim0_only_on(axes, have, shape, mesh_shape) else None
+    dim = have[axes[0]].dim
+    if any(have[a].dim != dim for a in axes):
+        return None
+    return axes if _dim_only_on(dim, axes, have, shape, mesh_shape) else None
 
 
-def _dim0_only_on(axes: tuple[int, ...], placements: tuple, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> bool:
-    """Whether dim 0 splits evenly over ``axes`` and no other axis of ``placements`` splits it."""
-    if any(isinstance(p, Shard) and p.dim == 0 for i, p in enumerate(placements) if i not in axes):
+def _dim_only_on(dim: int, axes: tuple[int, ...], placements: tuple, shape: tuple[int, ...],
+                 mesh_shape: tuple[int, ...]) -> bool:
+    """Whether tensor dim ``dim`` splits evenly over ``axes`` and no other axis of ``placements`` splits it."""
+    if any(isinstance(p, Shard) and p.dim == dim for i, p in enumerate(placements) if i not in axes):
         return False
     parts = 1
     for a in axes:
         parts *= mesh_shape[a]
-    return bool(shape) and shape[0] % parts == 0
+    return 0 <= dim < len(shape) and shape[dim] % parts == 0
 
 
 def scatter_axes(have: tuple, want: tuple, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[int, ...] | None:
-    """The mesh axes of a move that only reduce-scatters along dim 0 (Partial(sum) -> Shard(0) on each of them,
-    evenly, every other axis unchanged and not splitting dim 0: an FSDP gradient); None for any other move."""
+    """The mesh axes of a move that only reduce-scatters one tensor dim (Partial(sum) -> Shard(d) on each of them,
+    the same d, evenly, every other axis unchanged and not splitting d: an FSDP gradient, [S(0)] or fsdp+tp's
+    [S(1), S(0)]); None for any other move."""
     axes = tuple(a for a, (h, w) in enumerate(zip(have, want)) if h != w)
-    if not axes or any(not (isinstance(have[a], Partial) and have[a].reduce_op == "sum") or want[a] != Shard(0)
-                       for a in axes):
+    if not axes or any(not (isinstance(have[a], Partial) and have[a].reduce_op == "sum")
+                       or not isinstance(want[a], Shard) for a in axes):
         return None
-    return axes if _dim0_only_on(axes, want, shape, mesh_shape) else None
+    dim = want[axes[0]].dim
+    if any(want[a].dim != dim for a in axes):
+        return None
+    return axes if _dim_only_on(dim, axes, want, shape, mesh_shape) else None
 
 
 def bucket_starts(sizes: Sequence[int], first: int = FIRST_BUCKET_BYTES, limit: int = BUCKET_BYTES) -> list[int]:

@@ -2,6 +2,12 @@
 collectives (all_reduce, all_gather, reduce_scatter) timed over a real gloo group of forked ranks on every mesh
 axis, each fitted to the ring formula ``t = steps * latency + c * bytes / bandwidth`` through a small and a
 large message (:func:`fit_ring`). ``autoshard.calibrate`` measures compute and builds the profile.
+
+Each of those is timed right after a barrier, with every rank arriving together. Inside a training step a
+collective that waits on compute finds the ranks apart (on shared cores a rank may be descheduled for a whole
+time slice), so each axis also gets a sync probe (:class:`SyncFit`): a loop of equal compute chunks, with and
+without a small all_reduce after each; what the collective adds per iteration beyond its own after-barrier time is
+the link's ``sync`` (``autoshard.hardware.Link``).
 """
 
 from __future__ import annotations
@@ -76,6 +82,19 @@ class CollectiveFit:
     bandwidth: float
 
 
+@dataclass(frozen=True)
+class SyncFit:
+    """One axis' sync probe: seconds per iteration of the compute chunk alone and followed by a small all_reduce
+    (slowest rank), the all_reduce's after-barrier median, and ``sync``, the rest (>= 0)."""
+
+    axis: int
+    group_size: int
+    compute_s: float
+    with_collective_s: float
+    collective_s: float
+    sync: float
+
+
 # ---------------------------------------------------------------------------------------------- collectives
 
 
@@ -109,6 +128,30 @@ def _axis_groups(shape: tuple[int, ...], axis: int) -> list[list[int]]:
     ranks = torch.arange(int(torch.tensor(shape).prod())).reshape(shape)
     moved = ranks.movedim(axis, -1).reshape(-1, shape[axis])
     return [row.tolist() for row in moved]
+
+
+def _sync_probe(group: Any, iters: int) -> tuple[float, float]:
+    """(compute only, compute + a small all_reduce) mean seconds per iteration of a loop of equal compute chunks
+    (sixteen 128x128 matmuls, about 0.7 ms on one core: what a small layer computes between two tensor-parallel
+    all-reduces), each loop run three times, alternating, the median kept. Means over a loop, not medians of
+    single calls: a rank descheduled mid-loop is the cost being measured."""
+    import torch.distributed as dist
+
+    a, small = torch.randn(128, 128), torch.ones(64)
+
+    def loop(collective: bool) -> float:
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            for _ in range(16):
+                torch.mm(a, a)
+            if collective:
+                dist.all_reduce(small, group=group)
+        return (time.perf_counter() - t0) / iters
+
+    loop(True)  # warm-up
+    runs = [(loop(False), loop(True)) for _ in range(3)]
+    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
 
 
 def _collective_worker(rank: int, cfg: CalibrationConfig, tmpdir: str) -> None:
@@ -148,6 +191,7 @@ def _collective_worker(rank: int, cfg: CalibrationConfig, tmpdir: str) -> None:
                         if i >= cfg.warmup:
                             samples.append(time.perf_counter() - t0)
                     times[f"{axis}/{kind}/{full.numel() * 4}"] = statistics.median(samples)
+            times[f"{axis}/sync/compute"], times[f"{axis}/sync/with"] = _sync_probe(group, max(20, cfg.reps))
         Path(tmpdir, f"rank{rank}.json").write_text(json.dumps(times))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent through the file
         Path(tmpdir, f"error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
@@ -170,9 +214,10 @@ def _run_all(procs: Sequence[Any], timeout_s: float) -> None:
             proc.join(5)
 
 
-def measure_collectives(cfg: CalibrationConfig) -> tuple[CollectiveFit, ...]:
+def measure_collectives(cfg: CalibrationConfig) -> tuple[tuple[CollectiveFit, ...], tuple[SyncFit, ...]]:
     """Fork ``cfg.ranks`` gloo ranks (FileStore) and time every collective on every mesh axis; per
-    (axis, kind, size) the slowest rank's median, fitted per (axis, kind) with :func:`fit_ring`.
+    (axis, kind, size) the slowest rank's median, fitted per (axis, kind) with :func:`fit_ring`; and each axis'
+    sync probe (:class:`SyncFit`, the slowest rank's loops).
 
     Fork before any multi-threaded torch work in this process (libgomp's pool does not survive fork);
     :func:`calibrate` does."""
@@ -187,8 +232,13 @@ def measure_collectives(cfg: CalibrationConfig) -> tuple[CollectiveFit, ...]:
             raise RuntimeError(f"calibrate: a gloo rank failed or timed out ({cfg.timeout_s} s): {detail}")
         per_rank = [json.loads(Path(tmpdir, f"rank{r}.json").read_text()) for r in range(cfg.ranks)]
     slowest = {key: max(r[key] for r in per_rank) for key in per_rank[0]}
-    shape, fits = cfg.mesh_shape(), []
+    shape, fits, syncs = cfg.mesh_shape(), [], []
     for axis, n in enumerate(shape):
+        small = min(t for k, t in slowest.items() if k.startswith(f"{axis}/all_reduce/"))
+        bare, loaded = slowest[f"{axis}/sync/compute"], slowest[f"{axis}/sync/with"]
+        syncs.append(SyncFit(axis, n, bare, loaded, small, max(0.0, loaded - bare - small)))
+        logger.info("axis %d sync probe: compute %.3g s, with all_reduce %.3g s, all_reduce alone %.3g s -> sync "
+                    "%.3g s", axis, bare, loaded, small, syncs[-1].sync)
         for kind in COLLECTIVE_KINDS:
             (sb, ss), (lb, ls) = sorted(
                 (int(k.rsplit("/", 1)[1]), t) for k, t in slowest.items() if k.startswith(f"{axis}/{kind}/")
@@ -197,7 +247,7 @@ def measure_collectives(cfg: CalibrationConfig) -> tuple[CollectiveFit, ...]:
             fits.append(CollectiveFit(kind, axis, n, sb, ss, lb, ls, latency, bandwidth))
             logger.info("axis %d %s n=%d: %d B %.3g s, %d B %.3g s -> latency %.3g s, bandwidth %.3g B/s",
                         axis, kind, n, sb, ss, lb, ls, latency, bandwidth)
-    return tuple(fits)
+    return tuple(fits), tuple(syncs)
 
 
-__all__ = ["COLLECTIVE_KINDS", "CalibrationConfig", "CollectiveFit", "fit_ring", "measure_collectives"]
+__all__ = ["COLLECTIVE_KINDS", "CalibrationConfig", "CollectiveFit", "SyncFit", "fit_ring", "measure_collectives"]

@@ -28,19 +28,24 @@ class Link:
 
     ``bandwidth`` is bytes/s per direction per device: the rate at which one device can push bytes to its ring
     neighbour (or to host memory), which is what the formulas divide by. ``latency`` is the fixed cost of one
-    ring step (or one copy).
+    ring step (or one copy). ``sync`` is what a collective costs on top of that when compute waits for it right
+    after running (an activation's all-reduce in tensor parallelism): the ranks reach it at different times, and
+    each waits for the last (processes sharing cores, OS noise, launch skew). Collectives issued ahead or
+    together (parameter gathers, gradient buckets) do not pay it. ``autoshard calibrate`` measures it; the
+    published profiles leave it 0.
     """
 
     name: str
     bandwidth: float
     latency: float
     source: str
+    sync: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.bandwidth > 0:
             raise ValueError(f"Link {self.name!r}: bandwidth must be > 0 bytes/s, got {self.bandwidth}")
-        if not self.latency >= 0:
-            raise ValueError(f"Link {self.name!r}: latency must be >= 0 s, got {self.latency}")
+        if not self.latency >= 0 or not self.sync >= 0:
+            raise ValueError(f"Link {self.name!r}: latency and sync must be >= 0 s, got {self.latency}, {self.sync}")
 
 
 @dataclass(frozen=True)

@@ -205,6 +205,16 @@ def kept_target_counter(owner: fx.GraphModule, target: fx.Node, ignore: object) 
     return fx.GraphModule(owner, g), used
 
 
+def is_state(node: fx.Node) -> bool:
+    """A parameter or buffer placeholder, or a view of one (the ``t`` before a matmul): its moves (FSDP's gathers, ZeRO's gather after the step) are issued ahead
+    of their use, together with their layer's others, so no compute waits on one right after running
+    (``autoshard.hardware.Link.sync`` is not paid); every other moved value (activations, their gradients, the
+    loss) is waited on by the op that needs it."""
+    node = view_root(node)
+    role = node.meta.get("autoshard_role") if node.op == "placeholder" else None
+    return role is not None and role.kind in ("parameter", "buffer")
+
+
 def tensor_args(node: fx.Node) -> list[fx.Node]:
     """Tensor-valued input nodes of ``node`` in DTensor's flattened argument order (lists expanded)."""
     out: list[fx.Node] = []

@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import logging
 import math
-import operator
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -20,15 +19,11 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
 
-from autoshard.buckets import bucket_starts, bucketable
 from autoshard.cluster import ClusterProfile
 from autoshard.config import PlanConfig
-from autoshard.cost.comm import redistribute_steps
 from autoshard.cost.memory import temporaries, transients
-from autoshard.notation import local_shape, placement_str
-from autoshard.ir import tensor_args
+from autoshard.notation import placement_str
 from autoshard.passes.context import PassContext
 from autoshard.passes.recompute import (FULL, SELECTIVE, best_mix, describe, layer_replays, mix_peak, mix_specs,
                                         replay_time, spec, typical_replay)
@@ -37,9 +32,9 @@ from autoshard.passes.solve import annotate
 from autoshard.passes.solve_reuse import program_fingerprint
 from autoshard.ir import repeated_layers
 from autoshard.solver.intra_op import GRAD_SINK_CREDIT, InfeasibleBudget
+from autoshard.plan_collectives import plan_collectives, weight_of
 from autoshard.plan import (
     RecipeSummary,
-    CollectiveStat,
     MemoryBreakdown,
     MeshSpec,
     OpDecision,
@@ -58,11 +53,6 @@ def _pl(ps: Sequence | None) -> tuple[str, ...]:
 
 def _dtype(v: torch.Tensor) -> str:
     return str(v.dtype).replace("torch.", "")
-
-
-def _weight_of(gm_nodes: dict[str, fx.Node], name: str, ctx: PassContext) -> float:
-    sh = gm_nodes[name].meta.get("autoshard")
-    return ctx.group_weight.get(sh.group, 1.0) if sh is not None else 1.0
 
 
 def build_plan(gm: fx.GraphModule, ctx: PassContext, solution: Any = None, recipe: str = "") -> Plan:
@@ -114,12 +104,12 @@ def build_plan(gm: fx.GraphModule, ctx: PassContext, solution: Any = None, recip
                     dtype=_dtype(v0) if v0 is not None else "",
                 )
             )
-    collectives = _collectives(gm, ctx)
+    collectives = plan_collectives(gm, ctx)
     comm = sum(c.time_s * c.repeat for c in collectives)
     # the solver's overlap credit (GRAD_SINK_CREDIT): part of each gradient reduction hides behind backward
     hidden = GRAD_SINK_CREDIT * sum(c.time_s * c.repeat for c in collectives if c.consumer in ctx.param_modules)
     factor = ctx.config.optimizer_factor
-    t = transients(gm, ctx.mesh_shape, ctx.output_roles, weight=lambda n: _weight_of(nodes, n.name, ctx))
+    t = transients(gm, ctx.mesh_shape, ctx.output_roles, weight=lambda n: weight_of(nodes, n.name, ctx))
     temps = temporaries(t, acts, opt / factor if factor else 0.0)
     memory = MemoryBreakdown(params, grads, opt, acts, temps, host)
     stage = StagePlan(
@@ -164,69 +154,6 @@ def build_plan(gm: fx.GraphModule, ctx: PassContext, solution: Any = None, recip
         **ctx.config.precision_fields,
         fingerprint=program_fingerprint(gm, ctx),
     )
-
-
-def _collectives(gm: fx.GraphModule, ctx: PassContext) -> list[CollectiveStat]:
-    """Every placement change the chosen plan makes, as the collectives DTensor runs for it. A gradient that
-    the lowering all-reduces in a bucket with others (``autoshard/buckets.py``) is its bytes only; each bucket then
-    adds its collectives' latency once (tensor ``"bucket of N gradients"``, 0 bytes, the consumer its first
-    gradient's parameter)."""
-    names = ctx.mesh_names
-    nodes = {n.name: n for n in gm.graph.nodes}
-    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
-    in_bucket_link = ctx.cluster.bundled()
-    buckets: dict[tuple, list[tuple[int, int, list[CollectiveStat]]]] = {}  # move -> (made at, bytes, latencies)
-    out: list[CollectiveStat] = []
-
-    def add(src: fx.Node, a: Sequence, b: Sequence, consumer: str, phase: str, repeat: float,
-            itemsize: int | None = None, sink: bool = False) -> None:
-        if a is None or b is None or tuple(a) == tuple(b):
-            return
-        v = src.meta["val"]
-        size = min(v.element_size(), itemsize or v.element_size())  # gradients: mixed precision's reduce_dtype
-        move = (tuple(a), tuple(b), tuple(v.shape), size, ctx.mesh_shape)
-        in_bucket = sink and bucketable(tuple(a), tuple(b))  # as the solver prices it (solver/intra_op.py)
-        steps = redistribute_steps(*move, in_bucket_link if in_bucket else ctx.cluster)
-        for st in steps:
-            out.append(CollectiveStat(st.kind, names[st.axis], int(st.nbytes), float(st.time), src.name, consumer,
-                                      phase, repeat))
-        if in_bucket:
-            latency = [CollectiveStat(f.kind, names[f.axis], 0, f.time - st.time, "", consumer, phase)
-                       for f, st in zip(redistribute_steps(*move, ctx.cluster), steps)]
-            nbytes = math.prod(local_shape(tuple(v.shape), a, ctx.mesh_shape)) * size * repeat
-            buckets.setdefault((tuple(a), tuple(b), size), []).append((order[src.name], int(nbytes), latency))
-
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target is operator.getitem:
-            continue
-        sh = node.meta["autoshard"]
-        phase = node.meta.get("autoshard_phase", "forward")
-        w = ctx.group_weight.get(sh.group, 1.0)
-        for k, src in enumerate(tensor_args(node)):
-            add(src, src.meta["autoshard"].outputs[0], sh.inputs[k], node.name, phase, w)
-    out_node = gm.graph.find_nodes(op="output")[0]
-    rep = tuple(Replicate() for _ in ctx.mesh_shape)
-    params = {n.meta["autoshard_role"].name: n for n in gm.graph.find_nodes(op="placeholder")}
-    for src, role in zip(out_node.args[0], ctx.output_roles):
-        if not isinstance(src, fx.Node):
-            continue
-        have = src.meta["autoshard"].outputs[0]
-        w = _weight_of(nodes, src.name, ctx)
-        if role.kind in ("loss", "output"):
-            add(src, have, rep, "output", "forward", w)
-        elif role.kind in ("grad", "input_grad"):
-            add(src, have, params[role.name].meta["autoshard"].grad_layout, role.name, "backward", w,
-                ctx.config.reduce_itemsize, sink=True)
-    for name, ph in params.items():  # ZeRO-1/2: the stepped master shard gathered back to the compute layout
-        sh = ph.meta["autoshard"]
-        if sh.state is not None and tuple(sh.state) != tuple(sh.outputs[0]):
-            add(ph, sh.state, sh.outputs[0], "optimizer step", "optimizer", _weight_of(nodes, ph.name, ctx))
-    for members in buckets.values():  # in the order the backward makes them, as the lowering fills buckets
-        members.sort(key=lambda m: m[0])
-        starts = bucket_starts([nbytes for _, nbytes, _ in members])
-        for i, j in zip(starts, [*starts[1:], len(members)]):
-            out += [dataclasses.replace(st, tensor=f"bucket of {j - i} gradients") for st in members[i][2]]
-    return out
 
 
 def recipe_summaries(gm: fx.GraphModule, ctx: PassContext) -> tuple[RecipeSummary, ...]:

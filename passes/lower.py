@@ -236,7 +236,7 @@ class PlanInterpreter:
             for chunk in by_size(members, FIRST_BUCKET_BYTES, BUCKET_BYTES):
                 vals = [v for _, v in chunk]
                 reduced = (reduce_together(self.mesh, vals, have, want) if axes is None
-                           else scatter_together(self.mesh, axes, vals))
+                           else scatter_together(self.mesh, axes, vals, want[axes[0]].dim))
                 for slot, local in zip((i for i, _ in chunk), reduced):
                     result[slot] = local.to(dtypes[slot]) if slot in dtypes else local
         return result

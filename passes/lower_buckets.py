@@ -17,8 +17,9 @@ The values are the same, element by element, as one collective per tensor.
 
 from __future__ import annotations
 
+import math
+
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -48,39 +49,47 @@ def reduce_together(mesh: DeviceMesh, vals: list[DTensor], have: tuple, want: tu
 
 
 def gather_all(mesh: DeviceMesh, axes: tuple[int, ...], vals: list[DTensor]) -> list[DTensor]:
-    """:func:`gather_together` over several axes, innermost first (a dim split on mesh axes 0 and 1 is split by
-    axis 0 first, then each piece by axis 1, so axis 1's pieces are put back together first)."""
-    for a in sorted(axes, reverse=True):
-        nxt = [tuple(Replicate() if i == a else p for i, p in enumerate(v.placements)) for v in vals]
-        vals = gather_together(mesh, a, vals, nxt)
-    return vals  # Replicate on every gathered axis, the rest unchanged: what the members want
+    """:func:`gather_together` over all of ``axes`` at once: one all-gather over the flattened axes (their ranks
+    row-major, as a dim split on mesh axes 0 and 1 is split by axis 0 first, then each piece by axis 1)."""
+    if len(axes) > 1 and not mesh.mesh_dim_names:  # no flattened mesh without names: one axis at a time,
+        for a in sorted(axes, reverse=True):  # innermost first (axis 1's pieces are put back together first)
+            vals = gather_all(mesh, (a,), vals)
+        return vals
+    wants = [tuple(Replicate() if i in axes else p for i, p in enumerate(v.placements)) for v in vals]
+    return gather_together(mesh, tuple(sorted(axes)), vals, wants)
 
 
-def gather_together(mesh: DeviceMesh, axis: int, vals: list[DTensor], wants: list[tuple]) -> list[DTensor]:
-    """All-gather several Shard(0)-on-``axis`` DTensors with ONE collective; each comes back with its ``wants``
-    placements (Replicate on ``axis``)."""
+def gather_together(mesh: DeviceMesh, axes: tuple[int, ...], vals: list[DTensor], wants: list[tuple]) -> list[DTensor]:
+    """All-gather several DTensors, each split along one dim by ``axes`` (and by no other axis), with ONE
+    collective of their flattened local shards; each comes back with its ``wants`` placements (Replicate on
+    ``axes``), its dim put back together from the ranks' shards in rank order."""
     locals_ = [v.to_local() for v in vals]
-    k = mesh.size(axis)
+    k = math.prod(mesh.size(a) for a in axes)
     flat = torch.cat([t.reshape(-1) for t in locals_]) if len(locals_) > 1 else locals_[0].reshape(-1)
-    gathered = funcol.all_gather_tensor(flat, 0, (mesh, axis)).view(k, -1)
+    gathered = tc.all_gather_dim0(flat, mesh, axes).view(k, -1)
     out, offset = [], 0
     for v, t, want in zip(vals, locals_, wants):
-        n = t.numel()
-        piece = gathered[:, offset : offset + n].reshape(k * t.shape[0], *t.shape[1:])
+        n, d = t.numel(), v.placements[axes[0]].dim
+        piece = gathered[:, offset : offset + n].reshape(k, *t.shape)  # rank r's shard, r = 0..k-1
+        piece = piece.movedim(0, d).reshape(*t.shape[:d], k * t.shape[d], *t.shape[d + 1:])
         offset += n
         out.append(DTensor.from_local(piece, mesh, want, run_check=False, shape=v.shape, stride=v.stride()))
     return out
 
 
-def scatter_together(mesh: DeviceMesh, axes: tuple[int, ...], vals: list[DTensor]) -> list[torch.Tensor]:
-    """Reduce-scatter several gradients along dim 0 with ONE collective per axis (FSDP2's gradient reduce-scatter):
-    each local piece is cut into the axis' chunks, chunk r of every gradient goes to rank r together. Outer axis
-    first (a dim split on mesh axes 0 and 1 is split by axis 0 first). Returns this rank's local shards."""
+def scatter_together(mesh: DeviceMesh, axes: tuple[int, ...], vals: list[DTensor], dim: int = 0) -> list[torch.Tensor]:
+    """Reduce-scatter several gradients along ``dim`` with ONE collective over the flattened ``axes`` (FSDP2's
+    gradient reduce-scatter): each local piece is cut along ``dim`` into ``prod(axes)`` chunks, chunk r of every
+    gradient goes to flat rank r together (row-major over the axes: a dim split on mesh axes 0 and 1 is split by
+    axis 0 first). Returns this rank's local shards."""
     locals_ = [v.to_local() for v in vals]
-    for a in sorted(axes):
-        k = mesh.size(a)
-        flat = torch.cat([t.reshape(k, -1) for t in locals_], dim=1)
-        mine = funcol.reduce_scatter_tensor(flat, "sum", 0, (mesh, a)).reshape(-1)
+    groups = [tuple(sorted(axes))] if mesh.mesh_dim_names else [(a,) for a in sorted(axes)]  # outer axis first
+    for group in groups:
+        k = math.prod(mesh.size(a) for a in group)
+        # chunk r of each gradient as row r: (k, rest), by moving the k chunks of ``dim`` in front
+        flat = torch.cat([t.unflatten(dim, (k, t.shape[dim] // k)).movedim(dim, 0).reshape(k, -1) for t in locals_],
+                         dim=1)
+        mine = tc.reduce_scatter_dim0(flat, mesh, group).reshape(-1)
         pieces = torch.split(mine, [t.numel() // k for t in locals_])
-        locals_ = [p.view(t.shape[0] // k, *t.shape[1:]) for p, t in zip(pieces, locals_)]
+        locals_ = [p.view(*t.shape[:dim], t.shape[dim] // k, *t.shape[dim + 1:]) for p, t in zip(pieces, locals_)]
     return locals_

@@ -38,7 +38,7 @@ from autoshard import _torch_compat as tc
 from autoshard.cost.reshard import reshard_time as redistribute_time
 from autoshard.cost.compute import compute_time, op_flops
 from autoshard.cost.offload import OffloadSummary, host_is_device, offload_cost
-from autoshard.ir import Group, GroupStrategy, NodeOut
+from autoshard.ir import Group, GroupStrategy, NodeOut, is_state
 from autoshard.ir import tensor_args
 from autoshard.ir import output_vals
 from autoshard.passes.candidates import CandidateEnumerator, evenly_divisible, shard_factor
@@ -253,7 +253,8 @@ def group_strategies(group: Group, nodes: dict[str, fx.Node], ctx: PassContext, 
             need = raw.inputs[k]
             if need != have:
                 v = producer.meta["val"]
-                move = redistribute_time(have, need, tuple(v.shape), v.element_size(), ms, ctx.cluster)
+                move = redistribute_time(have, need, tuple(v.shape), v.element_size(), ms, ctx.cluster,
+                                         waits=not is_state(producer))
                 if math.isinf(move):  # a move DTensor cannot make: this candidate cannot run
                     ok = False
                     break

@@ -38,6 +38,7 @@ from autoshard._torch_compat.dtensor import (
     OpOverload,
     Placements,
     RawStrategy,
+    all_gather_dim0,
     all_placements,
     clear_dtensor_caches,
     dtensor_like,
@@ -48,6 +49,7 @@ from autoshard._torch_compat.dtensor import (
     output_meta,
     propagate,
     redistribute,
+    reduce_scatter_dim0,
     single_dim_rules,
     tensor_meta,
 )
@@ -63,7 +65,7 @@ from autoshard._torch_compat.worlds import (
 
 __all__ = [
     "PREFER_RECOMPUTE", "tag_traced",
-    "AxisRules", "InputRole", "OpOverload", "OutputRole", "Placements", "RawStrategy", "all_placements",
+    "AxisRules", "InputRole", "OpOverload", "OutputRole", "Placements", "RawStrategy", "all_gather_dim0", "all_placements", "reduce_scatter_dim0",
     "clear_dtensor_caches", "compiling_call", "forget_guards_on", "graph_break_reason", "data_dependent_op", "decomposition_table", "dtensor_like", "local_tensor", "detach_from_fake_modes", "export_joint", "fake_process_group",
     "has_sharding_rule", "in_local_tensor_mode", "inductor_compile", "is_fake", "make_spec", "new_fake_mode",
     "op_strategies", "output_meta", "output_roles", "outside_dynamo", "outside_local_tensor_mode", "partition_joint", "per_rank_copies",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, TupleStrategy
 from torch.distributed.tensor.placement_types import Placement
 
 log = logging.getLogger(__name__)
@@ -286,6 +287,10 @@ def redistribute(t: DTensor, mesh: DeviceMesh, placements: Sequence[Placement]) 
 
         local = funcol.all_reduce(t._local_tensor, "sum", flat_mesh(mesh, summed))
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
+    gathered = _gathered_axes(t, placements)
+    if len(gathered) > 1 and mesh.mesh_dim_names:  # likewise one all-gather
+        local = all_gather_dim0(t._local_tensor, mesh, gathered, t.placements[gathered[0]].dim)
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
     if not any(isinstance(p, Partial) and not isinstance(q, Partial) for p, q in zip(placements, t.placements)):
         return t.redistribute(mesh, placements)
     from torch.distributed.tensor._redistribute import redistribute_local_tensor
@@ -293,6 +298,44 @@ def redistribute(t: DTensor, mesh: DeviceMesh, placements: Sequence[Placement]) 
     target = DTensorSpec(mesh, placements, tensor_meta=t._spec.tensor_meta)
     local = redistribute_local_tensor(t.to_local(), t._spec, target)
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
+
+
+def _group(mesh: DeviceMesh, axes: Sequence[int]) -> Any:
+    """What a functional collective takes for ``mesh``'s ``axes``: ``(mesh, axis)`` for one axis, the flattened
+    1-D mesh for several (rank order row-major over them: a dim split on axes 0 and 1 is split by axis 0 first)."""
+    return (mesh, axes[0]) if len(axes) == 1 else flat_mesh(mesh, axes)
+
+
+def all_gather_dim0(t: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int], dim: int = 0) -> torch.Tensor:
+    """Functional all-gather of ``t`` along ``dim`` over ``mesh``'s ``axes`` as ONE collective (traceable;
+    ``all_gather_single`` where torch has it, the older ``all_gather_tensor`` on torch 2.11)."""
+    import torch.distributed._functional_collectives as funcol
+
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    return gather(t, dim, _group(mesh, tuple(axes)))
+
+
+def reduce_scatter_dim0(t: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int]) -> torch.Tensor:
+    """Functional sum-reduce-scatter of ``t`` along dim 0 over ``mesh``'s ``axes`` as ONE collective
+    (``reduce_scatter_single`` where torch has it, ``reduce_scatter_tensor`` on torch 2.11)."""
+    import torch.distributed._functional_collectives as funcol
+
+    scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+    return scatter(t, "sum", 0, _group(mesh, tuple(axes)))
+
+
+def _gathered_axes(t: DTensor, want: Sequence[Placement]) -> tuple[int, ...]:
+    """The mesh axes of a move that only all-gathers one tensor dim that no other axis splits, evenly (every
+    other axis unchanged); () for any other move."""
+    have = t.placements
+    axes = tuple(a for a, (h, w) in enumerate(zip(have, want)) if h != w)
+    if not axes or any(not (isinstance(have[a], Shard) and isinstance(want[a], Replicate)) for a in axes):
+        return ()
+    dim = have[axes[0]].dim
+    split = [a for a, h in enumerate(have) if isinstance(h, Shard) and h.dim == dim]
+    if split != list(axes) or t.shape[dim] % math.prod(t.device_mesh.size(a) for a in axes):
+        return ()
+    return axes
 
 
 def flat_mesh(mesh: DeviceMesh, axes: Sequence[int]) -> DeviceMesh:

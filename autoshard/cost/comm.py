@@ -48,7 +48,7 @@ from autoshard.cost.collectives import (
 
 __all__ = [
     "ALGORITHMS", "COLLECTIVES", "CollectiveStep", "axis_collective", "axis_collective_time", "collective_time",
-    "redistribute_steps", "redistribute_time",
+    "redistribute_steps", "redistribute_time", "sync_time",
 ]
 
 
@@ -165,6 +165,13 @@ def redistribute_time(
 ) -> float:
     """Seconds to move from ``src`` to ``dst`` placements: the sum of :func:`redistribute_steps`."""
     return sum(step.time for step in redistribute_steps(src, dst, global_shape, itemsize, mesh_shape, cluster))
+
+
+def sync_time(steps: Sequence[CollectiveStep], mesh_shape: Sequence[int], cluster: ClusterProfile) -> float:
+    """What a redistribution costs on top of its ``steps`` when compute waits on it right after running
+    (:attr:`Link.sync`): paid once, by the first collective (the later ones find the ranks already met), at the
+    slowest of the links the steps cross; 0 without steps."""
+    return max((cluster.axis_link(mesh_shape, st.axis).sync for st in steps), default=0.0)
 
 
 # Phase numbers of the docstring's order; free moves are phase 1 (they only update the sharding state).

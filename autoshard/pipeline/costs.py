@@ -5,7 +5,7 @@ the head piece (everything whose module runs before the first layer: embeddings,
 layer (``layers.0`` ...), and the tail piece (final norm, output projection, loss). Each decision group goes to
 the piece of its module; forward and backward of a module land in the same piece, as a pipeline stage runs
 both. A group's cost is what the integer program charges it: its own compute, plus the collectives that feed
-it (``planner._collectives``). Gradient reductions (a collective whose consumer is a parameter) run once per
+it (``plan_collectives``). Gradient reductions (a collective whose consumer is a parameter) run once per
 step after all micro-batches, so they are the piece's ``step_s``, less the overlap credit the plan already
 takes; everything else repeats per micro-batch. Two more numbers serve activation recomputation: ``fwd_s``,
 the forward part of a piece's time (its forward groups' compute and the collectives feeding them), and
@@ -149,7 +149,7 @@ def piece_detail(gm: fx.GraphModule, ctx: PassContext, solution: Any = None,
     """:func:`piece_costs` and, per piece (head, layers, tail), the collectives on the mesh's outermost axis as
     (kind, bytes gathered, gradient reduction, forward, of a parameter or its gradient): what the stage search
     prices again for a sub-mesh whose outer axis has another size (``pipeline.search``)."""
-    from autoshard.planner import _collectives  # the plan's own collective list: one accounting
+    from autoshard.plan_collectives import plan_collectives  # the plan's own collective list: one accounting
 
     sol = solution if solution is not None else ctx.solution
     container = container or container_of(ctx)
@@ -182,7 +182,7 @@ def piece_detail(gm: fx.GraphModule, ctx: PassContext, solution: Any = None,
     params = {n.meta["autoshard_role"].name: n.name for n in gm.graph.find_nodes(op="placeholder")}
     kinds = {g.id: g.kind for g in ctx.groups}
     outer: dict[Any, list] = defaultdict(list)
-    for c in _collectives(gm, ctx):
+    for c in plan_collectives(gm, ctx):
         fwd = c.time_s if c.phase == "forward" else 0.0
         grad = c.consumer in ctx.param_modules
         if grad:  # a gradient reduction: once per step, partly hidden
@@ -195,7 +195,7 @@ def piece_detail(gm: fx.GraphModule, ctx: PassContext, solution: Any = None,
             piece = TAIL if c.consumer == "output" else group_piece[node_group[c.consumer]]
             pieces[piece] += PieceCost(c.time_s, fwd_s=fwd)
         if c.axis == ctx.mesh_names[0]:
-            state = grad or kinds.get(node_group.get(c.tensor, -1)) in ("parameter", "buffer")
+            state = grad or kinds.get(node_group.get(c.tensor, -1)) in ("parameter", "buffer") or c.tensor.startswith("group of")
             outer[piece].append((c.kind, c.nbytes, grad, c.phase == "forward", state))
     for piece, nbytes in _input_bytes(gm, ctx, group_piece).items():
         pieces[piece] += PieceCost(0.0, input_bytes=nbytes)

@@ -43,7 +43,7 @@ from torch.distributed.tensor import Replicate
 from autoshard.buckets import bucketable
 from autoshard.cluster import ClusterProfile
 from autoshard.cost.reshard import reshard_time as redistribute_time
-from autoshard.ir import Edge, Group, GroupStrategy, Placements
+from autoshard.ir import Edge, Group, GroupStrategy, Placements, is_state
 from autoshard.notation import format_bytes, placements_str
 from autoshard.ir import tensor_args
 
@@ -165,7 +165,8 @@ class IntraOpProblem:
             size = min(v.element_size(), itemsize or v.element_size())
             shape = tuple(v.shape)
             link = in_bucket if sink and bucketable(tuple(a), tuple(b)) else cluster
-            return redistribute_time(a, b, shape, size, mesh_shape, link)
+            waits = not sink and not is_state(nodes[node_name])  # compute waits on it right away: Link.sync
+            return redistribute_time(a, b, shape, size, mesh_shape, link, waits=waits)
 
         # Edges of identical layers connect the same variables: key them by the canonical group's member (same
         # shape) so they merge into one edge with a multiplicity instead of one set of edge variables per layer.

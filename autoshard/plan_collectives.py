@@ -1,0 +1,152 @@
+"""The collectives a solved graph's plan makes, priced as the lowering runs them (``passes/lower.py``).
+
+One :class:`~autoshard.plan.CollectiveStat` per collective DTensor runs for a placement change, with three
+corrections that follow what the lowered program does rather than one collective per consumer edge:
+
+- **Once per value and placement.** A value several consumers want in one placement is moved once (the first
+  consumer is the one named); across the forward/backward boundary too, unless the move makes a bigger tensor
+  (a gathered weight is gathered again in the backward) — ``PlanInterpreter._moved``.
+- **Bundles pay one latency.** Gradients that only sum into Replicate ride DDP's buckets and gradients
+  reduce-scattered along dim 0 ride FSDP2's (``autoshard/buckets.py``); parameters all-gathered along dim 0 are
+  gathered with the rest of their layer in one collective per phase (``lower._gather_groups``). Each member is
+  priced at its bytes; each bucket or group adds its collectives' latency once (tensor ``"bucket of N
+  gradients"`` or ``"group of N parameters"``, 0 bytes, named after its first member's consumer).
+- **Each wait costs the links' sync** (:attr:`autoshard.hardware.Link.sync`: the ranks arrive apart after
+  compute). Measured on gloo, a prefetched gather group or a gradient bucket is waited on much like an
+  activation's all-reduce, so each move, bucket and group pays it once, on its first collective; ZeRO's gathers
+  after the optimizer step run back to back and pay it once in all.
+
+The solver prices edges, not values (``solver/intra_op.py``): a gradient's bucket latency is discounted there
+too, gathers and reduce-scatters keep their latency (the memory of a whole gradient waiting for its
+reduce-scatter is not in the solver's sum), and sync is charged per edge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from collections.abc import Sequence
+
+import torch.fx as fx
+from torch.distributed.tensor import Replicate, Shard
+
+from autoshard.buckets import bucket_starts, bucketable, gather_axes, scatter_axes
+from autoshard.cost.comm import redistribute_steps, sync_time
+from autoshard.ir import is_state, layer_key, tensor_args, view_root
+from autoshard.notation import local_shape
+from autoshard.passes.context import PassContext
+from autoshard.plan import CollectiveStat
+
+__all__ = ["plan_collectives", "weight_of"]
+
+
+def weight_of(nodes: dict[str, fx.Node], name: str, ctx: PassContext) -> float:
+    """How many layers node ``name``'s group stands for (sampled layers: a captured one costs for several)."""
+    sh = nodes[name].meta.get("autoshard")
+    return ctx.group_weight.get(sh.group, 1.0) if sh is not None else 1.0
+
+
+def _gather_group(src: fx.Node, a: tuple, b: tuple, consumer: fx.Node, phase: str,
+                  mesh_shape: tuple[int, ...]) -> tuple | None:
+    """The lowering's gather group of a parameter's move (phase, layer, axes, dtype), or None when the move is
+    not a dim-0 all-gather of a parameter (through views) that the lowering bundles."""
+    root = view_root(src)
+    if not is_state(root) or root.meta["autoshard_role"].kind != "parameter":
+        return None
+    moved = tuple(i for i, (h, w) in enumerate(zip(a, b)) if h != w)
+    if not moved or any(not isinstance(b[i], Replicate) for i in moved):
+        return None
+    have = tuple(root.meta["autoshard"].outputs[0])
+    want = tuple(Replicate() if i in moved else p for i, p in enumerate(have))
+    if gather_axes(have, want, tuple(root.meta["val"].shape), mesh_shape) != moved:
+        return None
+    layer = layer_key(consumer.meta.get("autoshard_module", "")) or ("", -1)
+    return ("gather", phase, layer, moved, root.meta["val"].dtype)
+
+
+def plan_collectives(gm: fx.GraphModule, ctx: PassContext, per_edge: bool = False) -> list[CollectiveStat]:
+    """Every placement change the chosen plan makes, as collectives (see the module docstring). ``per_edge``: as
+    the solver prices them instead (one move per consumer edge, only DDP's buckets bundled, sync on the moves of
+    values that are not parameters), which is what its objective sums."""
+    names = ctx.mesh_names
+    mesh_shape = tuple(ctx.mesh_shape)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    bundled = ctx.cluster.bundled()
+    bundles: dict[tuple, list[tuple[int, int, list[CollectiveStat]]]] = {}  # key -> (made at, bytes, latencies)
+    out: list[CollectiveStat] = []
+    made: set[tuple] = set()
+    after_step: list[tuple] = []  # the moves after the optimizer step so far
+
+    def add(src: fx.Node, a: Sequence, b: Sequence, consumer: str, phase: str, repeat: float,
+            itemsize: int | None = None, sink: bool = False) -> None:
+        if a is None or b is None or tuple(a) == tuple(b):
+            return
+        a, b = tuple(a), tuple(b)
+        grows = any(isinstance(h, Shard) and not isinstance(w, Shard) for h, w in zip(a, b))
+        key = (src.name, b, phase if grows else "", sink, consumer if per_edge else "")
+        if key in made:
+            return
+        made.add(key)
+        v = src.meta["val"]
+        size = min(v.element_size(), itemsize or v.element_size())  # gradients: mixed precision's reduce_dtype
+        move = (a, b, tuple(v.shape), size, mesh_shape)
+        bundle = None
+        if sink and (bucketable(a, b) or (scatter_axes(a, b, tuple(v.shape), mesh_shape) is not None and not per_edge)):
+            bundle = ("bucket", a, b, size)
+        elif consumer in nodes and not per_edge:
+            bundle = _gather_group(src, a, b, nodes[consumer], phase, mesh_shape)
+        steps = redistribute_steps(*move, bundled if bundle else ctx.cluster)
+        sync = sync_time(steps, mesh_shape, ctx.cluster) if not per_edge or not bundle else 0.0
+        back_to_back = phase == "optimizer" and bool(after_step)  # ZeRO's gathers after the step: one wait
+        after_step.extend([key] if phase == "optimizer" else [])
+        wait = sync if not bundle and not back_to_back else 0.0
+        if per_edge:
+            wait = sync if not sink and not is_state(src) else 0.0
+        for i, st in enumerate(steps):  # the first collective of a move pays the links' sync
+            out.append(CollectiveStat(st.kind, names[st.axis], int(st.nbytes), float(st.time) + (wait if i == 0 else 0.0),
+                                      src.name, consumer, phase, repeat))
+        if bundle:  # the bundle's collectives: latency, and sync on the first, once per bucket or group
+            per = 1.0 if bundle[0] == "bucket" else repeat  # a bucket's bytes are weighted; a group is per layer
+            latency = [CollectiveStat(f.kind, names[f.axis], 0, f.time - st.time + (sync if i == 0 else 0.0), "",
+                                      consumer, phase, per)
+                       for i, (f, st) in enumerate(zip(redistribute_steps(*move, ctx.cluster), steps))]
+            nbytes = math.prod(local_shape(tuple(v.shape), a, mesh_shape)) * size * repeat
+            bundles.setdefault(bundle, []).append((order[src.name], int(nbytes), latency))
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        sh = node.meta["autoshard"]
+        phase = node.meta.get("autoshard_phase", "forward")
+        w = ctx.group_weight.get(sh.group, 1.0)
+        for k, src in enumerate(tensor_args(node)):
+            add(src, src.meta["autoshard"].outputs[0], sh.inputs[k], node.name, phase, w)
+    out_node = gm.graph.find_nodes(op="output")[0]
+    rep = tuple(Replicate() for _ in mesh_shape)
+    params = {n.meta["autoshard_role"].name: n for n in gm.graph.find_nodes(op="placeholder")}
+    for src, role in zip(out_node.args[0], ctx.output_roles):
+        if not isinstance(src, fx.Node):
+            continue
+        have = src.meta["autoshard"].outputs[0]
+        w = weight_of(nodes, src.name, ctx)
+        if role.kind in ("loss", "output"):
+            add(src, have, rep, "output", "forward", w)
+        elif role.kind in ("grad", "input_grad"):
+            add(src, have, params[role.name].meta["autoshard"].grad_layout, role.name, "backward", w,
+                ctx.config.reduce_itemsize, sink=True)
+    for name, ph in params.items():  # ZeRO-1/2: the stepped master shard gathered back to the compute layout
+        sh = ph.meta["autoshard"]
+        if sh.state is not None and tuple(sh.state) != tuple(sh.outputs[0]):
+            add(ph, sh.state, sh.outputs[0], "optimizer step", "optimizer", weight_of(nodes, ph.name, ctx))
+    for key, members in bundles.items():  # in the order they are made, as the lowering fills buckets
+        members.sort(key=lambda m: m[0])
+        if key[0] == "bucket":
+            starts, what = bucket_starts([nbytes for _, nbytes, _ in members]), "gradients"
+        else:
+            starts, what = [0], "parameters"
+        for i, j in zip(starts, [*starts[1:], len(members)]):
+            out += [dataclasses.replace(st, tensor=f"{'bucket' if what == 'gradients' else 'group'} of {j - i} {what}")
+                    for st in members[i][2]]
+    return out
