@@ -13,8 +13,9 @@ corrections that follow what the lowered program does rather than one collective
   gradients"`` or ``"group of N parameters"``, 0 bytes, named after its first member's consumer).
 - **Each wait costs the links' sync** (:attr:`autoshard.hardware.Link.sync`: the ranks arrive apart after
   compute). Measured on gloo, a prefetched gather group or a gradient bucket is waited on much like an
-  activation's all-reduce, so each move, bucket and group pays it once, on its first collective; ZeRO's gathers
-  after the optimizer step run back to back and pay it once in all.
+  activation's all-reduce, so every collective of a move, bucket or group pays it (a move's second collective
+  too: on another mesh axis it meets other ranks); ZeRO's gathers after the optimizer step run back to back and
+  pay it once in all.
 
 The solver prices edges, not values (``solver/intra_op.py``): a gradient's bucket latency is discounted there
 too, gathers and reduce-scatters keep their latency (the memory of a whole gradient waiting for its
@@ -98,20 +99,23 @@ def plan_collectives(gm: fx.GraphModule, ctx: PassContext, per_edge: bool = Fals
         elif consumer in nodes and not per_edge:
             bundle = _gather_group(src, a, b, nodes[consumer], phase, mesh_shape)
         steps = redistribute_steps(*move, bundled if bundle else ctx.cluster)
-        sync = sync_time(steps, mesh_shape, ctx.cluster) if not per_edge or not bundle else 0.0
         back_to_back = phase == "optimizer" and bool(after_step)  # ZeRO's gathers after the step: one wait
         after_step.extend([key] if phase == "optimizer" else [])
-        wait = sync if not bundle and not back_to_back else 0.0
-        if per_edge:
-            wait = sync if not sink and not is_state(src) else 0.0
-        for i, st in enumerate(steps):  # the first collective of a move pays the links' sync
-            out.append(CollectiveStat(st.kind, names[st.axis], int(st.nbytes), float(st.time) + (wait if i == 0 else 0.0),
-                                      src.name, consumer, phase, repeat))
-        if bundle:  # the bundle's collectives: latency, and sync on the first, once per bucket or group
+        if per_edge:  # as the solver: every wait but a gradient's and a groupable parameter gather's
+            pays = not sink and (not is_state(src) or gather_axes(a, b, tuple(v.shape), mesh_shape) is None)
+        else:
+            pays = not bundle and not back_to_back
+        for st in steps:  # each collective of a move pays its link's sync
+            wait = sync_time((st,), mesh_shape, ctx.cluster) if pays else 0.0
+            out.append(CollectiveStat(st.kind, names[st.axis], int(st.nbytes), float(st.time) + wait, src.name,
+                                      consumer, phase, repeat))
+        if bundle:  # the bundle's collectives: latency and sync, once per bucket or group
             per = 1.0 if bundle[0] == "bucket" else repeat  # a bucket's bytes are weighted; a group is per layer
-            latency = [CollectiveStat(f.kind, names[f.axis], 0, f.time - st.time + (sync if i == 0 else 0.0), "",
+            once = not per_edge
+            latency = [CollectiveStat(f.kind, names[f.axis], 0, f.time - st.time
+                                      + (sync_time((st,), mesh_shape, ctx.cluster) if once else 0.0), "",
                                       consumer, phase, per)
-                       for i, (f, st) in enumerate(zip(redistribute_steps(*move, ctx.cluster), steps))]
+                       for f, st in zip(redistribute_steps(*move, ctx.cluster), steps)]
             nbytes = math.prod(local_shape(tuple(v.shape), a, mesh_shape)) * size * repeat
             bundles.setdefault(bundle, []).append((order[src.name], int(nbytes), latency))
 

@@ -38,6 +38,7 @@ from autoshard import _torch_compat as tc
 from autoshard.cost.reshard import reshard_time as redistribute_time
 from autoshard.cost.compute import compute_time, op_flops
 from autoshard.cost.offload import OffloadSummary, host_is_device, offload_cost
+from autoshard.buckets import gather_axes
 from autoshard.ir import Group, GroupStrategy, NodeOut, is_state
 from autoshard.ir import tensor_args
 from autoshard.ir import output_vals
@@ -253,8 +254,8 @@ def group_strategies(group: Group, nodes: dict[str, fx.Node], ctx: PassContext, 
             need = raw.inputs[k]
             if need != have:
                 v = producer.meta["val"]
-                move = redistribute_time(have, need, tuple(v.shape), v.element_size(), ms, ctx.cluster,
-                                         waits=not is_state(producer))
+                waits = not is_state(producer) or gather_axes(tuple(have), tuple(need), tuple(v.shape), ms) is None
+                move = redistribute_time(have, need, tuple(v.shape), v.element_size(), ms, ctx.cluster, waits=waits)
                 if math.isinf(move):  # a move DTensor cannot make: this candidate cannot run
                     ok = False
                     break

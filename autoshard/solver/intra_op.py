@@ -40,7 +40,7 @@ import torch.fx as fx
 from ortools.sat.python import cp_model
 from torch.distributed.tensor import Replicate
 
-from autoshard.buckets import bucketable
+from autoshard.buckets import bucketable, gather_axes
 from autoshard.cluster import ClusterProfile
 from autoshard.cost.reshard import reshard_time as redistribute_time
 from autoshard.ir import Edge, Group, GroupStrategy, Placements, is_state
@@ -165,7 +165,9 @@ class IntraOpProblem:
             size = min(v.element_size(), itemsize or v.element_size())
             shape = tuple(v.shape)
             link = in_bucket if sink and bucketable(tuple(a), tuple(b)) else cluster
-            waits = not sink and not is_state(nodes[node_name])  # compute waits on it right away: Link.sync
+            # compute waits on it (Link.sync), unless the lowering gathers it ahead with its layer's parameters
+            waits = not sink and (not is_state(nodes[node_name]) or gather_axes(tuple(a), tuple(b), shape, mesh_shape)
+                                  is None)
             return redistribute_time(a, b, shape, size, mesh_shape, link, waits=waits)
 
         # Edges of identical layers connect the same variables: key them by the canonical group's member (same
