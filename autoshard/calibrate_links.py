@@ -133,7 +133,7 @@ def _axis_groups(shape: tuple[int, ...], axis: int) -> list[list[int]]:
 def _sync_probe(group: Any, iters: int) -> tuple[float, float]:
     """(compute only, compute + a small all_reduce) mean seconds per iteration of a loop of equal compute chunks
     (sixteen 128x128 matmuls, about 0.7 ms on one core: what a small layer computes between two tensor-parallel
-    all-reduces), each loop run three times, alternating, the median kept. Means over a loop, not medians of
+    all-reduces), each loop run five times, alternating, the median kept. Means over a loop, not medians of
     single calls: a rank descheduled mid-loop is the cost being measured."""
     import torch.distributed as dist
 
@@ -150,7 +150,7 @@ def _sync_probe(group: Any, iters: int) -> tuple[float, float]:
         return (time.perf_counter() - t0) / iters
 
     loop(True)  # warm-up
-    runs = [(loop(False), loop(True)) for _ in range(3)]
+    runs = [(loop(False), loop(True)) for _ in range(5)]
     return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
 
 
@@ -191,7 +191,7 @@ def _collective_worker(rank: int, cfg: CalibrationConfig, tmpdir: str) -> None:
                         if i >= cfg.warmup:
                             samples.append(time.perf_counter() - t0)
                     times[f"{axis}/{kind}/{full.numel() * 4}"] = statistics.median(samples)
-            times[f"{axis}/sync/compute"], times[f"{axis}/sync/with"] = _sync_probe(group, max(20, cfg.reps))
+            times[f"{axis}/sync/compute"], times[f"{axis}/sync/with"] = _sync_probe(group, max(30, cfg.reps))
         Path(tmpdir, f"rank{rank}.json").write_text(json.dumps(times))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent through the file
         Path(tmpdir, f"error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")

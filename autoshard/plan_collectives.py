@@ -8,14 +8,15 @@ corrections that follow what the lowered program does rather than one collective
   (a gathered weight is gathered again in the backward) — ``PlanInterpreter._moved``.
 - **Bundles pay one latency.** Gradients that only sum into Replicate ride DDP's buckets and gradients
   reduce-scattered along dim 0 ride FSDP2's (``autoshard/buckets.py``); parameters all-gathered along dim 0 are
-  gathered with the rest of their layer in one collective per phase (``lower._gather_groups``). Each member is
+  gathered with the rest of their layer in one collective per phase (``lower._gather_groups``), and ZeRO's
+  masters back to their compute layout after the step all together (``runtime.param_state``). Each member is
   priced at its bytes; each bucket or group adds its collectives' latency once (tensor ``"bucket of N
   gradients"`` or ``"group of N parameters"``, 0 bytes, named after its first member's consumer).
 - **Each wait costs the links' sync** (:attr:`autoshard.hardware.Link.sync`: the ranks arrive apart after
   compute). Measured on gloo, a prefetched gather group or a gradient bucket is waited on much like an
   activation's all-reduce, so every collective of a move, bucket or group pays it (a move's second collective
-  too: on another mesh axis it meets other ranks); ZeRO's gathers after the optimizer step run back to back and
-  pay it once in all.
+  too: on another mesh axis it meets other ranks); ZeRO's gathers after the optimizer step that cannot be bundled
+  run back to back and pay it once in all.
 
 The solver prices edges, not values (``solver/intra_op.py``): a gradient's bucket latency is discounted there
 too, gathers and reduce-scatters keep their latency (the memory of a whole gradient waiting for its
@@ -98,6 +99,8 @@ def plan_collectives(gm: fx.GraphModule, ctx: PassContext, per_edge: bool = Fals
             bundle = ("bucket", a, b, size)
         elif consumer in nodes and not per_edge:
             bundle = _gather_group(src, a, b, nodes[consumer], phase, mesh_shape)
+        elif phase == "optimizer" and not per_edge and gather_axes(a, b, tuple(v.shape), mesh_shape) is not None:
+            bundle = ("gather", phase, gather_axes(a, b, tuple(v.shape), mesh_shape), v.dtype)  # ParamStates'
         steps = redistribute_steps(*move, bundled if bundle else ctx.cluster)
         back_to_back = phase == "optimizer" and bool(after_step)  # ZeRO's gathers after the step: one wait
         after_step.extend([key] if phase == "optimizer" else [])
@@ -110,7 +113,7 @@ def plan_collectives(gm: fx.GraphModule, ctx: PassContext, per_edge: bool = Fals
             out.append(CollectiveStat(st.kind, names[st.axis], int(st.nbytes), float(st.time) + wait, src.name,
                                       consumer, phase, repeat))
         if bundle:  # the bundle's collectives: latency and sync, once per bucket or group
-            per = 1.0 if bundle[0] == "bucket" else repeat  # a bucket's bytes are weighted; a group is per layer
+            per = 1.0 if bundle[0] == "bucket" or phase == "optimizer" else repeat  # a group is per layer
             once = not per_edge
             latency = [CollectiveStat(f.kind, names[f.axis], 0, f.time - st.time
                                       + (sync_time((st,), mesh_shape, ctx.cluster) if once else 0.0), "",

@@ -29,6 +29,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from autoshard import _torch_compat as tc
+from autoshard.buckets import gather_axes
+from autoshard.passes.lower_buckets import gather_all
 from autoshard.runtime.offload import HostOffload
 
 Layout = tuple[Placement, ...]
@@ -67,14 +69,32 @@ class ParamStates:
 
     def local_inputs(self, flat: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The program's local inputs: compute copies for the first ``len(names)`` (the parameters), the local
-        shard of everything else."""
-        out = []
+        shard of everything else. Stale copies that are only even all-gathers of one dim from their master
+        (ZeRO's, after each step) are gathered together: one all-gather per mesh axes and dtype, not one per
+        parameter."""
+        out: list[torch.Tensor | None] = []
+        stale: dict[tuple, list[int]] = {}
         for i, x in enumerate(flat):
             if i >= len(self.names) or (self.compute[i] == self.state[i] and not self.offload[i]):
                 out.append(tc.local_tensor(x))
                 continue
+            hit = self._copies.get(i)
+            axes = gather_axes(self.state[i], self.compute[i], tuple(x.shape), tuple(self.mesh.shape))
+            if (hit is None or hit[:2] != (id(x), x._version)) and axes and not self.offload[i]:
+                stale.setdefault((axes, x.dtype), []).append(i)
+                out.append(None)
+                continue
             out.append(self._copy(i, x))
-        return out
+        for (axes, _), slots in stale.items():
+            masters = [flat[i] for i in slots]
+            if not all(isinstance(m, DTensor) for m in masters):
+                raise TypeError(f"parameters {[self.names[i] for i in slots]}: their masters must be DTensors")
+            with torch.no_grad():
+                copies = gather_all(self.mesh, axes, [m.detach() for m in masters])  # -> their compute layouts
+            for i, m, c in zip(slots, masters, copies):
+                self._copies[i] = (id(m), m._version, c.to_local())
+                out[i] = self._copies[i][2]
+        return out  # type: ignore[return-value]
 
     def _copy(self, i: int, master: torch.Tensor) -> torch.Tensor:
         # the DTensor's own version counter: in-place ops reach its local shard below autograd's view/version layer,
