@@ -21,11 +21,13 @@ import math
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from autoshard import _torch_compat as tc
 
-from autoshard.buckets import bucket_starts, bucketable, gather_axes, scatter_axes  # noqa: F401 (lower's too)
+from autoshard.buckets import (  # noqa: F401 (lower's too)
+    bucket_starts, bucketable, gather_all, gather_axes, gather_together, scatter_axes,
+)
 from autoshard.config import BUCKET_BYTES, FIRST_BUCKET_BYTES  # noqa: F401 (lower's bucket sizes, DDP's)
 
 
@@ -46,35 +48,6 @@ def reduce_together(mesh: DeviceMesh, vals: list[DTensor], have: tuple, want: tu
     reduced = tc.redistribute(DTensor.from_local(flat, mesh, have, run_check=False), mesh, want).to_local()
     pieces = torch.split(reduced, [t.numel() for t in locals_])
     return [p.view(t.shape) for p, t in zip(pieces, locals_)]
-
-
-def gather_all(mesh: DeviceMesh, axes: tuple[int, ...], vals: list[DTensor]) -> list[DTensor]:
-    """:func:`gather_together` over all of ``axes`` at once: one all-gather over the flattened axes (their ranks
-    row-major, as a dim split on mesh axes 0 and 1 is split by axis 0 first, then each piece by axis 1)."""
-    if len(axes) > 1 and not mesh.mesh_dim_names:  # no flattened mesh without names: one axis at a time,
-        for a in sorted(axes, reverse=True):  # innermost first (axis 1's pieces are put back together first)
-            vals = gather_all(mesh, (a,), vals)
-        return vals
-    wants = [tuple(Replicate() if i in axes else p for i, p in enumerate(v.placements)) for v in vals]
-    return gather_together(mesh, tuple(sorted(axes)), vals, wants)
-
-
-def gather_together(mesh: DeviceMesh, axes: tuple[int, ...], vals: list[DTensor], wants: list[tuple]) -> list[DTensor]:
-    """All-gather several DTensors, each split along one dim by ``axes`` (and by no other axis), with ONE
-    collective of their flattened local shards; each comes back with its ``wants`` placements (Replicate on
-    ``axes``), its dim put back together from the ranks' shards in rank order."""
-    locals_ = [v.to_local() for v in vals]
-    k = math.prod(mesh.size(a) for a in axes)
-    flat = torch.cat([t.reshape(-1) for t in locals_]) if len(locals_) > 1 else locals_[0].reshape(-1)
-    gathered = tc.all_gather_dim0(flat, mesh, axes).view(k, -1)
-    out, offset = [], 0
-    for v, t, want in zip(vals, locals_, wants):
-        n, d = t.numel(), v.placements[axes[0]].dim
-        piece = gathered[:, offset : offset + n].reshape(k, *t.shape)  # rank r's shard, r = 0..k-1
-        piece = piece.movedim(0, d).reshape(*t.shape[:d], k * t.shape[d], *t.shape[d + 1:])
-        offset += n
-        out.append(DTensor.from_local(piece, mesh, want, run_check=False, shape=v.shape, stride=v.stride()))
-    return out
 
 
 def scatter_together(mesh: DeviceMesh, axes: tuple[int, ...], vals: list[DTensor], dim: int = 0) -> list[torch.Tensor]:

@@ -189,7 +189,7 @@ def piece_detail(gm: fx.GraphModule, ctx: PassContext, solution: Any = None,
             piece = group_piece[node_group[params[c.consumer]]]
             pieces[piece] += PieceCost(0.0, c.time_s * (1.0 - GRAD_SINK_CREDIT))
         elif c.phase == "optimizer":  # a ZeRO-1/2 master gathered back after the step: once per step, not hidden
-            piece = group_piece[node_group[c.tensor]]
+            piece = group_piece[node_group[c.tensor]] if c.tensor in node_group else HEAD  # (a bundle's latency)
             pieces[piece] += PieceCost(0.0, c.time_s)
         else:
             piece = TAIL if c.consumer == "output" else group_piece[node_group[c.consumer]]

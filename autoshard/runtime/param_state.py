@@ -29,8 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from autoshard import _torch_compat as tc
-from autoshard.buckets import gather_axes
-from autoshard.passes.lower_buckets import gather_all
+from autoshard.buckets import gather_all, gather_axes
 from autoshard.runtime.offload import HostOffload
 
 Layout = tuple[Placement, ...]
