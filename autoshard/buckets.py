@@ -3,7 +3,8 @@
 Pure predicates on placements, shared by the lowering (which bundles these moves) and the cost model (which
 prices a bucketed all-reduce's latency once per bucket, not once per gradient):
 
-- ``bucketable``: a gradient's Partial(sum) -> Replicate, flattened with others into DDP's all-reduce buckets;
+- ``bucketable``: a gradient's Partial(sum) -> Replicate (other axes unchanged), flattened with others into DDP's
+  all-reduce buckets;
 - ``scatter_axes``: a gradient's Partial(sum) -> Shard(d), reduce-scattered in buckets with others (FSDP2's);
 - ``gather_axes``: a parameter's Shard(d) -> Replicate, all-gathered with its layer's others (FSDP's);
 - ``bucket_starts``: where each bucket of a run of gradients begins (DDP's sizes: the first bucket small);
@@ -27,16 +28,18 @@ __all__ = ["bucket_starts", "bucketable", "gather_all", "gather_axes", "gather_t
 
 
 def bucketable(have: tuple, want: tuple) -> bool:
-    """A move that only sums Partial(sum) into Replicate on some axes, with no Shard on either side (so the
-    local pieces of several gradients can be flattened and reduced together)."""
+    """A move that only sums Partial(sum) into Replicate on some axes, every other axis unchanged and not Partial
+    (a Shard there stays: each rank's local piece is flattened with other gradients' and reduced over the summed
+    axes only; fsdp+tp's column-parallel bias, [P, S(0)] -> [R, S(0)])."""
     moves = False
     for h, w in zip(have, want):
-        if isinstance(h, Shard) or isinstance(w, Shard):
-            return False
-        if h != w:
-            if not (isinstance(h, Partial) and h.reduce_op == "sum" and isinstance(w, Replicate)):
+        if h == w:
+            if isinstance(h, Partial):
                 return False
-            moves = True
+            continue
+        if not (isinstance(h, Partial) and h.reduce_op == "sum" and isinstance(w, Replicate)):
+            return False
+        moves = True
     return moves
 
 

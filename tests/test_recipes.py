@@ -85,6 +85,8 @@ def test_each_recipe_has_the_placements_its_name_promises():
         assert pp[f"{m}.fc1.weight"] == ("R", "S(0)") and pp[f"{m}.fc2.weight"] == ("R", "S(1)")
         # FSDP on the dim tp leaves whole (un-sharding dp then keeps tp's shard with one all-gather)
         assert fsdp_tp[f"{m}.fc1.weight"] == ("S(1)", "S(0)") and fsdp_tp[f"{m}.fc2.weight"] == ("S(0)", "S(1)")
+        # a column-parallel bias has no dim tp leaves whole: replicated on dp rather than nested [S(0), S(0)]
+        assert fsdp_tp[f"{a}.wq.bias"] == ("R", "S(0)") and fsdp_tp[f"{a}.wo.bias"] == ("S(0)", "R")
     assert pp["wte.weight"] == ("R", "S(0)")  # vocab-parallel embedding (tied head)
     assert pp["ln_f.weight"] == ("R", "R")
 

@@ -21,7 +21,8 @@ tp         Megatron inside the last axis: column-parallel Linear weights Shard(0
            row-parallel Shard(1), the token embedding and LM head vocab-parallel Shard(0), the rest
            Replicate; Replicate on ``dp``, where the batch is Shard(0) (Megatron TP + SP x DP)
 fsdp+tp    tp's layouts on ``tp``, plus a Shard on ``dp`` of every parameter, on the dim tp leaves whole (dim 1 of a
-           column-parallel weight, else dim 0) (torchtitan's 2-D recipe, without its strided shard)
+           column-parallel weight, else dim 0; a column-parallel bias, with no such dim, stays Replicate on
+           ``dp``) (torchtitan's 2-D recipe, without its strided shard)
 =========  ==========================================================================================
 
 Column/row roles come from module names, as in torchtitan's and Megatron's plans (q/k/v, gate/up, fc1 ...
@@ -126,9 +127,12 @@ def recipe_placements(
         # the tp one, and un-sharding dp while keeping tp's shard gathers on both axes (two all-gathers, the
         # second of the whole weight); [S(1), S(0)] gathers only its dp shard. (torchtitan's FSDP2 shards the
         # local TP shard's dim 0: a strided shard, which these placements do not have.)
-        dim = 1 if want[nd - 1] == Shard(0) and len(shape) > 1 else 0
-        for i in range(nd - 1):
-            want[i] = Shard(dim)
+        # A tp-sharded vector (a column-parallel bias) has no dim tp leaves whole: it stays replicated on dp, as
+        # sharding its only dim again would nest and gather on both axes (2 collectives per bias and phase).
+        if not (len(shape) == 1 and isinstance(want[nd - 1], Shard)):
+            dim = 1 if want[nd - 1] == Shard(0) and len(shape) > 1 else 0
+            for i in range(nd - 1):
+                want[i] = Shard(dim)
     return tuple(want), note
 
 
