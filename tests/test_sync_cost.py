@@ -115,3 +115,43 @@ def test_fsdp_tp_gathers_each_layers_weights_together_whatever_dim_fsdp_shards()
     assert sorted({(g[0], g[1]) for g in groups if g[1] != ("", -1)}) == sorted(
         (ph, ("layers", i)) for ph in ("forward", "backward") for i in range(2))
     assert apart["all_gather_into_tensor"] - grouped["all_gather_into_tensor"] == len(uses) - len(groups)
+
+
+def _flat_worker(rank: int, world: int, _: object) -> dict:
+    from autoshard import _torch_compat as tc
+    from autoshard.buckets import gather_all
+    from autoshard.passes.lower_buckets import scatter_together
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    full = torch.randn(8, 12)
+    out = {}
+    for name, have in (("rows", (Shard(0), Shard(0))), ("cols", (Shard(1), Shard(1)))):
+        d = distribute_tensor(full, mesh, have)
+        out[name] = tc.waited(tc.redistribute(d, mesh, (Replicate(), Replicate())).to_local())
+    # fsdp+tp's column-parallel weight (dim 1 over dp, dim 0 over tp) gathered over dp with a dim-0 member
+    w, v = distribute_tensor(full, mesh, (Shard(1), Shard(0))), distribute_tensor(full[:, :4], mesh, (Shard(0), Replicate()))
+    a, b = gather_all(mesh, (0,), [w, v])
+    out["gather_dim1"] = (a.placements, tc.waited(a.full_tensor()), b.placements, tc.waited(b.full_tensor()))
+    # its gradient reduce-scattered over dp along dim 1: rank-dependent Partial pieces summed, then cut
+    g = torch.full((4, 12), float(rank)) + full[:4]
+    part = DTensor.from_local(g, mesh, (Partial(), Shard(0)), run_check=False)
+    mine = tc.waited(scatter_together(mesh, (0,), [part], dim=1)[0])
+    ref = part.redistribute(mesh, (Shard(1), Shard(0))).to_local()
+    out["scatter_dim1"] = (mine, ref)
+    return out
+
+
+def test_flattened_and_dim1_bundled_collectives_give_dtensors_values() -> None:
+    from autoshard.launch import launch
+
+    torch.manual_seed(0)
+    full = torch.randn(8, 12)
+    for r in launch(4, _flat_worker):
+        assert torch.equal(r["rows"], full) and torch.equal(r["cols"], full)
+        pa, a, pb, b = r["gather_dim1"]
+        assert tuple(pa) == (Replicate(), Shard(0)) and torch.equal(a, full)
+        assert tuple(pb) == (Replicate(), Replicate()) and torch.equal(b, full[:, :4])
+        mine, ref = r["scatter_dim1"]
+        assert mine.shape == ref.shape and torch.allclose(mine, ref)

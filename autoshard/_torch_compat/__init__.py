@@ -7,6 +7,7 @@ upgrade (2.11 on the GPU machines, 2.13 on CPU) is mended here:
   descriptors; the forward/backward partitioner and Inductor's graph compiler;
 - ``dtensor``: DTensor's sharding-strategy registries (the candidate source of the planner), redistribution
   and its caches;
+- ``collectives``: functional collectives over one or several (flattened) mesh axes, and waiting on them;
 - ``dynamo``: the module a ``torch.compile`` backend is compiling;
 - ``worlds``: ``LocalTensorMode`` (several simulated ranks in one process) and the fake process group.
 
@@ -33,12 +34,12 @@ from autoshard._torch_compat.capture import (
     tree_unflatten,
     tag_traced,
 )
+from autoshard._torch_compat.collectives import all_gather_dim0, reduce_scatter_dim0, waited
 from autoshard._torch_compat.dtensor import (
     AxisRules,
     OpOverload,
     Placements,
     RawStrategy,
-    all_gather_dim0,
     all_placements,
     clear_dtensor_caches,
     dtensor_like,
@@ -49,7 +50,6 @@ from autoshard._torch_compat.dtensor import (
     output_meta,
     propagate,
     redistribute,
-    reduce_scatter_dim0,
     single_dim_rules,
     tensor_meta,
 )
@@ -70,5 +70,5 @@ __all__ = [
     "has_sharding_rule", "in_local_tensor_mode", "inductor_compile", "is_fake", "make_spec", "new_fake_mode",
     "op_strategies", "output_meta", "output_roles", "outside_dynamo", "outside_local_tensor_mode", "partition_joint", "per_rank_copies",
     "placeholder_role", "planning_decompositions", "propagate", "split_for_pipeline", "ranks_disagree", "redistribute",
-    "single_dim_rules", "tensor_meta", "tree_flatten", "tree_flatten_with_path", "tree_unflatten",
+    "single_dim_rules", "tensor_meta", "waited", "tree_flatten", "tree_flatten_with_path", "tree_unflatten",
 ]  # fmt: skip

@@ -17,6 +17,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, TupleStrategy
 from torch.distributed.tensor.placement_types import Placement
 
+from autoshard._torch_compat.collectives import all_gather_dim0, flat_mesh
+
 log = logging.getLogger(__name__)
 
 Placements = tuple[Placement, ...]
@@ -300,30 +302,6 @@ def redistribute(t: DTensor, mesh: DeviceMesh, placements: Sequence[Placement]) 
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
 
 
-def _group(mesh: DeviceMesh, axes: Sequence[int]) -> Any:
-    """What a functional collective takes for ``mesh``'s ``axes``: ``(mesh, axis)`` for one axis, the flattened
-    1-D mesh for several (rank order row-major over them: a dim split on axes 0 and 1 is split by axis 0 first)."""
-    return (mesh, axes[0]) if len(axes) == 1 else flat_mesh(mesh, axes)
-
-
-def all_gather_dim0(t: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int], dim: int = 0) -> torch.Tensor:
-    """Functional all-gather of ``t`` along ``dim`` over ``mesh``'s ``axes`` as ONE collective (traceable;
-    ``all_gather_single`` where torch has it, the older ``all_gather_tensor`` on torch 2.11)."""
-    import torch.distributed._functional_collectives as funcol
-
-    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-    return gather(t, dim, _group(mesh, tuple(axes)))
-
-
-def reduce_scatter_dim0(t: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int]) -> torch.Tensor:
-    """Functional sum-reduce-scatter of ``t`` along dim 0 over ``mesh``'s ``axes`` as ONE collective
-    (``reduce_scatter_single`` where torch has it, ``reduce_scatter_tensor`` on torch 2.11)."""
-    import torch.distributed._functional_collectives as funcol
-
-    scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
-    return scatter(t, "sum", 0, _group(mesh, tuple(axes)))
-
-
 def _gathered_axes(t: DTensor, want: Sequence[Placement]) -> tuple[int, ...]:
     """The mesh axes of a move that only all-gathers one tensor dim that no other axis splits, evenly (every
     other axis unchanged); () for any other move."""
@@ -336,17 +314,6 @@ def _gathered_axes(t: DTensor, want: Sequence[Placement]) -> tuple[int, ...]:
     if split != list(axes) or t.shape[dim] % math.prod(t.device_mesh.size(a) for a in axes):
         return ()
     return axes
-
-
-def flat_mesh(mesh: DeviceMesh, axes: Sequence[int]) -> DeviceMesh:
-    """The 1-D mesh of ``mesh``'s ``axes`` flattened (made once per root mesh and kept by it). Made outside any
-    tracing mode: inside ``make_fx``'s fake tracing the mesh's own index tensors would be fake or recorded."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-
-    names = tuple(mesh.mesh_dim_names[a] for a in axes)
-    with unset_fake_temporarily(), disable_proxy_modes_tracing():
-        return mesh[names]._flatten()
 
 
 def _summed_axes(have: Sequence[Placement], want: Sequence[Placement]) -> tuple[int, ...]:

@@ -91,7 +91,7 @@ class ParamStates:
             with torch.no_grad():
                 copies = gather_all(self.mesh, axes, [m.detach() for m in masters])  # -> their compute layouts
             for i, m, c in zip(slots, masters, copies):
-                self._copies[i] = (id(m), m._version, c.to_local())
+                self._copies[i] = (id(m), m._version, tc.waited(c.to_local()))
                 out[i] = self._copies[i][2]
         return out  # type: ignore[return-value]
 
