@@ -185,12 +185,39 @@ def partition_joint(gm: fx.GraphModule, num_fwd_outputs: int) -> tuple[fx.GraphM
     from torch._functorch.partitioners import default_partition
 
     _tag_forward(gm, num_fwd_outputs)
+    _inline_constant_items(gm)
     primals = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("primals")]
     tangents = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")]
     fw, bw = default_partition(gm, [primals, tangents], num_fwd_outputs=num_fwd_outputs)
     for part in (fw, bw):
         _drop_unused(part)
     return fw, bw
+
+
+def _inline_constant_items(gm: fx.GraphModule) -> None:
+    """Unused items of a multi-output op go; items that are constants, not tensors or symbols, go into their
+    users' arguments:
+    the partitioner saves only tensors and symbols. CUDA flash attention returns ``None`` sequence offsets and
+    ``int`` maximum lengths that its backward takes back."""
+    import operator
+
+    from torch.fx.node import map_arg
+
+    for n in list(gm.graph.find_nodes(op="call_function", target=operator.getitem)):
+        if not n.users:  # an unused item (CUDA cudnn attention's, carrying no value metadata)
+            gm.graph.erase_node(n)
+            continue
+        if "val" not in n.meta:
+            continue
+        v = n.meta["val"]
+        if v is not None and (type(v) not in (int, float, bool)):
+            continue
+        for user in list(n.users):
+            user.args = map_arg(user.args, lambda a: v if a is n else a)
+            user.kwargs = map_arg(user.kwargs, lambda a: v if a is n else a)
+        if not n.users:
+            gm.graph.erase_node(n)
+    gm.recompile()
 
 
 def _drop_unused(gm: fx.GraphModule) -> None:

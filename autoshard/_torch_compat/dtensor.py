@@ -90,7 +90,9 @@ class RawStrategy:
     outputs: tuple[Placements | None, ...]
 
 
-def _collect(strategy: object, n_inputs: int) -> list[RawStrategy]:
+def _collect(strategy: object, n_inputs: int, n_returns: int = 1) -> list[RawStrategy]:
+    """``n_returns``: the op's tuple of returns; one spec for all of them stands for each (as DTensor reads it:
+    torch 2.11's norm strategies give one spec for layer_norm's (out, mean, rstd))."""
     out: list[RawStrategy] = []
     if isinstance(strategy, TupleStrategy):
         # foreach-like ops: not used by the planner (joint graphs are functional, single output lists)
@@ -99,12 +101,28 @@ def _collect(strategy: object, n_inputs: int) -> list[RawStrategy]:
         return out
     for spec in strategy.strategies:
         outs = tuple(None if s is None else tuple(s.placements) for s in _specs_of(spec.output_specs))
+        if isinstance(spec.output_specs, DTensorSpec) and n_returns > 1:
+            outs = outs * n_returns
         if spec.input_specs is None:
             ins = tuple(outs[0] for _ in range(n_inputs))
         else:
             ins = tuple(None if s is None else tuple(s.placements) for s in spec.input_specs)
         out.append(RawStrategy(ins, outs))
     return out
+
+
+def _place_unplaced(raws: list[RawStrategy], out_val: object, ndim: int) -> list[RawStrategy]:
+    """Outputs DTensor leaves unplaced (None) that are tensors all the same are Replicate: on CUDA, flash
+    attention returns its rng state and unused sequence offsets that way, and its backward takes them back."""
+    if not isinstance(out_val, (tuple, list)):
+        return raws
+    tensor_at = [isinstance(v, torch.Tensor) for v in out_val]
+    rep = tuple(Replicate() for _ in range(ndim))
+    fixed = []
+    for r in raws:
+        outs = tuple(rep if o is None and i < len(tensor_at) and tensor_at[i] else o for i, o in enumerate(r.outputs))
+        fixed.append(r if outs == r.outputs else RawStrategy(r.inputs, outs))
+    return fixed
 
 
 def op_strategies(
@@ -158,7 +176,8 @@ def op_strategies(
             strat = fn(op, wrapped.args_meta, wrapped.kwargs_meta)
         else:
             strat = func(wrapped)
-        return _collect(strat, n_inputs)
+        raws = _collect(strat, n_inputs, len(op._schema.returns) if schema.return_type_tuple_tensor_like() else 1)
+        return _place_unplaced(raws, out_val, mesh.ndim)
     # decomposition path / legacy rules: only the min-cost choice for this input placement is available
     with _known_output_meta(prop, output_meta(out_val) if out_val is not _UNKNOWN else _UNKNOWN):
         sharding = prop.propagate_op_sharding_non_cached(schema)
