@@ -66,8 +66,9 @@ def _child(rank: int, world: int, fn: Callable[[int, int, Any], Any], arg: Any, 
         torch.save(fn(rank, world, arg), f"{tmpdir}/result{rank}.pt")
     except BaseException as e:  # noqa: BLE001 - reported to the parent through the file
         first = (str(e).strip().splitlines() or [""])[0]
-        Path(tmpdir, f"error{rank}.txt").write_text(f"{time.time_ns()}\n{type(e).__name__}: {first}\n"
-                                                    f"{traceback.format_exc()}")
+        part = Path(tmpdir, f"partial{rank}.tmp")  # renamed whole: the parent never reads half a file
+        part.write_text(f"{time.time_ns()}\n{type(e).__name__}: {first}\n{traceback.format_exc()}")
+        part.rename(Path(tmpdir, f"error{rank}.txt"))
         code = 1
     finally:
         if gloo and dist.is_initialized():

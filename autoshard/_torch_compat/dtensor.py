@@ -73,6 +73,14 @@ def _schema(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> OpSchema:
     return OpSchema(op, args, kwargs, schema_info=info)
 
 
+def _arg_specs(schema: OpSchema) -> tuple[DTensorSpec, ...]:
+    """Every tensor argument's spec, lists of tensors (``index``'s indices) included: ``OpSchema.args_spec``
+    looks into lists only when the op's schema info says so, which torch 2.11's redistribute schema does not."""
+    from torch.utils._pytree import tree_leaves
+
+    return tuple(x for x in tree_leaves(schema.args_schema) if isinstance(x, DTensorSpec))
+
+
 def _specs_of(x: object) -> list[DTensorSpec | None]:
     """Flatten an OpSpec.output_specs/input_specs value into a list."""
     if x is None:
@@ -184,7 +192,7 @@ def op_strategies(
     out_spec = sharding.output_spec
     outs = tuple(None if s is None else tuple(s.placements) for s in _specs_of(out_spec))
     red = sharding.redistribute_schema
-    in_specs = red.args_spec if red is not None else schema.args_spec
+    in_specs = _arg_specs(red if red is not None else schema)
     ins = tuple(tuple(s.placements) for s in in_specs)
     return [RawStrategy(ins, outs)]
 
@@ -285,7 +293,7 @@ def propagate(
             prop.op_to_shape_and_stride_idx = saved
     outs = tuple(None if s is None else tuple(s.placements) for s in _specs_of(sharding.output_spec))
     red = sharding.redistribute_schema
-    in_specs = red.args_spec if red is not None else schema.args_spec
+    in_specs = _arg_specs(red if red is not None else schema)
     return RawStrategy(tuple(tuple(s.placements) for s in in_specs), outs)
 
 
@@ -293,7 +301,10 @@ def has_sharding_rule(op: torch._ops.OpOverload) -> bool:
     prop = _prop()
     if op in prop.op_single_dim_strategy_funcs or op in prop.op_strategy_funcs or op in prop.op_to_rules:
         return True
-    from torch.distributed.tensor._sharding_prop import DecompShardingStrategy
+    try:  # torch 2.13 re-exports it here; torch 2.11 has it in _decompositions only
+        from torch.distributed.tensor._sharding_prop import DecompShardingStrategy
+    except ImportError:
+        from torch.distributed.tensor._decompositions import DecompShardingStrategy
 
     return DecompShardingStrategy.has_decomp(op)
 
