@@ -9,7 +9,8 @@ Guarantees on exit: ``ctx.strategies[g]`` is a non-empty list of ``GroupStrategy
   forward and backward: batch or head sharded). An op with no rule at all gets Replicate with a warning;
 - followers take the layout DTensor itself would produce from their producer's layout; when DTensor must
   first reshard the producer (a view of a sharded dim, a non-linear op of a Partial), that reshard is costed
-  in ``comm_s`` — the lowering does exactly that reshard;
+  in ``comm_s`` — the lowering does exactly that reshard; a follower handed a Partial may also reduce it first
+  (to R, or reduce-scatter it to a Shard: Megatron-SP's sequence-sharded residual), priced the same way;
 - candidates that need uneven shards or non-sum Partial inputs are pruned; duplicates are merged;
 - identical repeated layers share the canonical layer's list (same object).
 
@@ -29,6 +30,7 @@ import dataclasses
 import logging
 import math
 import operator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -39,16 +41,13 @@ from autoshard.cost.reshard import reshard_time as redistribute_time
 from autoshard.cost.compute import compute_time, op_flops
 from autoshard.cost.offload import OffloadSummary, host_is_device, offload_cost
 from autoshard.buckets import gather_axes
-from autoshard.ir import Group, GroupStrategy, NodeOut, is_state
-from autoshard.ir import tensor_args
-from autoshard.ir import output_vals
+from autoshard.ir import Group, GroupStrategy, NodeOut, Placements, is_state, is_view, output_vals, tensor_args
 from autoshard.passes.candidates import CandidateEnumerator, evenly_divisible, shard_factor
 from autoshard.passes.context import PassContext
 from autoshard.passes.recompute import is_recomputed, stored
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
-
 
 
 def _placeholder_candidates(node: fx.Node, ctx: PassContext) -> list[tc.RawStrategy]:
@@ -97,7 +96,9 @@ def _cost(
                 split *= n
         flops = op_flops(node.target, *_real_args(node)) / split
         dtype = str(vals[0].dtype).replace("torch.", "") if vals and vals[0] is not None else "float32"
-        once = compute_time(flops, local_bytes + in_bytes, ctx.cluster.device, dtype)
+        # a view moves no data and launches no kernel: priced at its bytes, a view of a Partial (whole-size)
+        # output cost 4x a sharded one's on 4 ranks, which once made a row-parallel matmul look dearer
+        once = 0.0 if is_view(node.target) else compute_time(flops, local_bytes + in_bytes, ctx.cluster.device, dtype)
         # a recomputed op (passes/recompute.py) runs again in the backward and is not saved for it
         compute += 2 * once if is_recomputed(node) else once
         if stored(node):  # saved for the backward (or for a replay), not replayed
@@ -232,48 +233,17 @@ def group_strategies(group: Group, nodes: dict[str, fx.Node], ctx: PassContext, 
     pos = {name: i for i, name in enumerate(group.members)}
     result: dict[tuple, GroupStrategy] = {}
     for cand in cands:
-        outs: list[NodeOut] = [cand.outputs]
-        ins: list[tuple] = [cand.inputs]
-        comm = 0.0
-        ok = True
-        for name in group.members[1:]:
-            node = nodes[name]
-            if node.target is operator.getitem:
-                src = pos[node.args[0].name]
-                outs.append((outs[src][node.args[1]],))
-                ins.append(())
-                continue
-            k = node.meta["autoshard_follow"]
-            tin = tensor_args(node)
-            producer = tin[k]
-            have = outs[pos[producer.name]][0]
-            raw = en.follow(node, k, have)
-            if raw is None:
-                ok = False
-                break
-            need = raw.inputs[k]
-            if need != have:
-                v = producer.meta["val"]
-                waits = not is_state(producer) or gather_axes(tuple(have), tuple(need), tuple(v.shape), ms) is None
-                move = redistribute_time(have, need, tuple(v.shape), v.element_size(), ms, ctx.cluster, waits=waits)
-                if math.isinf(move):  # a move DTensor cannot make: this candidate cannot run
-                    ok = False
-                    break
-                comm += move
-            outs.append(raw.outputs)
-            ins.append(raw.inputs)
-        if not ok:
-            continue
-        s = _cost(group, nodes, outs, ins, comm, ctx)
-        key = (s.outputs, s.inputs)
-        if key not in result:
-            result[key] = s
-            if group.kind == "parameter" and ctx.config.shard_state:
-                for v in state_variants(s, anchor.meta["val"], ctx):
-                    result[(*key, v.grad_placements, v.state_placements)] = v
-            if group.kind == "parameter":
-                for v in offload_variants(s, anchor.meta["val"], ctx):
-                    result[(*key, v.grad_placements, v.state_placements, v.offload)] = v
+        for outs, ins, comm in _follow_members(group, nodes, pos, cand, en, ctx):
+            s = _cost(group, nodes, outs, ins, comm, ctx)
+            key = (s.outputs, s.inputs)
+            if key not in result:
+                result[key] = s
+                if group.kind == "parameter" and ctx.config.shard_state:
+                    for v in state_variants(s, anchor.meta["val"], ctx):
+                        result[(*key, v.grad_placements, v.state_placements)] = v
+                if group.kind == "parameter":
+                    for v in offload_variants(s, anchor.meta["val"], ctx):
+                        result[(*key, v.grad_placements, v.state_placements, v.offload)] = v
     if group.kind == "parameter" and ctx.config.offload in ("optimizer", "params"):
         result = _forced_offload(result, ctx.config.offload, ms, anchor.meta["autoshard_role"].name)
     result = _prune_dominated(group, nodes, result)
@@ -284,6 +254,65 @@ def group_strategies(group: Group, nodes: dict[str, fx.Node], ctx: PassContext, 
             f"{dict(zip(ctx.mesh_names, ms))}; please report this graph"
         )
     return list(result.values())
+
+
+_MAX_BRANCHES = 16  # ways one anchor candidate may be followed (Partial producers reduced or not)
+
+
+def _follow_members(group: Group, nodes: dict[str, fx.Node], pos: dict[str, int], cand: tc.RawStrategy,
+                    en: CandidateEnumerator, ctx: PassContext) -> Iterator[tuple[list, list, float]]:
+    """Every way the group's followers can take the anchor candidate ``cand``: each follows its producer's layout,
+    and a follower handed a Partial may also reduce it first, to Replicate or to a Shard of any dim (a
+    row-parallel matmul's output reduce-scattered onto the sequence before the residual add: Megatron-SP), the
+    move priced inside the group. Yields (outputs, inputs, in-group comm seconds) per member."""
+    ms = ctx.mesh_shape
+    # (outputs, inputs, comm, the layout each reduced Partial producer was moved to: a value is moved once)
+    states: list[tuple[list, list, float, dict]] = [([cand.outputs], [cand.inputs], 0.0, {})]
+    for name in group.members[1:]:
+        node = nodes[name]
+        nxt: list[tuple[list, list, float, dict]] = []
+        for outs, ins, comm, moved in states:
+            if node.target is operator.getitem:
+                src = pos[node.args[0].name]
+                nxt.append((outs + [(outs[src][node.args[1]],)], ins + [()], comm, moved))
+                continue
+            k = node.meta["autoshard_follow"]
+            producer = tensor_args(node)[k]
+            have = outs[pos[producer.name]][0]
+            v = producer.meta["val"]
+            branch = len(states) < _MAX_BRANCHES and producer.name not in moved
+            wants = _reductions(have, tuple(v.shape), ms) if branch else [moved.get(producer.name, have)]
+            for want in wants:
+                raw = en.follow(node, k, want)
+                if raw is None:
+                    continue
+                need = raw.inputs[k]
+                move = 0.0
+                if need != have:
+                    waits = not is_state(producer) or gather_axes(tuple(have), tuple(need), tuple(v.shape), ms) is None
+                    move = redistribute_time(have, need, tuple(v.shape), v.element_size(), ms, ctx.cluster, waits=waits)
+                    if math.isinf(move):  # a move DTensor cannot make: this branch cannot run
+                        continue
+                done = {**moved, producer.name: want} if len(wants) > 1 else moved
+                nxt.append((outs + [raw.outputs], ins + [raw.inputs], comm + move, done))
+        states = nxt
+    for outs, ins, comm, _ in states:
+        yield outs, ins, comm
+
+
+def _reductions(have: Placements, shape: tuple[int, ...], ms: Sequence[int]) -> list[Placements]:
+    """``have`` itself, and where it holds a Partial: the Partial axes reduced to Replicate, or scattered to a
+    Shard of each dim they divide evenly (nothing else sharding that dim)."""
+    partial = [a for a, p in enumerate(have) if p.is_partial()]
+    if not partial:
+        return [have]
+    out = [have, tuple(Replicate() if a in partial else p for a, p in enumerate(have))]
+    for d in range(len(shape)):
+        taken = [a for a, p in enumerate(have) if isinstance(p, Shard) and p.dim == d]
+        n = math.prod(ms[a] for a in partial + taken)
+        if not taken and shape[d] % n == 0 and shape[d] >= n:
+            out.append(tuple(Shard(d) if a in partial else p for a, p in enumerate(have)))
+    return out
 
 
 def _interface(group: Group, nodes: dict[str, fx.Node]) -> tuple[list[int], list[tuple[int, int]]]:

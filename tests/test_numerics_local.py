@@ -15,6 +15,20 @@ from harness import (assert_close_to_reference, case_result, local_ranks, run_tw
                      single_device_reference)
 from numerics_utils import LR, MODELS, PARAM_ATOL, train_sharded
 
+from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
+
+# long enough (1024 tokens, d 512) that an H100 plan splits attention heads over tp and reduce-scatters the
+# output projection onto the sequence (Megatron-SP's residual), the norm after it sequence-sharded
+SEQ_CFG = GPTConfig(n_layer=1, d_model=512, n_head=32, vocab=512, seq_len=1024, bias=False)
+
+
+def _make_seq_gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(SEQ_CFG)
+
+
+ALL_MODELS = {**MODELS, "gpt-seq": (_make_seq_gpt, lambda: gpt_example_inputs(SEQ_CFG, 1))}
+
 DP = {"inputs": {"dp": Shard(0)}}
 # case -> (model, mesh shape, axis names, compile options); the tests using it
 CASES = {
@@ -22,14 +36,16 @@ CASES = {
     "gpt-2x4": ("gpt", (2, 4), ("dp", "tp"), {"constraints": DP}),
     "gpt-2x2-zero2": ("gpt", (2, 2), ("dp", "tp"), {"recipe": "zero2"}),
     "gpt-8-budget": ("gpt", (8,), ("dp",), {"constraints": DP, "memory_budget": "600KiB"}),  # forces sharding
+    "gpt-seq-4": ("gpt-seq", (4,), ("tp",), {"cluster": "h100-sxm", "constraints": {"inputs": "[R]"}}),
 }
 USES = {"test_mesh_2x4_batch_on_dp": ("mlp-2x4", "gpt-2x4"), "test_mesh_2x2_zero2_state_sharded_over_both_axes":
-        ("gpt-2x2-zero2",), "test_mesh_8_gpt_fsdp_like_budget": ("gpt-8-budget",)}
+        ("gpt-2x2-zero2",), "test_mesh_8_gpt_fsdp_like_budget": ("gpt-8-budget",),
+        "test_sequence_sharded_residual_trains_like_one_device": ("gpt-seq-4",)}
 
 
 def _train(case: str) -> tuple:
     name, shape, names, kw = CASES[case]
-    make, inputs_fn = MODELS[name]
+    make, inputs_fn = ALL_MODELS[name]
     inputs = inputs_fn()
     ref = single_device_reference(make, inputs, steps=3, lr=LR)
     n = 1
@@ -75,6 +91,20 @@ def test_mesh_8_gpt_fsdp_like_budget(runs):
 
     placements = Plan.from_json(got["plan"]).parameter_placements()
     assert any(p != ("R",) for p in placements.values())
+
+
+def test_sequence_sharded_residual_trains_like_one_device(runs):
+    """Megatron-SP's move executed: the attention output projection's Partial is reduce-scattered onto the
+    sequence before the residual add (no all-reduce), the norm after it runs on the sequence shard."""
+    got = _check(runs, "gpt-seq-4")
+    from autoshard.plan import Plan
+
+    stage = Plan.from_json(got["plan"]).stages[0]
+    fwd = [c for c in stage.collectives if c.phase == "forward"]
+    assert any(c.kind == "reduce_scatter" and c.consumer.startswith("add") for c in fwd), fwd
+    assert not any(c.kind == "all_reduce" for c in fwd), fwd
+    [ln2] = [d for d in stage.ops if d.module.endswith("ln2") and d.op.startswith("aten.native_layer_norm.")]
+    assert ln2.output == ("S(1)",), ln2
 
 
 def test_inputs_drawn_inside_local_tensor_mode_are_refused():
