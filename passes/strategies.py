@@ -41,7 +41,7 @@ from autoshard.cost.reshard import reshard_time as redistribute_time
 from autoshard.cost.compute import compute_time, op_flops
 from autoshard.cost.offload import OffloadSummary, host_is_device, offload_cost
 from autoshard.buckets import gather_axes
-from autoshard.ir import Group, GroupStrategy, NodeOut, Placements, is_state, is_view, output_vals, tensor_args
+from autoshard.ir import Group, GroupStrategy, NodeOut, Placements, is_state, output_vals, tensor_args
 from autoshard.passes.candidates import CandidateEnumerator, evenly_divisible, shard_factor
 from autoshard.passes.context import PassContext
 from autoshard.passes.recompute import is_recomputed, stored
@@ -96,9 +96,7 @@ def _cost(
                 split *= n
         flops = op_flops(node.target, *_real_args(node)) / split
         dtype = str(vals[0].dtype).replace("torch.", "") if vals and vals[0] is not None else "float32"
-        # a view moves no data and launches no kernel: priced at its bytes, a view of a Partial (whole-size)
-        # output cost 4x a sharded one's on 4 ranks, which once made a row-parallel matmul look dearer
-        once = 0.0 if is_view(node.target) else compute_time(flops, local_bytes + in_bytes, ctx.cluster.device, dtype)
+        once = compute_time(flops, local_bytes + in_bytes, ctx.cluster.device, dtype)
         # a recomputed op (passes/recompute.py) runs again in the backward and is not saved for it
         compute += 2 * once if is_recomputed(node) else once
         if stored(node):  # saved for the backward (or for a replay), not replayed
