@@ -195,10 +195,9 @@ def partition_joint(gm: fx.GraphModule, num_fwd_outputs: int) -> tuple[fx.GraphM
 
 
 def _inline_constant_items(gm: fx.GraphModule) -> None:
-    """Unused items of a multi-output op go; items that are constants, not tensors or symbols, go into their
-    users' arguments:
-    the partitioner saves only tensors and symbols. CUDA flash attention returns ``None`` sequence offsets and
-    ``int`` maximum lengths that its backward takes back."""
+    """Drop unused items of multi-output ops, and write items that are constants (not tensors or symbols) into
+    their users' arguments: the partitioner saves only tensors and symbols, and CUDA flash attention returns
+    ``None`` sequence offsets and ``int`` maximum lengths that its backward takes back."""
     import operator
 
     from torch.fx.node import map_arg
