@@ -266,7 +266,8 @@ def calibrate(cfg: CalibrationConfig | None = None, name: str = "calibrated-cpu"
     memcpy = Link(name="host-memcpy", bandwidth=copy_best / 2, latency=overhead,
                   source=f"derived from the measured memory_bandwidth / 2 (a copy reads and writes) and "
                   f"kernel_overhead ({stamp})")
-    profile = ClusterProfile(name, device, cfg.ranks, 1, intra_node=link, inter_node=network, host_link=memcpy)
+    profile = ClusterProfile(name, device, cfg.ranks, 1, intra_node=link, inter_node=network, host_link=memcpy,
+                             all_to_all="ring")  # gloo ranks: DTensor all-gathers a Shard(i) -> Shard(j) move
     return Calibration(profile, matmul, fits, syncs)
 
 

@@ -84,7 +84,8 @@ def _cpu() -> ClusterProfile:
         "reads b and writes b, and the 27 GB/s counts both, so b moves at ~13.5 GB/s; latency = the measured "
         "1.2 us eager-op overhead (one Tensor.copy_ call)",
     )
-    return ClusterProfile("cpu", device, 8, 1, intra_node=loopback, inter_node=network, host_link=memcpy)
+    return ClusterProfile("cpu", device, 8, 1, intra_node=loopback, inter_node=network, host_link=memcpy,
+                          all_to_all="ring")  # gloo: DTensor all-gathers a Shard(i) -> Shard(j) move
 
 
 def _hopper(name: str, memory_bytes: int, memory_bandwidth: float, memory_source: str) -> ClusterProfile:

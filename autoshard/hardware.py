@@ -98,7 +98,9 @@ class AxisLayout:
 class ClusterProfile:
     """``nodes`` x ``devices_per_node`` identical devices: one link inside a node, another between nodes, and
     ``host_link`` from each device to host memory (offload). A profile built without ``host_link`` gets
-    :func:`default_host_link` of its device, so after construction ``host_link`` is never None."""
+    :func:`default_host_link` of its device, so after construction ``host_link`` is never None.
+    ``all_to_all``: how the backend runs one (``autoshard/cost/collectives.py``): ``"pairwise"`` (NCCL) or
+    ``"ring"`` (gloo, where DTensor all-gathers the tensor and keeps its chunk)."""
 
     name: str
     device: DeviceSpec
@@ -107,6 +109,7 @@ class ClusterProfile:
     intra_node: Link
     inter_node: Link
     host_link: Link | None = None
+    all_to_all: str = "pairwise"
 
     def __post_init__(self) -> None:
         if self.devices_per_node < 1 or self.nodes < 1:
@@ -116,6 +119,9 @@ class ClusterProfile:
             )
         if self.host_link is None:
             object.__setattr__(self, "host_link", default_host_link(self.device))
+        if self.all_to_all not in ("pairwise", "ring"):
+            raise ValueError(f"ClusterProfile {self.name!r}: all_to_all must be 'pairwise' (NCCL) or 'ring' (gloo: "
+                             f"gathered whole), got {self.all_to_all!r}")
 
     def num_devices(self) -> int:
         return self.nodes * self.devices_per_node
@@ -176,7 +182,7 @@ class ClusterProfile:
         device.update(peak_flops=dict(dev.peak_flops), sources=dict(dev.sources))
         links = {key: asdict(getattr(self, key)) for key in ("intra_node", "inter_node", "host_link")}
         return {"name": self.name, "device": device, "devices_per_node": self.devices_per_node, "nodes": self.nodes,
-                **links}
+                **links, "all_to_all": self.all_to_all}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ClusterProfile:
@@ -203,6 +209,8 @@ class ClusterProfile:
                 intra_node=Link(**data["intra_node"]),
                 inter_node=Link(**data["inter_node"]),
                 host_link=None if host is None else Link(**host),
+                # profiles written before the field: gloo ones (calibrated on CPU ranks) gather whole
+                all_to_all=data.get("all_to_all", "ring" if data["intra_node"]["name"].startswith("gloo") else "pairwise"),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(

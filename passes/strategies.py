@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import math
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
@@ -40,10 +40,10 @@ from autoshard import _torch_compat as tc
 from autoshard.cost.reshard import reshard_time as redistribute_time
 from autoshard.cost.compute import compute_time, op_flops
 from autoshard.cost.offload import OffloadSummary, host_is_device, offload_cost
-from autoshard.buckets import gather_axes
-from autoshard.ir import Group, GroupStrategy, NodeOut, Placements, is_state, output_vals, tensor_args
+from autoshard.ir import Group, GroupStrategy, NodeOut, Placements, output_vals, tensor_args
 from autoshard.passes.candidates import CandidateEnumerator, evenly_divisible, shard_factor
 from autoshard.passes.context import PassContext
+from autoshard.passes.follow import follow_members
 from autoshard.passes.recompute import is_recomputed, stored
 
 log = logging.getLogger(__name__)
@@ -231,7 +231,7 @@ def group_strategies(group: Group, nodes: dict[str, fx.Node], ctx: PassContext, 
     pos = {name: i for i, name in enumerate(group.members)}
     result: dict[tuple, GroupStrategy] = {}
     for cand in cands:
-        for outs, ins, comm in _follow_members(group, nodes, pos, cand, en, ctx):
+        for outs, ins, comm in follow_members(group, nodes, pos, cand, en, ctx):
             s = _cost(group, nodes, outs, ins, comm, ctx)
             key = (s.outputs, s.inputs)
             if key not in result:
@@ -252,65 +252,6 @@ def group_strategies(group: Group, nodes: dict[str, fx.Node], ctx: PassContext, 
             f"{dict(zip(ctx.mesh_names, ms))}; please report this graph"
         )
     return list(result.values())
-
-
-_MAX_BRANCHES = 16  # ways one anchor candidate may be followed (Partial producers reduced or not)
-
-
-def _follow_members(group: Group, nodes: dict[str, fx.Node], pos: dict[str, int], cand: tc.RawStrategy,
-                    en: CandidateEnumerator, ctx: PassContext) -> Iterator[tuple[list, list, float]]:
-    """Every way the group's followers can take the anchor candidate ``cand``: each follows its producer's layout,
-    and a follower handed a Partial may also reduce it first, to Replicate or to a Shard of any dim (a
-    row-parallel matmul's output reduce-scattered onto the sequence before the residual add: Megatron-SP), the
-    move priced inside the group. Yields (outputs, inputs, in-group comm seconds) per member."""
-    ms = ctx.mesh_shape
-    # (outputs, inputs, comm, the layout each reduced Partial producer was moved to: a value is moved once)
-    states: list[tuple[list, list, float, dict]] = [([cand.outputs], [cand.inputs], 0.0, {})]
-    for name in group.members[1:]:
-        node = nodes[name]
-        nxt: list[tuple[list, list, float, dict]] = []
-        for outs, ins, comm, moved in states:
-            if node.target is operator.getitem:
-                src = pos[node.args[0].name]
-                nxt.append((outs + [(outs[src][node.args[1]],)], ins + [()], comm, moved))
-                continue
-            k = node.meta["autoshard_follow"]
-            producer = tensor_args(node)[k]
-            have = outs[pos[producer.name]][0]
-            v = producer.meta["val"]
-            branch = len(states) < _MAX_BRANCHES and producer.name not in moved
-            wants = _reductions(have, tuple(v.shape), ms) if branch else [moved.get(producer.name, have)]
-            for want in wants:
-                raw = en.follow(node, k, want)
-                if raw is None:
-                    continue
-                need = raw.inputs[k]
-                move = 0.0
-                if need != have:
-                    waits = not is_state(producer) or gather_axes(tuple(have), tuple(need), tuple(v.shape), ms) is None
-                    move = redistribute_time(have, need, tuple(v.shape), v.element_size(), ms, ctx.cluster, waits=waits)
-                    if math.isinf(move):  # a move DTensor cannot make: this branch cannot run
-                        continue
-                done = {**moved, producer.name: want} if len(wants) > 1 else moved
-                nxt.append((outs + [raw.outputs], ins + [raw.inputs], comm + move, done))
-        states = nxt
-    for outs, ins, comm, _ in states:
-        yield outs, ins, comm
-
-
-def _reductions(have: Placements, shape: tuple[int, ...], ms: Sequence[int]) -> list[Placements]:
-    """``have`` itself, and where it holds a Partial: the Partial axes reduced to Replicate, or scattered to a
-    Shard of each dim they divide evenly (nothing else sharding that dim)."""
-    partial = [a for a, p in enumerate(have) if p.is_partial()]
-    if not partial:
-        return [have]
-    out = [have, tuple(Replicate() if a in partial else p for a, p in enumerate(have))]
-    for d in range(len(shape)):
-        taken = [a for a, p in enumerate(have) if isinstance(p, Shard) and p.dim == d]
-        n = math.prod(ms[a] for a in partial + taken)
-        if not taken and shape[d] % n == 0 and shape[d] >= n:
-            out.append(tuple(Shard(d) if a in partial else p for a, p in enumerate(have)))
-    return out
 
 
 def _interface(group: Group, nodes: dict[str, fx.Node]) -> tuple[list[int], list[tuple[int, int]]]:

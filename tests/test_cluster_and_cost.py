@@ -88,15 +88,17 @@ def test_collective_time_ring_formulas() -> None:
     assert collective_time("all_gather", 4_000_000, 4, LINK) == pytest.approx(3.03e-3)
     assert collective_time("reduce_scatter", 4_000_000, 4, LINK) == pytest.approx(one_pass)
     assert collective_time("all_reduce", 4_000_000, 4, LINK) == pytest.approx(6.06e-3)
-    assert collective_time("all_to_all", 4_000_000, 4, LINK) == pytest.approx(one_pass)
+    # all_to_all: NCCL sends each peer its piece at once (b*(n-1)/n**2 per device); gloo gathers whole
+    assert collective_time("all_to_all", 4_000_000, 4, LINK) == pytest.approx(3 * 1e-5 + 4e6 * 3 / 16 / 1e9)
+    assert collective_time("all_to_all", 4_000_000, 4, LINK, "ring") == pytest.approx(one_pass)
     assert collective_time("all_reduce", 4_000_000, 1, LINK) == 0.0
     with pytest.raises(ValueError, match="all_gather"):
         collective_time("broadcast", 8, 2, LINK)
 
 
-def _cpu_step(kind: str, axis: int, nbytes: int) -> CollectiveStep:
+def _cpu_step(kind: str, axis: int, nbytes: int) -> CollectiveStep:  # gloo: an all_to_all gathers whole
     link = get_cluster("cpu").intra_node
-    return CollectiveStep(kind, axis, nbytes, collective_time(kind, nbytes, 2, link))
+    return CollectiveStep(kind, axis, nbytes, collective_time(kind, nbytes, 2, link, "ring"))
 
 
 FULL = 8 * 4 * 4  # f32[8, 4]

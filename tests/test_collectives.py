@@ -6,6 +6,8 @@ B_e = 50 GB/s per GPU; 8 GPUs per node.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import json
 
 import pytest
@@ -157,11 +159,14 @@ def test_hierarchical_by_hand() -> None:
     assert axis_collective_time("reduce_scatter", b, (4, 32), 1, H100, "hierarchical") == pytest.approx(
         local + network
     )
-    # all_to_all has one schedule; across nodes it runs on one NIC per device
+    # all_to_all (NCCL): each device sends b/n**2 to each peer at once, 7 over NVLink and 24 through its own NIC
     assert axis_collective("all_to_all", b, (4, 32), 1, H100) == (
-        "ring",
-        pytest.approx(collective_time("all_to_all", b, 32, H100.inter_node)),
+        "pairwise",
+        pytest.approx(7 * A_I + 24 * A_E + b * max(7 / B_I, 24 / B_E) / 32**2),
     )
+    gloo_like = replace(H100, all_to_all="ring")  # gathered whole on the network link
+    assert axis_collective("all_to_all", b, (4, 32), 1, gloo_like) == (
+        "ring", pytest.approx(collective_time("all_to_all", b, 32, H100.inter_node, "ring")))
 
 
 # --- auto ------------------------------------------------------------------------------------------------------

@@ -17,8 +17,8 @@ from numerics_utils import LR, MODELS, PARAM_ATOL, train_sharded
 
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 
-# long enough (1024 tokens, d 512) that an H100 plan splits attention heads over tp and reduce-scatters the
-# output projection onto the sequence (Megatron-SP's residual), the norm after it sequence-sharded
+# long enough (1024 tokens, d 512) that an H100 plan splits attention heads over tp and moves the attention output
+# onto the sequence by an all-to-all (DeepSpeed-Ulysses' move): the rest of the layer runs sequence-sharded
 SEQ_CFG = GPTConfig(n_layer=1, d_model=512, n_head=32, vocab=512, seq_len=1024, bias=False)
 
 
@@ -94,14 +94,14 @@ def test_mesh_8_gpt_fsdp_like_budget(runs):
 
 
 def test_sequence_sharded_residual_trains_like_one_device(runs):
-    """Megatron-SP's move executed: the attention output projection's Partial is reduce-scattered onto the
-    sequence before the residual add (no all-reduce), the norm after it runs on the sequence shard."""
+    """Heads to sequence executed: the attention output (head-sharded) goes to the sequence by an all-to-all
+    before the output projection (no all-reduce in the forward), the norm after it runs on the sequence shard."""
     got = _check(runs, "gpt-seq-4")
     from autoshard.plan import Plan
 
     stage = Plan.from_json(got["plan"]).stages[0]
     fwd = [c for c in stage.collectives if c.phase == "forward"]
-    assert any(c.kind == "reduce_scatter" and c.consumer.startswith("add") for c in fwd), fwd
+    assert any(c.kind == "all_to_all" and c.consumer.startswith("mm") for c in fwd), fwd
     assert not any(c.kind == "all_reduce" for c in fwd), fwd
     [ln2] = [d for d in stage.ops if d.module.endswith("ln2") and d.op.startswith("aten.native_layer_norm.")]
     assert ln2.output == ("S(1)",), ln2

@@ -46,7 +46,8 @@ def _plan(budget=None, recipes=False, **kw):
         model = MLP(1024, 4096, 1024)
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     config = PlanConfig(constraints=BATCH, memory_budget=budget, solve_recipes=recipes, **kw)
-    # 4 A100s in 4 nodes: gathers cross InfiniBand, so the fastest plan without a budget is DDP-like
+    # 4 A100s in 4 nodes: every collective crosses InfiniBand; the fastest plan shards both weights (moving a
+    # shard of fc2's weight by all-to-all costs less than DDP's gradient all-reduce), the smallest on the device
     plan, gm, ctx = plan_graph(model, mlp_example_inputs(512, 1024, 1024), mesh, get_cluster("a100-80gb:4x1"), config)
     return plan, offloaded_params(gm, ctx), ctx
 
@@ -55,16 +56,18 @@ def test_planner_offloads_when_and_only_when_the_budget_asks():
     with fake_world(4):
         free, off, _ = _plan()
         assert not off  # no budget: the fastest plan keeps everything on the device
-        sharded, off, _ = _plan(int(free.peak_memory.total * 0.6))
+        ddp, _, _ = _plan(recipe="ddp")
+        sharded, off, _ = _plan(int(ddp.peak_memory.total * 0.6))
         assert not off  # a budget that sharding meets: sharded, not offloaded
         assert sharded.peak_memory.total <= sharded.memory_budget_bytes
-        budget = int(free.peak_memory.total * 0.45)
+        assert any(p != ("R",) for p in sharded.parameter_placements().values())
+        budget = int(free.peak_memory.total * 0.9)
         with pytest.raises(InfeasibleBudget):  # below every device-only plan ...
             _plan(budget, offload="none")
         tight, off, ctx = _plan(budget)  # ... offloaded, and within the budget
         assert off and set(off.values()) == {"optimizer"}
         assert tight.peak_memory.total <= budget
-        assert tight.step_time_s > sharded.step_time_s > free.step_time_s
+        assert tight.step_time_s > sharded.step_time_s >= free.step_time_s
         # the offloaded state is off the device: the device's optimizer bytes are the others'
         chosen = [ctx.strategies[g.id][ctx.solution.choice[g.id]] for g in ctx.groups if g.kind == "parameter"]
         assert tight.peak_memory.optimizer == sum(s.optimizer_bytes for s in chosen if not s.offload)
@@ -81,7 +84,7 @@ def test_forced_offload_modes():
         params, off, ctx = _plan(offload="params")
         assert set(off.values()) == {"params"} and len(off) == 4
         # the device holds a shard of each parameter (ZeRO-3 layouts), the master and state on the host
-        assert set(params.parameter_placements().values()) == {("S(0)",)}
+        assert all(p[0].startswith("S(") for p in params.parameter_placements().values())
         assert params.peak_memory.parameters <= plan.peak_memory.parameters
 
 

@@ -150,10 +150,12 @@ def test_fsdp_gathers_each_layers_parameters_with_one_collective_per_phase():
         k: v for k, v in apart.items() if k != "all_gather_into_tensor"}
 
 
-def test_long_sequence_block_is_megatron_tp_with_sequence_sharded_residuals():
-    """Pure tensor parallelism on 4 H100s, 4096 tokens, d 4096: Megatron found whole (q, k, v and fc1
-    column-parallel, wo and fc2 row-parallel), each row-parallel output reduce-scattered onto the sequence (the
-    residual stream sequence-sharded) and all-gathered before the next norm: no all-reduce of activations."""
+def test_long_sequence_block_is_tensor_parallel_with_sequence_sharded_residuals():
+    """Pure tensor parallelism on 4 H100s, 4096 tokens, d 4096: q, k, v and fc1 column-parallel, fc2 row-parallel
+    with its output reduce-scattered onto the sequence (Megatron-SP); the attention output leaves the heads for
+    the sequence by an all-to-all (DeepSpeed-Ulysses' move) and ``wo`` runs sequence-sharded on a whole weight.
+    The residual stream is sequence-sharded and gathered before each norm: no all-reduce of activations. The
+    cost comparisons: Megatron's row-parallel ``wo`` and a sequence-sharded norm each cost more."""
     cfg = GPTConfig(n_layer=2, d_model=4096, n_head=32, vocab=512, seq_len=4096, bias=False)
     with torch.device("meta"):
         model = GPT(cfg)
@@ -165,20 +167,29 @@ def test_long_sequence_block_is_megatron_tp_with_sequence_sharded_residuals():
         for i in range(cfg.n_layer):
             for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.fc1"):
                 assert pl[f"layers.{i}.{name}.weight"] == ("S(0)",), name  # column-parallel
-            for name in ("attn.wo", "mlp.fc2"):
-                assert pl[f"layers.{i}.{name}.weight"] == ("S(1)",), name  # row-parallel
+            assert pl[f"layers.{i}.mlp.fc2.weight"] == ("S(1)",)  # row-parallel
+            assert pl[f"layers.{i}.attn.wo.weight"] == ("R",)
         fwd = [c for c in plan.stages[0].collectives if c.phase == "forward" and c.nbytes >= 1 << 20]
         kinds = [c.kind for c in fwd]
-        assert kinds.count("reduce_scatter") == 2 * cfg.n_layer, fwd
+        assert sum(c.kind == "all_to_all" and c.consumer.startswith("mm") for c in fwd) == cfg.n_layer, fwd
+        assert kinds.count("reduce_scatter") == cfg.n_layer, fwd
         assert "all_reduce" not in kinds, fwd
-        assert sum(c.kind == "all_gather" and "layer_norm" in c.consumer for c in fwd) == 2 * cfg.n_layer - 1
-        # the norms run on the gathered sequence: sharding them too would save 0.04 ms of norm each, but the
-        # backward's fc1 weight gradient then needs the norm's output gathered once more (0.12 ms)
+        assert sum(c.kind == "all_gather" and "layer_norm" in c.consumer for c in fwd) == 2 * cfg.n_layer, fwd
         problem, sol = ctx.problem, ctx.solution
+
+        def pinned(group, want) -> float:
+            cands = problem.strategies[group.id]
+            keep = {i for i, s in enumerate(cands) if s.outputs[0][0] == want}
+            return problem.solve(memory_budget=None, time_limit_s=30, pins={group.id: keep}).objective_s
+
+        # Megatron's row-parallel wo: a reduce-scatter of its output (0.12 ms) where the all-to-all of the
+        # attention output takes 0.04 ms, in the forward and again in the backward; the whole weight's gradient
+        # costs one gather of 0.12 ms
+        [wo] = [g for g in ctx.groups if g.kind == "parameter" and g.module == "layers.0.attn.wo"]
+        assert pinned(wo, (Shard(1),)) > sol.objective_s
+        # the norms run on the gathered sequence: sharding one saves 0.04 ms of norm work, but the backward's
+        # fc1 weight gradient then needs the norm's output gathered once more (0.12 ms)
         [ln2] = [g for g in ctx.groups if g.module == "layers.0.ln2" and "layer_norm" in g.anchor
                  and g.phase == "forward"]
-        cands = problem.strategies[ln2.id]
-        assert cands[sol.choice[ln2.id]].outputs[0][0] == (Replicate(),)
-        seq = {i for i, s in enumerate(cands) if s.outputs[0][0] == (Shard(1),)}
-        pinned = problem.solve(memory_budget=None, time_limit_s=30, pins={ln2.id: seq})
-        assert pinned.objective_s > sol.objective_s
+        assert problem.strategies[ln2.id][sol.choice[ln2.id]].outputs[0][0] == (Replicate(),)
+        assert pinned(ln2, (Shard(1),)) > sol.objective_s

@@ -26,6 +26,9 @@ OpOverload = torch._ops.OpOverload
 
 
 # ------------------------------------------------------------------------------------- DTensor strategies
+def is_strided_shard(p: Placement) -> bool:
+    """DTensor's ``_StridedShard`` (a Shard subclass on torch 2.11, not on 2.13)."""
+    return type(p).__name__ == "_StridedShard"
 
 
 def _prop():

@@ -39,9 +39,15 @@ between nodes the network (``a_e``, ``B_e`` per device: one NIC per GPU, as on D
   with RS / AG / AR the single-link ring formulas above. The ``m`` inter-node sub-rings (one per position
   inside the node, each over ``k`` devices on ``k`` nodes) run at once, each on its own device's NIC.
 
-``all_to_all`` has one schedule, DESIGN §5's pessimistic ``a*(n-1) + b*(n-1)/n/B`` (reported as ``ring``) on
-the intra-node link when ``k == 1``, else on one NIC per device: all devices send off-node at the same time,
-so there are no idle NICs to borrow, unlike a ring.
+``all_to_all`` depends on the backend (:attr:`ClusterProfile.all_to_all`). ``pairwise`` (NCCL): every device
+sends its ``b/n``-byte buffer cut in ``n`` pieces, one to each peer at once, so it sends ``b*(n-1)/n**2``::
+
+    pairwise      = a*(n-1) + b*max((m-1)/B_i, (n-m)/B_e)/n**2
+
+  (``m-1`` peers over the intra-node link, ``n-m`` through its own NIC: every device sends off-node at the same
+  time, so there are no idle NICs to borrow, unlike a ring.) ``ring`` (gloo): DTensor has no CPU all-to-all and
+  all-gathers the whole tensor, keeping its chunk: an all-gather's one pass, ``n`` times the bytes. DESIGN §5's
+  ``b*(n-1)/n/B`` is the pairwise formula with ``b`` the per-device buffer.
 
 ``auto`` takes the cheapest applicable algorithm, ties going to the first of :data:`ALGORITHMS`, the way
 NCCL's tuner picks the algorithm with the least predicted time. Plain arithmetic, no state.
@@ -57,7 +63,7 @@ __all__ = [
 ]
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
-ALGORITHMS = ("ring", "tree", "hierarchical")
+ALGORITHMS = ("ring", "tree", "hierarchical", "pairwise")
 TREE_BANDWIDTH_FACTOR = 0.9  # NCCL src/graph/tuning.cc: tree bus bandwidth = 0.9 x the graph's
 
 
@@ -80,34 +86,42 @@ def ring_bandwidth(layout: AxisLayout, intra: Link, inter: Link) -> float:
     return min(m * inter.bandwidth, m * intra.bandwidth / (m - 1))
 
 
-def applicable_algorithms(kind: str, layout: AxisLayout) -> tuple[str, ...]:
-    """The algorithms that exist for ``kind`` on this layout, in tie-break order."""
+def applicable_algorithms(kind: str, layout: AxisLayout, all_to_all: str = "pairwise") -> tuple[str, ...]:
+    """The algorithms that exist for ``kind`` on this layout, in tie-break order; ``all_to_all``: the one the
+    backend runs for that kind (``pairwise``, or ``ring`` where it all-gathers)."""
     _check_kind(kind)
     if kind == "all_to_all":
-        return ("ring",)
+        if all_to_all not in ("pairwise", "ring"):
+            raise ValueError(f"all_to_all algorithm {all_to_all!r}: known are 'pairwise' (NCCL) and 'ring' (gloo)")
+        return (all_to_all,)
     algorithms: tuple[str, ...] = ("ring", "tree") if kind == "all_reduce" else ("ring",)
     if layout.per_node > 1 and layout.nodes > 1:
         algorithms += ("hierarchical",)
     return algorithms
 
 
-def algorithm_time(kind: str, nbytes: float, layout: AxisLayout, intra: Link, inter: Link, algorithm: str) -> float:
+def algorithm_time(kind: str, nbytes: float, layout: AxisLayout, intra: Link, inter: Link, algorithm: str,
+                   all_to_all: str = "pairwise") -> float:
     """Seconds for collective ``kind`` of full size ``nbytes`` with ``algorithm`` (formulas: module docstring).
 
     Raises ValueError for an unknown kind or algorithm, or one that does not apply (``tree`` is all_reduce only;
-    ``hierarchical`` needs ``m > 1`` and ``k > 1``)."""
-    if algorithm not in applicable_algorithms(kind, layout):
+    ``hierarchical`` needs ``m > 1`` and ``k > 1``; ``all_to_all`` runs the backend's one)."""
+    applicable = applicable_algorithms(kind, layout, all_to_all)
+    if algorithm not in applicable:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown collective algorithm {algorithm!r}; known: {', '.join(ALGORITHMS)}, auto")
         raise ValueError(
             f"{algorithm} does not apply to {kind} on an axis of {layout.size} devices laid {layout.per_node} per "
-            f"node over {layout.nodes} node(s); applicable: {', '.join(applicable_algorithms(kind, layout))} "
+            f"node over {layout.nodes} node(s); applicable: {', '.join(applicable)} "
             f"(tree: all_reduce only; hierarchical: more than one node and more than one device per node)"
         )
     n, m, k = layout.size, layout.per_node, layout.nodes
     if n <= 1:
         return 0.0
-    if kind == "all_to_all":
+    if kind == "all_to_all" and algorithm == "pairwise":
+        latency = (m - 1) * intra.latency + (n - m) * inter.latency
+        return latency + nbytes * max((m - 1) / intra.bandwidth, (n - m) / inter.bandwidth) / n**2
+    if kind == "all_to_all":  # gathered whole, then each device keeps its chunk
         link = intra if k == 1 else inter
         return ring_pass(nbytes, n, link.latency, link.bandwidth)
     if algorithm == "ring":
@@ -125,12 +139,13 @@ def algorithm_time(kind: str, nbytes: float, layout: AxisLayout, intra: Link, in
     return 2.0 * (local + network) if kind == "all_reduce" else local + network
 
 
-def best_algorithm(kind: str, nbytes: float, layout: AxisLayout, intra: Link, inter: Link) -> tuple[str, float]:
+def best_algorithm(kind: str, nbytes: float, layout: AxisLayout, intra: Link, inter: Link,
+                   all_to_all: str = "pairwise") -> tuple[str, float]:
     """``(algorithm, seconds)`` of the cheapest applicable algorithm; ties go to the earlier one in
     :data:`ALGORITHMS` (so a 1-device axis, or an empty message, reports ``ring``)."""
     best_name, best_time = "", float("inf")
-    for name in applicable_algorithms(kind, layout):
-        t = algorithm_time(kind, nbytes, layout, intra, inter, name)
+    for name in applicable_algorithms(kind, layout, all_to_all):
+        t = algorithm_time(kind, nbytes, layout, intra, inter, name, all_to_all)
         if t < best_time:
             best_name, best_time = name, t
     return best_name, best_time

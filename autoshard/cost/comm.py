@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from autoshard.cluster import ClusterProfile, Link
+from autoshard.cluster import AxisLayout, ClusterProfile, Link
 from autoshard.cost.collectives import (
     ALGORITHMS,
     COLLECTIVES,
@@ -52,12 +52,15 @@ __all__ = [
 ]
 
 
-def collective_time(kind: str, nbytes: int, n: int, link: Link) -> float:
-    """Seconds for one ring collective of ``kind`` over ``n`` devices; ``nbytes`` is the full (gathered) size."""
+def collective_time(kind: str, nbytes: int, n: int, link: Link, all_to_all: str = "pairwise") -> float:
+    """Seconds for one ring collective of ``kind`` over ``n`` devices on one link; ``nbytes`` is the full
+    (gathered) size; an all_to_all runs ``all_to_all`` (``pairwise``, or ``ring``: gathered whole)."""
     if kind not in COLLECTIVES:
         raise ValueError(f"unknown collective kind {kind!r}; known kinds: {', '.join(COLLECTIVES)}")
     if n < 1:
         raise ValueError(f"{kind} over {n} devices: a mesh axis has at least 1 device")
+    if kind == "all_to_all":
+        return algorithm_time(kind, nbytes, AxisLayout(n, n, 1), link, link, all_to_all, all_to_all)
     one_pass = ring_pass(nbytes, n, link.latency, link.bandwidth)
     return 2.0 * one_pass if kind == "all_reduce" else one_pass
 
@@ -75,8 +78,8 @@ def axis_collective(
     ``"auto"`` (the cheapest applicable one); an algorithm that does not apply raises ValueError."""
     layout, intra, inter = cluster.axis_layout(mesh_shape, axis), cluster.intra_node, cluster.inter_node
     if algorithm == "auto":
-        return best_algorithm(kind, nbytes, layout, intra, inter)
-    return algorithm, algorithm_time(kind, nbytes, layout, intra, inter, algorithm)
+        return best_algorithm(kind, nbytes, layout, intra, inter, cluster.all_to_all)
+    return algorithm, algorithm_time(kind, nbytes, layout, intra, inter, algorithm, cluster.all_to_all)
 
 
 def axis_collective_time(
@@ -238,7 +241,7 @@ def _plan(
                 divisor *= mesh[other]
         nbytes = -(-total // divisor)  # ceil: uneven shards are padded to the largest one
         kind = _KIND[phase]
-        algorithm, seconds = best_algorithm(kind, nbytes, layouts[axis], intra, inter)
+        algorithm, seconds = best_algorithm(kind, nbytes, layouts[axis], intra, inter, cluster.all_to_all)
         steps.append(CollectiveStep(kind, axis, nbytes, seconds, algorithm))
         sharded[axis] = phase in (_REDUCE_SCATTER, _ALL_TO_ALL)
     return tuple(steps)
