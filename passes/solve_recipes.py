@@ -26,8 +26,8 @@ from autoshard.ir import tensor_args
 from autoshard.passes.context import PassContext
 from autoshard.passes.solve_memory import solve_within, temporaries_of
 from autoshard.solver.intra_op import InfeasibleBudget, SolverTimeout
-from autoshard.solver.recipes import (RecipeResult, applicable, candidate_state_kind, even_prefix, placement_short,
-                                      recipe_placements, state_kind)
+from autoshard.solver.recipes import (RecipeResult, applicable, candidate_state_kind, even_prefix, is_expert_weight,
+                                      placement_short, recipe_placements, state_kind)
 
 T = TypeVar("T")
 
@@ -40,6 +40,9 @@ def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext) -> tuple[dict
     canon = ctx.layer_of_group or {g.id: g.id for g in ctx.groups}
     nodes = {n.name: n for n in gm.graph.nodes}
     ms = ctx.mesh_shape
+    if recipe == "ep" and not has_experts(gm, ctx):
+        raise ValueError("recipe 'ep' shards stacked expert weights ([experts, in, out] parameters of a mixture of "
+                         "experts) and this model has none; use fsdp, tp or fsdp+tp")
     pins: dict[int, set[int]] = {}
     dp_axes: set[int] = set()
     bent = unmatched = kept_whole = 0
@@ -105,6 +108,16 @@ def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext) -> tuple[dict
     if kept_whole:
         notes.append(f"{kept_whole} parameters keep whole optimizer state (no even shard)")
     return pins, notes
+
+
+def has_experts(gm: fx.GraphModule, ctx: PassContext) -> bool:
+    """Whether the model has stacked expert weights (``autoshard.solver.recipes.is_expert_weight``)."""
+    for n in gm.graph.nodes:
+        role = n.meta.get("autoshard_role")
+        if n.op == "placeholder" and role is not None and role.kind == "parameter" and is_expert_weight(
+                ctx.param_modules.get(role.name, ""), tuple(n.meta["val"].shape)):
+            return True
+    return False
 
 
 def _batch_pins(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int], dp_axes: set[int],
@@ -177,7 +190,7 @@ def solve_recipes(gm: fx.GraphModule, ctx: PassContext, alongside: Callable[[], 
     """Every recipe that applies to this mesh, solved (kept on ``ctx.recipes``), and ``alongside`` (the
     plan's own solve) run first on the same pool: CP-SAT releases the GIL while it searches, so a 2-core
     laptop solves two programs at a time."""
-    recipes = applicable(ctx.mesh_shape)
+    recipes = applicable(ctx.mesh_shape, experts=has_experts(gm, ctx))
     ctx.report("solve", 0.0, f"autoshard plan and recipes {', '.join(recipes)}")
     with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
         own = pool.submit(alongside) if alongside is not None else None

@@ -13,6 +13,7 @@ import autoshard
 from autoshard import _torch_compat as tc
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.models.mlp import MLP, mlp_example_inputs
+from autoshard.models.moe import MoEConfig, MoEDecoder, moe_example_inputs
 
 # The small models both numerics layers train: name -> (make model, make global inputs).
 GPT_CFG = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab=128, seq_len=16, bias=False)
@@ -32,9 +33,20 @@ def make_mlp() -> MLP:
     return MLP(32, 64, 32)
 
 
+# 4 experts, top-2, capacity 1.25: some choices overflow their expert's slots and are dropped, as Mixtral-style
+# capacity routing drops them (the sharded run must drop the same ones)
+MOE_CFG = MoEConfig(n_layer=2, d_model=32, n_head=4, n_kv_head=2, ffn=64, n_experts=4, top_k=2, vocab=64, seq_len=16)
+
+
+def make_moe() -> MoEDecoder:
+    torch.manual_seed(0)
+    return MoEDecoder(MOE_CFG)
+
+
 MODELS = {
     "mlp": (make_mlp, lambda: mlp_example_inputs(16, 32, 32)),
     "gpt": (make_gpt, lambda: gpt_example_inputs(GPT_CFG, 8)),
+    "moe": (make_moe, lambda: moe_example_inputs(MOE_CFG, 8)),
 }
 
 

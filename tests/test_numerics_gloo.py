@@ -44,8 +44,10 @@ BATCH = {"inputs": {"dp": Shard(0)}}
         ("gpt", (2, 2), ("dp", "tp"), {"constraints": {"inputs": "[S(0), R]"}, "cluster": "h100-sxm", "backend": "eager"}),
         ("gpt", (2, 2), ("dp", "tp"), {"recipe": "fsdp", "backend": "eager"}),  # [S(0), S(0)] gathered in groups
         ("gpt", (2,), ("dp",), {"recipe": "zero1", "backend": "eager"}),  # all-reduce, step a shard, gather back
+        ("moe", (2,), ("dp",), {"recipe": "ep", "backend": "eager"}),  # experts sharded, tokens all-to-all'd
     ],
-    ids=["mlp-dp2-eager", "gpt-dp4-fsdp-eager", "gpt-2x2-tp-eager", "gpt-2x2-fsdp-eager", "gpt-dp2-zero1-eager"],
+    ids=["mlp-dp2-eager", "gpt-dp4-fsdp-eager", "gpt-2x2-tp-eager", "gpt-2x2-fsdp-eager", "gpt-dp2-zero1-eager",
+         "moe-dp2-ep-eager"],
 )
 def test_gloo_eager(name, shape, names, kw):
     _run(name, shape, names, **kw)

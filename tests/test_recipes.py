@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 from autoshard.config import normalize
+from autoshard.models.moe import MoEConfig, MoEDecoder, moe_example_inputs
 from autoshard.solver.recipes import applicable, tp_role
 from autoshard.meshes import fake_world
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
@@ -38,11 +39,13 @@ def _plan(recipe: str | None, shape=(2, 2), names=("dp", "tp"), **kw):
 def test_recipe_names_and_applicability():
     assert normalize("Megatron") == "tp" and normalize("zero3") == "fsdp" and normalize("2d") == "fsdp+tp"
     assert normalize("ZeRO-2") == "zero2" and normalize("hybrid") == "hsdp"
-    with pytest.raises(ValueError, match="known recipes: ddp, zero1, zero2, fsdp, hsdp, tp, fsdp\\+tp"):
+    assert normalize("fsdp+ep") == "ep"
+    with pytest.raises(ValueError, match="known recipes: ddp, zero1, zero2, fsdp, hsdp, tp, fsdp\\+tp, ep"):
         normalize("zero-bubble")
     assert applicable((8,)) == ("ddp", "zero1", "zero2", "fsdp", "tp")
     assert applicable((4, 8)) == ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "fsdp+tp")
     assert applicable((4, 1)) == ("ddp", "zero1", "zero2", "fsdp")
+    assert applicable((8,), experts=True) == ("ddp", "zero1", "zero2", "fsdp", "ep", "tp")  # models with experts
 
 
 def test_tp_roles_follow_megatron():
@@ -89,6 +92,22 @@ def test_each_recipe_has_the_placements_its_name_promises():
         assert fsdp_tp[f"{a}.wq.bias"] == ("R", "S(0)") and fsdp_tp[f"{a}.wo.bias"] == ("S(0)", "R")
     assert pp["wte.weight"] == ("R", "S(0)")  # vocab-parallel embedding (tied head)
     assert pp["ln_f.weight"] == ("R", "R")
+
+
+def test_ep_recipe_shards_experts_and_needs_them():
+    """ep: each stacked expert weight on its expert dim over the last axis and its own FSDP over the others, the
+    dense part replicated; a model without experts is refused by name."""
+    cfg = MoEConfig(n_layer=1, d_model=32, n_head=4, n_kv_head=2, ffn=64, n_experts=4, top_k=2, vocab=64, seq_len=16)
+    with fake_world(4):
+        with torch.device("meta"):
+            model = MoEDecoder(cfg)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+        ep = autoshard.recipe("ep", model, mesh, moe_example_inputs(cfg, 8)).parameter_placements()
+        with pytest.raises(ValueError, match="recipe 'ep' shards stacked expert weights .* this model has none"):
+            _plan("ep")
+    assert {k: v for k, v in ep.items() if ".moe.w" in k} == {f"layers.0.moe.{w}": ("S(1)", "S(0)")
+                                                               for w in ("w1", "w2", "w3")}
+    assert {v for k, v in ep.items() if ".moe.w" not in k} == {("R", "R")}
 
 
 def _check_never_worse(plan):

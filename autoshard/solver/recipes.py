@@ -23,6 +23,10 @@ tp         Megatron inside the last axis: column-parallel Linear weights Shard(0
 fsdp+tp    tp's layouts on ``tp``, plus a Shard on ``dp`` of every parameter, on the dim tp leaves whole (dim 1 of a
            column-parallel weight, else dim 0; a column-parallel bias, with no such dim, stays Replicate on
            ``dp``) (torchtitan's 2-D recipe, without its strided shard)
+ep         expert parallelism (models with stacked expert weights only): each ``[experts, ...]`` weight Shard(0)
+           over the last axis (``ep``) and Shard(1) over the others (its FSDP), every other parameter Replicate
+           (DDP), the batch Shard(0) over every axis, so tokens reach their experts by all-to-all (GShard,
+           DeepSpeed-MoE: experts sharded inside the data-parallel group)
 =========  ==========================================================================================
 
 Column/row roles come from module names, as in torchtitan's and Megatron's plans (q/k/v, gate/up, fc1 ...
@@ -52,7 +56,8 @@ _COLUMN = re.compile(
 )
 _ROW = re.compile(r"(^|\.)(wo|o_proj|out_proj|c_proj|w2|fc2|down_proj|fc_out|output\.dense|proj)(\.weight|)$")
 _TRANSPOSED = ("Conv1D",)
-DATA_PARALLEL = ("ddp", "zero1", "zero2", "fsdp", "hsdp")  # recipes whose batch is split over every axis  # Hugging Face GPT-2 stores Linear weights as [in, out]
+_CONV = ("Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d")  # 3-D+ weights, not experts
+DATA_PARALLEL = ("ddp", "zero1", "zero2", "fsdp", "hsdp", "ep")  # recipes whose batch is split over every axis
 
 
 @dataclass(frozen=True)
@@ -67,9 +72,17 @@ class RecipeResult:
     note: str
 
 
-def applicable(mesh_shape: Sequence[int]) -> tuple[str, ...]:
-    """Recipes that mean something on this mesh (2-D recipes need two axes; TP needs a tp axis > 1)."""
+def is_expert_weight(module_type: str, shape: Sequence[int]) -> bool:
+    """A stacked expert weight ``[experts, in, out]``: a 3-D parameter that is not a convolution's."""
+    return len(shape) == 3 and module_type not in _CONV
+
+
+def applicable(mesh_shape: Sequence[int], experts: bool = False) -> tuple[str, ...]:
+    """Recipes that mean something on this mesh (2-D recipes need two axes; TP needs a tp axis > 1; ep needs a
+    model with stacked expert weights, ``experts``)."""
     out = ["ddp", "zero1", "zero2", "fsdp"]
+    if experts and mesh_shape[-1] > 1:
+        out.append("ep")
     if len(mesh_shape) >= 2 and mesh_shape[-1] > 1 and any(n > 1 for n in mesh_shape[:-1]):
         out.append("hsdp")
     if mesh_shape[-1] > 1:
@@ -120,6 +133,8 @@ def recipe_placements(
             note = "unmatched"
     if recipe == "fsdp":
         want = [Shard(0) for _ in range(nd)]
+    elif recipe == "ep" and is_expert_weight(module_type, shape):
+        want = [Shard(1) for _ in range(nd - 1)] + [Shard(0)]
     elif recipe == "hsdp":
         want[nd - 1] = Shard(0)
     elif recipe == "fsdp+tp":
