@@ -37,9 +37,10 @@ REDUCE_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "b
 # parameter's, with ZeRO-3 compute layouts (the device keeps only a shard of each parameter)
 OFFLOAD_MODES = ("auto", "none", "optimizer", "params")
 
-RECIPES = ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "fsdp+tp", "ep")
+RECIPES = ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "fsdp+tp", "ep", "cp")
 ALIASES = {"megatron": "tp", "megatron-tp": "tp", "zero3": "fsdp", "2d": "fsdp+tp", "fsdp+megatron": "fsdp+tp",
-           "zero-1": "zero1", "zero-2": "zero2", "zero-3": "fsdp", "hybrid": "hsdp", "fsdp+ep": "ep", "expert": "ep"}
+           "zero-1": "zero1", "zero-2": "zero2", "zero-3": "fsdp", "hybrid": "hsdp", "fsdp+ep": "ep", "expert": "ep",
+           "context": "cp", "fsdp+cp": "cp"}
 
 
 def normalize(name: str) -> str:
@@ -65,7 +66,7 @@ class PlanConfig:
 
     ``solve_recipes`` solves each manual recipe that applies (``autoshard.solver.recipes``) alongside the plan and keeps
     the fastest that fits when a time-limited search ends slower, so the plan is never slower than it.
-    ``recipe`` ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "fsdp+tp", "ep") makes the plan that recipe instead of a
+    ``recipe`` ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "fsdp+tp", "ep", "cp") makes the plan that recipe instead of a
     free choice. ``shard_state`` lets the solver place a parameter's gradient and optimizer state apart from the
     parameter (ZeRO-1/2: state sharded over axes where the parameter is replicated). ``sample_layers`` captures only that many of a
     model's identical repeated layers and lets them stand for all of them (planning only: the plan's costs and

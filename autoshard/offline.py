@@ -82,11 +82,12 @@ def resolve_model(
 
 
 def _check_batch(job: ModelJob, shape: Sequence[int], names: Sequence[str], recipe: str | None) -> None:
-    """The batch must split over the data-parallel axes (every axis but ``tp``; recipes ddp/fsdp: every axis)."""
+    """The batch must split over the data-parallel axes (every axis but ``tp`` and ``cp``, which split the hidden
+    size and the sequence; recipes ddp/fsdp: every axis)."""
     if not job.inputs or not isinstance(job.inputs[0], torch.Tensor) or job.inputs[0].ndim == 0:
         return
     batch = job.inputs[0].shape[0]
-    dp_axes = [i for i, n in enumerate(names) if n != "tp"]
+    dp_axes = [i for i, n in enumerate(names) if n not in ("tp", "cp")]
     if recipe in ("ddp", "fsdp"):
         dp_axes = list(range(len(shape)))
     degree = math.prod(shape[i] for i in dp_axes) if dp_axes else 1

@@ -9,7 +9,7 @@ Each case plans a zoo model offline with ``autoshard.plan(model, mesh, cluster=.
 the model is built on the meta device, the mesh lives on a fake process group, three of the repeated layers are
 captured and stand for all of them, and the memory budget is the device's memory unless the case (or
 ``--memory-budget``) says otherwise. While planning, autoshard also solves every manual recipe that applies to
-the mesh (``autoshard.solver.recipes``: ddp, fsdp, Megatron tp, fsdp+tp), each with its parameter and batch layouts
+the mesh (``autoshard.solver.recipes``: ddp, fsdp, Megatron tp, fsdp+tp; ep for experts, cp for attention), each with its parameter and batch layouts
 pinned and everything else (activation layouts, where the collectives go) chosen by the same integer program, so
 every recipe is costed by exactly the model that costs the plan, and done as well as that recipe allows. Those
 are ``Plan.recipes``; they are solved alongside the plan, and a time-limited plan slower than the fastest that
@@ -79,6 +79,12 @@ CASES = (
     # seq 4096 left no recipe within 80 GB and the plan at the budget's edge (a solve that ran out of time
     # then reported InfeasibleBudget); at 1024 FSDP fits and bounds the plan
     Case("mixtral-8x7b", "h100-sxm:4x8", (4, 8), 32, 1024, why="mixture of experts, memory-bound"),
+    Case("mixtral-8x7b", "h100-sxm:8x8", (8, 8), 64, 4096, why="mixture of experts on 64 GPUs: expert parallelism"),
+    # 4 sequences of 128K tokens, each split 16 ways: context parallelism. No budget: at this length the loss's
+    # logits (and their gradient) are backward temporaries, which the integer program's memory term does not
+    # count, so no plan is found under 80 GB (the plan below peaks far above it)
+    Case("llama3-8b", "h100-sxm:8x8", (4, 16), 4, 131072, memory_budget="none",
+         why="128K-token sequences: context parallelism"),
     Case("bert-large", "a100-80gb:1x8", (8,), 256, 512, why="encoder, one node"),
     Case("vit-h14", "h100-sxm:2x8", (2, 8), 256, None, why="vision transformer"),
 )

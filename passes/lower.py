@@ -171,7 +171,11 @@ class PlanInterpreter:
                 return type(a)(unwrap(x) for x in a)
             return a
 
-        out = node.target(*unwrap(args), **{k: unwrap(v) for k, v in kwargs.items()})
+        call = rules.local_call(node, sh)
+        if call is not None:
+            out = call(args, kwargs, self.mesh)
+        else:
+            out = node.target(*unwrap(args), **{k: unwrap(v) for k, v in kwargs.items()})
         vals = node.meta["val"]
         if isinstance(out, torch.Tensor):
             return _wrap(out, self.mesh, sh.outputs[0] or [Replicate()] * self.mesh.ndim, vals)

@@ -23,6 +23,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autoshard.config import normalize
 from autoshard.ir import tensor_args
+from autoshard.rules import attention
 from autoshard.passes.context import PassContext
 from autoshard.passes.solve_memory import solve_within, temporaries_of
 from autoshard.solver.intra_op import InfeasibleBudget, SolverTimeout
@@ -40,6 +41,9 @@ def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext) -> tuple[dict
     canon = ctx.layer_of_group or {g.id: g.id for g in ctx.groups}
     nodes = {n.name: n for n in gm.graph.nodes}
     ms = ctx.mesh_shape
+    if recipe == "cp" and not has_attention(gm):
+        raise ValueError("recipe 'cp' shards the sequence of attention and this model has no attention op that "
+                         "autoshard can shard on the sequence (CPU flash attention); use fsdp or tp")
     if recipe == "ep" and not has_experts(gm, ctx):
         raise ValueError("recipe 'ep' shards stacked expert weights ([experts, in, out] parameters of a mixture of "
                          "experts) and this model has none; use fsdp, tp or fsdp+tp")
@@ -96,8 +100,8 @@ def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext) -> tuple[dict
                 "forbid it)"
             )
         pins[g.id] = keep
-        if role.kind == "input":
-            dp_axes.update(a for a, p in enumerate(target) if isinstance(p, Shard))
+        if role.kind == "input":  # the batch's axes (a sequence shard, cp's, leaves the ops on it free)
+            dp_axes.update(a for a, p in enumerate(target) if isinstance(p, Shard) and p.dim == 0)
     if dp_axes:
         pins.update(_batch_pins(gm, ctx, canon, dp_axes, pins))
     notes = []
@@ -118,6 +122,12 @@ def has_experts(gm: fx.GraphModule, ctx: PassContext) -> bool:
                 ctx.param_modules.get(role.name, ""), tuple(n.meta["val"].shape)):
             return True
     return False
+
+
+def has_attention(gm: fx.GraphModule) -> bool:
+    """Whether the graph has an attention op whose rule can shard the sequence (``autoshard/rules/attention.py``)."""
+    ops = attention.RULE.ops()
+    return any(n.op == "call_function" and n.target in ops for n in gm.graph.nodes)
 
 
 def _batch_pins(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int], dp_axes: set[int],
@@ -190,7 +200,7 @@ def solve_recipes(gm: fx.GraphModule, ctx: PassContext, alongside: Callable[[], 
     """Every recipe that applies to this mesh, solved (kept on ``ctx.recipes``), and ``alongside`` (the
     plan's own solve) run first on the same pool: CP-SAT releases the GIL while it searches, so a 2-core
     laptop solves two programs at a time."""
-    recipes = applicable(ctx.mesh_shape, experts=has_experts(gm, ctx))
+    recipes = applicable(ctx.mesh_shape, experts=has_experts(gm, ctx), attention=has_attention(gm))
     ctx.report("solve", 0.0, f"autoshard plan and recipes {', '.join(recipes)}")
     with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
         own = pool.submit(alongside) if alongside is not None else None

@@ -13,6 +13,7 @@ import autoshard
 from autoshard import _torch_compat as tc
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.models.mlp import MLP, mlp_example_inputs
+from autoshard.models.llama import Llama, LlamaConfig, llama_example_inputs
 from autoshard.models.moe import MoEConfig, MoEDecoder, moe_example_inputs
 
 # The small models both numerics layers train: name -> (make model, make global inputs).
@@ -43,10 +44,21 @@ def make_moe() -> MoEDecoder:
     return MoEDecoder(MOE_CFG)
 
 
+# one 2048-token sequence, one key/value head for four query heads: long enough that a plan with the sequence
+# sharded gathers the keys and values for causal attention (context parallelism) rather than the whole layer
+LONG_CFG = LlamaConfig(n_layer=2, d_model=256, n_head=4, n_kv_head=1, ffn=512, vocab=256, seq_len=2048)
+
+
+def make_long_llama() -> Llama:
+    torch.manual_seed(0)
+    return Llama(LONG_CFG)
+
+
 MODELS = {
     "mlp": (make_mlp, lambda: mlp_example_inputs(16, 32, 32)),
     "gpt": (make_gpt, lambda: gpt_example_inputs(GPT_CFG, 8)),
     "moe": (make_moe, lambda: moe_example_inputs(MOE_CFG, 8)),
+    "llama-long": (make_long_llama, lambda: llama_example_inputs(LONG_CFG, 1)),
 }
 
 

@@ -45,12 +45,22 @@ BATCH = {"inputs": {"dp": Shard(0)}}
         ("gpt", (2, 2), ("dp", "tp"), {"recipe": "fsdp", "backend": "eager"}),  # [S(0), S(0)] gathered in groups
         ("gpt", (2,), ("dp",), {"recipe": "zero1", "backend": "eager"}),  # all-reduce, step a shard, gather back
         ("moe", (2,), ("dp",), {"recipe": "ep", "backend": "eager"}),  # experts sharded, tokens all-to-all'd
+        # one sequence split over 2 ranks: causal attention on gathered keys and values, per-rank masks traced
+        ("llama-long", (2,), ("cp",), {"constraints": {"inputs": "[S(1)]"}, "cluster": "h100-sxm", "backend": "eager"}),
     ],
     ids=["mlp-dp2-eager", "gpt-dp4-fsdp-eager", "gpt-2x2-tp-eager", "gpt-2x2-fsdp-eager", "gpt-dp2-zero1-eager",
-         "moe-dp2-ep-eager"],
+         "moe-dp2-ep-eager", "llama-cp2-eager"],
 )
 def test_gloo_eager(name, shape, names, kw):
-    _run(name, shape, names, **kw)
+    results = _run(name, shape, names, **kw)
+    from autoshard.plan import Plan
+
+    plan = Plan.from_json(results[0]["plan"])
+    if name == "llama-long":  # context parallelism: query chunks against the gathered keys and values
+        fwd = [d for d in plan.stages[0].ops if d.op.startswith("aten._scaled_dot_product") and d.phase == "forward"]
+        assert fwd and all(d.inputs == (("S(2)",), ("R",), ("R",)) for d in fwd), fwd
+    if name == "moe":  # expert parallelism: the experts stay sharded, tokens move (gloo: gathered and chunked)
+        assert {v for k, v in plan.parameter_placements().items() if ".moe.w" in k} == {("S(0)",)}
 
 
 def test_gloo_inductor_gpt_2x2():

@@ -38,11 +38,13 @@ CASES = {
     "gpt-8-budget": ("gpt", (8,), ("dp",), {"constraints": DP, "memory_budget": "600KiB"}),  # forces sharding
     "gpt-seq-4": ("gpt-seq", (4,), ("tp",), {"cluster": "h100-sxm", "constraints": {"inputs": "[R]"}}),
     "moe-ep-4": ("moe", (4,), ("dp",), {"recipe": "ep"}),
+    "llama-cp-4": ("llama-long", (4,), ("cp",), {"cluster": "h100-sxm", "constraints": {"inputs": "[S(1)]"}}),
 }
 USES = {"test_mesh_2x4_batch_on_dp": ("mlp-2x4", "gpt-2x4"), "test_mesh_2x2_zero2_state_sharded_over_both_axes":
         ("gpt-2x2-zero2",), "test_mesh_8_gpt_fsdp_like_budget": ("gpt-8-budget",),
         "test_sequence_sharded_residual_trains_like_one_device": ("gpt-seq-4",),
-        "test_expert_parallel_moe_trains_like_one_device": ("moe-ep-4",)}
+        "test_expert_parallel_moe_trains_like_one_device": ("moe-ep-4",),
+        "test_context_parallel_causal_attention_trains_like_one_device": ("llama-cp-4",)}
 
 
 def _train(case: str) -> tuple:
@@ -63,7 +65,7 @@ def runs(request: pytest.FixtureRequest) -> dict:
     """The selected tests' cases, two at a time in forked processes (LocalTensorMode is single-threaded work)."""
     wanted = [c for item in request.session.items if item.module is request.module
               for c in USES.get(item.originalname, ())]
-    return run_two_at_a_time(_train, wanted, cost={"gpt-2x4": 4, "gpt-2x2-zero2": 3, "gpt-8-budget": 3})
+    return run_two_at_a_time(_train, wanted, cost={"gpt-2x4": 4, "gpt-2x2-zero2": 3, "gpt-8-budget": 3, "llama-cp-4": 7})
 
 
 def _check(runs: dict, case: str) -> dict:
@@ -122,6 +124,22 @@ def test_expert_parallel_moe_trains_like_one_device(runs):
     fwd = [c for c in plan.stages[0].collectives if c.phase == "forward" and c.kind == "all_to_all"]
     assert sum(c.consumer.startswith("bmm") for c in fwd) >= 2 and sum(c.consumer.startswith("_unsafe_view")
                                                                        for c in fwd) == 2, fwd
+
+
+def test_context_parallel_causal_attention_trains_like_one_device(runs):
+    """Context parallelism executed: one 2048-token sequence split over 4 simulated ranks, causal attention on
+    each rank's query chunk against the gathered keys and values (its causal mask offset by the chunk's
+    position), the key/value gradients reduce-scattered back; equal to the single-device run."""
+    got = _check(runs, "llama-cp-4")
+    from autoshard.plan import Plan
+
+    stage = Plan.from_json(got["plan"]).stages[0]
+    attn = [d for d in stage.ops if d.op.startswith("aten._scaled_dot_product_flash_attention_for_cpu")]
+    fwd = [d for d in attn if d.phase == "forward"]
+    bwd = [d for d in attn if d.phase == "backward"]
+    assert len(fwd) == len(bwd) == 2
+    assert all(d.output == ("S(2)",) and d.inputs == (("S(2)",), ("R",), ("R",)) for d in fwd), fwd
+    assert all(d.inputs[1:4] == (("S(2)",), ("R",), ("R",)) for d in bwd), bwd
 
 
 def test_inputs_drawn_inside_local_tensor_mode_are_refused():

@@ -6,6 +6,8 @@ One file per family, listed in ``_all_rules``. A rule can give
   the rule instead of DTensor, which has none for the op, or not the ones we want);
 - ``runs_local(node, sharding)``: whether the lowering runs the op on each rank's local shards with the plan's
   placements instead of through DTensor's dispatch (``passes/lower.py``), when DTensor cannot run that layout;
+- ``local_call(node, sharding)``: how that local run calls the op where the traced call would be wrong on a
+  shard (causal attention on a sequence shard needs its rank's query offset);
 - ``flops``: FLOP formulas for the op's overloads that ``torch.utils.flop_counter`` lacks (``cost/compute.py``).
 
 Adding an op family (ring attention, an MoE dispatch) is a new file here (an ``OpRule`` named ``RULE``) and
@@ -52,6 +54,12 @@ def runs_local(node: fx.Node, sharding: NodeSharding) -> bool:
     return rule is not None and rule.runs_local is not None and rule.runs_local(node, sharding)
 
 
+def local_call(node: fx.Node, sharding: NodeSharding) -> Callable[..., Any] | None:
+    """The rule's own local call for ``node`` at ``sharding`` (``call(args, kwargs, mesh)``), or None."""
+    rule = rule_for(node.target)
+    return None if rule is None or rule.local_call is None else rule.local_call(node, sharding)
+
+
 @functools.lru_cache(maxsize=1)
 def flop_formulas() -> Mapping[Any, Callable[..., int]]:
     """Every rule's FLOP formulas by OpOverload; a formula takes the op's arguments as shapes."""
@@ -61,4 +69,4 @@ def flop_formulas() -> Mapping[Any, Callable[..., int]]:
     return out
 
 
-__all__ = ["OpRule", "candidates", "flop_formulas", "rule_for", "runs_local"]
+__all__ = ["OpRule", "candidates", "flop_formulas", "local_call", "rule_for", "runs_local"]

@@ -1,9 +1,20 @@
 """Scaled dot-product attention on CPU (``_scaled_dot_product_flash_attention_for_cpu`` and its backward).
 
-DTensor has no strategy for the CPU kernel. Ours: every tensor sharded on the batch, or on the heads, per mesh
-axis (attention is independent across both); an input that broadcasts on that dimension (an attention mask
-``[B, 1, T, T]`` has one head) stays whole on it. DTensor cannot run it either, so the lowering calls the
-kernel on each rank's local shards. FLOPs: the kernel's matmuls (torch's counter knows only the CUDA ones).
+DTensor has no strategy for the CPU kernel. Ours, per mesh axis: everything whole, every tensor sharded on the
+batch or on the heads (attention is independent across both), or **context parallelism**: the queries, the
+output and its log-sum-exp sharded on the sequence while the keys and values are whole on that axis (gathered
+by the edge before the op: all-gathered K/V, as Llama 3 trains long sequences), the backward's key and value
+gradients Partial (each rank's queries' share, summed by a reduce-scatter or all-reduce). An input that
+broadcasts on a sharded dimension (a mask ``[B, 1, T, T]`` has one head) stays whole on it.
+
+DTensor cannot run any of these, so the lowering calls the kernel on each rank's local shards. Causal
+attention with the sequence sharded needs each rank's query offset: ``local_call`` passes the kernel an
+explicit mask built from the positions of this rank's queries (the chunk of ``arange(T)`` the queries' own
+placement gives it, so the same code serves per-rank traces and simulated ranks); that kernel skips no masked
+block, so its work is its queries against every key (``_forward_flops``). Ranks hold contiguous chunks: no
+causal load balancing (the last rank's queries see the most keys; with the explicit mask every rank does the
+same work, twice a balanced causal share). FLOPs: the kernel's matmuls (torch's counter knows only the CUDA
+ones).
 """
 
 from __future__ import annotations
@@ -15,7 +26,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autoshard import _torch_compat as tc
@@ -23,6 +35,7 @@ from autoshard.ir import NodeSharding, output_vals, tensor_args
 from autoshard.rules.base import OpRule
 
 _Shape = Sequence[int]
+_SEQ = 2  # [B, H, T, D]: the sequence dim of query, key, value and output; logsumexp [B, H, T] has it too
 
 
 def _ops() -> frozenset[Any]:
@@ -31,28 +44,83 @@ def _ops() -> frozenset[Any]:
                       aten._scaled_dot_product_flash_attention_for_cpu_backward.default})
 
 
+def _is_backward(node: fx.Node) -> bool:
+    return node.target is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _layout(option: str, backward: bool, n_in: int, n_out: int) -> tuple[list[Placement], list[Placement]]:
+    """Per-tensor placements on one axis for ``option``: inputs in argument order, then outputs."""
+    if option != "seq":
+        p = {"whole": Replicate(), "batch": Shard(0), "heads": Shard(1)}[option]
+        return [p] * n_in, [p] * n_out
+    s, r = Shard(_SEQ), Replicate()
+    if backward:  # grad_out, query, key, value, out, logsumexp[, mask] -> grad q, k, v
+        return [s, s, r, r, s, s, s][:n_in], [s, Partial(), Partial()]
+    return [s, r, r, s][:n_in], [s, s]  # query, key, value[, mask] -> output, logsumexp
+
+
 def candidates(node: fx.Node, ties: Sequence[int]) -> list[tc.RawStrategy]:
-    """Per distinct mesh axis (``ties``: axes that must place alike share one choice): whole, batch or heads."""
+    """Per distinct mesh axis (``ties``: axes that must place alike share one choice): whole, batch, heads, or
+    the sequence (self-attention only: as many keys as queries)."""
     ins = [a.meta["val"] for a in tensor_args(node)]
-    backward = node.target is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    backward = _is_backward(node)
     q = ins[1] if backward else ins[0]
+    k = ins[2] if backward else ins[1]
     outs = output_vals(node)
-    per_axis: list[Placement] = [Replicate(), Shard(0), Shard(1)]
+    options = ["whole", "batch", "heads"] + (["seq"] if q.shape[_SEQ] == k.shape[_SEQ] else [])
     free = sorted(set(ties))
 
-    def fit(pl: tuple, v: torch.Tensor) -> tuple:
-        return tuple(Replicate() if isinstance(p, Shard) and v.shape[p.dim] == 1 < q.shape[p.dim] else p for p in pl)
+    def fit(p: Placement, v: torch.Tensor) -> Placement:
+        return Replicate() if isinstance(p, Shard) and v.shape[p.dim] == 1 < q.shape[p.dim] else p
 
     result = []
-    for sub in itertools.product(per_axis, repeat=len(free)):
+    for sub in itertools.product(options, repeat=len(free)):
         pick = dict(zip(free, sub))
-        pl = tuple(pick[t] for t in ties)
-        result.append(tc.RawStrategy(tuple(fit(pl, v) for v in ins), tuple(pl if o is not None else None for o in outs)))
+        per_axis = [_layout(pick[t], backward, len(ins), len(outs)) for t in ties]
+        in_pl = tuple(tuple(fit(ax[0][i], v) for ax in per_axis) for i, v in enumerate(ins))
+        out_pl = tuple(tuple(ax[1][j] for ax in per_axis) if o is not None else None for j, o in enumerate(outs))
+        result.append(tc.RawStrategy(in_pl, out_pl))
     return result
 
 
 def runs_local(node: fx.Node, sharding: NodeSharding) -> bool:
-    return True  # batch and heads are independent: each rank's kernel on its shards is the sharded attention
+    return True  # batch, heads and query chunks are independent: each rank's kernel on its shards
+
+
+def _causal(node: fx.Node) -> bool:
+    backward = _is_backward(node)
+    at = 7 if backward else 4
+    return bool(node.args[at]) if len(node.args) > at else bool(node.kwargs.get("is_causal", False))
+
+
+def local_call(node: fx.Node, sharding: NodeSharding) -> Callable[[tuple, dict, DeviceMesh], Any] | None:
+    """Causal attention whose queries are sequence-sharded: the kernel with this rank's causal mask; else None
+    (the kernel as traced, on local shards)."""
+    backward = _is_backward(node)
+    q_pl = sharding.inputs[1 if backward else 0]
+    if not _causal(node) or q_pl is None or not any(isinstance(p, Shard) and p.dim == _SEQ for p in q_pl):
+        return None
+
+    def call(args: tuple, kwargs: dict, mesh: DeviceMesh) -> Any:
+        q, k = (args[1], args[2]) if backward else (args[0], args[1])
+        t = k.shape[_SEQ]
+        full = torch.arange(t, device=k.to_local().device)
+        chunks = [Shard(0) if isinstance(p, Shard) and p.dim == _SEQ else Replicate() for p in q_pl]
+        whole = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        pos = tc.redistribute(whole, mesh, chunks).to_local()  # this rank's query positions (no communication)
+        mask = torch.zeros(pos.shape[0], t, dtype=q.dtype, device=full.device)
+        mask = mask.masked_fill(full[None, :] > pos[:, None], float("-inf"))[None, None]
+        local = [a.to_local() if hasattr(a, "to_local") else a for a in args]
+        given = kwargs.get("attn_mask")
+        if given is not None:
+            mask = mask + (given.to_local() if hasattr(given, "to_local") else given)
+        rest = {key: v for key, v in kwargs.items() if key not in ("attn_mask", "is_causal")}
+        if backward:  # (grad_out, query, key, value, out, logsumexp, dropout_p, is_causal)
+            return node.target(*local[:7], False, attn_mask=mask, **rest)
+        dropout = local[3] if len(local) > 3 else 0.0
+        return node.target(*local[:3], dropout, False, attn_mask=mask, **rest)
+
+    return call
 
 
 def _dims(query: _Shape, key: _Shape, value: _Shape) -> tuple[int, int, int, int, int]:
@@ -65,12 +133,14 @@ def _dims(query: _Shape, key: _Shape, value: _Shape) -> tuple[int, int, int, int
 
 def _forward_flops(query: _Shape, key: _Shape, value: _Shape, *rest: Any, is_causal: bool = False, **_: Any) -> int:
     # Two matmuls: scores = q @ k^T (2*Lq*Lk*Dq per head) and out = p @ v (2*Lq*Lk*Dv); = 4*B*H*Lq*Lk*D when
-    # Dq == Dv. Positional signature: (query, key, value, dropout_p=0., is_causal=False).
+    # Dq == Dv. Positional signature: (query, key, value, dropout_p=0., is_causal=False). The causal kernel
+    # skips the masked upper triangle; a sequence shard of the queries (fewer queries than keys) runs with an
+    # explicit mask (``local_call``), which skips nothing.
     if len(rest) >= 2:
         is_causal = bool(rest[1])
     bh, lq, lk, dq, dv = _dims(query, key, value)
     flops = 2 * bh * lq * lk * (dq + dv)
-    return flops // 2 if is_causal else flops  # the causal kernel skips the masked upper triangle
+    return flops // 2 if is_causal and lq == lk else flops
 
 
 def _backward_flops(grad_out: _Shape, query: _Shape, key: _Shape, value: _Shape, *rest: Any,
@@ -82,7 +152,7 @@ def _backward_flops(grad_out: _Shape, query: _Shape, key: _Shape, value: _Shape,
         is_causal = bool(rest[3])
     bh, lq, lk, dq, dv = _dims(query, key, value)
     flops = 2 * bh * lq * lk * (3 * dq + 2 * dv)
-    return flops // 2 if is_causal else flops
+    return flops // 2 if is_causal and lq == lk else flops
 
 
 def _flops() -> Mapping[Any, Callable[..., int]]:
@@ -91,4 +161,5 @@ def _flops() -> Mapping[Any, Callable[..., int]]:
             aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _backward_flops}
 
 
-RULE = OpRule("cpu attention", _ops, candidates=candidates, runs_local=runs_local, flops=_flops)
+RULE = OpRule("cpu attention", _ops, candidates=candidates, runs_local=runs_local, flops=_flops,
+              local_call=local_call)

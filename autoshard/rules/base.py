@@ -21,6 +21,9 @@ class OpRule:
     candidates: Callable[[fx.Node, Sequence[int]], list[tc.RawStrategy]] | None = None
     runs_local: Callable[[fx.Node, NodeSharding], bool] | None = None
     flops: Callable[[], Mapping[Any, Callable[..., int]]] = field(default=lambda: {})
+    # how a local run calls the op, where not as traced: (node, sharding) -> None or call(args, kwargs, mesh)
+    # taking the DTensor arguments at their planned placements and returning local results
+    local_call: Callable[[fx.Node, NodeSharding], Callable[..., Any] | None] | None = None
 
 
 __all__ = ["OpRule"]

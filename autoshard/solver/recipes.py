@@ -27,6 +27,10 @@ ep         expert parallelism (models with stacked expert weights only): each ``
            over the last axis (``ep``) and Shard(1) over the others (its FSDP), every other parameter Replicate
            (DDP), the batch Shard(0) over every axis, so tokens reach their experts by all-to-all (GShard,
            DeepSpeed-MoE: experts sharded inside the data-parallel group)
+cp         context parallelism (models with attention only): the inputs' sequence (dim 1) Shard over the
+           last axis (``cp``), their batch Shard(0) over the others; every parameter Shard(0) over every axis
+           (torchtitan's CP with FSDP over dp x cp); attention gathers the keys and values of the sequence
+           (Llama 3's all-gathered K/V) where the solver finds nothing cheaper
 =========  ==========================================================================================
 
 Column/row roles come from module names, as in torchtitan's and Megatron's plans (q/k/v, gate/up, fc1 ...
@@ -77,12 +81,14 @@ def is_expert_weight(module_type: str, shape: Sequence[int]) -> bool:
     return len(shape) == 3 and module_type not in _CONV
 
 
-def applicable(mesh_shape: Sequence[int], experts: bool = False) -> tuple[str, ...]:
+def applicable(mesh_shape: Sequence[int], experts: bool = False, attention: bool = False) -> tuple[str, ...]:
     """Recipes that mean something on this mesh (2-D recipes need two axes; TP needs a tp axis > 1; ep needs a
-    model with stacked expert weights, ``experts``)."""
+    model with stacked expert weights, ``experts``; cp one with attention over a sequence, ``attention``)."""
     out = ["ddp", "zero1", "zero2", "fsdp"]
     if experts and mesh_shape[-1] > 1:
         out.append("ep")
+    if attention and mesh_shape[-1] > 1:
+        out.append("cp")
     if len(mesh_shape) >= 2 and mesh_shape[-1] > 1 and any(n > 1 for n in mesh_shape[:-1]):
         out.append("hsdp")
     if mesh_shape[-1] > 1:
@@ -120,6 +126,9 @@ def recipe_placements(
     if role == "input":
         if not shape:
             return tuple(rep), None
+        if recipe == "cp":
+            return tuple(Shard(1) if i == nd - 1 and len(shape) > 1 else Shard(0) if i < nd - 1 else Replicate()
+                         for i in range(nd)), None
         dp_axes = range(nd) if recipe in DATA_PARALLEL else range(nd - 1)
         return tuple(Shard(0) if i in dp_axes else Replicate() for i in range(nd)), None
     if role != "parameter" or not shape:
@@ -131,7 +140,7 @@ def recipe_placements(
             want[nd - 1] = Shard(dim)
         elif kind == "unmatched":
             note = "unmatched"
-    if recipe == "fsdp":
+    if recipe in ("fsdp", "cp"):
         want = [Shard(0) for _ in range(nd)]
     elif recipe == "ep" and is_expert_weight(module_type, shape):
         want = [Shard(1) for _ in range(nd - 1)] + [Shard(0)]
