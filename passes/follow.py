@@ -57,10 +57,11 @@ def follow_members(group: Group, nodes: dict[str, fx.Node], pos: dict[str, int],
             shape = tuple(v.shape)
             branch = len(states) < _MAX_BRANCHES and producer.name not in moved
             wants = _reductions(have, shape, ms) if branch else [moved.get(producer.name, have)]
-            if branch and len(wants) == 1 and _makes_strided(en.follow(node, k, have)):
+            as_is = en.follow(node, k, wants[0]) if wants[0] == have else None
+            if branch and len(wants) == 1 and _makes_strided(as_is):
                 wants += _reshards(have, shape, ms)
             for want in wants:
-                raw = en.follow(node, k, want)
+                raw = as_is if want == have and wants[0] == have else en.follow(node, k, want)
                 if raw is None:
                     continue
                 need = raw.inputs[k]

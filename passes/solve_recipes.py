@@ -43,7 +43,7 @@ def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext) -> tuple[dict
     ms = ctx.mesh_shape
     if recipe == "cp" and not has_attention(gm):
         raise ValueError("recipe 'cp' shards the sequence of attention and this model has no attention op that "
-                         "autoshard can shard on the sequence (CPU flash attention); use fsdp or tp")
+                         "autoshard can shard on the sequence (self-attention of at least 256 tokens); use fsdp or tp")
     if recipe == "ep" and not has_experts(gm, ctx):
         raise ValueError("recipe 'ep' shards stacked expert weights ([experts, in, out] parameters of a mixture of "
                          "experts) and this model has none; use fsdp, tp or fsdp+tp")
@@ -125,9 +125,9 @@ def has_experts(gm: fx.GraphModule, ctx: PassContext) -> bool:
 
 
 def has_attention(gm: fx.GraphModule) -> bool:
-    """Whether the graph has an attention op whose rule can shard the sequence (``autoshard/rules/attention.py``)."""
+    """Whether the graph has an attention op that may shard its sequence (``autoshard/rules/attention.py``)."""
     ops = attention.RULE.ops()
-    return any(n.op == "call_function" and n.target in ops for n in gm.graph.nodes)
+    return any(n.op == "call_function" and n.target in ops and attention.splits_sequence(n) for n in gm.graph.nodes)
 
 
 def _batch_pins(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int], dp_axes: set[int],

@@ -36,6 +36,9 @@ from autoshard.rules.base import OpRule
 
 _Shape = Sequence[int]
 _SEQ = 2  # [B, H, T, D]: the sequence dim of query, key, value and output; logsumexp [B, H, T] has it too
+# shorter sequences are not offered the sequence split: the option multiplies every attention group's candidates
+# (planning time), and a chunk of a few dozen queries against gathered keys and values is not what CP is for
+_MIN_SEQ = 256
 
 
 def _ops() -> frozenset[Any]:
@@ -59,15 +62,22 @@ def _layout(option: str, backward: bool, n_in: int, n_out: int) -> tuple[list[Pl
     return [s, r, r, s][:n_in], [s, s]  # query, key, value[, mask] -> output, logsumexp
 
 
+def splits_sequence(node: fx.Node) -> bool:
+    """Whether ``node`` (an attention op of this rule) is offered the sequence split (context parallelism)."""
+    ins = [a.meta["val"] for a in tensor_args(node)]
+    q, k = (ins[1], ins[2]) if _is_backward(node) else (ins[0], ins[1])
+    return q.shape[_SEQ] == k.shape[_SEQ] and q.shape[_SEQ] >= _MIN_SEQ
+
+
 def candidates(node: fx.Node, ties: Sequence[int]) -> list[tc.RawStrategy]:
     """Per distinct mesh axis (``ties``: axes that must place alike share one choice): whole, batch, heads, or
-    the sequence (self-attention only: as many keys as queries)."""
+    the sequence (self-attention of at least ``_MIN_SEQ`` tokens)."""
     ins = [a.meta["val"] for a in tensor_args(node)]
     backward = _is_backward(node)
     q = ins[1] if backward else ins[0]
     k = ins[2] if backward else ins[1]
     outs = output_vals(node)
-    options = ["whole", "batch", "heads"] + (["seq"] if q.shape[_SEQ] == k.shape[_SEQ] else [])
+    options = ["whole", "batch", "heads"] + (["seq"] if splits_sequence(node) else [])
     free = sorted(set(ties))
 
     def fit(p: Placement, v: torch.Tensor) -> Placement:
