@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import autoshard
 from autoshard.config import normalize
 from autoshard.models.moe import MoEConfig, MoEDecoder, moe_example_inputs
-from autoshard.solver.recipes import applicable, tp_role
+from autoshard.solver.recipes import applicable, is_expert_weight, tp_role
 from autoshard.meshes import fake_world
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.models.llama import Llama, LlamaConfig, llama_example_inputs
@@ -46,6 +46,8 @@ def test_recipe_names_and_applicability():
     assert applicable((4, 8)) == ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "fsdp+tp")
     assert applicable((4, 1)) == ("ddp", "zero1", "zero2", "fsdp")
     assert applicable((8,), experts=True) == ("ddp", "zero1", "zero2", "fsdp", "ep", "tp")  # models with experts
+    assert is_expert_weight("MoEFeedForward", (8, 64, 128)) and is_expert_weight("MixtralExperts", (4, 256, 64))
+    assert not is_expert_weight("ViT", (1, 257, 64)) and not is_expert_weight("Conv1d", (64, 32, 3))
 
 
 def test_tp_roles_follow_megatron():

@@ -77,8 +77,9 @@ class RecipeResult:
 
 
 def is_expert_weight(module_type: str, shape: Sequence[int]) -> bool:
-    """A stacked expert weight ``[experts, in, out]``: a 3-D parameter that is not a convolution's."""
-    return len(shape) == 3 and module_type not in _CONV
+    """A stacked expert weight ``[experts, in, out]``: a 3-D parameter of more than one expert that is not a
+    convolution's (a ViT's ``[1, tokens, d]`` position embedding is not one)."""
+    return len(shape) == 3 and shape[0] > 1 and module_type not in _CONV
 
 
 def applicable(mesh_shape: Sequence[int], experts: bool = False, attention: bool = False) -> tuple[str, ...]:
