@@ -168,8 +168,10 @@ class CandidateEnumerator:
         ins = tensor_args(node)
         summed = key[1]  # the inputs a sum makes: they may arrive Partial
         own = op_rules.candidates(node, self.ties)  # an op family autoshard has its own rule for (autoshard/rules)
-        if own is not None:
-            return own
+        if own is not None:  # (even shards only: a batch of 1 is not split)
+            vals = [a.meta["val"] for a in ins] + list(output_vals(node))
+            return [c for c in own if all(pl is None or v is None or evenly_divisible(v.shape, pl, self.mesh_shape)
+                                          for pl, v in zip((*c.inputs, *c.outputs), vals))]
         args, kwargs = _meta_args(node)
         found: dict[tuple, tc.RawStrategy] = {}
         errors: list[str] = []

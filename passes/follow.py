@@ -5,8 +5,8 @@ branch, each move priced inside the group the way the lowering runs it:
 
 - a Partial may be reduced first: to Replicate, or reduce-scattered to a Shard of any dim (a row-parallel
   matmul's output onto the sequence before the residual add: Megatron-SP);
-- a Shard that the follower would turn into a strided shard (a view that flattens the sharded dim *inside*
-  another, e.g. an einsum's ``(c, e) -> c*e`` with ``e`` sharded) may first move to another dim (an
+- a Shard that the follower would gather or turn into a strided shard (a view that flattens the sharded dim
+  *inside* another, e.g. an einsum's ``(c, e) -> c*e`` with ``e`` sharded) may first move to another dim (an
   all-to-all) or be gathered. A strided shard is a layout the next matmul cannot contract, so without this the
   group's only ways out are gathers: the expert-sharded output of a mixture of experts could not be sent back
   to the token-sharded combine (expert parallelism's second all-to-all).
@@ -58,7 +58,7 @@ def follow_members(group: Group, nodes: dict[str, fx.Node], pos: dict[str, int],
             branch = len(states) < _MAX_BRANCHES and producer.name not in moved
             wants = _reductions(have, shape, ms) if branch else [moved.get(producer.name, have)]
             as_is = en.follow(node, k, wants[0]) if wants[0] == have else None
-            if branch and len(wants) == 1 and _makes_strided(as_is):
+            if branch and len(wants) == 1 and _takes_apart(as_is, k, have):
                 wants += _reshards(have, shape, ms)
             for want in wants:
                 raw = as_is if want == have and wants[0] == have else en.follow(node, k, want)
@@ -109,8 +109,12 @@ def _reshards(have: Placements, shape: tuple[int, ...], ms: Sequence[int]) -> li
     return out
 
 
-def _makes_strided(raw: tc.RawStrategy | None) -> bool:
-    """Whether following leaves a strided shard (DTensor's ``_StridedShard``) anywhere."""
-    if raw is None:
-        return False
+def _takes_apart(raw: tc.RawStrategy | None, k: int, have: Placements) -> bool:
+    """Whether following ``have`` as is is impossible, gathers it first or leaves a strided shard (DTensor's
+    ``_StridedShard``: torch 2.13 makes one where 2.11 has no strategy): moving the shard elsewhere may do better."""
+    sharded = any(isinstance(p, Shard) for p in have)
+    if raw is None:  # no strategy takes it (torch 2.11's flatten of an inner shard)
+        return sharded
+    if sharded and tuple(raw.inputs[k]) != tuple(have):
+        return True
     return any(tc.is_strided_shard(p) for pl in raw.outputs if pl is not None for p in pl)

@@ -229,29 +229,29 @@ def test_mixture_of_experts_is_expert_parallel_with_all_to_all_tokens():
 
 
 def test_long_sequence_attention_is_context_parallel():
-    """One 32768-token sequence on 8 H100s, its tokens split over the axis (grouped-query attention: 16 query
-    heads, 2 key/value heads): attention runs context-parallel, each device's query chunk against the keys and
-    values gathered over the axis (Llama 3's all-gathered K/V), their gradients reduce-scattered back. The cost
-    comparisons: heads sharded instead (the queries, keys and values moved to heads and back: Ulysses) and the
-    cp recipe."""
-    cfg = LlamaConfig(n_layer=2, d_model=2048, n_head=16, n_kv_head=2, ffn=7168, vocab=512, seq_len=32768)
+    """One 32768-token sequence on 2 x 8 H100s (cp x tp), its tokens split over cp: the 8 heads are split over tp,
+    and with no heads left for cp, attention there runs context-parallel, each query chunk against the keys and
+    values gathered over cp (Llama 3's all-gathered K/V), their gradients reduce-scattered back. The cost
+    comparison: attention whole on cp (each node computing all of it). (On one axis with heads to spare the
+    solver splits the heads instead: without causal load balancing a query chunk's kernel does twice its share
+    of the work.)"""
+    cfg = LlamaConfig(n_layer=2, d_model=1024, n_head=8, n_kv_head=8, ffn=3584, vocab=512, seq_len=32768)
     with torch.device("meta"):
         model = Llama(cfg)
-    with fake_world(8):
-        mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("cp",))
-        plan, gm, ctx = plan_graph(model, llama_example_inputs(cfg, 1), mesh, get_cluster("h100-sxm"),
-                                   PlanConfig(constraints={"inputs": "[S(1)]"}))
+    with fake_world(16):
+        mesh = init_device_mesh("cpu", (2, 8), mesh_dim_names=("cp", "tp"))
+        plan, gm, ctx = plan_graph(model, llama_example_inputs(cfg, 1), mesh, get_cluster("h100-sxm:2x8"),
+                                   PlanConfig(constraints={"inputs": "[S(1), R]"}))
         attn = [d for d in plan.stages[0].ops if d.op.startswith("aten._scaled_dot_product_flash_attention_for_cpu")]
         fwd = [d for d in attn if d.phase == "forward"]
         bwd = [d for d in attn if d.phase == "backward"]
         assert len(fwd) == len(bwd) == cfg.n_layer
-        assert all(d.output == ("S(2)",) and d.inputs == (("S(2)",), ("R",), ("R",)) for d in fwd), fwd
-        assert all(d.inputs[1:4] == (("S(2)",), ("R",), ("R",)) for d in bwd), bwd
+        cp_tp, kv = ("S(2)", "S(1)"), ("R", "S(1)")
+        assert all(d.output == cp_tp and d.inputs == (cp_tp, kv, kv) for d in fwd), fwd
+        assert all(d.inputs[1:4] == (cp_tp, kv, kv) for d in bwd), bwd
         problem, sol = ctx.problem, ctx.solution
         [g] = [g for g in ctx.groups if g.module == "layers.0.attention" and g.phase == "forward"
                and "flash_attention" in g.anchor]
         cands = problem.strategies[g.id]
-        heads = {i for i, s in enumerate(cands) if s.outputs[0][0] == (Shard(1),)}
-        assert problem.solve(memory_budget=None, time_limit_s=30, pins={g.id: heads}).objective_s > sol.objective_s
-        recipes = {r.name: r for r in ctx.recipes}
-        assert sol.objective_s <= recipes["cp"].objective_s
+        whole = {i for i, s in enumerate(cands) if s.outputs[0][0] == (Replicate(), Shard(1))}
+        assert problem.solve(memory_budget=None, time_limit_s=30, pins={g.id: whole}).objective_s > sol.objective_s
