@@ -83,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
     pl.add_argument("--global-batch", type=int, required=True, help="sequences (samples) per optimizer step")
     pl.add_argument("--memory-per-device", default=None, help="budget per device, e.g. 80GB (default: device memory)")
-    pl.add_argument("--recipe", default=None, help="plan a manual recipe instead: ddp, fsdp, tp, fsdp+tp")
+    pl.add_argument("--recipe", default=None, help="plan a manual recipe instead: ddp, zero1, zero2, fsdp, hsdp, tp, "
+                    "fsdp+tp, ep (experts), cp (sequence)")
     pl.add_argument("--no-recipes", action="store_true", help="skip solving the manual recipes alongside the plan (and the comparison with them)")
     pl.add_argument("--offload", choices=("auto", "none", "optimizer", "params"), default="auto",
                     help="optimizer state (and with 'params' the parameters) in host memory: auto = where device "
