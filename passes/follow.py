@@ -57,11 +57,10 @@ def follow_members(group: Group, nodes: dict[str, fx.Node], pos: dict[str, int],
             shape = tuple(v.shape)
             branch = len(states) < _MAX_BRANCHES and producer.name not in moved
             wants = _reductions(have, shape, ms) if branch else [moved.get(producer.name, have)]
-            as_is = en.follow(node, k, wants[0]) if wants[0] == have else None
-            if branch and len(wants) == 1 and _takes_apart(as_is, k, have):
+            if branch and len(wants) == 1 and _takes_apart(en.follow(node, k, have), k, have):
                 wants += _reshards(have, shape, ms)
             for want in wants:
-                raw = as_is if want == have and wants[0] == have else en.follow(node, k, want)
+                raw = en.follow(node, k, want)  # (the enumerator caches it)
                 if raw is None:
                     continue
                 need = raw.inputs[k]

@@ -3,6 +3,8 @@ per-rank programs contain for those plans."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -30,6 +32,22 @@ def _mlp():
 
 def _mlp_inputs():
     return mlp_example_inputs(4096, 1024, 1024)
+
+
+def _planned(cls, cfg, inputs, shape, names, cluster, constraints):
+    """``cls(cfg)`` built on the meta device and planned on a fake mesh: (plan, captured graph, pass context)."""
+    with torch.device("meta"):
+        model = cls(cfg)
+    with fake_world(math.prod(shape)):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        return plan_graph(model, inputs, mesh, get_cluster(cluster), PlanConfig(constraints=constraints))
+
+
+def _pinned_objective(ctx, group, want) -> float:
+    """The solver's objective with ``group``'s output pinned to ``want`` (a cost comparison)."""
+    cands = ctx.problem.strategies[group.id]
+    keep = {i for i, st in enumerate(cands) if st.outputs[0][0] == want}
+    return ctx.problem.solve(memory_budget=None, time_limit_s=30, pins={group.id: keep}).objective_s
 
 
 def test_mlp_no_budget_is_ddp():
@@ -159,42 +177,31 @@ def test_long_sequence_block_is_tensor_parallel_with_sequence_sharded_residuals(
     The residual stream is sequence-sharded and gathered before each norm: no all-reduce of activations. The
     cost comparisons: Megatron's row-parallel ``wo`` and a sequence-sharded norm each cost more."""
     cfg = GPTConfig(n_layer=2, d_model=4096, n_head=32, vocab=512, seq_len=4096, bias=False)
-    with torch.device("meta"):
-        model = GPT(cfg)
-    with fake_world(4):
-        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
-        plan, gm, ctx = plan_graph(model, gpt_example_inputs(cfg, 1), mesh, get_cluster("h100-sxm"),
-                                   PlanConfig(constraints={"inputs": "[R]"}))
-        pl = plan.parameter_placements()
-        for i in range(cfg.n_layer):
-            for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.fc1"):
-                assert pl[f"layers.{i}.{name}.weight"] == ("S(0)",), name  # column-parallel
-            assert pl[f"layers.{i}.mlp.fc2.weight"] == ("S(1)",)  # row-parallel
-            assert pl[f"layers.{i}.attn.wo.weight"] == ("R",)
-        fwd = [c for c in plan.stages[0].collectives if c.phase == "forward" and c.nbytes >= 1 << 20]
-        kinds = [c.kind for c in fwd]
-        assert sum(c.kind == "all_to_all" and c.consumer.startswith("mm") for c in fwd) == cfg.n_layer, fwd
-        assert kinds.count("reduce_scatter") == cfg.n_layer, fwd
-        assert "all_reduce" not in kinds, fwd
-        assert sum(c.kind == "all_gather" and "layer_norm" in c.consumer for c in fwd) == 2 * cfg.n_layer, fwd
-        problem, sol = ctx.problem, ctx.solution
-
-        def pinned(group, want) -> float:
-            cands = problem.strategies[group.id]
-            keep = {i for i, s in enumerate(cands) if s.outputs[0][0] == want}
-            return problem.solve(memory_budget=None, time_limit_s=30, pins={group.id: keep}).objective_s
-
-        # Megatron's row-parallel wo: a reduce-scatter of its output (0.12 ms) where the all-to-all of the
-        # attention output takes 0.04 ms, in the forward and again in the backward; the whole weight's gradient
-        # costs one gather of 0.12 ms
-        [wo] = [g for g in ctx.groups if g.kind == "parameter" and g.module == "layers.0.attn.wo"]
-        assert pinned(wo, (Shard(1),)) > sol.objective_s
-        # the norms run on the gathered sequence: sharding one saves 0.04 ms of norm work, but the backward's
-        # fc1 weight gradient then needs the norm's output gathered once more (0.12 ms)
-        [ln2] = [g for g in ctx.groups if g.module == "layers.0.ln2" and "layer_norm" in g.anchor
-                 and g.phase == "forward"]
-        assert problem.strategies[ln2.id][sol.choice[ln2.id]].outputs[0][0] == (Replicate(),)
-        assert pinned(ln2, (Shard(1),)) > sol.objective_s
+    plan, gm, ctx = _planned(GPT, cfg, gpt_example_inputs(cfg, 1), (4,), ("tp",), "h100-sxm", {"inputs": "[R]"})
+    pl = plan.parameter_placements()
+    for i in range(cfg.n_layer):
+        for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.fc1"):
+            assert pl[f"layers.{i}.{name}.weight"] == ("S(0)",), name  # column-parallel
+        assert pl[f"layers.{i}.mlp.fc2.weight"] == ("S(1)",)  # row-parallel
+        assert pl[f"layers.{i}.attn.wo.weight"] == ("R",)
+    fwd = [c for c in plan.stages[0].collectives if c.phase == "forward" and c.nbytes >= 1 << 20]
+    kinds = [c.kind for c in fwd]
+    assert sum(c.kind == "all_to_all" and c.consumer.startswith("mm") for c in fwd) == cfg.n_layer, fwd
+    assert kinds.count("reduce_scatter") == cfg.n_layer, fwd
+    assert "all_reduce" not in kinds, fwd
+    assert sum(c.kind == "all_gather" and "layer_norm" in c.consumer for c in fwd) == 2 * cfg.n_layer, fwd
+    sol = ctx.solution
+    # Megatron's row-parallel wo: a reduce-scatter of its output (0.12 ms) where the all-to-all of the
+    # attention output takes 0.04 ms, in the forward and again in the backward; the whole weight's gradient
+    # costs one gather of 0.12 ms
+    [wo] = [g for g in ctx.groups if g.kind == "parameter" and g.module == "layers.0.attn.wo"]
+    assert _pinned_objective(ctx, wo, (Shard(1),)) > sol.objective_s
+    # the norms run on the gathered sequence: sharding one saves 0.04 ms of norm work, but the backward's
+    # fc1 weight gradient then needs the norm's output gathered once more (0.12 ms)
+    [ln2] = [g for g in ctx.groups if g.module == "layers.0.ln2" and "layer_norm" in g.anchor
+             and g.phase == "forward"]
+    assert ctx.problem.strategies[ln2.id][sol.choice[ln2.id]].outputs[0][0] == (Replicate(),)
+    assert _pinned_objective(ctx, ln2, (Shard(1),)) > sol.objective_s
 
 
 def test_mixture_of_experts_is_expert_parallel_with_all_to_all_tokens():
@@ -205,12 +212,7 @@ def test_mixture_of_experts_is_expert_parallel_with_all_to_all_tokens():
     recipe."""
     cfg = MoEConfig(n_layer=2, d_model=2048, n_head=16, n_kv_head=8, ffn=8192, n_experts=8, top_k=2, vocab=1024,
                     seq_len=2048)
-    with torch.device("meta"):
-        model = MoEDecoder(cfg)
-    with fake_world(8):
-        mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
-        plan, gm, ctx = plan_graph(model, moe_example_inputs(cfg, 8), mesh, get_cluster("h100-sxm"),
-                                   PlanConfig(constraints=BATCH_ON_DP))
+    plan, gm, ctx = _planned(MoEDecoder, cfg, moe_example_inputs(cfg, 8), (8,), ("dp",), "h100-sxm", BATCH_ON_DP)
     experts = {k: v for k, v in plan.parameter_placements().items() if ".moe.w" in k}
     assert len(experts) == 3 * cfg.n_layer and set(experts.values()) == {("S(0)",)}
     stage = plan.stages[0]
@@ -236,22 +238,15 @@ def test_long_sequence_attention_is_context_parallel():
     solver splits the heads instead: without causal load balancing a query chunk's kernel does twice its share
     of the work.)"""
     cfg = LlamaConfig(n_layer=2, d_model=1024, n_head=8, n_kv_head=8, ffn=3584, vocab=512, seq_len=32768)
-    with torch.device("meta"):
-        model = Llama(cfg)
-    with fake_world(16):
-        mesh = init_device_mesh("cpu", (2, 8), mesh_dim_names=("cp", "tp"))
-        plan, gm, ctx = plan_graph(model, llama_example_inputs(cfg, 1), mesh, get_cluster("h100-sxm:2x8"),
-                                   PlanConfig(constraints={"inputs": "[S(1), R]"}))
-        attn = [d for d in plan.stages[0].ops if d.op.startswith("aten._scaled_dot_product_flash_attention_for_cpu")]
-        fwd = [d for d in attn if d.phase == "forward"]
-        bwd = [d for d in attn if d.phase == "backward"]
-        assert len(fwd) == len(bwd) == cfg.n_layer
-        cp_tp, kv = ("S(2)", "S(1)"), ("R", "S(1)")
-        assert all(d.output == cp_tp and d.inputs == (cp_tp, kv, kv) for d in fwd), fwd
-        assert all(d.inputs[1:4] == (cp_tp, kv, kv) for d in bwd), bwd
-        problem, sol = ctx.problem, ctx.solution
-        [g] = [g for g in ctx.groups if g.module == "layers.0.attention" and g.phase == "forward"
-               and "flash_attention" in g.anchor]
-        cands = problem.strategies[g.id]
-        whole = {i for i, s in enumerate(cands) if s.outputs[0][0] == (Replicate(), Shard(1))}
-        assert problem.solve(memory_budget=None, time_limit_s=30, pins={g.id: whole}).objective_s > sol.objective_s
+    plan, gm, ctx = _planned(Llama, cfg, llama_example_inputs(cfg, 1), (2, 8), ("cp", "tp"), "h100-sxm:2x8",
+                             {"inputs": "[S(1), R]"})
+    attn = [d for d in plan.stages[0].ops if d.op.startswith("aten._scaled_dot_product_flash_attention_for_cpu")]
+    fwd = [d for d in attn if d.phase == "forward"]
+    bwd = [d for d in attn if d.phase == "backward"]
+    assert len(fwd) == len(bwd) == cfg.n_layer
+    cp_tp, kv = ("S(2)", "S(1)"), ("R", "S(1)")
+    assert all(d.output == cp_tp and d.inputs == (cp_tp, kv, kv) for d in fwd), fwd
+    assert all(d.inputs[1:4] == (cp_tp, kv, kv) for d in bwd), bwd
+    [g] = [g for g in ctx.groups if g.module == "layers.0.attention" and g.phase == "forward"
+           and "flash_attention" in g.anchor]
+    assert _pinned_objective(ctx, g, (Replicate(), Shard(1))) > ctx.solution.objective_s
