@@ -3,6 +3,7 @@ the ``*_single`` names where torch has them (``*_tensor`` on torch 2.11), and wa
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,6 +44,32 @@ def reduce_scatter_dim0(t: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int]) 
 
     scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
     return scatter(t, "sum", 0, _group(mesh, tuple(axes)))
+
+
+def swap_mirrored(t: torch.Tensor, mesh: DeviceMesh, axis: int) -> torch.Tensor:
+    """``t`` exchanged along mesh axis ``axis``: the rank at coordinate ``c`` of ``n`` gets the ``t`` of the rank
+    at ``n - 1 - c`` (the middle rank of an odd axis keeps its own). Point to point (``permute_tensor``, one
+    all-to-all whose only non-empty piece goes to the partner). Under ``LocalTensorMode`` the simulated ranks'
+    tensors are exchanged in place of a collective: ``permute_tensor`` there takes one rank's split sizes."""
+    n = mesh.size(axis)
+    mirror = [n - 1 - c for c in range(n)]
+    from autoshard._torch_compat.worlds import in_local_tensor_mode
+
+    if not in_local_tensor_mode():
+        import torch.distributed._functional_collectives as funcol
+
+        # permute_tensor splits dim 0 by numel: the tensor goes flat
+        return waited(funcol.permute_tensor(t.reshape(-1), mirror, (mesh, axis))).view(t.shape)
+    from torch.distributed._local_tensor import local_tensor_mode
+
+    grid = mesh.mesh
+    partner = {}
+    for coord in itertools.product(*(range(d) for d in grid.shape)):
+        other = list(coord)
+        other[axis] = mirror[coord[axis]]
+        partner[int(grid[coord])] = int(grid[tuple(other)])
+    per_rank = t._local_tensors  # type: ignore[attr-defined]
+    return local_tensor_mode().rank_map(lambda rank: per_rank[partner[rank]].clone())
 
 
 def waited(t: torch.Tensor) -> torch.Tensor:

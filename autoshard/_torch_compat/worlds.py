@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 # ------------------------------------------------------------------------------------- local tensor mode
@@ -41,6 +45,15 @@ def per_rank_copies(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed._local_tensor import local_tensor_mode
 
     return local_tensor_mode().rank_map(lambda _rank: t.detach().clone())
+
+
+def for_each_rank(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn`` run once per simulated rank under ``LocalTensorMode``, on that rank's tensors and integers (a mesh
+    coordinate there is one integer per rank), its results gathered into local tensors; elsewhere ``fn`` itself.
+    For rank-dependent shapes (a slice that ends at the rank's own offset). ``fn`` must issue no collective."""
+    from torch.distributed._local_tensor import maybe_run_for_local_tensor
+
+    return maybe_run_for_local_tensor(fn)
 
 
 def fake_process_group(world_size: int) -> None:

@@ -47,7 +47,7 @@ from autoshard.cost.collectives import (
 )
 
 __all__ = [
-    "ALGORITHMS", "COLLECTIVES", "CollectiveStep", "axis_collective", "axis_collective_time", "collective_time",
+    "ALGORITHMS", "COLLECTIVES", "CollectiveStep", "axis_collective", "axis_collective_time", "collective_time", "point_to_point_time",
     "redistribute_steps", "redistribute_time", "sync_time",
 ]
 
@@ -80,6 +80,14 @@ def axis_collective(
     if algorithm == "auto":
         return best_algorithm(kind, nbytes, layout, intra, inter, cluster.all_to_all)
     return algorithm, algorithm_time(kind, nbytes, layout, intra, inter, algorithm, cluster.all_to_all)
+
+
+def point_to_point_time(nbytes: int, mesh_shape: Sequence[int], axis: int, cluster: ClusterProfile) -> float:
+    """Seconds for each device of mesh axis ``axis`` to send ``nbytes`` to one peer of that axis (all at once,
+    each its own peer): on the network when the axis spans nodes (the peer is then off-node but for a few)."""
+    layout = cluster.axis_layout(mesh_shape, axis)
+    link = cluster.inter_node if layout.nodes > 1 else cluster.intra_node
+    return link.latency + nbytes / link.bandwidth
 
 
 def axis_collective_time(

@@ -8,6 +8,7 @@ One file per family, listed in ``_all_rules``. A rule can give
   placements instead of through DTensor's dispatch (``passes/lower.py``), when DTensor cannot run that layout;
 - ``local_call(node, sharding)``: how that local run calls the op where the traced call would be wrong on a
   shard (causal attention on a sequence shard needs its rank's query offset);
+- ``exchanges(node, inputs, mesh_shape)``: what that local call sends point to point (priced with the op);
 - ``flops``: FLOP formulas for the op's overloads that ``torch.utils.flop_counter`` lacks (``cost/compute.py``).
 
 Adding an op family (ring attention, an MoE dispatch) is a new file here (an ``OpRule`` named ``RULE``) and
@@ -60,6 +61,13 @@ def local_call(node: fx.Node, sharding: NodeSharding) -> Callable[..., Any] | No
     return None if rule is None or rule.local_call is None else rule.local_call(node, sharding)
 
 
+def exchanges(node: fx.Node, inputs: Sequence[Any], mesh_shape: Sequence[int]) -> list[tuple[int, int]]:
+    """Point-to-point messages the rule's local call sends at ``inputs`` (placements per tensor argument):
+    ``[(mesh axis, bytes per device)]``, empty for most ops."""
+    rule = rule_for(node.target)
+    return [] if rule is None or rule.exchanges is None else rule.exchanges(node, inputs, mesh_shape)
+
+
 @functools.lru_cache(maxsize=1)
 def flop_formulas() -> Mapping[Any, Callable[..., int]]:
     """Every rule's FLOP formulas by OpOverload; a formula takes the op's arguments as shapes."""
@@ -69,4 +77,4 @@ def flop_formulas() -> Mapping[Any, Callable[..., int]]:
     return out
 
 
-__all__ = ["OpRule", "candidates", "flop_formulas", "local_call", "rule_for", "runs_local"]
+__all__ = ["OpRule", "candidates", "exchanges", "flop_formulas", "local_call", "rule_for", "runs_local"]

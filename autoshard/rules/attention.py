@@ -8,18 +8,21 @@ gradients Partial (each rank's queries' share, summed by a reduce-scatter or all
 broadcasts on a sharded dimension (a mask ``[B, 1, T, T]`` has one head) stays whole on it.
 
 DTensor cannot run any of these, so the lowering calls the kernel on each rank's local shards. Causal
-attention with the sequence sharded needs each rank's query offset: ``local_call`` passes the kernel an
-explicit mask built from the positions of this rank's queries (the chunk of ``arange(T)`` the queries' own
-placement gives it, so the same code serves per-rank traces and simulated ranks); that kernel skips no masked
-block, so its work is its queries against every key (``_forward_flops``). Ranks hold contiguous chunks: no
-causal load balancing (the last rank's queries see the most keys; with the explicit mask every rank does the
-same work, twice a balanced causal share). FLOPs: the kernel's matmuls (torch's counter knows only the CUDA
-ones).
+attention with the sequence sharded is load-balanced (``causal_chunks``): each rank's chunk is halved and the
+second halves exchanged with the mirror rank, so every rank works on a balanced pair of half-chunks, in kernel
+calls that skip the masked blocks; its FLOPs are then the causal half of its queries against every key, as the
+planner prices it (the global causal count over the shards), and the exchanged halves are priced as
+point-to-point messages (``exchanges``). The sequence is split on one mesh axis at most. Where the balanced
+kernel cannot run (a mask given, dropout, an odd chunk) ``local_call`` falls back, with a warning, to the kernel
+with an explicit mask built from the rank's query positions (the chunk of ``arange(T)`` the queries' own
+placement gives it), which does its full unmasked share. FLOPs: the kernel's matmuls (torch's counter knows
+only the CUDA ones).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -32,7 +35,10 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autoshard import _torch_compat as tc
 from autoshard.ir import NodeSharding, output_vals, tensor_args
+from autoshard.rules import causal_chunks
 from autoshard.rules.base import OpRule
+
+logger = logging.getLogger(__name__)
 
 _Shape = Sequence[int]
 _SEQ = 2  # [B, H, T, D]: the sequence dim of query, key, value and output; logsumexp [B, H, T] has it too
@@ -83,9 +89,12 @@ def candidates(node: fx.Node, ties: Sequence[int]) -> list[tc.RawStrategy]:
     def fit(p: Placement, v: torch.Tensor) -> Placement:
         return Replicate() if isinstance(p, Shard) and v.shape[p.dim] == 1 < q.shape[p.dim] else p
 
+    causal = _causal(node)
     result = []
     for sub in itertools.product(options, repeat=len(free)):
         pick = dict(zip(free, sub))
+        if causal and sum(pick[t] == "seq" for t in ties) > 1:
+            continue  # the balanced causal kernel exchanges chunks along one axis
         per_axis = [_layout(pick[t], backward, len(ins), len(outs)) for t in ties]
         in_pl = tuple(tuple(fit(ax[0][i], v) for ax in per_axis) for i, v in enumerate(ins))
         out_pl = tuple(tuple(ax[1][j] for ax in per_axis) if o is not None else None for j, o in enumerate(outs))
@@ -103,15 +112,37 @@ def _causal(node: fx.Node) -> bool:
     return bool(node.args[at]) if len(node.args) > at else bool(node.kwargs.get("is_causal", False))
 
 
+def _seq_axes(placements: Sequence[Placement] | None) -> list[int]:
+    return [a for a, p in enumerate(placements or ()) if isinstance(p, Shard) and p.dim == _SEQ]
+
+
 def local_call(node: fx.Node, sharding: NodeSharding) -> Callable[[tuple, dict, DeviceMesh], Any] | None:
-    """Causal attention whose queries are sequence-sharded: the kernel with this rank's causal mask; else None
-    (the kernel as traced, on local shards)."""
+    """Causal attention whose queries are sequence-sharded: the load-balanced kernel (``causal_chunks``), or
+    where it cannot run (a mask given, dropout, an odd chunk) the kernel with this rank's causal mask, with a
+    warning; else None (the kernel as traced, on local shards)."""
     backward = _is_backward(node)
     q_pl = sharding.inputs[1 if backward else 0]
-    if not _causal(node) or q_pl is None or not any(isinstance(p, Shard) and p.dim == _SEQ for p in q_pl):
+    if not _causal(node) or not _seq_axes(q_pl):
         return None
+    warned = []
 
     def call(args: tuple, kwargs: dict, mesh: DeviceMesh) -> Any:
+        local = [a.to_local() if hasattr(a, "to_local") else a for a in args]
+        given = kwargs.get("attn_mask")
+        rest = {key: v for key, v in kwargs.items() if key not in ("attn_mask", "is_causal")}
+        dropout = local[6 if backward else 3] if len(local) > (6 if backward else 3) else 0.0
+        axes = _seq_axes(q_pl)
+        q_len = local[1 if backward else 0].shape[_SEQ]
+        if len(axes) == 1 and given is None and not dropout and causal_chunks.balanced(q_len, mesh.size(axes[0])):
+            if backward:
+                return causal_chunks.backward(node.target, *local[:6], mesh, axes[0], rest)
+            return causal_chunks.forward(node.target, *local[:3], mesh, axes[0], rest)
+        if not warned:
+            warned.append(True)
+            logger.warning("%s: causal attention on a sequence shard runs unbalanced (a full chunk of work on every "
+                           "rank, twice the planned): %s", node.name,
+                           "a mask is given" if given is not None else "dropout" if dropout else
+                           f"{q_len} local queries on mesh axes {axes} (one axis and an even chunk balance)")
         q, k = (args[1], args[2]) if backward else (args[0], args[1])
         t = k.shape[_SEQ]
         full = torch.arange(t, device=k.to_local().device)
@@ -120,17 +151,29 @@ def local_call(node: fx.Node, sharding: NodeSharding) -> Callable[[tuple, dict, 
         pos = tc.redistribute(whole, mesh, chunks).to_local()  # this rank's query positions (no communication)
         mask = torch.zeros(pos.shape[0], t, dtype=q.dtype, device=full.device)
         mask = mask.masked_fill(full[None, :] > pos[:, None], float("-inf"))[None, None]
-        local = [a.to_local() if hasattr(a, "to_local") else a for a in args]
-        given = kwargs.get("attn_mask")
         if given is not None:
             mask = mask + (given.to_local() if hasattr(given, "to_local") else given)
-        rest = {key: v for key, v in kwargs.items() if key not in ("attn_mask", "is_causal")}
         if backward:  # (grad_out, query, key, value, out, logsumexp, dropout_p, is_causal)
             return node.target(*local[:7], False, attn_mask=mask, **rest)
-        dropout = local[3] if len(local) > 3 else 0.0
         return node.target(*local[:3], dropout, False, attn_mask=mask, **rest)
 
     return call
+
+
+def exchanges(node: fx.Node, inputs: Sequence[Sequence[Placement] | None],
+              mesh_shape: Sequence[int]) -> list[tuple[int, int]]:
+    """(mesh axis, bytes per device) the load-balanced causal kernel sends its mirror rank at these input
+    placements (``causal_chunks``): priced as point-to-point messages next to the kernel."""
+    backward = _is_backward(node)
+    q_pl = inputs[1 if backward else 0]
+    axes = [a for a in _seq_axes(q_pl) if mesh_shape[a] > 1]
+    if not _causal(node) or len(axes) != 1:
+        return []
+    shard = math.prod(n for p, n in zip(q_pl, mesh_shape) if isinstance(p, Shard))
+    vals = [a.meta["val"] for a in tensor_args(node)]
+    q, out, lse = (vals[1], vals[4], vals[5]) if backward else (vals[0], *output_vals(node)[:2])
+    local = {name: t.numel() * t.element_size() // shard for name, t in (("query", q), ("out", out), ("logsumexp", lse))}
+    return [(axes[0], causal_chunks.exchanged_bytes(backward, local))]
 
 
 def _dims(query: _Shape, key: _Shape, value: _Shape) -> tuple[int, int, int, int, int]:
@@ -144,8 +187,8 @@ def _dims(query: _Shape, key: _Shape, value: _Shape) -> tuple[int, int, int, int
 def _forward_flops(query: _Shape, key: _Shape, value: _Shape, *rest: Any, is_causal: bool = False, **_: Any) -> int:
     # Two matmuls: scores = q @ k^T (2*Lq*Lk*Dq per head) and out = p @ v (2*Lq*Lk*Dv); = 4*B*H*Lq*Lk*D when
     # Dq == Dv. Positional signature: (query, key, value, dropout_p=0., is_causal=False). The causal kernel
-    # skips the masked upper triangle; a sequence shard of the queries (fewer queries than keys) runs with an
-    # explicit mask (``local_call``), which skips nothing.
+    # skips the masked upper triangle. (The planner counts on global shapes and divides by the shards; a
+    # sequence shard of the queries, fewer queries than keys, is then the balanced causal share.)
     if len(rest) >= 2:
         is_causal = bool(rest[1])
     bh, lq, lk, dq, dv = _dims(query, key, value)
@@ -172,4 +215,4 @@ def _flops() -> Mapping[Any, Callable[..., int]]:
 
 
 RULE = OpRule("cpu attention", _ops, candidates=candidates, runs_local=runs_local, flops=_flops,
-              local_call=local_call)
+              local_call=local_call, exchanges=exchanges)
