@@ -67,6 +67,7 @@ class Case:
     batch: int
     seq: int | None = None  # None: the model's default sequence length
     memory_budget: int | str | None = None  # None: the device's memory; "none": no budget
+    names: tuple[str, ...] | None = None  # mesh axis names (None: autoshard's defaults, dp ... tp)
     why: str = ""
 
 
@@ -80,11 +81,13 @@ CASES = (
     # then reported InfeasibleBudget); at 1024 FSDP fits and bounds the plan
     Case("mixtral-8x7b", "h100-sxm:4x8", (4, 8), 32, 1024, why="mixture of experts, memory-bound"),
     Case("mixtral-8x7b", "h100-sxm:8x8", (8, 8), 64, 4096, why="mixture of experts on 64 GPUs: expert parallelism"),
-    # 4 sequences of 128K tokens, each split 16 ways: context parallelism. No budget: at this length the loss's
-    # logits (and their gradient) are backward temporaries, which the integer program's memory term does not
-    # count, so no plan is found under 80 GB (the plan below peaks far above it)
-    Case("llama3-8b", "h100-sxm:8x8", (4, 16), 4, 131072, memory_budget="none",
-         why="128K-token sequences: context parallelism"),
+    # 4 sequences of 128K tokens, each split 16 ways: the heads are free on that axis, and Ulysses' all-to-alls
+    # move less than gathering K/V, so the solver splits the heads there (the cp recipe gathers K/V)
+    Case("llama3-8b", "h100-sxm:8x8", (4, 16), 4, 131072, why="128K-token sequences on 64 GPUs"),
+    # one 128K sequence on cp x tp: no batch to split, the heads split only 8 ways over the nodes, so the
+    # sequence is split inside the node: context parallelism, load-balanced
+    Case("llama3-8b", "h100-sxm:8x8", (8, 8), 1, 131072, names=("cp", "tp"),
+         why="one 128K-token sequence: context parallelism"),
     Case("bert-large", "a100-80gb:1x8", (8,), 256, 512, why="encoder, one node"),
     Case("vit-h14", "h100-sxm:2x8", (2, 8), 256, None, why="vision transformer"),
 )
@@ -106,8 +109,9 @@ def _recipe_cell(plan: autoshard.Plan, name: str) -> str:
 def run_case(case: Case, time_limit: float, budget_override: int | str | None) -> tuple[autoshard.Plan, float]:
     budget = budget_override if budget_override is not None else case.memory_budget
     t0 = time.perf_counter()
+    mesh = dict(zip(case.names, case.mesh)) if case.names else case.mesh
     plan = autoshard.plan(
-        case.model, case.mesh, cluster=case.cluster, seq=case.seq, global_batch=case.batch,
+        case.model, mesh, cluster=case.cluster, seq=case.seq, global_batch=case.batch,
         memory_budget=budget, time_limit_s=time_limit,
     )
     return plan, time.perf_counter() - t0

@@ -28,7 +28,8 @@ ep         expert parallelism (models with stacked expert weights only): each ``
            (DDP), the batch Shard(0) over every axis, so tokens reach their experts by all-to-all (GShard,
            DeepSpeed-MoE: experts sharded inside the data-parallel group)
 cp         context parallelism (models with attention only): the inputs' sequence (dim 1) Shard over the
-           last axis (``cp``), their batch Shard(0) over the others; every parameter Shard(0) over every axis
+           last axis (``cp``), their batch Shard(0) over the others (the sequence there too where the batch does
+           not divide over them: one long sequence); every parameter Shard(0) over every axis
            (torchtitan's CP with FSDP over dp x cp); attention gathers the keys and values of the sequence
            (Llama 3's all-gathered K/V) where the solver finds nothing cheaper
 =========  ==========================================================================================
@@ -44,6 +45,8 @@ program (``recipe_pins``) and solves each recipe alongside the plan.
 """
 
 from __future__ import annotations
+
+import math
 
 import re
 from collections.abc import Sequence
@@ -127,9 +130,10 @@ def recipe_placements(
     if role == "input":
         if not shape:
             return tuple(rep), None
-        if recipe == "cp":
-            return tuple(Shard(1) if i == nd - 1 and len(shape) > 1 else Shard(0) if i < nd - 1 else Replicate()
-                         for i in range(nd)), None
+        if recipe == "cp":  # a batch too small for the other axes (one 128K sequence) is split on its sequence there too
+            seq_everywhere = len(shape) > 1 and shape[0] % math.prod(mesh_shape[:-1]) != 0
+            return tuple(Shard(1) if len(shape) > 1 and (i == nd - 1 or seq_everywhere) else Shard(0) if i < nd - 1
+                         else Replicate() for i in range(nd)), None
         dp_axes = range(nd) if recipe in DATA_PARALLEL else range(nd - 1)
         return tuple(Shard(0) if i in dp_axes else Replicate() for i in range(nd)), None
     if role != "parameter" or not shape:
