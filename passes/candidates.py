@@ -206,6 +206,11 @@ class CandidateEnumerator:
                 for c in cands:
                     if _valid(c, ins, node, self.mesh_shape, partial_inputs=summed, ties=self.ties):
                         found.setdefault((c.inputs, c.outputs), c)
+        for c in op_rules.more_candidates(node, list(found.values()), self.mesh_shape):
+            vals = [a.meta["val"] for a in ins] + list(output_vals(node))
+            if all(pl is None or v is None or evenly_divisible(v.shape, pl, self.mesh_shape)
+                   for pl, v in zip((*c.inputs, *c.outputs), vals)):
+                found.setdefault((c.inputs, c.outputs), c)
         if not found:
             if str(op) not in self.warned:
                 self.warned.add(str(op))

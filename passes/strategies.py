@@ -39,7 +39,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autoshard import _torch_compat as tc
 from autoshard import rules
 from autoshard.cost.reshard import reshard_time as redistribute_time
-from autoshard.cost.comm import point_to_point_time
+from autoshard.cost.comm import axis_collective_time, point_to_point_time
 from autoshard.cost.compute import compute_time, op_flops
 from autoshard.cost.offload import OffloadSummary, host_is_device, offload_cost
 from autoshard.ir import Group, GroupStrategy, NodeOut, Placements, output_vals, tensor_args
@@ -99,8 +99,10 @@ def _cost(
         flops = op_flops(node.target, *_real_args(node)) / split
         dtype = str(vals[0].dtype).replace("torch.", "") if vals and vals[0] is not None else "float32"
         once = compute_time(flops, local_bytes + in_bytes, ctx.cluster.device, dtype)
-        # what the op's own local call sends a peer inside the op (the balanced causal attention's chunk swap)
-        once += sum(point_to_point_time(b, ms, axis, ctx.cluster) for axis, b in rules.exchanges(node, i, ms))
+        # what the op's own local call communicates (the balanced causal attention's swap, a vocabulary-parallel
+        # loss's row all-reduces)
+        once += sum(point_to_point_time(b, ms, axis, ctx.cluster) if kind == "point_to_point" else
+                    axis_collective_time(kind, b, ms, axis, ctx.cluster) for kind, axis, b in rules.exchanges(node, i, ms))
         # a recomputed op (passes/recompute.py) runs again in the backward and is not saved for it
         compute += 2 * once if is_recomputed(node) else once
         if stored(node):  # saved for the backward (or for a replay), not replayed

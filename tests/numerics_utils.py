@@ -54,11 +54,22 @@ def make_long_llama() -> Llama:
     return Llama(LONG_CFG)
 
 
+# a vocabulary large next to the rest of the model: with the tokens whole on tp, the solver splits the output
+# layer's logits over the vocabulary and computes the cross-entropy on the slices (vocabulary-parallel loss)
+VOCAB_CFG = GPTConfig(n_layer=1, d_model=128, n_head=4, vocab=32768, seq_len=64, bias=False)
+
+
+def make_vocab_gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(VOCAB_CFG)
+
+
 MODELS = {
     "mlp": (make_mlp, lambda: mlp_example_inputs(16, 32, 32)),
     "gpt": (make_gpt, lambda: gpt_example_inputs(GPT_CFG, 8)),
     "moe": (make_moe, lambda: moe_example_inputs(MOE_CFG, 8)),
     "llama-long": (make_long_llama, lambda: llama_example_inputs(LONG_CFG, 1)),
+    "gpt-vocab": (make_vocab_gpt, lambda: gpt_example_inputs(VOCAB_CFG, 4)),
 }
 
 

@@ -47,9 +47,11 @@ BATCH = {"inputs": {"dp": Shard(0)}}
         ("moe", (2,), ("dp",), {"recipe": "ep", "backend": "eager"}),  # experts sharded, tokens all-to-all'd
         # one sequence split over 2 ranks: causal attention on gathered keys and values, per-rank masks traced
         ("llama-long", (2,), ("cp",), {"constraints": {"inputs": "[S(1)]"}, "cluster": "h100-sxm", "backend": "eager"}),
+        # a large vocabulary, tokens whole on tp: the cross-entropy on vocabulary slices, row statistics all-reduced
+        ("gpt-vocab", (2,), ("tp",), {"constraints": {"inputs": "[R]"}, "cluster": "h100-sxm", "backend": "eager"}),
     ],
     ids=["mlp-dp2-eager", "gpt-dp4-fsdp-eager", "gpt-2x2-tp-eager", "gpt-2x2-fsdp-eager", "gpt-dp2-zero1-eager",
-         "moe-dp2-ep-eager", "llama-cp2-eager"],
+         "moe-dp2-ep-eager", "llama-cp2-eager", "gpt-vocab-tp2-eager"],
 )
 def test_gloo_eager(name, shape, names, kw):
     results = _run(name, shape, names, **kw)
@@ -59,6 +61,9 @@ def test_gloo_eager(name, shape, names, kw):
     if name == "llama-long":  # context parallelism: query chunks against the gathered keys and values
         fwd = [d for d in plan.stages[0].ops if d.op.startswith("aten._scaled_dot_product") and d.phase == "forward"]
         assert fwd and all(d.inputs == (("S(2)",), ("R",), ("R",)) for d in fwd), fwd
+    if name == "gpt-vocab":  # vocabulary-parallel loss: the log-probabilities split over the vocabulary
+        soft = [d for d in plan.stages[0].ops if d.op == "aten._log_softmax.default"]
+        assert soft and all(d.inputs == (("S(1)",),) for d in soft), soft
     if name == "moe":  # expert parallelism: the experts stay sharded, tokens move (gloo: gathered and chunked)
         assert {v for k, v in plan.parameter_placements().items() if ".moe.w" in k} == {("S(0)",)}
 

@@ -39,12 +39,14 @@ CASES = {
     "gpt-seq-4": ("gpt-seq", (4,), ("tp",), {"cluster": "h100-sxm", "constraints": {"inputs": "[R]"}}),
     "moe-ep-4": ("moe", (4,), ("dp",), {"recipe": "ep"}),
     "llama-cp-4": ("llama-long", (4,), ("cp",), {"cluster": "h100-sxm", "constraints": {"inputs": "[S(1)]"}}),
+    "gpt-vocab-4": ("gpt-vocab", (2, 2), ("dp", "tp"), {"cluster": "h100-sxm", "constraints": {"inputs": "[S(0), R]"}}),
 }
 USES = {"test_mesh_2x4_batch_on_dp": ("mlp-2x4", "gpt-2x4"), "test_mesh_2x2_zero2_state_sharded_over_both_axes":
         ("gpt-2x2-zero2",), "test_mesh_8_gpt_fsdp_like_budget": ("gpt-8-budget",),
         "test_sequence_sharded_residual_trains_like_one_device": ("gpt-seq-4",),
         "test_expert_parallel_moe_trains_like_one_device": ("moe-ep-4",),
-        "test_context_parallel_causal_attention_trains_like_one_device": ("llama-cp-4",)}
+        "test_context_parallel_causal_attention_trains_like_one_device": ("llama-cp-4",),
+        "test_vocabulary_parallel_loss_trains_like_one_device": ("gpt-vocab-4",)}
 
 
 def _train(case: str) -> tuple:
@@ -65,7 +67,7 @@ def runs(request: pytest.FixtureRequest) -> dict:
     """The selected tests' cases, two at a time in forked processes (LocalTensorMode is single-threaded work)."""
     wanted = [c for item in request.session.items if item.module is request.module
               for c in USES.get(item.originalname, ())]
-    return run_two_at_a_time(_train, wanted, cost={"gpt-2x4": 4, "gpt-2x2-zero2": 3, "gpt-8-budget": 3, "llama-cp-4": 7})
+    return run_two_at_a_time(_train, wanted, cost={"gpt-2x4": 4, "gpt-2x2-zero2": 3, "gpt-8-budget": 3, "llama-cp-4": 7, "gpt-vocab-4": 3})
 
 
 def _check(runs: dict, case: str) -> dict:
@@ -140,6 +142,21 @@ def test_context_parallel_causal_attention_trains_like_one_device(runs):
     assert len(fwd) == len(bwd) == 2
     assert all(d.output == ("S(2)",) and d.inputs == (("S(2)",), ("R",), ("R",)) for d in fwd), fwd
     assert all(d.inputs[1:4] == (("S(2)",), ("R",), ("R",)) for d in bwd), bwd
+
+
+def test_vocabulary_parallel_loss_trains_like_one_device(runs):
+    """A 32768-word vocabulary on dp=2 x tp=2, the tokens whole on tp: the logits stay split over the vocabulary
+    on tp and the cross-entropy runs on the slices (row max and sum all-reduced, each rank picking the targets
+    in its slice), forward and backward; equal to the single-device run."""
+    got = _check(runs, "gpt-vocab-4")
+    from autoshard.plan import Plan
+
+    ops = [d for d in Plan.from_json(got["plan"]).stages[0].ops
+           if d.op in ("aten._log_softmax.default", "aten.nll_loss_forward.default", "aten.nll_loss_backward.default",
+                       "aten._log_softmax_backward_data.default")]
+    assert len(ops) == 4, ops
+    for d in ops:  # the log-probabilities (nll_loss_backward's second input) split over the vocabulary on tp
+        assert d.inputs[1 if d.op == "aten.nll_loss_backward.default" else 0] == ("S(0)", "S(1)"), d
 
 
 def test_inputs_drawn_inside_local_tensor_mode_are_refused():

@@ -250,3 +250,32 @@ def test_long_sequence_attention_is_context_parallel():
     [g] = [g for g in ctx.groups if g.module == "layers.0.attention" and g.phase == "forward"
            and "flash_attention" in g.anchor]
     assert _pinned_objective(ctx, g, (Replicate(), Shard(1))) > ctx.solution.objective_s
+
+
+def test_large_vocabulary_is_megatron_with_vocabulary_parallel_loss():
+    """Megatron tensor parallelism whole on tp (2 x 2 H100s, tokens whole on tp, a 65536-word vocabulary): q, k, v
+    and fc1 column-parallel, wo and fc2 row-parallel and reduce-scattered onto the sequence (Megatron-SP), the
+    tied output layer column-parallel over the vocabulary, and the cross-entropy on the vocabulary slices
+    (``autoshard/rules/vocab_loss.py``), forward and backward: no activation all-reduced on tp. The cost
+    comparison: the logits gathered over the vocabulary, or split over the tokens instead, each cost more. (The
+    embedding lookup reads a hidden-split copy of the tied weight: DTensor's vocabulary-split lookup leaves a
+    masked partial the planner does not take.)"""
+    cfg = GPTConfig(n_layer=1, d_model=2048, n_head=16, vocab=65536, seq_len=512, bias=False)
+    plan, gm, ctx = _planned(GPT, cfg, gpt_example_inputs(cfg, 8), (2, 2), ("dp", "tp"), "h100-sxm",
+                             {"inputs": "[S(0), R]"})
+    tp = {k: v[1] for k, v in plan.parameter_placements().items()}
+    for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.fc1"):
+        assert tp[f"layers.0.{name}.weight"] == "S(0)", name  # column-parallel
+    for name in ("attn.wo", "mlp.fc2"):
+        assert tp[f"layers.0.{name}.weight"] == "S(1)", name  # row-parallel
+    assert tp["wte.weight"] == "S(0)"  # the output layer split over the vocabulary
+    loss = [d for d in plan.stages[0].ops if d.op in ("aten._log_softmax.default", "aten.nll_loss_forward.default",
+                                                     "aten.nll_loss_backward.default",
+                                                     "aten._log_softmax_backward_data.default")]
+    assert len(loss) == 4 and all(("S(0)", "S(1)") in d.inputs for d in loss), loss
+    fwd = [c for c in plan.stages[0].collectives if c.axis == "tp" and c.phase == "forward"]
+    assert not [c for c in fwd if c.kind == "all_reduce"], fwd
+    assert sum(c.kind == "reduce_scatter" for c in fwd) == 2, fwd  # after wo and after fc2
+    [g] = [g for g in ctx.groups if g.anchor == "_log_softmax"]
+    for other in ((Shard(0), Replicate()), (Shard(0), Shard(0))):
+        assert _pinned_objective(ctx, g, other) > ctx.solution.objective_s * 1.02, other

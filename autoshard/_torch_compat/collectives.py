@@ -46,6 +46,13 @@ def reduce_scatter_dim0(t: torch.Tensor, mesh: DeviceMesh, axes: Sequence[int]) 
     return scatter(t, "sum", 0, _group(mesh, tuple(axes)))
 
 
+def all_reduce_on(t: torch.Tensor, op: str, mesh: DeviceMesh, axis: int) -> torch.Tensor:
+    """Functional all-reduce (``op``: "sum", "max") of ``t`` over mesh axis ``axis``, waited on."""
+    import torch.distributed._functional_collectives as funcol
+
+    return waited(funcol.all_reduce(t, op, (mesh, axis)))
+
+
 def swap_mirrored(t: torch.Tensor, mesh: DeviceMesh, axis: int) -> torch.Tensor:
     """``t`` exchanged along mesh axis ``axis``: the rank at coordinate ``c`` of ``n`` gets the ``t`` of the rank
     at ``n - 1 - c`` (the middle rank of an odd axis keeps its own). Point to point (``permute_tensor``, one

@@ -8,7 +8,8 @@ One file per family, listed in ``_all_rules``. A rule can give
   placements instead of through DTensor's dispatch (``passes/lower.py``), when DTensor cannot run that layout;
 - ``local_call(node, sharding)``: how that local run calls the op where the traced call would be wrong on a
   shard (causal attention on a sequence shard needs its rank's query offset);
-- ``exchanges(node, inputs, mesh_shape)``: what that local call sends point to point (priced with the op);
+- ``exchanges(node, inputs, mesh_shape)``: what that local call communicates (priced with the op);
+- ``more_candidates(node, found, mesh_shape)``: layouts added to DTensor's candidates (a class-sharded loss);
 - ``flops``: FLOP formulas for the op's overloads that ``torch.utils.flop_counter`` lacks (``cost/compute.py``).
 
 Adding an op family (ring attention, an MoE dispatch) is a new file here (an ``OpRule`` named ``RULE``) and
@@ -25,12 +26,12 @@ import torch.fx as fx
 
 from autoshard import _torch_compat as tc
 from autoshard.ir import NodeSharding
-from autoshard.rules import attention, convolution
+from autoshard.rules import attention, convolution, vocab_loss
 from autoshard.rules.base import OpRule
 
 
 def _all_rules() -> tuple[OpRule, ...]:
-    return (attention.RULE, convolution.RULE)
+    return (attention.RULE, convolution.RULE, vocab_loss.RULE)
 
 
 @functools.lru_cache(maxsize=1)
@@ -61,11 +62,17 @@ def local_call(node: fx.Node, sharding: NodeSharding) -> Callable[..., Any] | No
     return None if rule is None or rule.local_call is None else rule.local_call(node, sharding)
 
 
-def exchanges(node: fx.Node, inputs: Sequence[Any], mesh_shape: Sequence[int]) -> list[tuple[int, int]]:
-    """Point-to-point messages the rule's local call sends at ``inputs`` (placements per tensor argument):
-    ``[(mesh axis, bytes per device)]``, empty for most ops."""
+def exchanges(node: fx.Node, inputs: Sequence[Any], mesh_shape: Sequence[int]) -> list[tuple[str, int, int]]:
+    """What the rule's local call communicates at ``inputs`` (placements per tensor argument):
+    ``[("point_to_point" or a collective kind, mesh axis, bytes per device)]``, empty for most ops."""
     rule = rule_for(node.target)
     return [] if rule is None or rule.exchanges is None else rule.exchanges(node, inputs, mesh_shape)
+
+
+def more_candidates(node: fx.Node, found: Sequence[tc.RawStrategy], mesh_shape: Sequence[int]) -> list[tc.RawStrategy]:
+    """Layouts the rule adds to DTensor's candidates ``found`` for ``node`` (empty for most ops)."""
+    rule = rule_for(node.target)
+    return [] if rule is None or rule.more_candidates is None else rule.more_candidates(node, found, mesh_shape)
 
 
 @functools.lru_cache(maxsize=1)
@@ -77,4 +84,4 @@ def flop_formulas() -> Mapping[Any, Callable[..., int]]:
     return out
 
 
-__all__ = ["OpRule", "candidates", "exchanges", "flop_formulas", "local_call", "rule_for", "runs_local"]
+__all__ = ["OpRule", "candidates", "exchanges", "flop_formulas", "more_candidates", "local_call", "rule_for", "runs_local"]

@@ -161,8 +161,8 @@ def local_call(node: fx.Node, sharding: NodeSharding) -> Callable[[tuple, dict, 
 
 
 def exchanges(node: fx.Node, inputs: Sequence[Sequence[Placement] | None],
-              mesh_shape: Sequence[int]) -> list[tuple[int, int]]:
-    """(mesh axis, bytes per device) the load-balanced causal kernel sends its mirror rank at these input
+              mesh_shape: Sequence[int]) -> list[tuple[str, int, int]]:
+    """("point_to_point", mesh axis, bytes per device) the load-balanced causal kernel sends its mirror rank at these input
     placements (``causal_chunks``): priced as point-to-point messages next to the kernel."""
     backward = _is_backward(node)
     q_pl = inputs[1 if backward else 0]
@@ -173,7 +173,7 @@ def exchanges(node: fx.Node, inputs: Sequence[Sequence[Placement] | None],
     vals = [a.meta["val"] for a in tensor_args(node)]
     q, out, lse = (vals[1], vals[4], vals[5]) if backward else (vals[0], *output_vals(node)[:2])
     local = {name: t.numel() * t.element_size() // shard for name, t in (("query", q), ("out", out), ("logsumexp", lse))}
-    return [(axes[0], causal_chunks.exchanged_bytes(backward, local))]
+    return [("point_to_point", axes[0], causal_chunks.exchanged_bytes(backward, local))]
 
 
 def _dims(query: _Shape, key: _Shape, value: _Shape) -> tuple[int, int, int, int, int]:

@@ -24,9 +24,11 @@ class OpRule:
     # how a local run calls the op, where not as traced: (node, sharding) -> None or call(args, kwargs, mesh)
     # taking the DTensor arguments at their planned placements and returning local results
     local_call: Callable[[fx.Node, NodeSharding], Callable[..., Any] | None] | None = None
-    # what that local call sends point to point, for the price: (node, input placements, mesh shape) ->
-    # [(mesh axis, bytes each device sends one peer)]
-    exchanges: Callable[[fx.Node, Sequence[Any], Sequence[int]], list[tuple[int, int]]] | None = None
+    # what that local call communicates, for the price: (node, input placements, mesh shape) ->
+    # [(kind: "point_to_point" or a collective, mesh axis, bytes per device)]
+    exchanges: Callable[[fx.Node, Sequence[Any], Sequence[int]], list[tuple[str, int, int]]] | None = None
+    # layouts added to DTensor's own candidates: (node, DTensor's candidates, mesh shape) -> more candidates
+    more_candidates: Callable[[fx.Node, Sequence[tc.RawStrategy], Sequence[int]], list[tc.RawStrategy]] | None = None
 
 
 __all__ = ["OpRule"]
