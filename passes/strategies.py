@@ -100,9 +100,12 @@ def _cost(
         dtype = str(vals[0].dtype).replace("torch.", "") if vals and vals[0] is not None else "float32"
         once = compute_time(flops, local_bytes + in_bytes, ctx.cluster.device, dtype)
         # what the op's own local call communicates (the balanced causal attention's swap, a vocabulary-parallel
-        # loss's row all-reduces)
-        once += sum(point_to_point_time(b, ms, axis, ctx.cluster) if kind == "point_to_point" else
-                    axis_collective_time(kind, b, ms, axis, ctx.cluster) for kind, axis, b in rules.exchanges(node, i, ms))
+        # loss's row all-reduces; a ring's chunk sends, "overlapped": they hide behind the op's compute)
+        sends = rules.exchanges(node, i, ms)
+        hidden = sum(point_to_point_time(b, ms, axis, ctx.cluster) for kind, axis, b in sends if kind == "overlapped")
+        once = max(once, hidden) + sum(point_to_point_time(b, ms, axis, ctx.cluster) if kind == "point_to_point" else
+                                       axis_collective_time(kind, b, ms, axis, ctx.cluster)
+                                       for kind, axis, b in sends if kind != "overlapped")
         # a recomputed op (passes/recompute.py) runs again in the backward and is not saved for it
         compute += 2 * once if is_recomputed(node) else once
         if stored(node):  # saved for the backward (or for a replay), not replayed

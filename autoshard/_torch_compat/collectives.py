@@ -53,30 +53,37 @@ def all_reduce_on(t: torch.Tensor, op: str, mesh: DeviceMesh, axis: int) -> torc
     return waited(funcol.all_reduce(t, op, (mesh, axis)))
 
 
-def swap_mirrored(t: torch.Tensor, mesh: DeviceMesh, axis: int) -> torch.Tensor:
-    """``t`` exchanged along mesh axis ``axis``: the rank at coordinate ``c`` of ``n`` gets the ``t`` of the rank
-    at ``n - 1 - c`` (the middle rank of an odd axis keeps its own). Point to point (``permute_tensor``, one
-    all-to-all whose only non-empty piece goes to the partner). Under ``LocalTensorMode`` the simulated ranks'
-    tensors are exchanged in place of a collective: ``permute_tensor`` there takes one rank's split sizes."""
-    n = mesh.size(axis)
-    mirror = [n - 1 - c for c in range(n)]
+def permute_on_axis(t: torch.Tensor, mesh: DeviceMesh, axis: int, dest: Sequence[int]) -> torch.Tensor:
+    """``t`` sent along mesh axis ``axis``: the rank at coordinate ``c`` sends its ``t`` to coordinate ``dest[c]``
+    (a permutation) and returns what it receives. Point to point (``permute_tensor``: one all-to-all whose only
+    non-empty piece goes to the peer), left asynchronous: it is waited for where it is first read. Under
+    ``LocalTensorMode`` the simulated ranks' tensors are exchanged in place of a collective (``permute_tensor``
+    there takes one rank's split sizes)."""
     from autoshard._torch_compat.worlds import in_local_tensor_mode
 
     if not in_local_tensor_mode():
         import torch.distributed._functional_collectives as funcol
 
         # permute_tensor splits dim 0 by numel: the tensor goes flat
-        return waited(funcol.permute_tensor(t.reshape(-1), mirror, (mesh, axis))).view(t.shape)
+        return funcol.permute_tensor(t.reshape(-1), list(dest), (mesh, axis)).view(t.shape)
     from torch.distributed._local_tensor import local_tensor_mode
 
     grid = mesh.mesh
-    partner = {}
+    source = {d: c for c, d in enumerate(dest)}
+    sender = {}
     for coord in itertools.product(*(range(d) for d in grid.shape)):
         other = list(coord)
-        other[axis] = mirror[coord[axis]]
-        partner[int(grid[coord])] = int(grid[tuple(other)])
+        other[axis] = source[coord[axis]]
+        sender[int(grid[coord])] = int(grid[tuple(other)])
     per_rank = t._local_tensors  # type: ignore[attr-defined]
-    return local_tensor_mode().rank_map(lambda rank: per_rank[partner[rank]].clone())
+    return local_tensor_mode().rank_map(lambda rank: per_rank[sender[rank]].clone())
+
+
+def swap_mirrored(t: torch.Tensor, mesh: DeviceMesh, axis: int) -> torch.Tensor:
+    """``t`` exchanged along mesh axis ``axis`` between coordinates ``c`` and ``n - 1 - c`` (the middle rank of
+    an odd axis keeps its own), waited for."""
+    n = mesh.size(axis)
+    return waited(permute_on_axis(t, mesh, axis, [n - 1 - c for c in range(n)]))
 
 
 def waited(t: torch.Tensor) -> torch.Tensor:

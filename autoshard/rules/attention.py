@@ -4,8 +4,11 @@ DTensor has no strategy for the CPU kernel. Ours, per mesh axis: everything whol
 batch or on the heads (attention is independent across both), or **context parallelism**: the queries, the
 output and its log-sum-exp sharded on the sequence while the keys and values are whole on that axis (gathered
 by the edge before the op: all-gathered K/V, as Llama 3 trains long sequences), the backward's key and value
-gradients Partial (each rank's queries' share, summed by a reduce-scatter or all-reduce). An input that
-broadcasts on a sharded dimension (a mask ``[B, 1, T, T]`` has one head) stays whole on it.
+gradients Partial (each rank's queries' share, summed by a reduce-scatter or all-reduce); or **ring
+attention** (``ring_attention``): queries, keys, values and every output on their sequence chunk, the key and
+value chunks passed around the ring inside the op, behind its compute. The cost model picks between them. An
+input that broadcasts on a sharded dimension (a mask ``[B, 1, T, T]`` has one head) stays whole on it; with a
+mask input the ring is not offered.
 
 DTensor cannot run any of these, so the lowering calls the kernel on each rank's local shards. Causal
 attention with the sequence sharded is load-balanced (``causal_chunks``): each rank's chunk is halved and the
@@ -35,7 +38,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autoshard import _torch_compat as tc
 from autoshard.ir import NodeSharding, output_vals, tensor_args
-from autoshard.rules import causal_chunks
+from autoshard.rules import causal_chunks, ring_attention
 from autoshard.rules.base import OpRule
 
 logger = logging.getLogger(__name__)
@@ -59,10 +62,12 @@ def _is_backward(node: fx.Node) -> bool:
 
 def _layout(option: str, backward: bool, n_in: int, n_out: int) -> tuple[list[Placement], list[Placement]]:
     """Per-tensor placements on one axis for ``option``: inputs in argument order, then outputs."""
-    if option != "seq":
+    if option not in ("seq", "ring"):
         p = {"whole": Replicate(), "batch": Shard(0), "heads": Shard(1)}[option]
         return [p] * n_in, [p] * n_out
     s, r = Shard(_SEQ), Replicate()
+    if option == "ring":  # everything on its sequence chunk (no mask input: ``candidates``)
+        return [s] * n_in, [s] * n_out
     if backward:  # grad_out, query, key, value, out, logsumexp[, mask] -> grad q, k, v
         return [s, s, r, r, s, s, s][:n_in], [s, Partial(), Partial()]
     return [s, r, r, s][:n_in], [s, s]  # query, key, value[, mask] -> output, logsumexp
@@ -77,13 +82,16 @@ def splits_sequence(node: fx.Node) -> bool:
 
 def candidates(node: fx.Node, ties: Sequence[int]) -> list[tc.RawStrategy]:
     """Per distinct mesh axis (``ties``: axes that must place alike share one choice): whole, batch, heads, or
-    the sequence (self-attention of at least ``_MIN_SEQ`` tokens)."""
+    the sequence (self-attention of at least ``_MIN_SEQ`` tokens), with keys and values gathered ("seq") or
+    passed around a ring ("ring", ``ring_attention``); the sequence on one axis at most."""
     ins = [a.meta["val"] for a in tensor_args(node)]
     backward = _is_backward(node)
     q = ins[1] if backward else ins[0]
     k = ins[2] if backward else ins[1]
     outs = output_vals(node)
-    options = ["whole", "batch", "heads"] + (["seq"] if splits_sequence(node) else [])
+    n_tensors = 6 if backward else 3  # a mask input leaves the ring out (its blocks would need slicing too)
+    options = ["whole", "batch", "heads"] + (["seq"] if splits_sequence(node) else []) + (
+        ["ring"] if splits_sequence(node) and len(ins) == n_tensors else [])
     free = sorted(set(ties))
 
     def fit(p: Placement, v: torch.Tensor) -> Placement:
@@ -93,8 +101,9 @@ def candidates(node: fx.Node, ties: Sequence[int]) -> list[tc.RawStrategy]:
     result = []
     for sub in itertools.product(options, repeat=len(free)):
         pick = dict(zip(free, sub))
-        if causal and sum(pick[t] == "seq" for t in ties) > 1:
-            continue  # the balanced causal kernel exchanges chunks along one axis
+        along = [pick[t] for t in ties if pick[t] in ("seq", "ring")]
+        if len(along) > 1 and (causal or "ring" in along):
+            continue  # the balanced causal kernel and the ring exchange chunks along one axis
         per_axis = [_layout(pick[t], backward, len(ins), len(outs)) for t in ties]
         in_pl = tuple(tuple(fit(ax[0][i], v) for ax in per_axis) for i, v in enumerate(ins))
         out_pl = tuple(tuple(ax[1][j] for ax in per_axis) if o is not None else None for j, o in enumerate(outs))
@@ -122,6 +131,9 @@ def local_call(node: fx.Node, sharding: NodeSharding) -> Callable[[tuple, dict, 
     warning; else None (the kernel as traced, on local shards)."""
     backward = _is_backward(node)
     q_pl = sharding.inputs[1 if backward else 0]
+    ring = _seq_axes(sharding.inputs[2 if backward else 1])
+    if ring:
+        return _ring_call(node, ring[0])
     if not _causal(node) or not _seq_axes(q_pl):
         return None
     warned = []
@@ -160,6 +172,26 @@ def local_call(node: fx.Node, sharding: NodeSharding) -> Callable[[tuple, dict, 
     return call
 
 
+def _ring_call(node: fx.Node, axis: int) -> Callable[[tuple, dict, DeviceMesh], Any]:
+    backward, causal = _is_backward(node), _causal(node)
+
+    def call(args: tuple, kwargs: dict, mesh: DeviceMesh) -> Any:
+        local = [a.to_local() if hasattr(a, "to_local") else a for a in args]
+        rest = {key: v for key, v in kwargs.items() if key not in ("attn_mask", "is_causal")}
+        q_len = local[1 if backward else 0].shape[_SEQ]
+        dropout = local[6 if backward else 3] if len(local) > (6 if backward else 3) else 0.0
+        if dropout or (causal and not causal_chunks.balanced(q_len, mesh.size(axis))):
+            raise ValueError(f"{node.name} ({node.target}): ring attention over mesh axis {axis} (size "
+                             f"{mesh.size(axis)}) needs no dropout and, causal, an even chunk ({q_len} queries per "
+                             "rank); make the sequence a multiple of twice the axis size, or constrain attention's "
+                             "inputs off the sequence")
+        if backward:
+            return ring_attention.backward(node.target, *local[:6], mesh, axis, causal, rest)
+        return ring_attention.forward(node.target, *local[:3], mesh, axis, causal, rest)
+
+    return call
+
+
 def exchanges(node: fx.Node, inputs: Sequence[Sequence[Placement] | None],
               mesh_shape: Sequence[int]) -> list[tuple[str, int, int]]:
     """("point_to_point", mesh axis, bytes per device) the load-balanced causal kernel sends its mirror rank at these input
@@ -167,12 +199,16 @@ def exchanges(node: fx.Node, inputs: Sequence[Sequence[Placement] | None],
     backward = _is_backward(node)
     q_pl = inputs[1 if backward else 0]
     axes = [a for a in _seq_axes(q_pl) if mesh_shape[a] > 1]
-    if not _causal(node) or len(axes) != 1:
+    if len(axes) != 1 or (not _causal(node) and not _seq_axes(inputs[2 if backward else 1])):
         return []
     shard = math.prod(n for p, n in zip(q_pl, mesh_shape) if isinstance(p, Shard))
     vals = [a.meta["val"] for a in tensor_args(node)]
-    q, out, lse = (vals[1], vals[4], vals[5]) if backward else (vals[0], *output_vals(node)[:2])
-    local = {name: t.numel() * t.element_size() // shard for name, t in (("query", q), ("out", out), ("logsumexp", lse))}
+    q, k, v, out, lse = (*vals[1:4], vals[4], vals[5]) if backward else (*vals[:3], *output_vals(node)[:2])
+    local = {name: t.numel() * t.element_size() // shard
+             for name, t in (("query", q), ("key", k), ("value", v), ("out", out), ("logsumexp", lse))}
+    if _seq_axes(inputs[2 if backward else 1]):  # the ring
+        return [(kind, axes[0], b) for kind, b in
+                ring_attention.exchanged(backward, _causal(node), mesh_shape[axes[0]], local)]
     return [("point_to_point", axes[0], causal_chunks.exchanged_bytes(backward, local))]
 
 

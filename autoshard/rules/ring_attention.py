@@ -1,0 +1,178 @@
+"""Ring attention: queries, keys and values all sequence-sharded on one mesh axis (``rules/attention``'s "ring").
+
+Each of the ``n`` ranks keeps its contiguous chunk of keys and values and passes it to the next rank, ``n - 1``
+times, so every query chunk meets every key chunk without any rank holding them all (Liu et al.'s ring
+attention). Each step's partial results merge into the running output by their log-sum-exp (the online
+softmax). Sends are issued before the step's kernels and read after them, so the transfer of the next chunk
+overlaps the current chunk's compute (asynchronous where the backend is).
+
+Causal attention keeps ``causal_chunks``' balance: each rank works on its own first half-chunk and its mirror
+rank's second half, and a half of ``c`` queries starting at ``s`` meets the key half-blocks before it in full,
+its own diagonally, and skips the ones after it. The backward passes the key and value chunks around again,
+with their gradients travelling alongside: each rank adds its queries' share as a chunk passes, and after the
+last step one more send brings every chunk's gradient home (whole, not ``Partial``).
+
+What it sends per device, for the cost model (``exchanged``): the key and value chunks ``n - 1`` times forward;
+backward the chunks ``n - 1`` times and their gradients ``n`` times; causal attention adds the half-chunk swap.
+The chunk sends overlap compute; the swap does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from autoshard import _torch_compat as tc
+from autoshard.rules.causal_chunks import _halves, _starts
+
+_SEQ = 2
+
+_Acc = tuple[torch.Tensor, torch.Tensor]  # running (output, log-sum-exp), in ``_acc_dtype``
+
+
+def _blocks(q_start: int, c: int, j: int, chunk: int, causal: bool) -> list[tuple[int, int, bool]]:
+    """The (offset, length, causal) key ranges of key chunk ``j`` (``chunk`` keys) that queries
+    ``[q_start, q_start + c)`` attend: the keys before them in full, their own diagonal block causally."""
+    if not causal:
+        return [(0, chunk, False)]
+    k0 = j * chunk
+    out = []
+    before = min(k0 + chunk, q_start) - k0
+    if before > 0:
+        out.append((0, before, False))
+    if k0 <= q_start < k0 + chunk:
+        out.append((q_start - k0, c, True))
+    return out
+
+
+def _merge(acc: _Acc, out: torch.Tensor, lse: torch.Tensor) -> _Acc:
+    out, lse = out.to(acc[0].dtype), lse.to(acc[1].dtype)
+    total = torch.logaddexp(acc[1], lse)
+    merged = acc[0] * torch.exp(acc[1] - total).unsqueeze(-1) + out * torch.exp(lse - total).unsqueeze(-1)
+    return merged, total
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    """Accumulators: float32 at least (bf16 inputs), the inputs' own where wider."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _forward_step(op: Any, qs: Sequence[torch.Tensor], starts: Sequence[int], k: torch.Tensor, v: torch.Tensor,
+                  j: int, causal: bool, accs: Sequence[_Acc], kw: Mapping[str, Any]) -> tuple[_Acc, ...]:
+    out = []
+    for q, s, acc in zip(qs, starts, accs):
+        for off, length, diag in _blocks(s, q.shape[_SEQ], j, k.shape[_SEQ], causal):
+            o, lse = op(q, k.narrow(_SEQ, off, length), v.narrow(_SEQ, off, length), 0.0, diag, **kw)[:2]
+            acc = _merge(acc, o, lse)
+        out.append(acc)
+    return tuple(out)
+
+
+def _backward_step(op: Any, halves: Sequence[tuple[torch.Tensor, ...]], starts: Sequence[int], k: torch.Tensor,
+                   v: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dqs: Sequence[torch.Tensor], j: int,
+                   causal: bool, kw: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
+    new_dq = []
+    for (g, q, o, lse), s, dq in zip(halves, starts, dqs):
+        for off, length, diag in _blocks(s, q.shape[_SEQ], j, k.shape[_SEQ], causal):
+            a, b, c = op(g, q, k.narrow(_SEQ, off, length), v.narrow(_SEQ, off, length), o, lse, 0.0, diag, **kw)[:3]
+            pad = (0, 0, off, k.shape[_SEQ] - off - length)
+            dq = dq + a.to(dq.dtype)
+            dk = dk + torch.nn.functional.pad(b.to(dk.dtype), pad)
+            dv = dv + torch.nn.functional.pad(c.to(dv.dtype), pad)
+        new_dq.append(dq)
+    return (dk, dv, *new_dq)
+
+
+def _queries(ts: Sequence[torch.Tensor], mesh: DeviceMesh, axis: int, causal: bool) -> tuple[list, ...]:
+    """The query-side tensors this rank works on: causal, its own first halves and its mirror rank's second
+    halves (``causal_chunks``); otherwise its chunk as it is."""
+    if not causal:
+        return ([t for t in ts],)
+    split = [_halves(t) for t in ts]
+    return [h[0] for h in split], [tc.swap_mirrored(h[1].contiguous(), mesh, axis) for h in split]
+
+
+def _starts_of(r: int, n: int, chunk: int, causal: bool) -> tuple[int, ...]:
+    return _starts(r, n, chunk // 2) if causal else (r * chunk,)
+
+
+def forward(op: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: DeviceMesh, axis: int, causal: bool,
+            kw: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, logsumexp) of this rank's chunk of ``q`` against every chunk of ``k``/``v`` (all local chunks)."""
+    n, r = mesh.size(axis), mesh.get_local_rank(axis)
+    nxt = [(c + 1) % n for c in range(n)]
+    parts = [p[0] for p in _queries([q], mesh, axis, causal)]
+    acc = _acc_dtype(q)
+    flat = tuple(t for p in parts for t in (torch.zeros(p.shape, dtype=acc, device=p.device),
+                                           torch.full(p.shape[:-1], float("-inf"), dtype=acc, device=p.device)))
+    chunk = k.shape[_SEQ]
+    for step in range(n):
+        sent = (tc.permute_on_axis(k, mesh, axis, nxt), tc.permute_on_axis(v, mesh, axis, nxt)) if step < n - 1 else None
+        flat = tc.for_each_rank(_step_forward)(op, parts, k, v, r, n, step, chunk, causal, flat, kw)
+        if sent is not None:
+            k, v = tc.waited(sent[0]), tc.waited(sent[1])
+    outs = [o.to(q.dtype) for o in flat[0::2]]
+    lses = [t.to(torch.float32) if q.dtype != torch.float64 else t for t in flat[1::2]]
+    if causal:  # the borrowed half's results go back to their owner
+        outs[1], lses[1] = tc.swap_mirrored(outs[1].contiguous(), mesh, axis), tc.swap_mirrored(lses[1].contiguous(), mesh, axis)
+    return torch.cat(outs, _SEQ), torch.cat(lses, _SEQ)
+
+
+def _step_forward(op: Any, parts: Sequence[torch.Tensor], k: torch.Tensor, v: torch.Tensor, r: int, n: int,
+                  step: int, chunk: int, causal: bool, flat: Sequence[torch.Tensor],
+                  kw: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
+    # accumulators flat (out, lse, out, lse): per-rank results are combined one level deep
+    accs = [(flat[2 * i], flat[2 * i + 1]) for i in range(len(parts))]
+    done = _forward_step(op, parts, _starts_of(r, n, 2 * parts[0].shape[_SEQ] if causal else chunk, causal), k, v,
+                         (r - step) % n, causal, accs, kw)
+    return tuple(t for acc in done for t in acc)
+
+
+def _step_backward(op: Any, halves: Sequence[tuple[torch.Tensor, ...]], k: torch.Tensor, v: torch.Tensor,
+                   dk: torch.Tensor, dv: torch.Tensor, dqs: Sequence[torch.Tensor], r: int, n: int, step: int,
+                   causal: bool, kw: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
+    q_len = halves[0][1].shape[_SEQ]
+    starts = _starts_of(r, n, 2 * q_len if causal else k.shape[_SEQ], causal)
+    return _backward_step(op, halves, starts, k, v, dk, dv, dqs, (r - step) % n, causal, kw)
+
+
+def backward(op: Any, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+             lse: torch.Tensor, mesh: DeviceMesh, axis: int, causal: bool,
+             kw: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of :func:`forward`, each this rank's chunk."""
+    n, r = mesh.size(axis), mesh.get_local_rank(axis)
+    nxt = [(c + 1) % n for c in range(n)]
+    halves = [tuple(side) for side in _queries([grad_out, q, out, lse], mesh, axis, causal)]
+    acc = _acc_dtype(q)
+    dqs = tuple(torch.zeros(h[1].shape, dtype=acc, device=h[1].device) for h in halves)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)  # the travelling gradients, summed in fp32 at least
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    for step in range(n):
+        sent = (tc.permute_on_axis(k, mesh, axis, nxt), tc.permute_on_axis(v, mesh, axis, nxt)) if step < n - 1 else None
+        dk, dv, *rest = tc.for_each_rank(_step_backward)(op, halves, k, v, dk, dv, dqs, r, n, step, causal, kw)
+        dqs = tuple(rest)
+        dk, dv = tc.permute_on_axis(dk, mesh, axis, nxt), tc.permute_on_axis(dv, mesh, axis, nxt)
+        if sent is not None:
+            k, v = tc.waited(sent[0]), tc.waited(sent[1])
+    dqs = [d.to(q.dtype) for d in dqs]
+    if causal:
+        dqs[1] = tc.swap_mirrored(dqs[1].contiguous(), mesh, axis)
+    return torch.cat(dqs, _SEQ), tc.waited(dk).to(k.dtype), tc.waited(dv).to(v.dtype)
+
+
+def exchanged(backward_op: bool, causal: bool, n: int, local_bytes: Mapping[str, int]) -> list[tuple[str, int]]:
+    """[(kind, bytes)], one entry per message a device sends in one call: "overlapped" for each step's chunk
+    sends (one latency each), "point_to_point" for the half swap; ``local_bytes``: the local sizes of
+    ``query``, ``key``, ``value``, ``out`` and ``logsumexp``."""
+    q, k, v, o, lse = (local_bytes[x] for x in ("query", "key", "value", "out", "logsumexp"))
+    steps = [("overlapped", k + v)] * (n - 1)
+    if backward_op:  # the chunks again, with their gradients (one more send to bring them home)
+        steps = [("overlapped", 2 * (k + v))] * (n - 1) + [("overlapped", k + v)]
+    swap = ((o + q + o + lse + q) // 2 if backward_op else (q + o + lse) // 2) if causal else 0
+    return steps + ([("point_to_point", swap)] if swap else [])
+
+
+__all__ = ["backward", "exchanged", "forward"]
