@@ -155,10 +155,15 @@ def test_loss_fn_picks_the_loss_from_a_dict() -> None:
 def test_stock_mixtral_with_experts_sharded(runs: dict[str, dict]) -> None:
     """The ep recipe on the stock Mixtral: its stacked expert weights (``experts.gate_up_proj``, ``down_proj``)
     and their optimizer state sharded on the expert dim over 4 ranks, the rest data-parallel; equal to one
-    device. Its experts run as transformers' grouped matmul, for which no sharding rule exists yet: the weights
-    are gathered for it (FSDP-like), not expert-parallel with all-to-all (the zoo Mixtral's bmm experts are)."""
+    device. Its experts run as transformers' grouped matmul (``autoshard/rules/expert_mm.py``): the gate/up
+    matmul of every layer runs expert-parallel, each rank its own expert's rows of the whole sorted batch, the
+    output summed back (Megatron's all-gather dispatcher, not the zoo Mixtral's all-to-all); the down matmul
+    gathers its weight (its input is the reduced activation either way, and the weights are small here)."""
     ref, got, _ = _result(runs, MIXTRAL_EP)
-    placements = autoshard.Plan.from_json(got["plan"]).parameter_placements()
+    plan = autoshard.Plan.from_json(got["plan"])
+    grouped = [d for d in plan.stages[0].ops if d.op == "transformers.grouped_mm_fallback.default"]
+    assert sum(d.inputs[1] == ("S(0)",) and d.output == ("P",) for d in grouped) == 2, grouped  # one per layer
+    placements = plan.parameter_placements()
     experts = {k: v for k, v in placements.items() if ".experts." in k}
     assert len(experts) == 4 and set(experts.values()) == {("S(0)",)}
     assert {v for k, v in placements.items() if k not in experts} == {("R",)}

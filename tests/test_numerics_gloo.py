@@ -14,9 +14,20 @@ from autoshard.models.mlp import mlp_example_inputs
 from harness import assert_close_to_reference, local_ranks, single_device_reference
 from numerics_utils import LR, MODELS, PARAM_ATOL, make_mlp, train_sharded
 
+def _hf(name: str) -> tuple:
+    """A stock ``transformers`` model of ``autoshard.models.hf.TINY`` as (make model, make batch)."""
+    from autoshard.models.hf import build
+
+    return (lambda: build(name, dropout=False)[0]), (lambda: build(name, dropout=False)[1])
+
+
+def _models(name: str) -> tuple:
+    return _hf(name.removeprefix("hf-")) if name.startswith("hf-") else MODELS[name]
+
+
 def _worker(rank: int, world: int, arg: tuple) -> dict:
     name, shape, names, kw = arg
-    make, inputs_fn = MODELS[name]
+    make, inputs_fn = _models(name)
     return train_sharded(make, inputs_fn(), shape, names, lr=LR, **kw)
 
 
@@ -25,7 +36,7 @@ def _run(name: str, shape: tuple[int, ...], names: tuple[str, ...], **kw) -> lis
     for s in shape:
         world *= s
     results = launch(world, _worker, (name, shape, names, kw))
-    make, inputs_fn = MODELS[name]
+    make, inputs_fn = _models(name)
     ref = single_device_reference(make, inputs_fn(), steps=3, lr=LR)
     for r, got in enumerate(results):
         assert_close_to_reference(ref, got["losses"], got["grads"], got["params"], param_atol=PARAM_ATOL)
@@ -49,9 +60,11 @@ BATCH = {"inputs": {"dp": Shard(0)}}
         ("llama-long", (2,), ("cp",), {"constraints": {"inputs": "[S(1)]"}, "cluster": "h100-sxm", "backend": "eager"}),
         # a large vocabulary, tokens whole on tp: the cross-entropy on vocabulary slices, row statistics all-reduced
         ("gpt-vocab", (2,), ("tp",), {"constraints": {"inputs": "[R]"}, "cluster": "h100-sxm", "backend": "eager"}),
+        # the stock transformers Mixtral under the ep recipe: its stacked expert weights sharded over the ranks
+        ("hf-mixtral", (2,), ("dp",), {"recipe": "ep", "backend": "eager"}),
     ],
     ids=["mlp-dp2-eager", "gpt-dp4-fsdp-eager", "gpt-2x2-tp-eager", "gpt-2x2-fsdp-eager", "gpt-dp2-zero1-eager",
-         "moe-dp2-ep-eager", "llama-cp2-eager", "gpt-vocab-tp2-eager"],
+         "moe-dp2-ep-eager", "llama-cp2-eager", "gpt-vocab-tp2-eager", "hf-mixtral-dp2-ep-eager"],
 )
 def test_gloo_eager(name, shape, names, kw):
     results = _run(name, shape, names, **kw)
@@ -64,6 +77,9 @@ def test_gloo_eager(name, shape, names, kw):
     if name == "gpt-vocab":  # vocabulary-parallel loss: the log-probabilities split over the vocabulary
         soft = [d for d in plan.stages[0].ops if d.op == "aten._log_softmax.default"]
         assert soft and all(d.inputs == (("S(1)",),) for d in soft), soft
+    if name == "hf-mixtral":  # experts.gate_up_proj / down_proj: [experts, in, out], one expert per rank
+        experts = {k: v for k, v in plan.parameter_placements().items() if ".experts." in k}
+        assert experts and set(experts.values()) == {("S(0)",)}, experts
     if name == "moe":  # expert parallelism: the experts stay sharded, tokens move (gloo: gathered and chunked)
         assert {v for k, v in plan.parameter_placements().items() if ".moe.w" in k} == {("S(0)",)}
 

@@ -23,13 +23,21 @@ def compiling_call(example_inputs: Sequence[Any]) -> tuple[nn.Module, tuple, dic
     while parent is not None:
         frames.append(parent)
         parent = getattr(parent, "parent", None)
+    def owns(value: object) -> bool:
+        return isinstance(value, nn.Module) and any(id(p) in inputs for p in value.parameters())
+
     for frame in reversed(frames):  # the outermost frame first: the module torch.compile wraps
         local = frame.f_locals
         for key, value in local.items():
-            if isinstance(value, nn.Module) and any(id(p) in inputs for p in value.parameters()):
+            if owns(value):
                 if "args" in local or "kwargs" in local:
                     return value, tuple(local.get("args", ())), dict(local.get("kwargs", {}))
                 return value, (), {k: v for k, v in local.items() if k != key}
+        # a decorated forward (transformers >= 5.24 wraps it): the frame is ``wrapper(*args, **kwargs)`` and the
+        # module is its first positional argument
+        args = local.get("args")
+        if isinstance(args, tuple) and args and owns(args[0]):
+            return args[0], tuple(args[1:]), dict(local.get("kwargs", {}))
     return None
 
 

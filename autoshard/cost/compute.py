@@ -38,7 +38,7 @@ def op_flops(op: Any, args: tuple, kwargs: dict | None, out: object) -> int:
     ``op`` is an ``OpOverload`` such as ``torch.ops.aten.mm.default``. Returns 0 for ops without a formula.
     """
     kwargs = kwargs or {}
-    formula = rules.flop_formulas().get(op)  # op families with their own rule (autoshard/rules)
+    formula = rules.flop_formula(op)  # op families with their own rule (autoshard/rules)
     packet = getattr(op, "overloadpacket", op)
     if formula is None and packet not in flop_registry:
         return 0
@@ -74,7 +74,7 @@ def compute_time(flops: float, nbytes: float, device: DeviceSpec, dtype: str | t
 
 
 def _count(op: Any, packet: Any, args: Any, kwargs: Mapping[str, Any], out: Any) -> int:
-    formula = rules.flop_formulas().get(op)  # op families with their own rule (autoshard/rules)
+    formula = rules.flop_formula(op)  # op families with their own rule (autoshard/rules)
     try:
         if formula is not None:
             return int(formula(*_shapes(args), **_shapes(dict(kwargs))))

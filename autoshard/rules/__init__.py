@@ -13,7 +13,8 @@ One file per family, listed in ``_all_rules``. A rule can give
 - ``flops``: FLOP formulas for the op's overloads that ``torch.utils.flop_counter`` lacks (``cost/compute.py``).
 
 Adding an op family (ring attention, an MoE dispatch) is a new file here (an ``OpRule`` named ``RULE``) and
-its module in the import and the tuple of ``_all_rules``.
+its module in the import and the tuple of ``_all_rules``. Rules are looked up by the op's name, so a rule may
+name a library's custom op (``expert_mm``: transformers' grouped expert matmul).
 """
 
 from __future__ import annotations
@@ -26,22 +27,24 @@ import torch.fx as fx
 
 from autoshard import _torch_compat as tc
 from autoshard.ir import NodeSharding
-from autoshard.rules import attention, convolution, vocab_loss
+from autoshard.rules import attention, convolution, expert_mm, vocab_loss
 from autoshard.rules.base import OpRule
 
 
 def _all_rules() -> tuple[OpRule, ...]:
-    return (attention.RULE, convolution.RULE, vocab_loss.RULE)
+    return (attention.RULE, convolution.RULE, expert_mm.RULE, vocab_loss.RULE)
 
 
 @functools.lru_cache(maxsize=1)
-def _by_op() -> Mapping[Any, OpRule]:
-    return {op: rule for rule in _all_rules() for op in rule.ops()}
+def _by_op() -> Mapping[str, OpRule]:
+    # keyed by the overload's name ("aten.mm.default"): a rule may name an op of a library that registers it
+    # later (transformers' custom ops), which no OpOverload object could stand for before then
+    return {str(op): rule for rule in _all_rules() for op in rule.ops()}
 
 
 def rule_for(op: Any) -> OpRule | None:
     """The rule for ``op`` (an OpOverload), or None when DTensor's strategies and torch's counter serve it."""
-    return _by_op().get(op)
+    return _by_op().get(str(op))
 
 
 def candidates(node: fx.Node, ties: Sequence[int]) -> list[tc.RawStrategy] | None:
@@ -76,12 +79,13 @@ def more_candidates(node: fx.Node, found: Sequence[tc.RawStrategy], mesh_shape: 
 
 
 @functools.lru_cache(maxsize=1)
-def flop_formulas() -> Mapping[Any, Callable[..., int]]:
-    """Every rule's FLOP formulas by OpOverload; a formula takes the op's arguments as shapes."""
-    out: dict[Any, Callable[..., int]] = {}
-    for rule in _all_rules():
-        out.update(rule.flops())
-    return out
+def _formulas() -> Mapping[str, Callable[..., int]]:
+    return {str(op): f for rule in _all_rules() for op, f in rule.flops().items()}
 
 
-__all__ = ["OpRule", "candidates", "exchanges", "flop_formulas", "more_candidates", "local_call", "rule_for", "runs_local"]
+def flop_formula(op: Any) -> Callable[..., int] | None:
+    """The rule's FLOP formula for ``op`` (an OpOverload), or None; it takes the op's arguments as shapes."""
+    return _formulas().get(str(op))
+
+
+__all__ = ["OpRule", "candidates", "exchanges", "flop_formula", "more_candidates", "local_call", "rule_for", "runs_local"]

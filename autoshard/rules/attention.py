@@ -38,7 +38,8 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autoshard import _torch_compat as tc
 from autoshard.ir import NodeSharding, output_vals, tensor_args
-from autoshard.rules import causal_chunks, ring_attention
+import autoshard.rules.causal_chunks as causal_chunks
+import autoshard.rules.ring_attention as ring_attention
 from autoshard.rules.base import OpRule
 
 logger = logging.getLogger(__name__)

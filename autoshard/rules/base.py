@@ -17,7 +17,9 @@ class OpRule:
     """One op family's rule (see the module docstring); ``ops`` lists its overloads."""
 
     name: str
-    ops: Callable[[], frozenset[Any]]  # resolved on first use: importing a rule touches no op
+    # its overloads, or their names ("transformers.grouped_mm_fallback.default": a library's op registered later);
+    # resolved on first use: importing a rule touches no op
+    ops: Callable[[], frozenset[Any]]
     candidates: Callable[[fx.Node, Sequence[int]], list[tc.RawStrategy]] | None = None
     runs_local: Callable[[fx.Node, NodeSharding], bool] | None = None
     flops: Callable[[], Mapping[Any, Callable[..., int]]] = field(default=lambda: {})

@@ -32,12 +32,18 @@ from autoshard import _torch_compat as tc
 _SEQ = 2  # [B, H, T, D] and the log-sum-exp [B, H, T]
 
 
-def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     c = t.shape[_SEQ] // 2
     return t.narrow(_SEQ, 0, c), t.narrow(_SEQ, c, t.shape[_SEQ] - c)
 
 
-def _starts(r: int, n: int, c: int) -> tuple[int, int]:
+def like(t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` in ``t``'s memory layout: the kernel lays its output out as its query (a query transposed from
+    ``[B, T, H, D]`` gives an output a later ``view`` reads as ``[B, T, H*D]``), and its gradients as their inputs."""
+    return value if value.stride() == t.stride() else torch.empty_like(t, dtype=value.dtype).copy_(value)
+
+
+def half_starts(r: int, n: int, c: int) -> tuple[int, int]:
     """Sequence offsets of rank ``r``'s own first half and of the half it borrows from its mirror rank."""
     return 2 * r * c, (2 * n - 1 - 2 * r) * c
 
@@ -71,13 +77,13 @@ def _grads(op: Any, g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 
 def _forward_pair(op: Any, qa: torch.Tensor, qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: int, n: int,
                   kw: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
-    own, borrowed = _starts(r, n, qa.shape[_SEQ])
+    own, borrowed = half_starts(r, n, qa.shape[_SEQ])
     return (*_attend(op, qa, k, v, own, kw), *_attend(op, qp, k, v, borrowed, kw))
 
 
 def _backward_pair(op: Any, a: tuple[torch.Tensor, ...], p: tuple[torch.Tensor, ...], k: torch.Tensor,
                    v: torch.Tensor, r: int, n: int, kw: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
-    own, borrowed = _starts(r, n, a[1].shape[_SEQ])
+    own, borrowed = half_starts(r, n, a[1].shape[_SEQ])
     dqa, dka, dva = _grads(op, a[0], a[1], k, v, a[2], a[3], own, kw)
     dqp, dkp, dvp = _grads(op, p[0], p[1], k, v, p[2], p[3], borrowed, kw)
     return dqa, dqp, dka + dkp, dva + dvp
@@ -93,11 +99,11 @@ def forward(op: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: De
     """(output, logsumexp) of this rank's query chunk ``q`` (local, contiguous chunk ``r`` of ``n`` on ``axis``)
     against the whole causal ``k``/``v``; ``op`` is the CPU flash kernel, ``kw`` its keyword arguments (scale)."""
     n, r = mesh.size(axis), mesh.get_local_rank(axis)
-    qa, qb = _halves(q)
+    qa, qb = halves(q)
     qp = tc.swap_mirrored(qb.contiguous(), mesh, axis)
     oa, la, op_, lp = tc.for_each_rank(_forward_pair)(op, qa, qp, k, v, r, n, kw)
     ob, lb = tc.swap_mirrored(op_.contiguous(), mesh, axis), tc.swap_mirrored(lp.contiguous(), mesh, axis)
-    return torch.cat([oa, ob], _SEQ), torch.cat([la, lb], _SEQ)
+    return like(q, torch.cat([oa, ob], _SEQ)), torch.cat([la, lb], _SEQ)
 
 
 def backward(op: Any, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -105,12 +111,12 @@ def backward(op: Any, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
              kw: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of :func:`forward`: dq this rank's chunk, dk/dv whole but only this rank's queries' share."""
     n, r = mesh.size(axis), mesh.get_local_rank(axis)
-    split = [_halves(t) for t in (grad_out, q, out, lse)]
+    split = [halves(t) for t in (grad_out, q, out, lse)]
     own = tuple(h[0] for h in split)
     borrowed = tuple(tc.swap_mirrored(h[1].contiguous(), mesh, axis) for h in split)
     dqa, dqp, dk, dv = tc.for_each_rank(_backward_pair)(op, own, borrowed, k, v, r, n, kw)
     dqb = tc.swap_mirrored(dqp.contiguous(), mesh, axis)
-    return torch.cat([dqa, dqb], _SEQ), dk, dv
+    return like(q, torch.cat([dqa, dqb], _SEQ)), like(k, dk), like(v, dv)
 
 
 def exchanged_bytes(backward_op: bool, local_bytes: Mapping[str, int]) -> int:
@@ -120,4 +126,4 @@ def exchanged_bytes(backward_op: bool, local_bytes: Mapping[str, int]) -> int:
     return (o + q + o + lse + q) // 2 if backward_op else (q + o + lse) // 2
 
 
-__all__ = ["backward", "balanced", "exchanged_bytes", "forward"]
+__all__ = ["backward", "balanced", "exchanged_bytes", "forward", "half_starts", "halves", "like"]

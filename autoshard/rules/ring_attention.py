@@ -26,7 +26,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoshard import _torch_compat as tc
-from autoshard.rules.causal_chunks import _halves, _starts
+from autoshard.rules.causal_chunks import halves, half_starts, like
 
 _SEQ = 2
 
@@ -91,12 +91,12 @@ def _queries(ts: Sequence[torch.Tensor], mesh: DeviceMesh, axis: int, causal: bo
     halves (``causal_chunks``); otherwise its chunk as it is."""
     if not causal:
         return ([t for t in ts],)
-    split = [_halves(t) for t in ts]
+    split = [halves(t) for t in ts]
     return [h[0] for h in split], [tc.swap_mirrored(h[1].contiguous(), mesh, axis) for h in split]
 
 
 def _starts_of(r: int, n: int, chunk: int, causal: bool) -> tuple[int, ...]:
-    return _starts(r, n, chunk // 2) if causal else (r * chunk,)
+    return half_starts(r, n, chunk // 2) if causal else (r * chunk,)
 
 
 def forward(op: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: DeviceMesh, axis: int, causal: bool,
@@ -118,7 +118,7 @@ def forward(op: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: De
     lses = [t.to(torch.float32) if q.dtype != torch.float64 else t for t in flat[1::2]]
     if causal:  # the borrowed half's results go back to their owner
         outs[1], lses[1] = tc.swap_mirrored(outs[1].contiguous(), mesh, axis), tc.swap_mirrored(lses[1].contiguous(), mesh, axis)
-    return torch.cat(outs, _SEQ), torch.cat(lses, _SEQ)
+    return like(q, torch.cat(outs, _SEQ)), torch.cat(lses, _SEQ)
 
 
 def _step_forward(op: Any, parts: Sequence[torch.Tensor], k: torch.Tensor, v: torch.Tensor, r: int, n: int,
@@ -145,14 +145,14 @@ def backward(op: Any, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     """(dq, dk, dv) of :func:`forward`, each this rank's chunk."""
     n, r = mesh.size(axis), mesh.get_local_rank(axis)
     nxt = [(c + 1) % n for c in range(n)]
-    halves = [tuple(side) for side in _queries([grad_out, q, out, lse], mesh, axis, causal)]
+    sides = [tuple(side) for side in _queries([grad_out, q, out, lse], mesh, axis, causal)]
     acc = _acc_dtype(q)
-    dqs = tuple(torch.zeros(h[1].shape, dtype=acc, device=h[1].device) for h in halves)
+    dqs = tuple(torch.zeros(h[1].shape, dtype=acc, device=h[1].device) for h in sides)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)  # the travelling gradients, summed in fp32 at least
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     for step in range(n):
         sent = (tc.permute_on_axis(k, mesh, axis, nxt), tc.permute_on_axis(v, mesh, axis, nxt)) if step < n - 1 else None
-        dk, dv, *rest = tc.for_each_rank(_step_backward)(op, halves, k, v, dk, dv, dqs, r, n, step, causal, kw)
+        dk, dv, *rest = tc.for_each_rank(_step_backward)(op, sides, k, v, dk, dv, dqs, r, n, step, causal, kw)
         dqs = tuple(rest)
         dk, dv = tc.permute_on_axis(dk, mesh, axis, nxt), tc.permute_on_axis(dv, mesh, axis, nxt)
         if sent is not None:
@@ -160,7 +160,7 @@ def backward(op: Any, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     dqs = [d.to(q.dtype) for d in dqs]
     if causal:
         dqs[1] = tc.swap_mirrored(dqs[1].contiguous(), mesh, axis)
-    return torch.cat(dqs, _SEQ), tc.waited(dk).to(k.dtype), tc.waited(dv).to(v.dtype)
+    return like(q, torch.cat(dqs, _SEQ)), like(k, tc.waited(dk).to(k.dtype)), like(v, tc.waited(dv).to(v.dtype))
 
 
 def exchanged(backward_op: bool, causal: bool, n: int, local_bytes: Mapping[str, int]) -> list[tuple[str, int]]:
