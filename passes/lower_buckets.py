@@ -21,7 +21,7 @@ import math
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from autoshard import _torch_compat as tc
 
@@ -45,7 +45,10 @@ def reduce_together(mesh: DeviceMesh, vals: list[DTensor], have: tuple, want: tu
     if len(locals_) == 1:
         return [tc.redistribute(vals[0], mesh, want).to_local()]
     flat = torch.cat([t.reshape(-1) for t in locals_])
-    reduced = tc.redistribute(DTensor.from_local(flat, mesh, have, run_check=False), mesh, want).to_local()
+    # the flat tensor has one dim: a Shard kept on another axis (a tp-sharded weight's gradient, reduced over dp)
+    # is Shard(0) of it, a layout on that axis the reduction does not touch
+    flat_have, flat_want = (tuple(Shard(0) if isinstance(p, Shard) else p for p in pl) for pl in (have, want))
+    reduced = tc.redistribute(DTensor.from_local(flat, mesh, flat_have, run_check=False), mesh, flat_want).to_local()
     pieces = torch.split(reduced, [t.numel() for t in locals_])
     return [p.view(t.shape) for p, t in zip(pieces, locals_)]
 

@@ -140,6 +140,13 @@ def _flat_worker(rank: int, world: int, _: object) -> dict:
     mine = tc.waited(scatter_together(mesh, (0,), [part], dim=1)[0])
     ref = part.redistribute(mesh, (Shard(1), Shard(0))).to_local()
     out["scatter_dim1"] = (mine, ref)
+    # DDP's bucket over dp of gradients that stay dim-1 sharded on tp (row-parallel weights): one flat all-reduce
+    from autoshard.passes.lower_buckets import reduce_together
+
+    grads = [DTensor.from_local(torch.full((4, 3), float(rank)) + full[:4, :3] * k, mesh, (Partial(), Shard(1)),
+                                run_check=False) for k in (1, 2)]
+    got = [tc.waited(t) for t in reduce_together(mesh, grads, (Partial(), Shard(1)), (Replicate(), Shard(1)))]
+    out["bucket_dim1"] = (got, [g.redistribute(mesh, (Replicate(), Shard(1))).to_local() for g in grads])
     return out
 
 
@@ -155,3 +162,5 @@ def test_flattened_and_dim1_bundled_collectives_give_dtensors_values() -> None:
         assert tuple(pb) == (Replicate(), Replicate()) and torch.equal(b, full[:, :4])
         mine, ref = r["scatter_dim1"]
         assert mine.shape == ref.shape and torch.allclose(mine, ref)
+        got, want = r["bucket_dim1"]
+        assert all(a.shape == b.shape and torch.allclose(a, b) for a, b in zip(got, want))
