@@ -42,9 +42,10 @@ def _by_op() -> Mapping[str, OpRule]:
     return {str(op): rule for rule in _all_rules() for op in rule.ops()}
 
 
+@functools.lru_cache(maxsize=None)
 def rule_for(op: Any) -> OpRule | None:
     """The rule for ``op`` (an OpOverload), or None when DTensor's strategies and torch's counter serve it."""
-    return _by_op().get(str(op))
+    return _by_op().get(str(op))  # (cached per op: the strategy pass asks for every member of every candidate)
 
 
 def candidates(node: fx.Node, ties: Sequence[int]) -> list[tc.RawStrategy] | None:
@@ -83,6 +84,7 @@ def _formulas() -> Mapping[str, Callable[..., int]]:
     return {str(op): f for rule in _all_rules() for op, f in rule.flops().items()}
 
 
+@functools.lru_cache(maxsize=None)
 def flop_formula(op: Any) -> Callable[..., int] | None:
     """The rule's FLOP formula for ``op`` (an OpOverload), or None; it takes the op's arguments as shapes."""
     return _formulas().get(str(op))

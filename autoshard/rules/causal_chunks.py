@@ -21,7 +21,7 @@ backward.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -43,50 +43,97 @@ def like(t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return value if value.stride() == t.stride() else torch.empty_like(t, dtype=value.dtype).copy_(value)
 
 
+def lse_like(q: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """A log-sum-exp accumulator in the kernel's own dtype: float32, float64 for float64 queries."""
+    return lse if q.dtype == torch.float64 else lse.to(torch.float32)
+
+
 def half_starts(r: int, n: int, c: int) -> tuple[int, int]:
     """Sequence offsets of rank ``r``'s own first half and of the half it borrows from its mirror rank."""
     return 2 * r * c, (2 * n - 1 - 2 * r) * c
 
 
-def _attend(op: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-            kw: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    c = q.shape[_SEQ]
-    diag = op(q, k.narrow(_SEQ, start, c), v.narrow(_SEQ, start, c), 0.0, True, **kw)
-    if start == 0:
-        return diag[0], diag[1]
-    before = op(q, k.narrow(_SEQ, 0, start), v.narrow(_SEQ, 0, start), 0.0, False, **kw)
-    lse = torch.logaddexp(diag[1], before[1])
-    out = sum(o.float() * torch.exp(part - lse).unsqueeze(-1) for o, part in ((diag[0], diag[1]), (before[0], before[1])))
-    return out.to(q.dtype), lse
+_Acc = tuple[torch.Tensor, torch.Tensor]  # running (output, log-sum-exp), in ``acc_dtype``
 
 
-def _grads(op: Any, g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-           lse: torch.Tensor, start: int, kw: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    c = q.shape[_SEQ]
-    dq, dk, dv = op(g, q, k.narrow(_SEQ, start, c), v.narrow(_SEQ, start, c), out, lse, 0.0, True, **kw)[:3]
-    pad = (0, 0, start, k.shape[_SEQ] - start - c)
-    dk_full, dv_full = torch.nn.functional.pad(dk, pad), torch.nn.functional.pad(dv, pad)
-    if start > 0:
-        dq_b, dk_b, dv_b = op(g, q, k.narrow(_SEQ, 0, start), v.narrow(_SEQ, 0, start), out, lse, 0.0, False, **kw)[:3]
-        rest = (0, 0, 0, k.shape[_SEQ] - start)
-        dq = dq + dq_b
-        dk_full = dk_full + torch.nn.functional.pad(dk_b, rest)
-        dv_full = dv_full + torch.nn.functional.pad(dv_b, rest)
-    return dq, dk_full, dv_full
+def blocks(q_start: int, c: int, j: int, chunk: int, causal: bool) -> list[tuple[int, int, bool]]:
+    """The (offset, length, causal) key ranges of key chunk ``j`` (``chunk`` keys) that queries
+    ``[q_start, q_start + c)`` attend: the keys before them in full, their own diagonal block causally (a
+    square: the kernel's top-left causal mask is the right one), none after them."""
+    if not causal:
+        return [(0, chunk, False)]
+    k0 = j * chunk
+    out = []
+    before = min(k0 + chunk, q_start) - k0
+    if before > 0:
+        out.append((0, before, False))
+    if k0 <= q_start < k0 + chunk:
+        out.append((q_start - k0, c, True))
+    return out
+
+
+def acc_dtype(t: torch.Tensor) -> torch.dtype:
+    """Accumulators: float32 at least (bf16 inputs), the inputs' own where wider."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def fresh(parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Empty accumulators for query tensors ``parts``, flat: (output 0, log-sum-exp -inf) per part."""
+    dtype = acc_dtype(parts[0])
+    return tuple(t for p in parts for t in (torch.zeros(p.shape, dtype=dtype, device=p.device),
+                                           torch.full(p.shape[:-1], float("-inf"), dtype=dtype, device=p.device)))
+
+
+def _merge(acc: _Acc, out: torch.Tensor, lse: torch.Tensor) -> _Acc:
+    out, lse = out.to(acc[0].dtype), lse.to(acc[1].dtype)
+    total = torch.logaddexp(acc[1], lse)
+    merged = acc[0] * torch.exp(acc[1] - total).unsqueeze(-1) + out * torch.exp(lse - total).unsqueeze(-1)
+    return merged, total
+
+
+def forward_step(op: Any, qs: Sequence[torch.Tensor], starts: Sequence[int], k: torch.Tensor, v: torch.Tensor,
+                 j: int, causal: bool, flat: Sequence[torch.Tensor], kw: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
+    """Queries ``qs`` (starting at ``starts``) against key chunk ``j``, merged into the accumulators ``flat``
+    (``fresh``'s layout: per-rank results are combined one level deep, so they stay flat)."""
+    out = []
+    for i, (q, s) in enumerate(zip(qs, starts)):
+        acc = (flat[2 * i], flat[2 * i + 1])
+        for off, length, diag in blocks(s, q.shape[_SEQ], j, k.shape[_SEQ], causal):
+            o, lse = op(q, k.narrow(_SEQ, off, length), v.narrow(_SEQ, off, length), 0.0, diag, **kw)[:2]
+            acc = _merge(acc, o, lse)
+        out.extend(acc)
+    return tuple(out)
+
+
+def backward_step(op: Any, sides: Sequence[tuple[torch.Tensor, ...]], starts: Sequence[int], k: torch.Tensor,
+                  v: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dqs: Sequence[torch.Tensor], j: int,
+                  causal: bool, kw: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
+    """The gradients of :func:`forward_step`'s pieces, given the merged output and log-sum-exp in ``sides``
+    (grad_out, query, out, logsumexp per query part; a flash backward is exact per key block given those):
+    (dk, dv, dq per part), added to the accumulators ``dk``, ``dv``, ``dqs``."""
+    new_dq = []
+    for (g, q, o, lse), s, dq in zip(sides, starts, dqs):
+        for off, length, diag in blocks(s, q.shape[_SEQ], j, k.shape[_SEQ], causal):
+            a, b, c = op(g, q, k.narrow(_SEQ, off, length), v.narrow(_SEQ, off, length), o, lse, 0.0, diag, **kw)[:3]
+            pad = (0, 0, off, k.shape[_SEQ] - off - length)
+            dq = dq + a.to(dq.dtype)
+            dk = dk + torch.nn.functional.pad(b.to(dk.dtype), pad)
+            dv = dv + torch.nn.functional.pad(c.to(dv.dtype), pad)
+        new_dq.append(dq)
+    return (dk, dv, *new_dq)
 
 
 def _forward_pair(op: Any, qa: torch.Tensor, qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: int, n: int,
-                  kw: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
-    own, borrowed = half_starts(r, n, qa.shape[_SEQ])
-    return (*_attend(op, qa, k, v, own, kw), *_attend(op, qp, k, v, borrowed, kw))
+                  flat: Sequence[torch.Tensor], kw: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
+    # the whole keys and values are chunk 0 of one chunk
+    return forward_step(op, (qa, qp), half_starts(r, n, qa.shape[_SEQ]), k, v, 0, True, flat, kw)
 
 
 def _backward_pair(op: Any, a: tuple[torch.Tensor, ...], p: tuple[torch.Tensor, ...], k: torch.Tensor,
                    v: torch.Tensor, r: int, n: int, kw: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
-    own, borrowed = half_starts(r, n, a[1].shape[_SEQ])
-    dqa, dka, dva = _grads(op, a[0], a[1], k, v, a[2], a[3], own, kw)
-    dqp, dkp, dvp = _grads(op, p[0], p[1], k, v, p[2], p[3], borrowed, kw)
-    return dqa, dqp, dka + dkp, dva + dvp
+    dtype = acc_dtype(a[1])
+    zeros = [torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (k, v, a[1], p[1])]
+    return backward_step(op, (a, p), half_starts(r, n, a[1].shape[_SEQ]), k, v, *zeros[:2], zeros[2:], 0, True, kw)
 
 
 def balanced(q_len: int, n: int) -> bool:
@@ -101,9 +148,9 @@ def forward(op: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: De
     n, r = mesh.size(axis), mesh.get_local_rank(axis)
     qa, qb = halves(q)
     qp = tc.swap_mirrored(qb.contiguous(), mesh, axis)
-    oa, la, op_, lp = tc.for_each_rank(_forward_pair)(op, qa, qp, k, v, r, n, kw)
+    oa, la, op_, lp = tc.for_each_rank(_forward_pair)(op, qa, qp, k, v, r, n, fresh((qa, qp)), kw)
     ob, lb = tc.swap_mirrored(op_.contiguous(), mesh, axis), tc.swap_mirrored(lp.contiguous(), mesh, axis)
-    return like(q, torch.cat([oa, ob], _SEQ)), torch.cat([la, lb], _SEQ)
+    return like(q, torch.cat([oa, ob], _SEQ).to(q.dtype)), lse_like(q, torch.cat([la, lb], _SEQ))
 
 
 def backward(op: Any, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -114,9 +161,9 @@ def backward(op: Any, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     split = [halves(t) for t in (grad_out, q, out, lse)]
     own = tuple(h[0] for h in split)
     borrowed = tuple(tc.swap_mirrored(h[1].contiguous(), mesh, axis) for h in split)
-    dqa, dqp, dk, dv = tc.for_each_rank(_backward_pair)(op, own, borrowed, k, v, r, n, kw)
+    dk, dv, dqa, dqp = tc.for_each_rank(_backward_pair)(op, own, borrowed, k, v, r, n, kw)
     dqb = tc.swap_mirrored(dqp.contiguous(), mesh, axis)
-    return like(q, torch.cat([dqa, dqb], _SEQ)), like(k, dk), like(v, dv)
+    return like(q, torch.cat([dqa, dqb], _SEQ).to(q.dtype)), like(k, dk.to(k.dtype)), like(v, dv.to(v.dtype))
 
 
 def exchanged_bytes(backward_op: bool, local_bytes: Mapping[str, int]) -> int:
@@ -126,4 +173,5 @@ def exchanged_bytes(backward_op: bool, local_bytes: Mapping[str, int]) -> int:
     return (o + q + o + lse + q) // 2 if backward_op else (q + o + lse) // 2
 
 
-__all__ = ["backward", "balanced", "exchanged_bytes", "forward", "half_starts", "halves", "like"]
+__all__ = ["acc_dtype", "backward", "backward_step", "balanced", "blocks", "exchanged_bytes", "forward", "forward_step",
+           "fresh", "half_starts", "halves", "like", "lse_like"]

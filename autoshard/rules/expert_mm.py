@@ -21,6 +21,7 @@ FLOPs: ``2 * S * in * out`` (every routed row through one expert).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -57,8 +58,6 @@ def _layout(option: str, backward: bool) -> tuple[list[Placement], list[Placemen
 def candidates(node: fx.Node, ties: Sequence[int]) -> list[tc.RawStrategy]:
     """Per distinct mesh axis (``ties``): whole, experts, in or out (the module docstring); experts on one
     axis at most (the rotation takes one rank index)."""
-    import itertools
-
     backward = str(node.target) == BACKWARD
     n_out = 2 if backward else 1
     free = sorted(set(ties))

@@ -26,65 +26,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoshard import _torch_compat as tc
-from autoshard.rules.causal_chunks import halves, half_starts, like
+from autoshard.rules.causal_chunks import (acc_dtype, backward_step, forward_step, fresh, half_starts, halves, like,
+                                           lse_like)
 
 _SEQ = 2
-
-_Acc = tuple[torch.Tensor, torch.Tensor]  # running (output, log-sum-exp), in ``_acc_dtype``
-
-
-def _blocks(q_start: int, c: int, j: int, chunk: int, causal: bool) -> list[tuple[int, int, bool]]:
-    """The (offset, length, causal) key ranges of key chunk ``j`` (``chunk`` keys) that queries
-    ``[q_start, q_start + c)`` attend: the keys before them in full, their own diagonal block causally."""
-    if not causal:
-        return [(0, chunk, False)]
-    k0 = j * chunk
-    out = []
-    before = min(k0 + chunk, q_start) - k0
-    if before > 0:
-        out.append((0, before, False))
-    if k0 <= q_start < k0 + chunk:
-        out.append((q_start - k0, c, True))
-    return out
-
-
-def _merge(acc: _Acc, out: torch.Tensor, lse: torch.Tensor) -> _Acc:
-    out, lse = out.to(acc[0].dtype), lse.to(acc[1].dtype)
-    total = torch.logaddexp(acc[1], lse)
-    merged = acc[0] * torch.exp(acc[1] - total).unsqueeze(-1) + out * torch.exp(lse - total).unsqueeze(-1)
-    return merged, total
-
-
-def _acc_dtype(t: torch.Tensor) -> torch.dtype:
-    """Accumulators: float32 at least (bf16 inputs), the inputs' own where wider."""
-    return torch.promote_types(t.dtype, torch.float32)
-
-
-def _forward_step(op: Any, qs: Sequence[torch.Tensor], starts: Sequence[int], k: torch.Tensor, v: torch.Tensor,
-                  j: int, causal: bool, accs: Sequence[_Acc], kw: Mapping[str, Any]) -> tuple[_Acc, ...]:
-    out = []
-    for q, s, acc in zip(qs, starts, accs):
-        for off, length, diag in _blocks(s, q.shape[_SEQ], j, k.shape[_SEQ], causal):
-            o, lse = op(q, k.narrow(_SEQ, off, length), v.narrow(_SEQ, off, length), 0.0, diag, **kw)[:2]
-            acc = _merge(acc, o, lse)
-        out.append(acc)
-    return tuple(out)
-
-
-def _backward_step(op: Any, halves: Sequence[tuple[torch.Tensor, ...]], starts: Sequence[int], k: torch.Tensor,
-                   v: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dqs: Sequence[torch.Tensor], j: int,
-                   causal: bool, kw: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
-    new_dq = []
-    for (g, q, o, lse), s, dq in zip(halves, starts, dqs):
-        for off, length, diag in _blocks(s, q.shape[_SEQ], j, k.shape[_SEQ], causal):
-            a, b, c = op(g, q, k.narrow(_SEQ, off, length), v.narrow(_SEQ, off, length), o, lse, 0.0, diag, **kw)[:3]
-            pad = (0, 0, off, k.shape[_SEQ] - off - length)
-            dq = dq + a.to(dq.dtype)
-            dk = dk + torch.nn.functional.pad(b.to(dk.dtype), pad)
-            dv = dv + torch.nn.functional.pad(c.to(dv.dtype), pad)
-        new_dq.append(dq)
-    return (dk, dv, *new_dq)
-
 
 def _queries(ts: Sequence[torch.Tensor], mesh: DeviceMesh, axis: int, causal: bool) -> tuple[list, ...]:
     """The query-side tensors this rank works on: causal, its own first halves and its mirror rank's second
@@ -105,9 +50,7 @@ def forward(op: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: De
     n, r = mesh.size(axis), mesh.get_local_rank(axis)
     nxt = [(c + 1) % n for c in range(n)]
     parts = [p[0] for p in _queries([q], mesh, axis, causal)]
-    acc = _acc_dtype(q)
-    flat = tuple(t for p in parts for t in (torch.zeros(p.shape, dtype=acc, device=p.device),
-                                           torch.full(p.shape[:-1], float("-inf"), dtype=acc, device=p.device)))
+    flat = fresh(parts)
     chunk = k.shape[_SEQ]
     for step in range(n):
         sent = (tc.permute_on_axis(k, mesh, axis, nxt), tc.permute_on_axis(v, mesh, axis, nxt)) if step < n - 1 else None
@@ -115,7 +58,7 @@ def forward(op: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: De
         if sent is not None:
             k, v = tc.waited(sent[0]), tc.waited(sent[1])
     outs = [o.to(q.dtype) for o in flat[0::2]]
-    lses = [t.to(torch.float32) if q.dtype != torch.float64 else t for t in flat[1::2]]
+    lses = [lse_like(q, t) for t in flat[1::2]]
     if causal:  # the borrowed half's results go back to their owner
         outs[1], lses[1] = tc.swap_mirrored(outs[1].contiguous(), mesh, axis), tc.swap_mirrored(lses[1].contiguous(), mesh, axis)
     return like(q, torch.cat(outs, _SEQ)), torch.cat(lses, _SEQ)
@@ -124,19 +67,16 @@ def forward(op: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: De
 def _step_forward(op: Any, parts: Sequence[torch.Tensor], k: torch.Tensor, v: torch.Tensor, r: int, n: int,
                   step: int, chunk: int, causal: bool, flat: Sequence[torch.Tensor],
                   kw: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
-    # accumulators flat (out, lse, out, lse): per-rank results are combined one level deep
-    accs = [(flat[2 * i], flat[2 * i + 1]) for i in range(len(parts))]
-    done = _forward_step(op, parts, _starts_of(r, n, 2 * parts[0].shape[_SEQ] if causal else chunk, causal), k, v,
-                         (r - step) % n, causal, accs, kw)
-    return tuple(t for acc in done for t in acc)
+    starts = _starts_of(r, n, 2 * parts[0].shape[_SEQ] if causal else chunk, causal)
+    return forward_step(op, parts, starts, k, v, (r - step) % n, causal, flat, kw)
 
 
-def _step_backward(op: Any, halves: Sequence[tuple[torch.Tensor, ...]], k: torch.Tensor, v: torch.Tensor,
+def _step_backward(op: Any, sides: Sequence[tuple[torch.Tensor, ...]], k: torch.Tensor, v: torch.Tensor,
                    dk: torch.Tensor, dv: torch.Tensor, dqs: Sequence[torch.Tensor], r: int, n: int, step: int,
                    causal: bool, kw: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
-    q_len = halves[0][1].shape[_SEQ]
+    q_len = sides[0][1].shape[_SEQ]
     starts = _starts_of(r, n, 2 * q_len if causal else k.shape[_SEQ], causal)
-    return _backward_step(op, halves, starts, k, v, dk, dv, dqs, (r - step) % n, causal, kw)
+    return backward_step(op, sides, starts, k, v, dk, dv, dqs, (r - step) % n, causal, kw)
 
 
 def backward(op: Any, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -146,7 +86,7 @@ def backward(op: Any, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     n, r = mesh.size(axis), mesh.get_local_rank(axis)
     nxt = [(c + 1) % n for c in range(n)]
     sides = [tuple(side) for side in _queries([grad_out, q, out, lse], mesh, axis, causal)]
-    acc = _acc_dtype(q)
+    acc = acc_dtype(q)
     dqs = tuple(torch.zeros(h[1].shape, dtype=acc, device=h[1].device) for h in sides)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)  # the travelling gradients, summed in fp32 at least
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)

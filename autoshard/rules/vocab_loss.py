@@ -19,6 +19,7 @@ batch), which the local computation matches: rows are independent and sums over 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -110,11 +111,12 @@ def _offset(v: int, mesh: DeviceMesh, placements: Sequence[Placement]) -> torch.
 def local_call(node: fx.Node, sharding: NodeSharding) -> Callable[[tuple, dict, DeviceMesh], Any] | None:
     """The class-sharded computation (module docstring) on this rank's slice; None when not class-sharded."""
     axis = _vocab_axis(node, sharding)
-    if axis is None:
+    spec = _shape(node)
+    if axis is None or spec is None:
         return None
-    kind = _shape(node)[0]  # type: ignore[index]
-    class_pl = sharding.inputs[_shape(node)[1][0]]  # type: ignore[index]
-    full_v = tensor_args(node)[_shape(node)[1][0]].meta["val"].shape[_CLASS]  # type: ignore[index]
+    kind, logits = spec[0], spec[1][0]
+    class_pl = sharding.inputs[logits]
+    full_v = tensor_args(node)[logits].meta["val"].shape[_CLASS]
 
     def call(args: tuple, kwargs: dict, mesh: DeviceMesh) -> Any:
         a = [x.to_local() if isinstance(x, DTensor) else x for x in args]
@@ -163,8 +165,7 @@ def exchanges(node: fx.Node, inputs: Sequence[Sequence[Placement] | None],
     if len(axes) != 1:
         return []
     rows = tensor_args(node)[0].meta["val"].shape[0]
-    rows //= max(1, int(torch.tensor([n for p, n in zip(pl, mesh_shape) if isinstance(p, Shard) and p.dim == 0]
-                                     or [1]).prod()))
+    rows //= math.prod(n for p, n in zip(pl, mesh_shape) if isinstance(p, Shard) and p.dim == 0)
     calls = 2 if spec[0] == "log_softmax" else 1
     return [("all_reduce", axes[0], rows * 4)] * calls
 
