@@ -52,14 +52,8 @@ def _check_inputs(example_inputs: Any) -> tuple | dict | Call:
 
 
 def _check_compilable(model: nn.Module, mesh: DeviceMesh, real_group: bool) -> None:
-    """What compile needs that plan does not: real parameter values, and a mesh over every rank."""
-    meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
-    if meta:
-        raise ValueError(
-            f"{len(meta)} parameters are on the meta device ({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}); "
-            "autoshard.compile needs their values. Materialize the model first (model.to_empty(device=...) and "
-            "initialize or load the weights), or use autoshard.plan, which plans meta models."
-        )
+    """What compile needs that plan does not: a mesh over every rank. (Parameters on the meta device get this
+    rank's shards only; their values come from ``init_weights`` or a checkpoint: ``autoshard/weights/``.)"""
     if real_group and mesh.size() != dist.get_world_size():
         raise ValueError(
             f"the mesh {dict(zip(mesh.mesh_dim_names or range(mesh.ndim), mesh.shape))} holds {mesh.size()} ranks but "

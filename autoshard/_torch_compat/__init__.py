@@ -34,6 +34,7 @@ from autoshard._torch_compat.capture import (
     tree_unflatten,
     tag_traced,
 )
+from autoshard._torch_compat.checkpoint import consolidate_safetensors
 from autoshard._torch_compat.collectives import (all_gather_dim0, all_reduce_on, permute_on_axis, reduce_scatter_dim0,
                                                  swap_mirrored, waited)
 from autoshard._torch_compat.dtensor import (
@@ -69,7 +70,7 @@ from autoshard._torch_compat.worlds import (
 __all__ = [
     "PREFER_RECOMPUTE", "tag_traced",
     "AxisRules", "InputRole", "OpOverload", "OutputRole", "Placements", "RawStrategy", "all_gather_dim0", "all_placements", "all_reduce_on", "reduce_scatter_dim0",
-    "clear_dtensor_caches", "compiling_call", "forget_guards_on", "graph_break_reason", "data_dependent_op", "decomposition_table", "dtensor_like", "local_tensor", "detach_from_fake_modes", "export_joint", "fake_process_group", "for_each_rank", "permute_on_axis", "swap_mirrored",
+    "clear_dtensor_caches", "consolidate_safetensors", "compiling_call", "forget_guards_on", "graph_break_reason", "data_dependent_op", "decomposition_table", "dtensor_like", "local_tensor", "detach_from_fake_modes", "export_joint", "fake_process_group", "for_each_rank", "permute_on_axis", "swap_mirrored",
     "has_sharding_rule", "is_strided_shard", "in_local_tensor_mode", "inductor_compile", "is_fake", "make_spec", "new_fake_mode",
     "op_strategies", "output_meta", "output_roles", "outside_dynamo", "outside_local_tensor_mode", "partition_joint", "per_rank_copies",
     "placeholder_role", "planning_decompositions", "propagate", "split_for_pipeline", "ranks_disagree", "redistribute",

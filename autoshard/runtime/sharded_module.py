@@ -26,6 +26,9 @@ from autoshard.plan import Plan
 from autoshard.runtime.accumulate import Accumulation
 from autoshard.runtime.param_state import ParamStates, scatter_grads
 from autoshard.runtime.rebind import rebind_optimizers, retire
+from autoshard.weights.init import init_weights
+from autoshard.weights.pretrained import fqn_modifiers, load_pretrained, save_pretrained
+from autoshard.weights.shards import Unfilled, empty_shard, materialize_buffers
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +68,11 @@ def distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: Mappi
         if id(p) in seen or name not in placements:
             continue
         seen.add(id(p))
-        if p.device.type == "meta":
-            raise ValueError(
-                f"parameter {name} is on the meta device; autoshard.compile needs real values. Materialize the "
-                "model (to_empty + init) first, or use autoshard.plan for planning only."
-            )
-        dt = distribute_tensor(p.detach().to(mesh.device_type), mesh, placements[name])
-        if tc.in_local_tensor_mode():
+        if p.device.type == "meta":  # built without values: this rank's shard only, filled later (weights/)
+            dt = empty_shard(p.shape, p.dtype, mesh, placements[name])
+        else:
+            dt = distribute_tensor(p.detach().to(mesh.device_type), mesh, placements[name])
+        if tc.in_local_tensor_mode() and p.device.type != "meta":
             # simulated ranks of a replicated tensor share one storage: an in-place optimizer step would
             # update it once per rank. Each rank gets its own copy, as each process has on a real group.
             dt = tc.dtensor_like(tc.per_rank_copies(dt.to_local()), dt)
@@ -96,9 +97,15 @@ def shard_parameters_in_place(module: nn.Module, mesh: DeviceMesh, placements: M
         if id(p) in seen or name not in placements:
             continue
         seen.add(id(p))
-        dt = distribute_tensor(p.detach().to(mesh.device_type), mesh, placements[name])
+        if p.device.type == "meta":
+            dt = empty_shard(p.shape, p.dtype, mesh, placements[name])
+        else:
+            dt = distribute_tensor(p.detach().to(mesh.device_type), mesh, placements[name])
         with torch.no_grad():
-            p.data = tc.per_rank_copies(dt.to_local())
+            if p.device.type == "meta":  # set_data cannot change a meta tensor's kind: swap the objects' contents
+                torch.utils.swap_tensors(p, nn.Parameter(tc.per_rank_copies(dt.to_local()), p.requires_grad))
+            else:
+                p.data = tc.per_rank_copies(dt.to_local())
         p._autoshard_layout = (mesh, tuple(dt.placements), dt.shape)  # type: ignore[attr-defined]
 
 
@@ -153,6 +160,11 @@ def _my_piece(t: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]
     return piece.contiguous()
 
 
+def _named_buffers(module: nn.Module, names: Sequence[str]) -> list[tuple[str, torch.Tensor]]:
+    bufs = dict(module.named_buffers(remove_duplicate=False))
+    return [(n, bufs[n]) for n in names]
+
+
 def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
     stride, acc = [], 1
     for n in reversed(tuple(shape)):
@@ -188,6 +200,9 @@ class ShardedModule(nn.Module):
             local = whole and not self._states.sharded_masters() and not tc.in_local_tensor_mode()
             parameters = "local" if local else "dtensor"
         self._local_params = parameters == "local"
+        meta = [n for n, q in model.named_parameters() if q.device.type == "meta"]
+        self._unfilled = Unfilled()  # what was built on meta and awaits values (init_weights, a checkpoint)
+        self._unfilled.watch((n, b) for n, b in _named_buffers(model, materialize_buffers(model, mesh.device_type)))
         if self._local_params:
             if self._states.sharded_masters():
                 raise ValueError(
@@ -198,6 +213,10 @@ class ShardedModule(nn.Module):
             shard_parameters_in_place(model, mesh, placements)
         else:
             rebind_optimizers(self, distribute_parameters(model, mesh, placements))
+        self._unfilled.watch((n, q) for n, q in model.named_parameters() if n in set(meta))
+        if meta:
+            log.info("compile: %d parameters built on the meta device hold this rank's shards only; give them values "
+                     "with init_weights(seed) or a checkpoint before the first step", len(meta))
 
     def _flat_params(self) -> list[torch.Tensor]:
         params = dict(self.module.named_parameters(remove_duplicate=False))
@@ -268,6 +287,7 @@ class ShardedModule(nn.Module):
         """This rank's pieces of the call (``shard_inputs``), called as the model is; returns the loss."""
         tensors = self.signature.flatten(args, kwargs)
         self._check_inputs(tensors)
+        self._unfilled.check()
         params = self._flat_params()
         flat = params + self._buffers_local() + list(tensors)
         return _RunProgram.apply(self._program, self._grad_slots, self._states, *flat)
@@ -331,3 +351,33 @@ class ShardedModule(nn.Module):
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):  # type: ignore[override]
         return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """For ``torch.distributed.checkpoint.state_dict`` (``get_state_dict`` / ``set_state_dict``): this wrapper
+        adds no name, so its keys are the model's (``model.layers.0...``, not ``module.model.layers.0...``)."""
+        return fqn_modifiers(self.module, "module")
+
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialize every parameter and buffer as the model's own code does (``reset_parameters``, Hugging
+        Face's ``_init_weights``, a model's ``init_weights()``), one whole tensor at a time cut to this rank's
+        shards; the same ``seed`` gives the same model on any mesh and plan (``autoshard/weights/init.py``)."""
+        init_weights(self.module, seed)
+        self._unfilled.check_after("init_weights", type(self.module).__name__)
+
+    def load_pretrained(self, path: str, *, strict: bool = True) -> None:
+        """Load a ``save_pretrained`` directory (safetensors) into the shards, each rank reading only its slices
+        (``autoshard/weights/pretrained.py``)."""
+        load_pretrained(self, path, strict=strict)
+        self._recompute_unsaved()
+        self._unfilled.check_after("load_pretrained", path)
+
+    def _recompute_unsaved(self) -> None:
+        """Buffers no checkpoint holds (non-persistent: rotary tables, masks) recomputed by their modules' init."""
+        unsaved = set(self._unfilled.missing()) - set(self.state_dict())
+        if unsaved:
+            init_weights(self.module, 0, only=unsaved)
+
+    def save_pretrained(self, path: str, **kwargs: Any) -> None:
+        """Write the model as ``from_pretrained`` reads it (config and safetensors), each rank writing its shards
+        (``autoshard/weights/pretrained.py``)."""
+        save_pretrained(self, self.module, path, **kwargs)
