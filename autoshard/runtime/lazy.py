@@ -20,6 +20,8 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autoshard import _torch_compat as tc
 from autoshard.inputs import Call
+from autoshard.weights import deferred
+from autoshard.weights.pretrained import fqn_modifiers
 
 log = logging.getLogger(__name__)
 
@@ -131,3 +133,19 @@ class LazyShardedModule(nn.Module):
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         return self._target().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """``get_state_dict`` / ``set_state_dict`` see the model's own names (``weights/pretrained.py``)."""
+        return fqn_modifiers(self.module, "module")
+
+    def init_weights(self, seed: int = 0) -> None:
+        """The model's own initialization on the shards; before the first call on a meta model, it runs as soon
+        as the first call has allocated them (``autoshard/weights/deferred.py``)."""
+        deferred.init_weights(self, seed)
+
+    def load_pretrained(self, path: str, *, strict: bool = True) -> None:
+        """A ``save_pretrained`` directory into the shards (deferred to the first call like ``init_weights``)."""
+        deferred.load_pretrained(self, path, strict=strict)
+
+    def save_pretrained(self, path: str, **kwargs: Any) -> None:
+        deferred.save_pretrained(self.compiled, path, **kwargs)

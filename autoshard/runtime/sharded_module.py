@@ -26,6 +26,7 @@ from autoshard.plan import Plan
 from autoshard.runtime.accumulate import Accumulation
 from autoshard.runtime.param_state import ParamStates, scatter_grads
 from autoshard.runtime.rebind import rebind_optimizers, retire
+from autoshard.weights.deferred import take_deferred
 from autoshard.weights.init import init_weights
 from autoshard.weights.pretrained import fqn_modifiers, load_pretrained, save_pretrained
 from autoshard.weights.shards import Unfilled, empty_shard, materialize_buffers
@@ -214,6 +215,8 @@ class ShardedModule(nn.Module):
         else:
             rebind_optimizers(self, distribute_parameters(model, mesh, placements))
         self._unfilled.watch((n, q) for n, q in model.named_parameters() if n in set(meta))
+        for call, arg in take_deferred(model):  # init_weights / load_pretrained called on the meta model
+            getattr(self, call)(arg)
         if meta:
             log.info("compile: %d parameters built on the meta device hold this rank's shards only; give them values "
                      "with init_weights(seed) or a checkpoint before the first step", len(meta))
