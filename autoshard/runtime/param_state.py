@@ -79,7 +79,7 @@ class ParamStates:
                 continue
             hit = self._copies.get(i)
             axes = gather_axes(self.state[i], self.compute[i], tuple(x.shape), tuple(self.mesh.shape))
-            if (hit is None or hit[:2] != (id(x), x._version)) and axes and not self.offload[i]:
+            if (hit is None or hit[:2] != (id(x), _version(x))) and axes and not self.offload[i]:
                 stale.setdefault((axes, x.dtype), []).append(i)
                 out.append(None)
                 continue
@@ -91,21 +91,21 @@ class ParamStates:
             with torch.no_grad():
                 copies = gather_all(self.mesh, axes, [m.detach() for m in masters])  # -> their compute layouts
             for i, m, c in zip(slots, masters, copies):
-                self._copies[i] = (id(m), m._version, tc.waited(c.to_local()))
+                self._copies[i] = (id(m), _version(m), tc.waited(c.to_local()))
                 out[i] = self._copies[i][2]
         return out  # type: ignore[return-value]
 
     def _copy(self, i: int, master: torch.Tensor) -> torch.Tensor:
         # the DTensor's own version counter: in-place ops reach its local shard below autograd's view/version layer,
         # so only the outer tensor's counter moves
-        key = (id(master), master._version)
+        key = (id(master), _version(master))
         hit = self._copies.get(i)
         if hit is None or hit[:2] != key:
             if not isinstance(master, DTensor):
                 raise TypeError(f"parameter {self.names[i]}: its master must be a DTensor (got {type(master).__name__})")
             if self._host is not None and self.offload[i]:
                 self._host.ensure_on_host(master)  # (in place: the optimizer holds this object)
-                key = (id(master), master._version)
+                key = (id(master), _version(master))
                 copy = self._host.compute_copy(master, self.compute[i])
             else:
                 with torch.no_grad():
@@ -124,6 +124,12 @@ class ParamStates:
         if self._host is not None and self.offload[slot]:
             return self._host.to_host(out, like)  # the master (and so its .grad) lives in host memory
         return out
+
+
+def _version(master: torch.Tensor) -> tuple[int, int]:
+    """Changes with any write to the master: through DTensor ops (its own counter) or into its local tensor
+    (a checkpoint loaded in place, ``dcp.load``: only the local tensor's counter moves)."""
+    return master._version, tc.local_tensor(master)._version
 
 
 def scatter_grads(grads: Sequence[torch.Tensor], slots: Sequence[int], like: Sequence[DTensor | None],

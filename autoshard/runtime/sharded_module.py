@@ -290,7 +290,9 @@ class ShardedModule(nn.Module):
         """This rank's pieces of the call (``shard_inputs``), called as the model is; returns the loss."""
         tensors = self.signature.flatten(args, kwargs)
         self._check_inputs(tensors)
-        self._unfilled.check()
+        if self._unfilled.missing():  # built on meta: derived buffers (no checkpoint holds them) are computed now
+            self._recompute_unsaved()
+            self._unfilled.check()
         params = self._flat_params()
         flat = params + self._buffers_local() + list(tensors)
         return _RunProgram.apply(self._program, self._grad_slots, self._states, *flat)
@@ -333,6 +335,14 @@ class ShardedModule(nn.Module):
         """The model's state dict; parameters as DTensors with the plan's placements (for DCP), also when they
         are held as plain local shards (``parameters="local"``)."""
         state = self.module.state_dict(*args, **kwargs)
+        if not kwargs.get("keep_vars", False):
+            # state_dict() detaches each DTensor into a new local tensor object with its own version counter; one
+            # wrapping the parameter's own local tensor lets a load into it (dcp.load) be seen as a write
+            # (ZeRO's compute copies and the meta-built check follow version counters)
+            prefix = kwargs.get("prefix", "")
+            for name, p in self.module.named_parameters(remove_duplicate=False):
+                if isinstance(p, DTensor) and isinstance(state.get(prefix + name), DTensor):
+                    state[prefix + name] = tc.dtensor_like(tc.local_tensor(p), p)
         if self._local_params:
             layouts = {t.name: t for t in self.plan.stages[0].tensors if t.role == "parameter"}
             prefix = kwargs.get("prefix", "")
@@ -376,7 +386,7 @@ class ShardedModule(nn.Module):
 
     def _recompute_unsaved(self) -> None:
         """Buffers no checkpoint holds (non-persistent: rotary tables, masks) recomputed by their modules' init."""
-        unsaved = set(self._unfilled.missing()) - set(self.state_dict())
+        unsaved = set(self._unfilled.missing()) - set(self.module.state_dict(keep_vars=True))
         if unsaved:
             init_weights(self.module, 0, only=unsaved)
 
