@@ -49,8 +49,7 @@ class HostOffload:
             return
         if not isinstance(master, DTensor):
             raise TypeError(f"an offloaded master must be a DTensor parameter, got {type(master).__name__}")
-        moved = DTensor.from_local(self._host_copy(local), master.device_mesh, master.placements, run_check=False,
-                                   shape=master.shape, stride=master.stride())
+        moved = tc.dtensor_like(self._host_copy(local), master)  # (from_local would move it back to the device)
         torch.utils.swap_tensors(master, torch.nn.Parameter(moved, requires_grad=master.requires_grad))
 
     def compute_copy(self, master: DTensor, compute: tuple[Placement, ...]) -> torch.Tensor:

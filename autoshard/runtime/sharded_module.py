@@ -10,7 +10,7 @@ backward when autograd reaches the loss.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -57,11 +57,12 @@ def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (module.get_submodule(path) if path else module), leaf
 
 
-def distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: Mapping[str, Sequence[Placement]]
-                          ) -> dict[int, tuple[nn.Parameter, nn.Parameter]]:
+def distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: Mapping[str, Sequence[Placement]],
+                          host: Collection[str] = ()) -> dict[int, tuple[nn.Parameter, nn.Parameter]]:
     """Replace every parameter named in ``placements`` by an ``nn.Parameter`` holding a DTensor with those
     placements (a copy of its value), in place, as ``fully_shard`` does; aliases of one parameter (tied weights)
-    all get the same new parameter. Returns id(old) -> (old, new); the old objects keep no storage
+    all get the same new parameter; one on the meta device gets only this rank's shard, uninitialized (in host
+    memory if its name is in ``host``: an offloaded master). Returns id(old) -> (old, new); the old objects keep no storage
     (``runtime/rebind.py`` points optimizers built on them at the new ones)."""
     seen: set[int] = set()
     replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
@@ -70,7 +71,7 @@ def distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: Mappi
             continue
         seen.add(id(p))
         if p.device.type == "meta":  # built without values: this rank's shard only, filled later (weights/)
-            dt = empty_shard(p.shape, p.dtype, mesh, placements[name])
+            dt = empty_shard(p.shape, p.dtype, mesh, placements[name], host=name in host)
         else:
             dt = distribute_tensor(p.detach().to(mesh.device_type), mesh, placements[name])
         if tc.in_local_tensor_mode() and p.device.type != "meta":
@@ -213,7 +214,7 @@ class ShardedModule(nn.Module):
                 )
             shard_parameters_in_place(model, mesh, placements)
         else:
-            rebind_optimizers(self, distribute_parameters(model, mesh, placements))
+            rebind_optimizers(self, distribute_parameters(model, mesh, placements, host=self._states.offloaded()))
         self._unfilled.watch((n, q) for n, q in model.named_parameters() if n in set(meta))
         for call, arg in take_deferred(model):  # init_weights / load_pretrained called on the meta model
             getattr(self, call)(arg)

@@ -10,6 +10,7 @@ backend). Buffers stay whole, plain tensors on every rank.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -25,9 +26,15 @@ from autoshard import _torch_compat as tc
 log = logging.getLogger(__name__)
 
 
-def empty_shard(shape: Sequence[int], dtype: torch.dtype, mesh: DeviceMesh, placements: Sequence[Placement]
-                ) -> DTensor:
-    """A DTensor of global ``shape`` whose local tensor is this rank's shard only, uninitialized."""
+def empty_shard(shape: Sequence[int], dtype: torch.dtype, mesh: DeviceMesh, placements: Sequence[Placement],
+                host: bool = False) -> DTensor:
+    """A DTensor of global ``shape`` whose local tensor is this rank's shard only, uninitialized; ``host``: its
+    local tensor in host memory (pinned beside a GPU), as an offloaded master is held, never on the device."""
+    if host:
+        cut = distribute_tensor(torch.empty(tuple(shape), dtype=dtype, device="meta"), mesh, tuple(placements),
+                                src_data_rank=None)
+        local = torch.empty(cut.to_local().shape, dtype=dtype, device="cpu", pin_memory=mesh.device_type == "cuda")
+        return tc.dtensor_like(local, cut)  # (from_local would move the local tensor to the mesh's device)
     dt = dtensor_empty(*shape, dtype=dtype, device_mesh=mesh, placements=tuple(placements))
     if tc.in_local_tensor_mode():  # one storage per simulated rank, as each process has its own
         dt = tc.dtensor_like(tc.per_rank_copies(dt.to_local()), dt)
@@ -91,8 +98,12 @@ def materialize_buffers(module: nn.Module, device: str | torch.device) -> list[s
 @dataclass(frozen=True)
 class _Watched:
     name: str
-    tensor: torch.Tensor
+    ref: weakref.ref  # not a reference: swap_tensors (offload's move to the host) refuses tensors held elsewhere
     versions: tuple[int, int]
+
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        return self.ref()
 
 
 def _versions(t: torch.Tensor) -> tuple[int, int]:
@@ -109,15 +120,15 @@ class Unfilled:
         self._watched: list[_Watched] = []
 
     def watch(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._watched += [_Watched(n, t, _versions(t)) for n, t in named]
+        self._watched += [_Watched(n, weakref.ref(t), _versions(t)) for n, t in named]
 
     def rebind(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Follow tensors that were replaced by new objects under the same names (a ``load_state_dict(assign=True)``)."""
-        self._watched = [w if tensors.get(w.name, w.tensor) is w.tensor else _Watched(w.name, tensors[w.name], (-1, -1))
-                         for w in self._watched]
+        self._watched = [w if tensors.get(w.name, w.tensor) is w.tensor else
+                         _Watched(w.name, weakref.ref(tensors[w.name]), (-1, -1)) for w in self._watched]
 
     def missing(self) -> list[str]:
-        self._watched = [w for w in self._watched if _versions(w.tensor) == w.versions]
+        self._watched = [w for w in self._watched if w.tensor is not None and _versions(w.tensor) == w.versions]
         return [w.name for w in self._watched]
 
     def check_after(self, call: str, source: str) -> None:
