@@ -8,7 +8,8 @@ resumed on another mesh (``autoshard/weights/``).
 - pretrained: a bf16 checkpoint loaded into fp32 shards of a meta-built model on 2 gloo ranks trains equal to
   ``from_pretrained`` on one device (loss, gradients, parameters after 3 AdamW steps); ``get_state_dict`` +
   ``dcp.save`` there, ``set_state_dict`` + ``dcp.load`` on 4 ranks under dp x tp, and the next steps equal the
-  uninterrupted run; the HF export reloads with ``from_pretrained``;
+  uninterrupted run; the HF export reloads with ``from_pretrained``; a full state dict on rank 0 broadcast into
+  the shards (``set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)``);
 - bad input: a step before any values, a checkpoint of another model, a checkpoint missing a key.
 """
 
@@ -159,6 +160,13 @@ def _pretrained_then_resumed(rank: int, world: int, arg: tuple[str, str, str]) -
         model_sd, optim_sd = get_state_dict(sharded, opt)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=saved)
         sharded.save_pretrained(export)
+        # the full state dict on rank 0 only, broadcast into the shards of another meta-built model (FSDP2's way)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        fresh = autoshard.compile(_meta_llama(), mesh, example_inputs=_batch(), backend="eager", recipe=recipe)
+        full = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).state_dict() if rank == 0 else {}
+        set_model_state_dict(fresh, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        out["broadcast"] = {n: _whole(p)[0].clone() for n, p in fresh.named_parameters()}
     else:  # another world size and layout: fsdp on 2 ranks -> fsdp + tp on 4
         model_sd, optim_sd = get_state_dict(sharded, opt)
         state = {"model": model_sd, "optim": optim_sd}
@@ -186,6 +194,8 @@ def test_pretrained_into_shards_trains_like_from_pretrained_and_resumes_on_anoth
         torch.testing.assert_close(two["grads"][name], g, rtol=1e-4, atol=1e-6, msg=f"grad of {name}")
     for name, p in two["params"].items():
         torch.testing.assert_close(p, params[name], rtol=1e-4, atol=1e-5, msg=f"{name} after 3 steps")
+    start = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).state_dict()
+    assert all(torch.equal(v, start[n]) for n, v in two["broadcast"].items()) and len(two["broadcast"]) == len(params)
     # the uninterrupted run continues, and the run resumed on 4 ranks under other placements matches it
     assert two["later"] == pytest.approx(later, rel=1e-5, abs=1e-6)
     assert four["later"] == pytest.approx(later, rel=1e-5, abs=1e-6)
