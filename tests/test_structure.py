@@ -74,7 +74,8 @@ def test_every_benchmark_and_test_file_reads_in_one_sitting() -> None:
 
 
 # lower layers never call up: the runtime runs a program and imports no pass; the solver, the cost model, the op
-# rules and the shared IR know nothing of the passes, the planner, pipelines or the runtime
+# rules, the shared IR and where weights come from (weights/) know nothing of the passes, the planner, pipelines or
+# the runtime
 LAYERS = {
     "autoshard.runtime": ("autoshard.passes", "autoshard.planner", "autoshard.api", "autoshard.solver"),
     "autoshard.solver": ("autoshard.passes", "autoshard.planner", "autoshard.api", "autoshard.pipeline",
@@ -83,6 +84,8 @@ LAYERS = {
                        "autoshard.runtime", "autoshard.solver"),
     "autoshard.rules": ("autoshard.passes", "autoshard.planner", "autoshard.api", "autoshard.pipeline",
                         "autoshard.runtime", "autoshard.solver"),
+    "autoshard.weights": ("autoshard.passes", "autoshard.planner", "autoshard.api", "autoshard.pipeline",
+                          "autoshard.runtime", "autoshard.solver"),
     "autoshard.ir": ("autoshard.passes", "autoshard.planner", "autoshard.api", "autoshard.pipeline",
                      "autoshard.runtime", "autoshard.solver"),
 }
