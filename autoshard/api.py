@@ -371,12 +371,6 @@ def _compile_pipelined(
     from autoshard.pipeline.compile import choose_pipeline, compile_pipelined
 
     names = tuple(mesh.mesh_dim_names or ())
-    if meta := [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]:
-        raise NotImplementedError(
-            f"pipeline stages of a model built on the meta device ({meta[0]} and {len(meta) - 1} more) are not "
-            "supported yet: torch.distributed.pipelining traces the model whole with its values' devices. Build the "
-            "model on a real device for pipeline stages, or compile without a 'pp' axis (dp/tp/cp shards a meta model)."
-        )
     if not real_group or tc.in_local_tensor_mode():
         raise ValueError("pipeline stages run on a real process group (torchrun or gloo workers), one process per "
                          "rank; LocalTensorMode and single-process meshes cannot run a pipeline schedule")

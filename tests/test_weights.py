@@ -10,6 +10,8 @@ resumed on another mesh (``autoshard/weights/``).
   ``dcp.save`` there, ``set_state_dict`` + ``dcp.load`` on 4 ranks under dp x tp, and the next steps equal the
   uninterrupted run; the HF export reloads with ``from_pretrained``; a full state dict on rank 0 broadcast into
   the shards (``set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)``);
+- pipeline stages of a meta model (tied embedding and head in different stages): init equal to one device's,
+  a checkpoint read into the stages trains like ``from_pretrained``, and their DCP checkpoint resumes without stages;
 - bad input: a step before any values, a checkpoint of another model, a checkpoint missing a key.
 """
 
@@ -217,3 +219,47 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_key(tmp_path: Any) 
         autoshard.load_pretrained(model, tmp_path / "short")
     with pytest.raises(FileNotFoundError, match="no safetensors files"):
         autoshard.load_pretrained(model, tmp_path)
+
+
+def _pipelined_then_plain(rank: int, world: int, ckpt: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out: dict[str, Any] = {}
+    pp = autoshard.compile(_meta_llama(tie_word_embeddings=True, num_hidden_layers=4),
+                           init_device_mesh("cpu", (2,), mesh_dim_names=("pp",)), example_inputs=_batch(),
+                           backend="eager")
+    pp.init_weights(seed=7)
+    out["init"] = {n: _whole(p)[0].clone() for n, p in pp.state_dict().items()}
+    pp.load_pretrained(ckpt)  # the stage holding the LM head reads the tied embedding's key
+    opt = torch.optim.AdamW(pp.parameters(), lr=LR)
+    out["losses"], _ = _train(pp, _batch(), 2, opt)
+    dcp.save(pp.state_dict(), checkpoint_id=ckpt + "-dcp")  # each stage's ranks write their part
+    plain = autoshard.compile(_meta_llama(tie_word_embeddings=True, num_hidden_layers=4),
+                              init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)), example_inputs=_batch(),
+                              backend="eager", recipe="fsdp")
+    state = plain.state_dict()
+    dcp.load({k: v for k, v in state.items() if k != "lm_head.weight"}, checkpoint_id=ckpt + "-dcp")
+    out["resumed"] = float(plain.step(**_batch()))  # the weights after 2 pipelined steps, without pipeline stages
+    return out
+
+
+def test_pipeline_stages_of_a_meta_model_init_load_and_hand_over(tmp_path: Any) -> None:
+    cfg = _cfg(tie_word_embeddings=True, num_hidden_layers=4)
+    ref = AutoModelForCausalLM.from_config(cfg)
+    autoshard.init_weights(ref, seed=7)
+    init = ref.state_dict()
+    torch.manual_seed(5)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "hf")
+    results = launch(2, _pipelined_then_plain, str(tmp_path / "hf"), timeout=400)
+    held = {n: v for r in results for n, v in r["init"].items()}
+    assert set(held) == set(init) - {"lm_head.weight"} | ({"lm_head.weight"} & set(held))
+    for n, v in held.items():
+        assert torch.equal(v, init[n]), f"pipeline stage init of {n} differs from one device's"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, _ = _train(model, _batch(), 2, opt)
+    after = float(model(**_batch()).loss)
+    for r in results:
+        assert r["losses"] == pytest.approx(losses, rel=1e-5, abs=1e-6)
+        assert r["resumed"] == pytest.approx(after, rel=1e-5)

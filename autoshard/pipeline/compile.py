@@ -253,7 +253,7 @@ def compile_pipelined(
     weighting = LossWeighting(*loss_counter(pipe.get_stage_module(n - 1), wiring[n - 1]))
     device = torch.device(mesh.device_type)
     return PipelinedModule(combined, local, n, full.get_group("pp"), pp_rank, stage_in, stage_out, sig, weighting,
-                           tied, local_index, device, canon, frozenset(model.state_dict()))
+                           tied, local_index, device, canon, frozenset(model.state_dict()), tree=model)
 
 
 def _tied_groups(holders: dict[str, list[int]], S: int, k_sub: int) -> list[TiedParameter]:

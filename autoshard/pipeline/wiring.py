@@ -21,9 +21,10 @@ step's loss and gradients are the whole batch's, as on one device.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,8 +70,55 @@ def split_model(model: nn.Module, signature: CallSignature, tensors: Sequence[to
                 loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[Any, list[StageWiring]]:
     """The ``torch.distributed.pipelining`` Pipe of ``model`` cut at ``split_spec`` (traced on the micro-batch
     ``tensors``, the call's tensors in ``signature`` order) and each stage's wiring."""
-    pipe = tc.split_for_pipeline(_loss_call(model, signature, loss_fn), tuple(tensors), split_spec)
+    device = next((t.device for t in tensors if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    with _stand_ins(model, device) as stand:
+        pipe = tc.split_for_pipeline(_loss_call(model, signature, loss_fn), tuple(tensors), split_spec)
+    if stand:
+        _meta_again(pipe, stand)
     return pipe, wiring_of(pipe.split_gm.graph)
+
+
+@contextlib.contextmanager
+def _stand_ins(model: nn.Module, device: torch.device) -> Iterator[dict[int, torch.Tensor]]:
+    """A model built on the meta device is traced with each meta parameter and buffer replaced by a stand-in on
+    the inputs' ``device`` that holds one element, expanded to the full shape (no memory): the trace then records
+    the devices the stages run on. Yields stand-in id -> the meta original; the model gets its originals back."""
+    swapped: list[tuple[dict, str, torch.Tensor]] = []
+    made: dict[int, torch.Tensor] = {}
+    for m in model.modules():
+        for table in (m._parameters, m._buffers):
+            for leaf, t in list(table.items()):
+                if t is None or t.device.type != "meta":
+                    continue
+                if id(t) not in made:
+                    fill = torch.zeros((), dtype=t.dtype, device=device).expand(t.shape)
+                    made[id(t)] = nn.Parameter(fill, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
+                        else fill
+                swapped.append((table, leaf, t))
+                table[leaf] = made[id(t)]
+    try:
+        yield {id(made[id(t)]): t for _, _, t in swapped}
+    finally:
+        for table, leaf, t in swapped:
+            table[leaf] = t
+
+
+def _meta_again(pipe: Any, stand: dict[int, torch.Tensor]) -> None:
+    """The stages' stand-ins replaced by meta tensors again (new objects, tied ones shared: the runtime replaces
+    and empties a stage's parameters, while the model keeps its own for ``init_weights``)."""
+    fresh: dict[int, torch.Tensor] = {}
+    for k in range(pipe.num_stages):
+        for m in pipe.get_stage_module(k).modules():
+            for table in (m._parameters, m._buffers):
+                for leaf, t in list(table.items()):
+                    orig = stand.get(id(t)) if t is not None else None
+                    if orig is None:
+                        continue
+                    if id(t) not in fresh:
+                        empty = torch.empty(orig.shape, dtype=orig.dtype, device="meta")
+                        fresh[id(t)] = nn.Parameter(empty, orig.requires_grad) if isinstance(orig, nn.Parameter) \
+                            else empty
+                    table[leaf] = fresh[id(t)]
 
 
 def wiring_of(graph: fx.Graph) -> list[StageWiring]:
@@ -138,8 +186,14 @@ def stage_examples(pipe: Any, wiring: Sequence[StageWiring], mb_tensors: Sequenc
     received: tuple[torch.Tensor, ...] = ()
     for k, w in enumerate(wiring):
         args = stage_args(w, received, mb_tensors)
+        stage = pipe.get_stage_module(k)
         with fake:
-            out = pipe.get_stage_module(k)(*[fake.from_tensor(a) for a in args])
+            fargs = [fake.from_tensor(a) for a in args]
+            # a stage of a model built on the meta device runs with fake stand-ins on the inputs' device
+            device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+            meta = {n: torch.empty(t.shape, dtype=t.dtype, device=device).requires_grad_(t.requires_grad)
+                    for n, t in [*stage.named_parameters(), *stage.named_buffers()] if t.device.type == "meta"}
+            out = torch.func.functional_call(stage, meta, tuple(fargs)) if meta else stage(*fargs)
         outs = tuple(_like(o) for o in (out if isinstance(out, tuple) else (out,)))
         args_out.append(tuple(_like(a) for a in args))
         received = stage_sends(w, outs, received)

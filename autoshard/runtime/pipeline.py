@@ -36,6 +36,9 @@ from autoshard.plan import Plan
 from autoshard.runtime.rebind import rebind_optimizers
 from autoshard.runtime.param_state import ParamStates, scatter_grads
 from autoshard.runtime.sharded_module import distribute_parameters
+from autoshard.weights.init import init_weights
+from autoshard.weights.pretrained import load_pretrained, save_pretrained
+from autoshard.weights.shards import Unfilled, materialize_buffers
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +91,13 @@ class StageModule(nn.Module):
         self._param_names = [t.name for t in stage.tensors if t.role == "parameter"]
         layouts = program.layouts  # Placement objects by name, from the planned graph
         self._states = ParamStates(mesh, self._param_names, program)
-        rebind_optimizers(self, distribute_parameters(module, mesh, self._states.master_placements()))
+        meta = {n for n, q in module.named_parameters() if q.device.type == "meta"}
+        self._unfilled = Unfilled()  # built on meta: filled by PipelinedModule.init_weights / load_pretrained
+        made = set(materialize_buffers(module, mesh.device_type))
+        self._unfilled.watch((n, b) for n, b in module.named_buffers() if n in made)
+        rebind_optimizers(self, distribute_parameters(module, mesh, self._states.master_placements(),
+                                                      host=self._states.offloaded()))
+        self._unfilled.watch((n, q) for n, q in module.named_parameters() if n in meta)
         self._buffer_names = [t.name for t in stage.tensors if t.role == "buffer"]
         inputs = sorted((t for t in stage.tensors if t.role == "input"), key=lambda t: int(t.name[6:-1]))
         self._input_placements = [layouts[t.name] for t in inputs]
@@ -170,6 +179,7 @@ class PipelinedModule(nn.Module):
         device: torch.device,
         canonical: dict[str, str],
         state_names: frozenset[str] | None = None,
+        tree: nn.Module | None = None,
     ) -> None:
         super().__init__()
         from torch.distributed.pipelining import PipelineStage
@@ -184,6 +194,8 @@ class PipelinedModule(nn.Module):
         self._local_index = local_index
         self._canonical = canonical  # every name of a parameter (tied ones have several) -> the model's first
         self._state_names = state_names  # the model's own state_dict keys
+        self._device = device
+        object.__setattr__(self, "_tree", tree)  # the model as built (its init code), not a submodule
         self._used_inputs = sorted({i for m in stages.values() for kind, i in m._wiring.args if kind == "input"})
         pp_size = dist.get_world_size(pp_group)
         self._last_owner = dist.get_global_rank(pp_group, (num_stages - 1) % pp_size)
@@ -211,8 +223,47 @@ class PipelinedModule(nn.Module):
             "each stage takes its part): call sharded.step(...) with the global batch, not its shards"
         )
 
+    def _targets(self) -> dict[str, list[torch.Tensor]]:
+        """Every name of the model's tensors -> this rank's stage tensors holding it (tied copies included)."""
+        held: dict[str, list[torch.Tensor]] = {}
+        for m in self.stage_modules.values():
+            for n, t in [*m.module.named_parameters(remove_duplicate=False), *m.module.named_buffers()]:
+                held.setdefault(self._canonical.get(n, n), []).append(t)
+        names = [n for n, _ in self._tree.named_parameters(remove_duplicate=False)]
+        names += [n for n, _ in self._tree.named_buffers(remove_duplicate=False)]
+        return {n: held[self._canonical.get(n, n)] for n in names if self._canonical.get(n, n) in held}
+
+    def init_weights(self, seed: int = 0) -> None:
+        """The model's own initialization on this rank's stages (``ShardedModule.init_weights``): run on the
+        model as built, each whole tensor cut into the stage shards that hold it."""
+        init_weights(self._tree, seed, targets=self._targets(), device=self._device)
+        for m in self.stage_modules.values():
+            m._unfilled.check_after("init_weights", type(self._tree).__name__)
+
+    def load_pretrained(self, path: str, *, strict: bool = True) -> None:
+        """A ``save_pretrained`` directory into this rank's stages (each rank reads only its slices)."""
+        load_pretrained(self, path, strict=strict, model=self._tree, expected=self._state_names, tied=self._canonical)
+        self._recompute_unsaved()
+        for m in self.stage_modules.values():
+            m._unfilled.check_after("load_pretrained", path)
+
+    def save_pretrained(self, path: str, **kwargs: Any) -> None:
+        """Write the model as ``from_pretrained`` reads it, each rank its stages' shards."""
+        save_pretrained(self, self._tree, path, **kwargs)
+
+    def _recompute_unsaved(self) -> None:
+        unsaved = {n for m in self.stage_modules.values() for n in m._unfilled.missing()} - set(self._state_names or ())
+        if unsaved:
+            targets = self._targets()
+            init_weights(self._tree, 0, targets={n: targets[n] for n in unsaved if n in targets}, device=self._device,
+                         only=unsaved)
+
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """One training step on the global batch, called as the model is (every rank passes the same tensors)."""
+        if any(m._unfilled.missing() for m in self.stage_modules.values()):
+            self._recompute_unsaved()
+            for m in self.stage_modules.values():
+                m._unfilled.check()
         tensors = self.signature.flatten(args, kwargs)
         m = self.plan.microbatches
         for i in self._used_inputs:
@@ -262,11 +313,12 @@ class PipelinedModule(nn.Module):
                 g.copy_(total)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """This rank's stages' state under the model's own names (DTensor values, for distributed checkpoint)."""
+        """This rank's stages' state under the model's own names (DTensor values, for distributed checkpoint); a
+        parameter tied across stages (an LM head sharing the embedding) under its first name, once per copy."""
         out: dict[str, Any] = {}
         for m in self.stage_modules.values():
             for key, value in m.state_dict(*args, **kwargs).items():
-                name = _base_name(key)
+                name = self._canonical.get(_base_name(key), _base_name(key))  # a tied copy: under its first name
                 if self._state_names is None or name in self._state_names:  # the cut drops "non-persistent"
                     out[name] = value
         return out
@@ -277,10 +329,11 @@ class PipelinedModule(nn.Module):
         missing: list[str] = []
         for m in self.stage_modules.values():
             # the cut adds constants the model's state dict does not have: only the model's own keys count
-            own = {k for k in m.module.state_dict() if self._state_names is None or k in self._state_names}
-            part = {k: v for k, v in state_dict.items() if k in own}
-            used |= set(part)
-            missing += sorted(own - set(part))
+            own = {k: self._canonical.get(k, k) for k in m.module.state_dict()}
+            own = {k: c for k, c in own.items() if self._state_names is None or c in self._state_names}
+            part = {k: state_dict[c] for k, c in own.items() if c in state_dict}
+            used |= {own[k] for k in part}
+            missing += sorted(c for k, c in own.items() if k not in part)
             m.module.load_state_dict(part, strict=False, assign=assign)
         unknown = sorted(set(state_dict) - used - set(self._state_names or ()))
         if strict and (unknown or missing):

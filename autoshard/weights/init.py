@@ -106,12 +106,12 @@ class _WholeInit(TorchFunctionMode):
             self.write(name, args[1].to(self.device))  # a whole value copied into a sharded tensor: its piece
             self.written.add(name)
             return target
-        if target.device.type == "meta":
-            raise RuntimeError(
-                f"init code calls {fname or func} on {name}, which has no values on this rank (a pipeline stage "
-                "elsewhere holds it); initialize it with torch.nn.init functions or reset_parameters()"
-            )
         if fname.endswith("_") and not fname.startswith("__"):
+            if target.device.type == "meta":
+                raise RuntimeError(
+                    f"init code calls {fname} on {name}, which has no values here (the model as built, whose "
+                    "pipeline stages hold the values); initialize it with torch.nn.init functions or reset_parameters()"
+                )
             self.written.add(name)
         return func(*args, **kwargs)
 

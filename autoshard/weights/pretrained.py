@@ -22,7 +22,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -68,14 +68,21 @@ def _ignored(model: nn.Module, attr: str) -> list[re.Pattern[str]]:
 
 
 def check_checkpoint(state: Mapping[str, torch.Tensor], aliases: Mapping[str, str],
-                     saved: Mapping[str, Any], path: str, model: nn.Module, strict: bool = True) -> dict[str, str]:
+                     saved: Mapping[str, Any], path: str, model: nn.Module, strict: bool = True,
+                     expected: Collection[str] | None = None, tied: Mapping[str, str] | None = None
+                     ) -> dict[str, str]:
     """Compare the model's keys and shapes with the checkpoint's (``saved``: key -> DCP storage metadata).
     Returns the model keys to read, each -> the checkpoint key it reads (a tied parameter may be stored under its
-    other name). Raises naming the first difference."""
+    other name). Raises naming the first difference. ``expected``: every key of the whole model, where ``state``
+    is this rank's part (pipeline stages); ``tied``: each name of a tied parameter -> its first name (a stage's
+    copy of a tied parameter reads whichever of its names the checkpoint holds)."""
+    tied = dict(tied or {})
     plan: dict[str, str] = {}
     missing = []
     for key in state:
-        names = [key] + [a for a, k in aliases.items() if k == key]
+        first = tied.get(key, key)
+        names = [key] + [a for a, k in aliases.items() if k == key] + [first]
+        names += [a for a, c in tied.items() if c == first]
         found = next((n for n in names if n in saved), None)
         if found is None:
             missing.append(key)
@@ -86,7 +93,7 @@ def check_checkpoint(state: Mapping[str, torch.Tensor], aliases: Mapping[str, st
         if want != have:
             raise ValueError(f"{path}: {stored} has shape {have} in the checkpoint but {want} in the model "
                              f"({type(model).__name__}); is the checkpoint from another model or config?")
-    expected = set(state) | set(aliases)
+    expected = set(state) | set(aliases) | set(expected or ())
     skip = _ignored(model, "_keys_to_ignore_on_load_unexpected")
     unexpected = sorted(k for k in saved if k not in expected and not any(p.search(k) for p in skip))
     skip_missing = _ignored(model, "_keys_to_ignore_on_load_missing")
@@ -104,8 +111,11 @@ def check_checkpoint(state: Mapping[str, torch.Tensor], aliases: Mapping[str, st
     return plan
 
 
-def load_pretrained(sharded: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> None:
-    """Read a ``save_pretrained`` directory into ``sharded``'s shards (see the module docstring)."""
+def load_pretrained(sharded: nn.Module, path: str | os.PathLike, *, strict: bool = True,
+                    model: nn.Module | None = None, expected: Collection[str] | None = None,
+                    tied: Mapping[str, str] | None = None) -> None:
+    """Read a ``save_pretrained`` directory into ``sharded``'s shards (see the module docstring); ``model``: the
+    model as built (its ignore lists), ``expected``: the whole model's keys where ``sharded`` holds a part."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     path = os.fspath(path)
@@ -115,8 +125,8 @@ def load_pretrained(sharded: nn.Module, path: str | os.PathLike, *, strict: bool
     reader = HuggingFaceStorageReader(path)
     saved = reader.read_metadata().state_dict_metadata
     state, aliases = _unique_state(sharded)
-    model = getattr(sharded, "module", sharded)
-    plan = check_checkpoint(state, aliases, saved, path, model, strict)
+    model = model if model is not None else getattr(sharded, "module", sharded)
+    plan = check_checkpoint(state, aliases, saved, path, model, strict, expected, tied)
     to_read = {stored: state[key] for key, stored in plan.items()}
     log.info("load_pretrained: %d tensors from %s into this rank's shards", len(to_read), path)
     dcp.load(to_read, storage_reader=HuggingFaceStorageReader(path))
