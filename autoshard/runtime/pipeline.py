@@ -36,6 +36,7 @@ from autoshard.plan import Plan
 from autoshard.runtime.rebind import rebind_optimizers
 from autoshard.runtime.param_state import ParamStates, scatter_grads
 from autoshard.runtime.sharded_module import distribute_parameters
+from autoshard.weights.deferred import take_deferred
 from autoshard.weights.init import init_weights
 from autoshard.weights.pretrained import load_pretrained, save_pretrained
 from autoshard.weights.shards import Unfilled, materialize_buffers
@@ -105,6 +106,9 @@ class StageModule(nn.Module):
         base = len(self._param_names) + len(self._buffer_names)
         slot.update({f"input[{i}]": base + i for i in range(len(inputs))})
         self._grad_slots = tuple(slot[n] for n in grad_names)
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        return {"module": "module"}  # names are the model's (``PipelinedModule._fqn_modifiers``)
 
     def _local(self, x: torch.Tensor, placements: Sequence[Any]) -> torch.Tensor:
         if all(isinstance(p, Replicate) for p in placements):
@@ -186,7 +190,7 @@ class PipelinedModule(nn.Module):
 
         self.plan = plan
         self.signature = signature
-        self.stage_modules = nn.ModuleDict({str(k): m for k, m in sorted(stages.items())})
+        self.stage_modules = _Stages({str(k): m for k, m in sorted(stages.items())})
         self._num_stages = num_stages
         self._pp_group = pp_group
         self._weighting = weighting
@@ -194,8 +198,13 @@ class PipelinedModule(nn.Module):
         self._local_index = local_index
         self._canonical = canonical  # every name of a parameter (tied ones have several) -> the model's first
         self._state_names = state_names  # the model's own state_dict keys
+        self._aliases: dict[str, tuple[str, ...]] = {}  # first name -> every name (tied parameters have several)
+        for alias, first in canonical.items():
+            self._aliases[first] = (*self._aliases.get(first, ()), alias)
         self._device = device
         object.__setattr__(self, "_tree", tree)  # the model as built (its init code), not a submodule
+        for call, arg in take_deferred(tree) if tree is not None else ():  # autoshard.init_weights(model) before
+            getattr(self, call)(arg)
         self._used_inputs = sorted({i for m in stages.values() for kind, i in m._wiring.args if kind == "input"})
         pp_size = dist.get_world_size(pp_group)
         self._last_owner = dist.get_global_rank(pp_group, (num_stages - 1) % pp_size)
@@ -318,9 +327,10 @@ class PipelinedModule(nn.Module):
         out: dict[str, Any] = {}
         for m in self.stage_modules.values():
             for key, value in m.state_dict(*args, **kwargs).items():
-                name = self._canonical.get(_base_name(key), _base_name(key))  # a tied copy: under its first name
-                if self._state_names is None or name in self._state_names:  # the cut drops "non-persistent"
-                    out[name] = value
+                first = self._canonical.get(_base_name(key), _base_name(key))
+                for name in self._aliases.get(first, (first,)):  # a tied copy: under each of the model's names
+                    if self._state_names is None or name in self._state_names:  # the cut drops "non-persistent"
+                        out[name] = value
         return out
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
@@ -340,12 +350,43 @@ class PipelinedModule(nn.Module):
             raise KeyError(f"load_state_dict: missing {missing[:5]}, unexpected {unknown[:5]} (this rank's stages "
                            "hold the model's names that state_dict() gives)")
 
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """For ``torch.distributed.checkpoint.state_dict`` (``get_state_dict`` / ``set_state_dict``): the stage
+        wrappers add no names (with ``_Stages`` and ``StageModule``'s), so its names are the model's."""
+        return {"stage_modules": "stage_modules"}
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            heads = {k.split(".")[0] for k in self._canonical} | {k.split(".")[0] for k in self._state_names or ()}
+            if name in heads:
+                return _Path()  # torch's state-dict API walks a key's path; the stages hold the tensors
+            raise
+
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):  # type: ignore[override]
         """Parameters under the model's names (a tied one under its first name, once per stage copy held here)."""
         for m in self.stage_modules.values():
             for name, p in m.named_parameters(prefix="", recurse=recurse, remove_duplicate=remove_duplicate):
                 base = _base_name(name)
                 yield prefix + self._canonical.get(base, base), p
+
+
+class _Stages(nn.ModuleDict):
+    """This rank's stages by index; adds no name to the model's in torch's state-dict API."""
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        return {k: k for k in self.keys()}
+
+
+class _Path:
+    """Any attribute path below a pipelined model's top-level name (torch's state-dict API only checks that a key's
+    path resolves; this rank's stages, not one module tree, hold the tensors)."""
+
+    def __getattr__(self, name: str) -> _Path:
+        if name == "_fqn_modifiers" or name.startswith("__"):
+            raise AttributeError(name)
+        return self
 
 
 def _weighted(output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,8 @@ def _has_meta(model: nn.Module) -> bool:
 def _wrapper(model: nn.Module) -> Any:
     """The autoshard module whose methods fill ``model`` (itself, or the lazy module's compiled one), or None."""
     compiled = getattr(model, "_compiled", model) if hasattr(model, "_build") else model
-    return compiled if compiled is not None and hasattr(compiled, "_unfilled") else None
+    sharded = compiled is not None and hasattr(compiled, "plan") and hasattr(compiled, "load_pretrained")
+    return compiled if sharded else None
 
 
 def _defer(model: nn.Module, action: tuple[str, Any]) -> None:
