@@ -256,8 +256,7 @@ class PipelinedModule(nn.Module):
         for m in self.stage_modules.values():
             m._unfilled.check_after("load_pretrained", path)
 
-    def save_pretrained(self, path: str, **kwargs: Any) -> None:
-        """Write the model as ``from_pretrained`` reads it, each rank its stages' shards."""
+    def save_pretrained(self, path: str, **kwargs: Any) -> None:  # as from_pretrained reads it, each rank its shards
         save_pretrained(self, self._tree, path, **kwargs)
 
     def _recompute_unsaved(self) -> None:
@@ -359,8 +358,7 @@ class PipelinedModule(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            heads = {k.split(".")[0] for k in self._canonical} | {k.split(".")[0] for k in self._state_names or ()}
-            if name in heads:
+            if name in {k.split(".")[0] for k in [*self._canonical, *(self._state_names or ())]}:
                 return _Path()  # torch's state-dict API walks a key's path; the stages hold the tensors
             raise
 
@@ -372,9 +370,7 @@ class PipelinedModule(nn.Module):
                 yield prefix + self._canonical.get(base, base), p
 
 
-class _Stages(nn.ModuleDict):
-    """This rank's stages by index; adds no name to the model's in torch's state-dict API."""
-
+class _Stages(nn.ModuleDict):  # this rank's stages by index; adds no name in torch's state-dict API
     def _fqn_modifiers(self) -> dict[str, str]:
         return {k: k for k in self.keys()}
 
