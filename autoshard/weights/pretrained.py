@@ -151,11 +151,11 @@ def save_pretrained(sharded: nn.Module, model: nn.Module, path: str | os.PathLik
     rank = dist.get_rank() if dist.is_initialized() else 0
     # one output file per rank (by bytes), so that each rank consolidates its own file
     files = max(1, min(world, len(state)))
-    total = sum(math_numel(v) * v.element_size() for v in state.values())
+    total = sum(_numel(v) * v.element_size() for v in state.values())
     mapping, acc = {}, 0
     for k, v in state.items():
         mapping[k] = min(files, 1 + acc * files // max(total, 1))
-        acc += math_numel(v) * v.element_size()
+        acc += _numel(v) * v.element_size()
     tc.consolidate_safetensors(sharded_dir, path, mapping)
     if dist.is_initialized():
         dist.barrier()
@@ -171,7 +171,7 @@ def save_pretrained(sharded: nn.Module, model: nn.Module, path: str | os.PathLik
         dist.barrier()
 
 
-def math_numel(t: torch.Tensor) -> int:
+def _numel(t: torch.Tensor) -> int:
     n = 1
     for s in global_shape(t):
         n *= int(s)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -121,11 +121,6 @@ class Unfilled:
 
     def watch(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         self._watched += [_Watched(n, weakref.ref(t), _versions(t)) for n, t in named]
-
-    def rebind(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Follow tensors that were replaced by new objects under the same names (a ``load_state_dict(assign=True)``)."""
-        self._watched = [w if tensors.get(w.name, w.tensor) is w.tensor else
-                         _Watched(w.name, weakref.ref(tensors[w.name]), (-1, -1)) for w in self._watched]
 
     def missing(self) -> list[str]:
         self._watched = [w for w in self._watched if w.tensor is not None and _versions(w.tensor) == w.versions]
