@@ -9,7 +9,10 @@ Does, on one graph, keeping it a valid topological order:
 - raises every collective, and the cheap data movement that only feeds collectives (a bucket's flattening
   ``view``/``cat``), to just after the last of its inputs is made: a gradient bucket starts reducing as soon as
   its last gradient exists, while the backward goes on with earlier layers (DDP's overlap);
-- sinks every ``wait_tensor`` to just before the first op that uses its result.
+- issues each parameter all-gather (a collective of graph inputs, which is not raised: see ``_comm_side``) right
+  after the previous one, FSDP's one-layer prefetch;
+- sinks every ``wait_tensor`` to just before the first op that uses its result, or, where that is later, to just
+  before the collective issued ``IN_FLIGHT`` after its own (a bounded number in flight, each holding its buffers).
 
 Collectives keep their relative order (every rank runs the same graph, so they are issued in the same order on
 every rank), and no op moves across the forward/backward boundary: the pass runs on each graph on its own.
@@ -37,6 +40,10 @@ _MOVES = {
 }
 
 
+# dtype casts of a parameter (mixed precision's compute copies) are graph-input values too
+_CASTS = {_aten._to_copy.default, _aten.view.dtype}
+
+
 def _is_collective(n: fx.Node) -> bool:
     t = n.target
     return isinstance(t, torch._ops.OpOverload) and t.namespace == "_c10d_functional" and t._opname != "wait_tensor"
@@ -47,7 +54,19 @@ def _is_wait(n: fx.Node) -> bool:
     return isinstance(t, torch._ops.OpOverload) and t.namespace == "_c10d_functional" and t._opname == "wait_tensor"
 
 
-def _made_here(n: fx.Node, side: set[fx.Node]) -> bool:
+def _moved_input(n: fx.Node, memo: dict[fx.Node, bool]) -> bool:
+    """Whether ``n`` is a graph input, or only moves/reshapes/casts graph inputs (a parameter's flattened view
+    that the layer's matmul also reads): no value this graph computes."""
+    if n not in memo:
+        if n.op in ("placeholder", "get_attr"):
+            memo[n] = True
+        else:
+            memo[n] = (n.op == "call_function" and n.target in _MOVES | _CASTS
+                       and all(_moved_input(a, memo) for a in n.all_input_nodes))
+    return memo[n]
+
+
+def _made_here(n: fx.Node, side: set[fx.Node], memo: dict[fx.Node, bool]) -> bool:
     """Whether ``n`` (transitively through the communication side) reads a value this graph computes."""
     stack, seen = [n], set()
     while stack:
@@ -56,7 +75,7 @@ def _made_here(n: fx.Node, side: set[fx.Node]) -> bool:
             if a in seen:
                 continue
             seen.add(a)
-            if a.op == "call_function" and a not in side:
+            if a.op == "call_function" and a not in side and not _moved_input(a, memo):
                 return True
             if a in side:
                 stack.append(a)
@@ -66,9 +85,9 @@ def _made_here(n: fx.Node, side: set[fx.Node]) -> bool:
 def _comm_side(graph: fx.Graph) -> set[fx.Node]:
     """Collectives on values the graph computes, and the data-movement ops all of whose users are such.
 
-    A collective of a graph input (a parameter's all-gather) stays where it is: raised, every layer's weights
-    would be gathered at the start of the graph (all of them in memory at once, which is what sharding them
-    avoids, and as many collectives in flight)."""
+    A collective of a graph input (a parameter's all-gather, also of a view or cast of parameters that other ops
+    read too) stays where it is: raised, every layer's weights would be gathered at the start of the graph (all of
+    them in memory at once, which is what sharding them avoids, and as many collectives in flight)."""
 
     def closure(collectives: set[fx.Node]) -> set[fx.Node]:
         side = set(collectives)
@@ -78,7 +97,8 @@ def _comm_side(graph: fx.Graph) -> set[fx.Node]:
         return side
 
     every = closure({n for n in graph.nodes if n.op == "call_function" and _is_collective(n)})
-    return closure({n for n in every if _is_collective(n) and _made_here(n, every)})
+    memo: dict[fx.Node, bool] = {}
+    return closure({n for n in every if _is_collective(n) and _made_here(n, every, memo)})
 
 
 def schedule_overlap(gm: fx.GraphModule) -> dict[str, int]:
@@ -110,10 +130,57 @@ def schedule_overlap(gm: fx.GraphModule) -> dict[str, int]:
         if w.next is not first:
             first.prepend(w)
             sunk += 1
+    raised += _prefetch_one_ahead(graph, side)
+    sunk -= _bound_in_flight(graph)
     graph.lint()
     gm.recompile()
     log.debug("overlap: raised %d collective-side ops, sank %d waits", raised, sunk)
     return {"raised": raised, "sunk": sunk}
+
+
+IN_FLIGHT = 2  # collectives issued and not yet waited on, at most: each holds its input's copy and its output
+
+
+def _bound_in_flight(graph: fx.Graph) -> int:
+    """Move a collective's wait up to just before the collective issued ``IN_FLIGHT`` later, where it was later:
+    a wait sunk to its first use would otherwise keep every layer's gradient reduction (gloo copies each input)
+    in flight until the end of the backward. Returns how many waits were moved."""
+    colls = [n for n in graph.nodes if n.op == "call_function" and _is_collective(n)]
+    waits = {c: next((u for u in c.users if _is_wait(u)), None) for c in colls}
+    moved = 0
+    for early, late in zip(colls, colls[IN_FLIGHT:]):
+        w = waits[early]
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        if w is not None and order[w] > order[late]:
+            late.prepend(w)
+            moved += 1
+    return moved
+
+
+def _prefetch_one_ahead(graph: fx.Graph, side: set[fx.Node]) -> int:
+    """FSDP's prefetch: each collective of graph inputs (a layer's parameter all-gather, which stays at its layer)
+    is issued, with the views and casts that prepare it, just before the previous one is waited on (where the
+    previous layer starts computing), so that it runs while that layer computes; at most two layers' gathered
+    parameters are alive. Runs after the waits are sunk. Returns how many nodes were moved."""
+    memo: dict[fx.Node, bool] = {}
+    kept = [n for n in graph.nodes if n.op == "call_function" and _is_collective(n) and n not in side
+            and all(_moved_input(a, memo) for a in n.all_input_nodes)]
+    moved = 0
+    for prev, nxt in zip(kept, kept[1:]):
+        wait = next((u for u in prev.users if _is_wait(u)), None)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        if wait is None or order[nxt] < order[wait]:
+            continue
+        prep, stack = set(), [nxt]
+        while stack:
+            for a in stack.pop().all_input_nodes:
+                if a.op == "call_function" and a not in prep and order[a] > order[wait]:
+                    prep.add(a)
+                    stack.append(a)
+        for n in sorted(prep, key=order.__getitem__) + [nxt]:
+            wait.prepend(n)
+            moved += 1
+    return moved
 
 
 def overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

@@ -9,7 +9,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoshard import _torch_compat as tc
 from autoshard.meshes import fake_world
-from autoshard.passes.overlap import schedule_overlap
+from autoshard.passes.overlap import IN_FLIGHT, schedule_overlap
 
 
 def _names(gm: torch.fx.GraphModule, opname: str) -> list[int]:
@@ -47,9 +47,16 @@ def test_overlap_raises_collectives_and_sinks_waits_keeping_order_and_values():
     # the all-gather of an input is not raised to the top (all weights gathered at once)
     gather = _names(gm, "all_gather_into_tensor")[0]
     assert gather > mms[2] and gather > second, (gather, mms, second)
-    # each wait sits right before the op that uses its result
+    # each wait sits right before the op that uses its result, or before the collective issued IN_FLIGHT later
+    # (the first reduction's wait: before the all-gather), so that at most IN_FLIGHT are outstanding
+    colls = sorted(_names(gm, "all_reduce") + _names(gm, "all_gather_into_tensor"))
     for w in _names(gm, "wait_tensor"):
-        assert nodes[w + 1] in nodes[w].users
+        assert nodes[w + 1] in nodes[w].users or (w + 1 in colls and colls.index(w + 1) >= IN_FLIGHT), w
+    assert colls.index(_names(gm, "wait_tensor")[0] + 1) == IN_FLIGHT  # r2's wait before the third collective
+    for i in colls:  # outstanding when each collective is issued
+        issued = [c for c in colls if c <= i]
+        waited = [w for w in _names(gm, "wait_tensor") if w < i]
+        assert len(issued) - len(waited) <= IN_FLIGHT, (i, issued, waited)
     for a, b in zip(before, after):
         torch.testing.assert_close(a, b)
 
@@ -84,3 +91,32 @@ def test_partition_saves_forward_values_and_runs_no_forward_op_again():
     assert count(bw, "_scaled_dot_product_flash_attention_for_cpu") == 0
     n_saved = len(fw.graph.find_nodes(op="output")[0].args[0]) - 1
     assert n_saved > 2  # activations (attention output, logsumexp, ...) are saved, not only the inputs
+
+
+def _three_gathered_layers(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """FSDP's forward as lower traces it: each layer gathers a view of its parameter (which other ops read too)."""
+    group = dist.group.WORLD
+    h = x
+    for w in (w1, w2, w3):
+        v = w.view(-1)
+        h = (h @ funcol.all_gather_tensor(v, 0, group).view(16, 8)[:8]).tanh() + v.sum()
+    return h
+
+
+def test_parameter_gathers_stay_at_their_layers_prefetched_one_ahead():
+    with fake_world(2):
+        args = [torch.randn(8, 8) for _ in range(4)]
+        gm = make_fx(_three_gathered_layers)(*args)
+        before = gm(*args).clone()
+        schedule_overlap(gm)
+        after = gm(*args)
+    nodes = list(gm.graph.nodes)
+    g1, g2, g3 = _names(gm, "all_gather_into_tensor")
+    w1, w2 = (next(u for u in nodes[g].users if getattr(u.target, "_opname", "") == "wait_tensor") for g in (g1, g2))
+    mms = _names(gm, "mm")
+    # the layers' gathers (of views of parameters that other ops read too) are not all raised to the top: the
+    # second is issued before the first is waited on (FSDP's prefetch: it runs while the first layer computes)
+    assert g1 < g2 < nodes.index(w1) < mms[0], (g1, g2, mms)
+    # and the third not before the second layer's wait, so at most two layers' gathered weights are alive
+    assert mms[0] < g3 and nodes.index(w2) < mms[1], (g3, mms)
+    torch.testing.assert_close(before, after)
