@@ -144,16 +144,24 @@ IN_FLIGHT = 2  # collectives issued and not yet waited on, at most: each holds i
 def _bound_in_flight(graph: fx.Graph) -> int:
     """Move a collective's wait up to just before the collective issued ``IN_FLIGHT`` later, where it was later:
     a wait sunk to its first use would otherwise keep every layer's gradient reduction (gloo copies each input)
-    in flight until the end of the backward. Returns how many waits were moved."""
-    colls = [n for n in graph.nodes if n.op == "call_function" and _is_collective(n)]
-    waits = {c: next((u for u in c.users if _is_wait(u)), None) for c in colls}
+    in flight until the end of the backward. One pass in graph order. Returns how many waits were moved."""
+    outstanding: list[fx.Node] = []  # issued collectives whose wait has not been passed, oldest first
+    waited: set[fx.Node] = set()
     moved = 0
-    for early, late in zip(colls, colls[IN_FLIGHT:]):
-        w = waits[early]
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        if w is not None and order[w] > order[late]:
-            late.prepend(w)
-            moved += 1
+    for n in list(graph.nodes):
+        if n.op != "call_function":
+            continue
+        if _is_wait(n):
+            waited.add(n)
+            outstanding = [c for c in outstanding if n not in c.users]
+        elif _is_collective(n):
+            while len(outstanding) >= IN_FLIGHT:
+                w = next((u for u in outstanding.pop(0).users if _is_wait(u)), None)
+                if w is not None and w not in waited:
+                    n.prepend(w)
+                    waited.add(w)
+                    moved += 1
+            outstanding.append(n)
     return moved
 
 
@@ -166,18 +174,21 @@ def _prefetch_one_ahead(graph: fx.Graph, side: set[fx.Node]) -> int:
     kept = [n for n in graph.nodes if n.op == "call_function" and _is_collective(n) and n not in side
             and all(_moved_input(a, memo) for a in n.all_input_nodes)]
     moved = 0
+    pos = {n: float(i) for i, n in enumerate(graph.nodes)}  # positions, kept up to date as nodes move
     for prev, nxt in zip(kept, kept[1:]):
         wait = next((u for u in prev.users if _is_wait(u)), None)
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        if wait is None or order[nxt] < order[wait]:
+        if wait is None or pos[nxt] < pos[wait]:
             continue
         prep, stack = set(), [nxt]
         while stack:
             for a in stack.pop().all_input_nodes:
-                if a.op == "call_function" and a not in prep and order[a] > order[wait]:
+                if a.op == "call_function" and a not in prep and pos[a] > pos[wait]:
                     prep.add(a)
                     stack.append(a)
-        for n in sorted(prep, key=order.__getitem__) + [nxt]:
+        group = sorted(prep, key=pos.__getitem__) + [nxt]
+        low = pos[wait.prev] if wait.prev.op != "root" else pos[wait] - 1
+        for j, n in enumerate(group):  # evenly between the wait and the node before it
+            pos[n] = low + (pos[wait] - low) * (j + 1) / (len(group) + 1)
             wait.prepend(n)
             moved += 1
     return moved

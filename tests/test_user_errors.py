@@ -46,13 +46,16 @@ def test_constraints_by_argument_name_and_glob() -> None:
     assert layouts["fc1.weight"][1] == "S(0)" and layouts["fc2.weight"][1] == "S(0)"
 
 
-def test_compile_refuses_meta_parameters() -> None:
+def test_a_meta_model_without_values_is_refused_at_its_first_step() -> None:
     with torch.device("meta"):
         model = MLP(16, 32, 16)
+    inputs = mlp_example_inputs(8, 16, 16)
     with local_ranks(2):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-        with pytest.raises(ValueError, match=r"parameters are on the meta device \(fc1\.weight.*to_empty"):
-            autoshard.compile(model, mesh, mlp_example_inputs(8, 16, 16))
+        sharded = autoshard.compile(model, mesh, inputs, recipe="fsdp")  # each rank allocates its shards only
+        with pytest.raises(RuntimeError, match=r"built on the meta device and still have no values \(fc1\.weight.*"
+                                               r"init_weights\(seed=0\).*load_pretrained"):
+            sharded.step(*inputs)
 
 
 # ------------------------------------------------------------------ an op DTensor has no rule for

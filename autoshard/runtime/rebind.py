@@ -60,6 +60,8 @@ def rebind_optimizers(owner: object, replaced: Mapping[int, tuple[nn.Parameter, 
 
 def retire(old: nn.Parameter) -> None:
     """Free a replaced parameter's storage (the sharded copy holds its values now)."""
+    if old.device.type == "meta":
+        return  # nothing to free (and, under LocalTensorMode, no plain tensor to swap in)
     with torch.no_grad():
         old.data = torch.empty(0, dtype=old.dtype, device=old.device)
     old.grad = None
