@@ -103,6 +103,13 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, opti
             "autoshard plans the whole forward as one program: remove the break (torch.compile(..., fullgraph=True) "
             "reports every one), or use autoshard.compile(model, mesh), which traces without dynamo"
         )
+    if meta := [n for n, p in root.named_parameters() if p.device.type == "meta"]:
+        raise NotImplementedError(
+            f"autoshard backend: {type(root).__name__} is on the meta device ({meta[0]} and {len(meta) - 1} more), and "
+            "the torch.compile backend keeps the parameter objects dynamo traced, which cannot take real shards. "
+            "Use sharded = autoshard.compile(model, mesh) for a meta-built model (then sharded.init_weights(seed) or "
+            "sharded.load_pretrained(path)), or build the model on a real device for torch.compile"
+        )
     signature, tensors = signature_of(Call(args, kwargs))
     sources = _leaf_sources(example_inputs, tensors)
     constraints = {**batch_constraint(mesh), **dict(opts.pop("constraints", None) or {})}
