@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import re
+import subprocess
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -25,6 +29,7 @@ if TYPE_CHECKING:
     from torch.distributed._local_tensor import LocalTensorMode
 
 __all__ = [
+    "torchrun_example",
     "local_ranks",
     "Reference",
     "single_device_reference",
@@ -235,3 +240,27 @@ def case_result(results: dict[Any, dict], case: Any) -> Any:
     if "error" in r:
         pytest.fail(f"{case!r} raised in its forked run:\n{r['error']}")
     return r["result"]
+
+
+# --------------------------------------------------------------------------- examples under torchrun
+
+STEP_LINE = re.compile(r"^step +(\d+) +loss +(\S+) +tokens/s +(\S+) +step time +(\S+) ms", re.M)
+
+
+def torchrun_example(script: Any, nproc: int, args: Sequence[str], timeout: float = 240
+                     ) -> tuple[str, str, dict[int, float]]:
+    """Run an example under torchrun on CPU (one thread per rank); returns (stdout + stderr, stdout, rank 0's loss
+    per step from its ``step N loss L tokens/s ... step time ... ms`` lines). A failed launch fails the test."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(script),
+           *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    out = subprocess.run(cmd, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True,
+                         text=True, timeout=timeout, env=env)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, f"{' '.join(cmd[3:])} exited {out.returncode}:\n{text[-6000:]}"
+    losses: dict[int, float] = {}
+    for m in STEP_LINE.finditer(out.stdout):
+        step = int(m.group(1))
+        assert step not in losses, f"step {step} reported twice:\n{out.stdout[-3000:]}"
+        losses[step] = float(m.group(2))
+    return text, out.stdout, losses

@@ -15,7 +15,6 @@ import math
 import os
 import re
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,11 +23,12 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from harness import torchrun_example  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "finetune_hf.py"
 SEQ, BATCH = 32, 4
 TINY = ["--backend", "eager", "--hidden", "64", "--layers", "2", "--seq", str(SEQ), "--batch", str(BATCH)]
-STEP = re.compile(r"^step +(\d+) +loss +(\S+) +tokens/s +(\S+) +step time +(\S+) ms", re.M)
 EVAL = re.compile(r"^eval loss (\S+)$", re.M)
 
 
@@ -57,19 +57,9 @@ class Runs:
 
 def _launch(nproc: int, *args: str, timeout: float = 240) -> Launch:
     """Run the example under torchrun; returns its output, rank 0's loss per step and the final eval loss."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(EXAMPLE), *TINY, *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
-    text = out.stdout + out.stderr
-    assert out.returncode == 0, f"{' '.join(cmd[3:])} exited {out.returncode}:\n{text[-6000:]}"
-    losses: dict[int, float] = {}
-    for m in STEP.finditer(out.stdout):
-        step = int(m.group(1))
-        assert step not in losses, f"step {step} reported twice:\n{out.stdout[-3000:]}"
-        losses[step] = float(m.group(2))
-    evals = EVAL.findall(out.stdout)
-    assert len(evals) == 1, f"one eval line expected:\n{out.stdout[-3000:]}"
+    text, stdout, losses = torchrun_example(EXAMPLE, nproc, [*TINY, *args], timeout)
+    evals = EVAL.findall(stdout)
+    assert len(evals) == 1, f"one eval line expected:\n{stdout[-3000:]}"
     return Launch(text, losses, float(evals[0]))
 
 

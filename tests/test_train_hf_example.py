@@ -12,36 +12,23 @@ restored weights, step 4 the restored AdamW state. About a minute on 2 CPU cores
 from __future__ import annotations
 
 import math
-import os
-import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("transformers")
 
+from harness import torchrun_example  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_hf.py"
 TINY = ["--backend", "eager", "--hidden", "64", "--seq", "32", "--batch", "4"]
-STEP = re.compile(r"^step +(\d+) +loss +(\S+) +tokens/s +(\S+) +step time +(\S+) ms", re.M)
 
 
 def _launch(*args: str, timeout: float = 240) -> tuple[str, dict[int, float]]:
     """Run the example under torchrun with 2 ranks; returns its output and rank 0's loss per step."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE),
-           *TINY, *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
-    text = out.stdout + out.stderr
-    assert out.returncode == 0, f"{' '.join(cmd[3:])} exited {out.returncode}:\n{text[-6000:]}"
-    losses: dict[int, float] = {}
-    for m in STEP.finditer(out.stdout):
-        step = int(m.group(1))
-        assert step not in losses, f"step {step} reported twice:\n{out.stdout[-3000:]}"
-        losses[step] = float(m.group(2))
+    text, _, losses = torchrun_example(EXAMPLE, 2, [*TINY, *args], timeout)
     return text, losses
 
 
