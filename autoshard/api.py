@@ -17,7 +17,7 @@ from autoshard import _torch_compat as tc
 from autoshard.autotune import autotune as _autotune
 from autoshard.cluster import ClusterProfile, get_cluster
 from autoshard.config import PlanConfig
-from autoshard.inputs import Call, as_call, signature_of
+from autoshard.inputs import Call, example_call, signature_of
 from autoshard.notation import format_bytes
 from autoshard.plan import Plan
 from autoshard.planner import plan_graph
@@ -41,14 +41,6 @@ def _config(memory_budget: Any, constraints: Mapping | None, **kw: Any) -> PlanC
         kw.update(reuse=saved, solve_recipes=False)
         memory_budget = None
     return PlanConfig(memory_budget=memory_budget, constraints=dict(constraints or {}), **kw)
-
-
-def _check_inputs(example_inputs: Any) -> tuple | dict | Call:
-    """The example call as given (positional tuple, dict of keyword arguments, or both as a Call), checked."""
-    args, kwargs = as_call(example_inputs)
-    if args and kwargs:
-        return Call(args, kwargs)
-    return dict(kwargs) if kwargs else args
 
 
 def _check_compilable(model: nn.Module, mesh: DeviceMesh, real_group: bool) -> None:
@@ -108,7 +100,7 @@ def plan(
             long = found is not None and found[1] >= 2 * DEFAULT_SAMPLE_LAYERS
             options["sample_layers"] = DEFAULT_SAMPLE_LAYERS if long else None
         p, _, _ = plan_graph(
-            model, _check_inputs(example_inputs), mesh, get_cluster(cluster),
+            model, example_call(example_inputs), mesh, get_cluster(cluster),
             _config(memory_budget, constraints, **options), progress=progress,
         )
         return dataclasses.replace(p, model=type(model).__name__)
@@ -219,7 +211,7 @@ def compile(  # noqa: A001 - the one-line API the project promises
             microbatches=microbatches, schedule=schedule, parameters=parameters, **options))
     if pipeline not in (None, "auto", "none"):
         raise ValueError(f"pipeline={pipeline!r} is not known; use None/'none' (a 'pp' mesh axis decides) or 'auto'")
-    inputs = _check_inputs(example_inputs)
+    inputs = example_call(example_inputs)
     # DTensor's sharding caches may hold meshes of another world (a plan made on a fake group, LocalTensorMode,
     # or a parent process this one was forked from): start from a clean cache
     tc.clear_dtensor_caches()

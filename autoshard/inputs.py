@@ -56,6 +56,14 @@ def as_call(example_inputs: Any) -> tuple[tuple, dict[str, Any]]:
     )
 
 
+def example_call(example_inputs: Any) -> tuple | dict | Call:
+    """The example call as given (positional tuple, dict of keyword arguments, or both as a Call), checked."""
+    args, kwargs = as_call(example_inputs)
+    if args and kwargs:
+        return Call(args, kwargs)
+    return dict(kwargs) if kwargs else args
+
+
 def _path_name(path: Sequence[Any]) -> str:
     """``args[0]``, ``input_ids`` or ``batch["mask"]`` for a leaf's key path in ((args), {kwargs})."""
     if not path:

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autoshard.cluster import ClusterProfile, check_mesh, get_cluster
 from autoshard.config import PlanConfig
+from autoshard.inputs import Call, as_call, example_call
 from autoshard.meshes import default_mesh, fake_world, mesh_names, parse_mesh, parse_mesh_spec  # noqa: F401 (re-exported)
 from autoshard.models.zoo import ZooModel, get_model
 from autoshard.notation import format_bytes
@@ -39,7 +40,12 @@ class ModelJob:
 
     name: str
     module: nn.Module
-    inputs: tuple
+    inputs: tuple | dict | Call  # the example call: positional, keyword, or both
+
+    def first_input(self) -> Any:
+        """The call's first argument (positional, else the first keyword's value): the batch for the checks."""
+        args, kwargs = as_call(self.inputs)
+        return args[0] if args else next(iter(kwargs.values()), None)
     tokens_per_step: int = 0
     flops_per_step: float = 0.0
     dtype: str = "bfloat16"
@@ -62,14 +68,15 @@ def resolve_model(
                 "or plan a zoo model by name (autoshard.models.zoo.known_models())"
             )
         params = sum(p.numel() for p in model.parameters())
-        return ModelJob(type(model).__name__, model, tuple(example_inputs), params=params)
+        return ModelJob(type(model).__name__, model, example_call(example_inputs), params=params)
     zoo = model if isinstance(model, ZooModel) else get_model(str(model))
     if global_batch is None or global_batch < 1:
         raise ValueError(f"planning {zoo.name} needs global_batch (sequences per step, >= 1), got {global_batch}")
     seq = seq or zoo.default_seq
     with torch.device("meta"):
         module = zoo.build(seq=seq, dtype=dtype, device="meta")
-    inputs = tuple(example_inputs) if example_inputs is not None else zoo.example_inputs(global_batch, seq, device="meta")
+    inputs = (example_call(example_inputs) if example_inputs is not None
+              else tuple(zoo.example_inputs(global_batch, seq, device="meta")))
     return ModelJob(
         zoo.name,
         module,
@@ -84,9 +91,10 @@ def resolve_model(
 def _check_batch(job: ModelJob, shape: Sequence[int], names: Sequence[str], recipe: str | None) -> None:
     """The batch must split over the data-parallel axes (every axis but ``tp`` and ``cp``, which split the hidden
     size and the sequence; recipes ddp/fsdp: every axis)."""
-    if not job.inputs or not isinstance(job.inputs[0], torch.Tensor) or job.inputs[0].ndim == 0:
+    first = job.first_input()
+    if not isinstance(first, torch.Tensor) or first.ndim == 0:
         return
-    batch = job.inputs[0].shape[0]
+    batch = first.shape[0]
     dp_axes = [i for i, n in enumerate(names) if n not in ("tp", "cp")]
     if recipe in ("ddp", "fsdp"):
         dp_axes = list(range(len(shape)))
@@ -118,7 +126,7 @@ def _explain_oom(job: ModelJob, err: InfeasibleBudget, cluster: ClusterProfile, 
         # activations (most of it when the state fits) scale with the batch
         factor = need / budget
         nodes = math.ceil(cluster.nodes * factor)
-        first = job.inputs[0] if job.inputs else None
+        first = job.first_input()
         batch = int(first.shape[0]) if isinstance(first, torch.Tensor) and first.ndim else 0
         smaller = _round_down_pow2(int(batch / factor)) if batch else 0
         advice = (

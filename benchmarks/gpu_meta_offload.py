@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--offload", default="auto")
     ap.add_argument("--backend", default="eager")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--foreach-adamw", action="store_true",
+                    help="torch's default AdamW (per-tensor kernels on CPU) instead of fused=True")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
 
@@ -67,7 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     n = sum(p.numel() for p in model.parameters())
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     batch = dict(input_ids=ids.to(args.device), labels=ids.to(args.device))
-    cluster = "h100-sxm" if args.device == "cuda" else "cpu"
+    cluster = "cpu"  # a 1-device cluster of the GPU's preset: the mesh has one device
+    if args.device == "cuda":
+        cluster = "h200:1x1" if "H200" in torch.cuda.get_device_name() else "h100-sxm:1x1"
     log.info("%.2f B parameters on meta; training state %s (16 B/parameter), budget %s", n / 1e9,
              format_bytes(16 * n), args.budget)
     t0 = time.perf_counter()
@@ -77,20 +81,25 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     sharded.init_weights(seed=0)
     t_init = time.perf_counter() - t0
-    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-5)
-    times, losses = [], []
+    # fused=True: one pass over each tensor on the host too (torch's CPU default runs a kernel per operation)
+    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-5, fused=not args.foreach_adamw)
+    times, losses, opt_times = [], [], []
     for _ in range(args.steps):
         if args.device == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
         loss = sharded.step(**batch)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        t_opt = time.perf_counter()
         opt.step()
+        opt_times.append(time.perf_counter() - t_opt)
         opt.zero_grad(set_to_none=True)
         if args.device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
         losses.append(float(loss))
-        log.info("step %d loss %.4f %.2f s", len(times), losses[-1], times[-1])
+        log.info("step %d loss %.4f %.2f s (optimizer.step %.2f s)", len(times), losses[-1], times[-1], opt_times[-1])
     plan = sharded.plan
     step = statistics.median(times[1:] if len(times) > 1 else times)
     tokens = args.batch * args.seq
@@ -98,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     peak_flops = get_cluster(cluster).device.peak_flops.get("bfloat16", 0.0)
     measured = torch.cuda.max_memory_allocated() if args.device == "cuda" else 0
     predicted = plan.peak_memory.total
-    offloaded = sum(1 for t in plan.stages[0].tensors if t.role == "parameter" and t.offload)
+    offloaded = sum(1 for t in plan.stages[0].tensors if t.role == "parameter" and t.offload not in ("", "none"))
     print(f"\n| {n / 1e9:.2f} B parameters, {args.layers} layers, seq {args.seq} x batch {args.batch}, "
           f"budget {args.budget}, device {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'} |  |")
     print("|---|---|")
@@ -106,8 +115,11 @@ def main(argv: list[str] | None = None) -> None:
           f"{sum(1 for t in plan.stages[0].tensors if t.role == 'parameter')} |")
     print(f"| device peak: predicted / measured | {format_bytes(predicted)} / {format_bytes(measured)} "
           f"({measured / max(predicted, 1):.3f}) |")
+    print(f"| host memory (offloaded state), predicted | {format_bytes(plan.peak_memory.host)} |")
     print(f"| step: predicted / measured (median of {max(len(times) - 1, 1)}) | {plan.step_time_s:.3f} s / "
           f"{step:.3f} s ({step / max(plan.step_time_s, 1e-9):.2f}x) |")
+    print(f"| of which optimizer.step (host AdamW, fused={not args.foreach_adamw}) | "
+          f"{statistics.median(opt_times[1:] if len(opt_times) > 1 else opt_times):.3f} s |")
     print(f"| tokens/s | {tokens / step:.0f} |")
     print(f"| MFU (bf16 peak {peak_flops / 1e12:.0f} TFLOP/s) | "
           f"{flops / step / peak_flops * 100 if peak_flops else float('nan'):.1f}% |")

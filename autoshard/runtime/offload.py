@@ -5,8 +5,9 @@ held as a *master* DTensor in its state layout whose local shard lives on the ho
 pinned when the compute device is CUDA). Any ``torch.optim`` optimizer steps it there, so the state it creates
 (``zeros_like`` of the master) lives on the host too. Each step:
 
-- the program's gradient, cut to the master's layout on the device, is copied to the host (``to_host``) and
-  lands in the master's ``.grad`` (a host DTensor);
+- the program's gradient, cut to the master's layout on the device, is copied to the host (``to_host``: into a
+  pinned buffer kept per parameter, asynchronously, waited for once after the last) and lands in the master's
+  ``.grad`` (a host DTensor);
 - the optimizer steps the master on the host (the user's ``optimizer.step()``);
 - at the next forward the updated shard is copied to the device and gathered to the compute layout
   (``compute_copy``); ``ParamStates`` does this once per change of the master's version, as for ZeRO-1/2.
@@ -36,6 +37,10 @@ class HostOffload:
         self.device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
             else torch.device(mesh.device_type)
         self.pin = self.device.type == "cuda"
+        # id(master) -> the pinned host buffer its gradient is copied into, reused across steps (pinning
+        # fresh memory every step costs more than the copy; a pageable copy runs at a fraction of the link)
+        self._grad_buffers: dict[int, torch.Tensor] = {}
+        self._pending = False
 
     def _host_copy(self, local: torch.Tensor) -> torch.Tensor:
         out = local.detach().to(HOST, copy=local.device.type != HOST.type)
@@ -65,8 +70,26 @@ class HostOffload:
     def to_host(self, grad: DTensor, master: DTensor) -> DTensor:
         """The gradient ``grad`` (laid out like ``master``, on the device) copied to the host, as ``master.grad``
         must be: a DTensor with the master's layout whose local shard is on the host."""
-        local = tc.local_tensor(grad).detach().to(HOST)
-        return tc.dtensor_like(local, master)
+        local = tc.local_tensor(grad).detach()
+        if not self.pin:
+            return tc.dtensor_like(local.to(HOST), master)
+        buf = self._grad_buffers.get(id(master))
+        held = master.grad
+        if buf is None or buf.shape != local.shape or buf.dtype != local.dtype or (
+                held is not None and tc.local_tensor(held).data_ptr() == buf.data_ptr()):
+            # a first step, or the last gradient is still master.grad (accumulating without zero_grad, or
+            # zero_grad(set_to_none=False)): a new buffer, so autograd's accumulation never adds a buffer into itself
+            buf = torch.empty(local.shape, dtype=local.dtype, pin_memory=True)
+            self._grad_buffers[id(master)] = buf
+        buf.copy_(local, non_blocking=True)
+        self._pending = True
+        return tc.dtensor_like(buf, master)
+
+    def wait(self) -> None:
+        """Wait for the asynchronous gradient copies to the host (before the optimizer reads them)."""
+        if self._pending:
+            torch.cuda.current_stream(self.device).synchronize()
+            self._pending = False
 
 
 __all__ = ["HOST", "HostOffload"]

@@ -4,9 +4,11 @@ Under most plans a parameter has one layout: the optimizer steps the DTensor the
 FSDP, TP). Under ZeRO-1/2 (``NodeSharding.state``) the optimizer steps a *master* sharded further than the
 compute layout (its state is sharded like it), and the program computes with a copy in the compute layout:
 
-- the copy is gathered from the master at the first forward after the master changed (an optimizer step, a
-  ``load_state_dict``: any in-place write bumps the parameter's version counter), so it is gathered once per
-  step, not once per forward, and never used stale;
+- the copy is gathered from the master at the first forward after the master changed, so it is gathered once per
+  step, not once per forward, and never used stale. A change is an in-place write that bumps the parameter's
+  version counter (``load_state_dict``, ``dcp.load``, a ``foreach`` optimizer) or a step of any ``torch.optim``
+  optimizer holding the parameter with a gradient: fused optimizers (``AdamW(fused=True)``) write through kernels
+  that bump no counter, so a global optimizer post-step hook counts the steps each parameter took;
 - the program delivers the gradient in its gradient layout (ZeRO-2: reduce-scattered to the master's layout;
   ZeRO-1: all-reduced whole), which is then cut to the master's layout on each rank (no communication).
 
@@ -24,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
@@ -33,6 +36,21 @@ from autoshard.buckets import gather_all, gather_axes
 from autoshard.runtime.offload import HostOffload
 
 Layout = tuple[Placement, ...]
+
+_STEPS: dict[int, int] = {}  # id(parameter) -> optimizer steps it took with a gradient (see _count_steps)
+_HOOKED: list[Any] = []  # the global post-step hook's handle, once registered
+
+
+def _count_steps(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                _STEPS[id(p)] = _STEPS.get(id(p), 0) + 1
+
+
+def _watch_optimizer_steps() -> None:
+    if not _HOOKED:
+        _HOOKED.append(register_optimizer_step_post_hook(_count_steps))
 
 
 class ParamStates:
@@ -52,7 +70,9 @@ class ParamStates:
         modes: Mapping[str, str] = offload if offload is not None else getattr(program, "offload", {})
         self.offload = [modes.get(n, "") for n in self.names]  # "" on the device, else "optimizer" / "params"
         self._host = HostOffload(mesh) if any(self.offload) else None
-        self._copies: dict[int, tuple[int, int, torch.Tensor]] = {}  # slot -> (id, version of master, copy)
+        self._copies: dict[int, tuple[int, tuple[int, int, int], torch.Tensor]] = {}  # slot -> (id, version, copy)
+        if any(c != st for c, st in zip(self.compute, self.state)) or self._host is not None:
+            _watch_optimizer_steps()
 
     def master_placements(self) -> dict[str, Layout]:
         """The layout each parameter is held (and stepped by the optimizer) in."""
@@ -126,10 +146,11 @@ class ParamStates:
         return out
 
 
-def _version(master: torch.Tensor) -> tuple[int, int]:
-    """Changes with any write to the master: through DTensor ops (its own counter) or into its local tensor
-    (a checkpoint loaded in place, ``dcp.load``: only the local tensor's counter moves)."""
-    return master._version, tc.local_tensor(master)._version
+def _version(master: torch.Tensor) -> tuple[int, int, int]:
+    """Changes with any write to the master: through DTensor ops (its own counter), into its local tensor (a
+    checkpoint loaded in place, ``dcp.load``: only the local tensor's counter moves) or by an optimizer step
+    (a fused kernel moves neither counter)."""
+    return master._version, tc.local_tensor(master)._version, _STEPS.get(id(master), 0)
 
 
 def scatter_grads(grads: Sequence[torch.Tensor], slots: Sequence[int], like: Sequence[DTensor | None],
@@ -146,6 +167,8 @@ def scatter_grads(grads: Sequence[torch.Tensor], slots: Sequence[int], like: Seq
             full[slot] = states.gradient(slot, g, ref)
         else:
             full[slot] = tc.dtensor_like(g, ref)
+    if states is not None and states._host is not None:
+        states._host.wait()  # the gradients' copies to pinned host memory ran asynchronously
     return full
 
 
