@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import autoshard
 from autoshard.cli import main
@@ -139,3 +140,23 @@ def test_cli_mixed_precision_plans_fp32_masters_and_bf16_matmuls(cli_runs):
     assert mixed.peak_flops_per_device == pure.peak_flops_per_device  # the bf16 peak, not fp32's
     state = lambda p: p.peak_memory.parameters + p.peak_memory.gradients + p.peak_memory.optimizer  # noqa: E731
     assert state(mixed) == pytest.approx(2 * state(pure), rel=0.01)
+
+
+def test_offline_plan_of_a_stock_model_called_with_keywords():
+    """A stock Hugging Face model built on meta, planned for a cluster this machine is not, with its inputs as
+    its users pass them (``input_ids=..., labels=...``): the keywords reach forward as keywords (they were
+    passed positionally once: ``embedding(): argument 'indices' must be Tensor, not str``) and the batch checks
+    read the first keyword's tensor."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    ids = torch.zeros(8, 64, dtype=torch.long, device="meta")
+    plan = autoshard.plan(model, example_inputs=dict(input_ids=ids, labels=ids), cluster="h100-sxm:1x2",
+                          solve_recipes=False)
+    assert plan.step_time_s > 0 and plan.peak_memory.total > 0
+    odd = torch.zeros(3, 64, dtype=torch.long, device="meta")
+    with pytest.raises(ValueError, match="global batch 3 is not divisible"):
+        autoshard.plan(model, example_inputs=dict(input_ids=odd, labels=odd), cluster="h100-sxm:1x2", recipe="ddp")

@@ -94,12 +94,12 @@ def test_forced_offload_modes():
 def _train_offloaded(rank: int, world: int, arg: tuple) -> dict:
     from numerics_utils import _full, _scalar
 
-    name, mode = arg
+    name, mode, fused = arg
     make, inputs_fn = MODELS[name]
     inputs = inputs_fn()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     sharded = autoshard.compile(make(), mesh, inputs, offload=mode, solve_recipes=False, backend="eager")
-    opt = torch.optim.AdamW(sharded.parameters(), lr=LR)
+    opt = torch.optim.AdamW(sharded.parameters(), lr=LR, fused=fused)
     states = sharded._states
     names = states.names
     masters = dict(sharded.named_parameters())
@@ -129,12 +129,13 @@ def _train_offloaded(rank: int, world: int, arg: tuple) -> dict:
     return {"losses": losses, "grads": grads, "params": params, "plan": sharded.plan.to_json(), **facts}
 
 
-@pytest.mark.parametrize("mode", ["optimizer"])
-def test_offloaded_training_equals_one_device_on_gloo(mode):
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_offloaded_training_equals_one_device_on_gloo(fused):
     """Every GPT parameter offloaded (forced): masters sharded over the 2 ranks and stepped by AdamW apart from
     the compute copies, which are gathered from them after each step; loss, gradients and parameters after 3
-    steps equal the single-device run."""
-    results = launch(2, _train_offloaded, ("gpt", mode))
+    steps equal the single-device run. ``fused=True`` writes the masters through a kernel that moves no version
+    counter: the copies must still follow (they stayed stale before, and the model never trained)."""
+    results = launch(2, _train_offloaded, ("gpt", "optimizer", fused))
     make, inputs_fn = MODELS["gpt"]
     ref = single_device_reference(make, inputs_fn(), steps=3, lr=LR)
     for got in results:
