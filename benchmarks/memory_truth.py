@@ -259,13 +259,19 @@ def format_categories(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global GPT_CFG  # --layers: read by the forked ranks (make_model, global_inputs)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=("gpt", "hf", "both"), default="both")
     ap.add_argument("--backend", choices=("inductor", "eager"), default="inductor")
     ap.add_argument("--rows", default="", help="comma-separated subset of: solved, recompute, bf16, 'bf16 fsdp', "
                     "<recipes>, budget")
     ap.add_argument("--timeout", type=float, default=240.0)
+    ap.add_argument("--layers", type=int, default=GPT_CFG.n_layer, help="transformer layers of both models")
+    ap.add_argument("--budgets", default=",".join(map(str, BUDGET_FRACTIONS)),
+                    help="budget rows: fractions of the no-budget plan's predicted peak")
     args = ap.parse_args(argv)
+    GPT_CFG = dataclasses.replace(GPT_CFG, n_layer=args.layers)
+    fractions = [float(x) for x in args.budgets.split(",") if x]
     logging.basicConfig(level=logging.WARNING)
     wanted = set(filter(None, args.rows.split(",")))
     known = _known_recipes()
@@ -294,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         base = next((r for r in results if r["spec"].label == "solved" and "error" not in r), None)
         if base is None or (wanted and "budget" not in wanted):
             continue
-        for frac in BUDGET_FRACTIONS:
+        for frac in fractions:
             spec = RowSpec(kind, f"budget {frac}", None, int(frac * base["pred"]["total"]), args.backend)
             r = run_row(spec, args.timeout)
             print(format_row(r), f"[{r['wall_s']:.0f} s]\n" + format_categories(r), flush=True)

@@ -152,7 +152,9 @@ def _pretrained_then_resumed(rank: int, world: int, arg: tuple[str, str, str]) -
     ckpt, saved, export = arg
     names = ("dp",) if world == 2 else ("dp", "tp")
     mesh = init_device_mesh("cpu", (2,) if world == 2 else (2, 2), mesh_dim_names=names)
-    recipe = "fsdp" if world == 2 else "fsdp+tp"
+    # ZeRO-2 on 2 ranks (masters and AdamW state sharded, compute copies whole: a load must refresh the copies),
+    # resumed under fsdp + tp on 4 (every parameter and its state laid out otherwise)
+    recipe = "zero2" if world == 2 else "fsdp+tp"
     sharded = autoshard.compile(_meta_llama(), mesh, example_inputs=_batch(), backend="eager", recipe=recipe)
     opt = torch.optim.AdamW(sharded.parameters(), lr=LR)
     out: dict[str, Any] = {}
@@ -170,7 +172,7 @@ def _pretrained_then_resumed(rank: int, world: int, arg: tuple[str, str, str]) -
         full = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).state_dict() if rank == 0 else {}
         set_model_state_dict(fresh, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         out["broadcast"] = {n: _whole(p)[0].clone() for n, p in fresh.named_parameters()}
-    else:  # another world size and layout: fsdp on 2 ranks -> fsdp + tp on 4
+    else:  # another world size and layout: zero2 on 2 ranks -> fsdp + tp on 4
         model_sd, optim_sd = get_state_dict(sharded, opt)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=saved)
