@@ -34,16 +34,7 @@ training peak, and within 10% of the plan's prediction.
 
 Note: 4 ranks on a 2-core machine time badly (the ranks share the cores); their memory is still meaningful.
 
-Measured (torch 2.13 CPU, 2 cores, eager backend; the table in the commit that added this file): every case peaks
-in step 2, so building on meta lowers the build phase (2 ranks: 0.26 GiB above the runtime against 1.43 built whole)
-but not the run's peak; meta on 2 ranks is 0.78 of the single-device RSS peak (probe: 0.67), and 1.60 x the
-prediction (probe: 1.31 x). The probe's excess is the fsdp program: the overlap pass raises every forward
-all-gather to the top of the forward graph (their inputs, the parameters, exist from the start), so the whole
-model is gathered at once, with its flattened local inputs (``cat``) and gloo's buffer of the bucket in flight;
-in the backward each bucket's full-size gradient (gloo's reduce_scatter clones it) can stay alive until its wait at
-the end. The prediction counts a gathered weight or a full-size gradient for one or two layers only. RSS adds to
-the probe's tensors ~0.24 GiB of compile leftovers (graphs, plan, Python objects) and glibc's retained heap
-(~0.43 GiB: ``MALLOC_MMAP_THRESHOLD_=1048576`` removes it).
+The current table and what it shows: ``docs/benchmarks.md`` ("Models bigger than one device").
 """
 
 from __future__ import annotations
