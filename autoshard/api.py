@@ -21,8 +21,8 @@ from autoshard.inputs import Call, example_call, signature_of
 from autoshard.notation import format_bytes
 from autoshard.plan import Plan
 from autoshard.planner import plan_graph
-from autoshard.passes.context import BACKENDS
-from autoshard.passes.runner import check_disabled, rank_program
+from autoshard.compiler.context import BACKENDS
+from autoshard.compiler.runner import check_disabled, rank_program
 from autoshard.solver.intra_op import InfeasibleBudget
 from autoshard.runtime.accumulate import Accumulation, accumulated_plan, batched_inputs, loss_weighting, micro_example
 from autoshard.runtime.lazy import DATA_PARALLEL_NAMES, LazyShardedModule, batch_constraint
@@ -187,7 +187,7 @@ def compile(  # noqa: A001 - the one-line API the project promises
 
     ``plan=Plan.from_json(text)`` runs a saved single-stage plan without solving: it must have been made for this
     program (``plan.fingerprint``: ops, parameters, input shapes, mesh, cluster, precision, versions), or it is
-    refused naming what differs (``passes/solve_reuse.py``). ``autotune=k``: the solver's k best distinct plans and
+    refused naming what differs (``autoshard/compiler/solve_reuse.py``). ``autotune=k``: the solver's k best distinct plans and
     the recipes that fit are timed on the mesh and the fastest kept, cached on disk (``autoshard/autotune.py``).
     """
     if backend not in BACKENDS:
@@ -276,7 +276,7 @@ def _plan_accumulated(model: nn.Module, inputs: tuple | dict | Call, mesh: Devic
 def _agreed(real_group: bool, attempt: Callable[[], Any]) -> tuple[Any, InfeasibleBudget | None]:
     """``attempt()`` on every rank: (its result, None), or (None, the error) when the budget is infeasible; other
     errors are raised. On a real group rank 0 solves and the other ranks hear of its error only as a
-    RuntimeError (``passes/solve.py``): rank 0's verdict is broadcast so that every rank takes the same branch."""
+    RuntimeError (``autoshard/compiler/solve.py``): rank 0's verdict is broadcast so that every rank takes the same branch."""
     result, err = None, None
     try:
         result = attempt()

@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from autoshard.passes.context import PassContext
-from autoshard.passes.solve import annotate
-from autoshard.passes.solve_memory import solve_within
+from autoshard.compiler.context import PassContext
+from autoshard.compiler.solve import annotate
+from autoshard.compiler.solve_memory import solve_within
 from autoshard.plan import Plan, RecipeSummary
 from autoshard.planner import build_plan
 from autoshard.solver.intra_op import InfeasibleBudget, SolverTimeout, Solution

@@ -22,7 +22,7 @@ ConstraintValue = Any
 
 
 # the manual recipes a plan can be forced to (PlanConfig.recipe) and is compared with (autoshard.solver.recipes)
-# gradient buckets of the lowered program (passes/lower_buckets.py) and the memory they take (cost/memory.py):
+# gradient buckets of the lowered program (autoshard/compiler/lower_buckets.py) and the memory they take (cost/memory.py):
 # DDP's defaults, a small first bucket so that its reduction starts early, then 25 MiB
 FIRST_BUCKET_BYTES = 2**20
 BUCKET_BYTES = 25 * 2**20
@@ -31,7 +31,7 @@ BUCKET_BYTES = 25 * 2**20
 MIXED_PRECISION = {"bf16": "bfloat16", "bfloat16": "bfloat16"}
 # PlanConfig.reduce_dtype: the dtype gradients are reduced in under mixed precision
 REDUCE_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
-# PlanConfig.offload (ZeRO-Offload, passes/strategies.py: offload_variants): a parameter's optimizer state and the
+# PlanConfig.offload (ZeRO-Offload, autoshard/compiler/strategies.py: offload_variants): a parameter's optimizer state and the
 # master it steps held and stepped in host memory. "auto": the solver's choice where device memory forces it (not on
 # a CPU cluster, whose host memory is the device's); "none": never; "optimizer": every parameter's; "params": every
 # parameter's, with ZeRO-3 compute layouts (the device keeps only a shard of each parameter)
@@ -92,9 +92,9 @@ class PlanConfig:
     reduce_dtype: str = "float32"  # gradients reduced in this dtype under mixed_precision
     offload: str = "auto"
     reuse: Any = None  # a saved Plan whose choices are run instead of solving (compile(..., plan=saved))
-    recompute: tuple[str, ...] = ()  # module paths whose forward the backward runs again (passes/recompute.py)
+    recompute: tuple[str, ...] = ()  # module paths whose forward the backward runs again (autoshard/compiler/recompute.py)
     # picks the scalar loss out of what forward returns; default: a tensor itself, a ModelOutput's or dict's
-    # "loss", a tuple's first element (passes/capture.py: loss_of)
+    # "loss", a tuple's first element (autoshard/compiler/capture.py: loss_of)
     loss_fn: Callable[[Any], Any] | None = None
 
     def __post_init__(self) -> None:

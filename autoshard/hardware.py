@@ -1,7 +1,7 @@
 """Hardware and cluster profiles as plain data, every number with its source.
 
 The planner never talks to hardware: it prices compute with a roofline over a :class:`DeviceSpec` and prices
-collectives over the links a mesh axis is laid on (:meth:`ClusterProfile.axis_layout`, DESIGN §5). Keeping those
+collectives over the links a mesh axis is laid on (:meth:`ClusterProfile.axis_layout`, docs/design.md, "Communication"). Keeping those
 numbers in one frozen, JSON-able value (instead of constants scattered through the cost model) is what lets
 ``autoshard plan --cluster h100-sxm:128x8`` run on a laptop, lets a user drop in a ``my_cluster.json`` they
 measured themselves, and lets a reader check each number against the document it came from (``sources``).

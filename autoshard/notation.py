@@ -5,7 +5,7 @@ the same way, so that a user can paste ``[S(0), R]`` from a report into a config
 Every formatter here has an inverse where one is needed (``parse_placement``, ``parse_placements``,
 ``parse_bytes``), and every parse error names the bad text and the accepted forms.
 
-The notation (DESIGN.md §6):
+The notation (docs/design.md, "Code rules"):
 
 - placements per mesh axis: ``[S(0), R]``; ``R`` = Replicate, ``S(d)`` = Shard(d), ``P`` = Partial(sum),
   ``P(avg)`` / ``P(max)`` ... = Partial with another reduce op;
@@ -223,7 +223,7 @@ def local_shape(
 ) -> tuple[int, ...]:
     """The per-device shape of a tensor of global ``shape`` laid out by ``placements`` on a mesh.
 
-    Only even sharding: autoshard prunes uneven strategies (DESIGN.md §3) because padded shards make the cost
+    Only even sharding: autoshard prunes uneven strategies (docs/design.md, "Candidates") because padded shards make the cost
     model and the lowered shapes disagree. Two mesh axes sharding the same dim divide it twice, outer axis first,
     as DTensor does.
     """

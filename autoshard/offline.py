@@ -257,7 +257,7 @@ def _plan_flat(
 
 def _say_offload(gm: Any, ctx: Any, progress: Progress | None) -> None:
     """Log (and show as ``autoshard plan``'s progress) what the plan holds in host memory, if anything."""
-    from autoshard.passes.strategies import offload_summary
+    from autoshard.compiler.strategies import offload_summary
     from autoshard.plan_report import offload_text
 
     found = offload_summary(gm, ctx)

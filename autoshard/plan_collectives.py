@@ -1,4 +1,4 @@
-"""The collectives a solved graph's plan makes, priced as the lowering runs them (``passes/lower.py``).
+"""The collectives a solved graph's plan makes, priced as the lowering runs them (``autoshard/compiler/lower.py``).
 
 One :class:`~autoshard.plan.CollectiveStat` per collective DTensor runs for a placement change, with three
 corrections that follow what the lowered program does rather than one collective per consumer edge:
@@ -37,7 +37,7 @@ from autoshard.buckets import bucket_starts, bucketable, gather_axes, scatter_ax
 from autoshard.cost.comm import redistribute_steps, sync_time
 from autoshard.ir import is_state, layer_key, tensor_args, view_root
 from autoshard.notation import local_shape
-from autoshard.passes.context import PassContext
+from autoshard.compiler.context import PassContext
 from autoshard.plan import CollectiveStat
 
 __all__ = ["plan_collectives", "weight_of"]

@@ -235,7 +235,7 @@ def _recompute_str(plan: Plan) -> str:
     """Which layers replay their forward in the backward, in which mode, and what the replays cost."""
     if not plan.recompute_layers:
         return "the chosen layers run their forward again in the backward"
-    from autoshard.passes.recompute import describe
+    from autoshard.compiler.recompute import describe
 
     return (f"{describe(plan.recompute_layers)} (full: the whole forward runs again in the backward; selective: all "
             f"but the matmuls and attention), +{format_seconds(plan.recompute_s)} per step")

@@ -1,4 +1,4 @@
-"""Planning: the planning passes run (``passes/runner.py``), and the Plan value of their solved graph.
+"""Planning: the planning passes run (``autoshard/compiler/runner.py``), and the Plan value of their solved graph.
 
 ``plan_graph`` runs capture .. solve and builds the ``Plan`` (layouts, decisions, collectives, predicted time and
 memory, the recipes' numbers); ``autoshard.compile`` then runs the program passes (lower .. compile) on the same
@@ -24,12 +24,12 @@ from autoshard.cluster import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.cost.memory import temporaries, transients
 from autoshard.notation import placement_str
-from autoshard.passes.context import PassContext
-from autoshard.passes.recompute import (FULL, SELECTIVE, best_mix, describe, layer_replays, mix_peak, mix_specs,
+from autoshard.compiler.context import PassContext
+from autoshard.compiler.recompute import (FULL, SELECTIVE, best_mix, describe, layer_replays, mix_peak, mix_specs,
                                         replay_time, spec, typical_replay)
-from autoshard.passes.runner import PLANNING, run_passes
-from autoshard.passes.solve import annotate
-from autoshard.passes.solve_reuse import program_fingerprint
+from autoshard.compiler.runner import PLANNING, run_passes
+from autoshard.compiler.solve import annotate
+from autoshard.compiler.solve_reuse import program_fingerprint
 from autoshard.ir import repeated_layers
 from autoshard.solver.intra_op import GRAD_SINK_CREDIT, InfeasibleBudget
 from autoshard.plan_collectives import plan_collectives, weight_of
@@ -203,7 +203,7 @@ def plan_graph(
     """Plan ``model``; ``stage=True`` plans a pipeline stage (tensor outputs, input gradients; see capture).
 
     Under a memory budget (and no ``config.recompute`` given) recomputation is weighed per layer
-    (``passes/recompute.py``): the plans that save everything, recompute every repeated layer in full, and
+    (``autoshard/compiler/recompute.py``): the plans that save everything, recompute every repeated layer in full, and
     selectively (all but the matmuls); then, from the last two's layouts and their layers' replay costs
     (``layer_replays``), the mix of saved, selective and fully recomputed layers predicted to fit the budget
     fastest (``best_mix``) is planned when it is predicted ahead, and once more with the estimate corrected. The

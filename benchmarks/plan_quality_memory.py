@@ -41,7 +41,7 @@ import autoshard
 from autoshard.cluster import get_cluster
 from autoshard.config import RECIPES
 from autoshard.models.zoo import get_model
-from autoshard.passes.recompute import describe
+from autoshard.compiler.recompute import describe
 from autoshard.solver.intra_op import InfeasibleBudget
 
 log = logging.getLogger("plan_quality")

@@ -20,7 +20,7 @@ from autoshard.config import PlanConfig
 from autoshard.launch import launch
 from autoshard.meshes import fake_world
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
-from autoshard.passes.lower import trace_rank_program
+from autoshard.compiler.lower import trace_rank_program
 from autoshard.plan import Plan
 from autoshard.planner import plan_graph
 

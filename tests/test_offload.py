@@ -20,7 +20,7 @@ from autoshard.cost.offload import host_memory_rate, offload_cost
 from autoshard.launch import launch
 from autoshard.meshes import fake_world
 from autoshard.models.mlp import MLP, mlp_example_inputs
-from autoshard.passes.strategies import offloaded_params
+from autoshard.compiler.strategies import offloaded_params
 from autoshard.planner import plan_graph
 from autoshard.solver.intra_op import InfeasibleBudget
 from harness import assert_close_to_reference, single_device_reference

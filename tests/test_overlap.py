@@ -9,7 +9,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoshard import _torch_compat as tc
 from autoshard.meshes import fake_world
-from autoshard.passes.overlap import IN_FLIGHT, schedule_overlap
+from autoshard.compiler.overlap import IN_FLIGHT, schedule_overlap
 
 
 def _names(gm: torch.fx.GraphModule, opname: str) -> list[int]:

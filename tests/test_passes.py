@@ -13,12 +13,12 @@ from torch.distributed.tensor import Replicate, Shard
 from autoshard.cluster import get_cluster
 from autoshard.config import PlanConfig
 from autoshard.meshes import fake_world
-from autoshard.passes.capture import capture
-from autoshard.passes.coarsen import coarsen
-from autoshard.passes.context import PassContext
-from autoshard.passes.share_layers import share_layers
-from autoshard.passes.solve import solve
-from autoshard.passes.strategies import strategies
+from autoshard.compiler.capture import capture
+from autoshard.compiler.coarsen import coarsen
+from autoshard.compiler.context import PassContext
+from autoshard.compiler.share_layers import share_layers
+from autoshard.compiler.solve import solve
+from autoshard.compiler.strategies import strategies
 from autoshard.solver.intra_op import InfeasibleBudget
 
 
@@ -177,7 +177,7 @@ def test_a_time_out_is_not_an_out_of_memory_verdict(ctx):
 
 
 def test_the_runner_owns_one_ordered_list_and_checks_disable_passes() -> None:
-    from autoshard.passes.runner import PASS_NAMES, run_passes
+    from autoshard.compiler.runner import PASS_NAMES, run_passes
 
     assert PASS_NAMES == ("capture", "coarsen", "share_layers", "strategies", "solve", "lower", "partition",
                           "overlap", "compile")

@@ -18,7 +18,7 @@ from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.models.llama import Llama, LlamaConfig, llama_example_inputs
 from autoshard.models.mlp import MLP, mlp_example_inputs
 from autoshard.models.moe import MoEConfig, MoEDecoder, moe_example_inputs
-from autoshard.passes.lower import collective_counts, lower
+from autoshard.compiler.lower import collective_counts, lower
 from autoshard.planner import plan_graph
 from autoshard.solver.intra_op import InfeasibleBudget
 
@@ -150,7 +150,7 @@ def test_loss_backward_keeps_the_batch_sharded():
 def test_fsdp_gathers_each_layers_parameters_with_one_collective_per_phase():
     """FSDP2's per-block all-gather: the lowered program gathers a layer's parameters together, once in the
     forward and once in the backward, instead of one all-gather per parameter and use."""
-    from autoshard.passes.lower import _gather_groups, trace_rank_program
+    from autoshard.compiler.lower import _gather_groups, trace_rank_program
 
     cfg = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab=128, seq_len=16, bias=True)
     torch.manual_seed(0)

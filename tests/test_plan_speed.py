@@ -110,7 +110,7 @@ def test_compile_captures_every_layer(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_constraint_on_some_layers_only_keeps_every_layer() -> None:
     """A constraint that pins layers 1 and 10-19 but not the others: sampled layers could not stand for them."""
     from autoshard.config import PlanConfig
-    from autoshard.passes.capture_layers import constraints_uneven
+    from autoshard.compiler.capture_layers import constraints_uneven
 
     model, _ = _tiny_llama()
     some = PlanConfig(constraints={"model.layers.1*.mlp.*": "[R, R]", "inputs": "[S(0), R]"})

@@ -1,4 +1,4 @@
-"""Activation recomputation of chosen modules (``compile(..., recompute=[...])``, passes/recompute.py): the
+"""Activation recomputation of chosen modules (``compile(..., recompute=[...])``, autoshard/compiler/recompute.py): the
 plan counts the recomputed layers' activations as not saved and their forward twice; the rank's program saves
 fewer tensors and replays the layers' forward in the backward (a selective layer all but its matmuls); numerics
 equal to one device on gloo. Under a budget the planner recomputes only as many layers, in the cheapest mode, as
@@ -13,7 +13,7 @@ from torch.distributed.tensor import Shard
 
 import autoshard
 from autoshard.launch import launch
-from autoshard.passes.recompute import LayerReplay, best_mix, layer_modes, mix_specs, sampled_specs
+from autoshard.compiler.recompute import LayerReplay, best_mix, layer_modes, mix_specs, sampled_specs
 from harness import assert_close_to_reference, single_device_reference
 from numerics_utils import LR, MODELS, PARAM_ATOL, train_sharded
 

@@ -15,7 +15,7 @@ from autoshard.cost.comm import collective_time
 from autoshard.launch import launch
 from autoshard.meshes import fake_world
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
-from autoshard.passes.lower import collective_counts
+from autoshard.compiler.lower import collective_counts
 from harness import assert_close_to_reference, single_device_reference
 from numerics_utils import LR, MODELS, PARAM_ATOL, train_sharded
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import networkx as nx
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"autoshard": ROOT / "autoshard", "autoshard.passes": ROOT / "passes"}
+PACKAGES = {"autoshard": ROOT / "autoshard"}
 
 
 def _modules() -> dict[str, Path]:
@@ -77,16 +77,16 @@ def test_every_benchmark_and_test_file_reads_in_one_sitting() -> None:
 # rules, the shared IR and where weights come from (weights/) know nothing of the passes, the planner, pipelines or
 # the runtime
 LAYERS = {
-    "autoshard.runtime": ("autoshard.passes", "autoshard.planner", "autoshard.api", "autoshard.solver"),
-    "autoshard.solver": ("autoshard.passes", "autoshard.planner", "autoshard.api", "autoshard.pipeline",
+    "autoshard.runtime": ("autoshard.compiler", "autoshard.planner", "autoshard.api", "autoshard.solver"),
+    "autoshard.solver": ("autoshard.compiler", "autoshard.planner", "autoshard.api", "autoshard.pipeline",
                          "autoshard.runtime"),
-    "autoshard.cost": ("autoshard.passes", "autoshard.planner", "autoshard.api", "autoshard.pipeline",
+    "autoshard.cost": ("autoshard.compiler", "autoshard.planner", "autoshard.api", "autoshard.pipeline",
                        "autoshard.runtime", "autoshard.solver"),
-    "autoshard.rules": ("autoshard.passes", "autoshard.planner", "autoshard.api", "autoshard.pipeline",
+    "autoshard.rules": ("autoshard.compiler", "autoshard.planner", "autoshard.api", "autoshard.pipeline",
                         "autoshard.runtime", "autoshard.solver"),
-    "autoshard.weights": ("autoshard.passes", "autoshard.planner", "autoshard.api", "autoshard.pipeline",
+    "autoshard.weights": ("autoshard.compiler", "autoshard.planner", "autoshard.api", "autoshard.pipeline",
                           "autoshard.runtime", "autoshard.solver"),
-    "autoshard.ir": ("autoshard.passes", "autoshard.planner", "autoshard.api", "autoshard.pipeline",
+    "autoshard.ir": ("autoshard.compiler", "autoshard.planner", "autoshard.api", "autoshard.pipeline",
                      "autoshard.runtime", "autoshard.solver"),
 }
 

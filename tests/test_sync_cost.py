@@ -17,7 +17,7 @@ from autoshard.cluster import ClusterProfile, Link, get_cluster
 from autoshard.config import PlanConfig
 from autoshard.meshes import fake_world
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
-from autoshard.passes.lower import _gather_groups, collective_counts, trace_rank_program
+from autoshard.compiler.lower import _gather_groups, collective_counts, trace_rank_program
 from autoshard.planner import plan_graph
 
 CFG = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab=128, seq_len=16)
@@ -120,7 +120,7 @@ def test_fsdp_tp_gathers_each_layers_weights_together_whatever_dim_fsdp_shards()
 def _flat_worker(rank: int, world: int, _: object) -> dict:
     from autoshard import _torch_compat as tc
     from autoshard.buckets import gather_all
-    from autoshard.passes.lower_buckets import scatter_together
+    from autoshard.compiler.lower_buckets import scatter_together
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -141,7 +141,7 @@ def _flat_worker(rank: int, world: int, _: object) -> dict:
     ref = part.redistribute(mesh, (Shard(1), Shard(0))).to_local()
     out["scatter_dim1"] = (mine, ref)
     # DDP's bucket over dp of gradients that stay dim-1 sharded on tp (row-parallel weights): one flat all-reduce
-    from autoshard.passes.lower_buckets import reduce_together
+    from autoshard.compiler.lower_buckets import reduce_together
 
     grads = [DTensor.from_local(torch.full((4, 3), float(rank)) + full[:4, :3] * k, mesh, (Partial(), Shard(1)),
                                 run_check=False) for k in (1, 2)]

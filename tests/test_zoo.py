@@ -292,7 +292,7 @@ def test_plan_step_time_prices_any_choice_like_the_solver() -> None:
     collectives as the lowering runs them, never more. Candidates with moves inside their group are forced in."""
     import math as _math
 
-    from autoshard.passes.solve import annotate
+    from autoshard.compiler.solve import annotate
     from autoshard.plan import Plan
     from autoshard.plan_collectives import plan_collectives
     from autoshard.planner import build_plan

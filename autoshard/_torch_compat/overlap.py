@@ -1,6 +1,6 @@
 """Inductor's FX overlap scheduler (``torch._inductor.fx_passes.overlap_scheduling``), run off-GPU.
 
-``benchmarks/overlap_vs_inductor.py`` measures it against autoshard's own ``passes/overlap.py`` on the same
+``benchmarks/overlap_vs_inductor.py`` measures it against autoshard's own ``autoshard/compiler/overlap.py`` on the same
 lowered graphs. Off-GPU two things stop it as shipped (torch 2.13): its roofline estimate of every compute node
 asks for the GPU's memory bandwidth (which imports Triton), and it needs a memory limit (``None`` leaves its
 memory tracker unset). Here the roofline is replaced, for the duration of the call, by the estimator given

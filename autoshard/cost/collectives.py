@@ -1,4 +1,4 @@
-"""Collective algorithms on one mesh axis, priced on the links the axis is laid over (DESIGN §5).
+"""Collective algorithms on one mesh axis, priced on the links the axis is laid over (docs/design.md, "Communication").
 
 An axis of ``n`` devices lies ``m`` to a node on ``k`` nodes (``n = m*k``, :meth:`ClusterProfile.axis_layout`).
 Inside a node its hops use the intra-node link (latency ``a_i``, bandwidth ``B_i`` per direction per device),
@@ -46,8 +46,8 @@ sends its ``b/n``-byte buffer cut in ``n`` pieces, one to each peer at once, so 
 
   (``m-1`` peers over the intra-node link, ``n-m`` through its own NIC: every device sends off-node at the same
   time, so there are no idle NICs to borrow, unlike a ring.) ``ring`` (gloo): DTensor has no CPU all-to-all and
-  all-gathers the whole tensor, keeping its chunk: an all-gather's one pass, ``n`` times the bytes. DESIGN §5's
-  ``b*(n-1)/n/B`` is the pairwise formula with ``b`` the per-device buffer.
+  all-gathers the whole tensor, keeping its chunk: an all-gather's one pass, ``n`` times the bytes. The
+  design's ``b*(n-1)/n/B`` is the pairwise formula with ``b`` the per-device buffer.
 
 ``auto`` takes the cheapest applicable algorithm, ties going to the first of :data:`ALGORITHMS`, the way
 NCCL's tuner picks the algorithm with the least predicted time. Plain arithmetic, no state.

@@ -1,4 +1,5 @@
-"""Collective costs on one mesh axis, and the cost of changing a tensor's placements (DESIGN §5).
+"""Collective costs on one mesh axis, and the cost of changing a tensor's placements (docs/design.md,
+"Communication").
 
 Ring model on a single link, over an axis of ``n`` devices joined by a link of latency ``alpha`` (s per step)
 and bandwidth ``beta`` (bytes/s per direction per device), for a message whose FULL size along that axis is
@@ -6,12 +7,9 @@ and bandwidth ``beta`` (bytes/s per direction per device), for a message whose F
 
     all_gather, reduce_scatter   alpha*(n-1) + b*(n-1)/n/beta     each device sends (n-1) chunks of b/n
     all_reduce                   reduce_scatter + all_gather
-    all_to_all                   alpha*(n-1) + b*(n-1)/n/beta     as DESIGN §5 states it (see note)
-
-Note on all_to_all: with ``b`` the full size, each device really sends only ``b*(n-1)/n**2``; the formula above
-is ``n`` times that. It is kept pessimistic on purpose, as DESIGN §5 and the spec ask, the way DTensor's own
-``redistribute_cost`` penalizes shard->shard moves and Alpa adds a penalty factor: measured all-to-alls on
-real fabrics fall short of their byte count. Revisit once a measurement says otherwise.
+    all_to_all                   the backend's algorithm (:mod:`autoshard.cost.collectives`): ``pairwise``
+                                 (NCCL, each device sends its b*(n-1)/n**2) by default, ``ring`` (gloo:
+                                 gathered whole, n times an all-gather's bytes)
 
 A mesh axis of a real cluster may span nodes, partly inside each (``m`` devices per node on ``k`` nodes,
 :meth:`ClusterProfile.axis_layout`). :func:`axis_collective` prices it per algorithm (``ring``, ``tree``,
@@ -287,7 +285,7 @@ def _check_shard_dim(
 
 
 def _fmt(placements: Sequence[Placement]) -> str:
-    """DESIGN §6 notation: ``[S(0), R, P]`` (``P(avg)`` for non-sum partials)."""
+    """The notation of ``autoshard/notation.py``: ``[S(0), R, P]`` (``P(avg)`` for non-sum partials)."""
     parts = []
     for p in placements:
         if isinstance(p, Shard) or p.is_shard():

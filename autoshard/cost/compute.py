@@ -1,4 +1,4 @@
-"""Roofline time of one ATen op on one device (DESIGN §5).
+"""Roofline time of one ATen op on one device (docs/design.md, "Compute").
 
 ``time = max(flops / (peak[dtype] * flops_efficiency), bytes / (bandwidth * memory_efficiency), kernel_overhead)``
 

@@ -42,7 +42,7 @@ from autoshard.plan import MeshSpec, Plan
 from autoshard.ir import pipeline_layers
 from autoshard.planner import plan_graph
 from autoshard.runtime.pipeline import EXECUTABLE_SCHEDULES, LossWeighting, PipelinedModule, StageModule, TiedParameter
-from autoshard.passes.runner import rank_program
+from autoshard.compiler.runner import rank_program
 from autoshard.solver.inter_op import StageSplit
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from autoshard.hardware import DeviceSpec
 from autoshard.ir import layer_key
-from autoshard.passes.context import PassContext
+from autoshard.compiler.context import PassContext
 from autoshard.solver.inter_op import PieceCost
 from autoshard.solver.intra_op import GRAD_SINK_CREDIT
 
@@ -77,7 +77,7 @@ def _piece_of_modules(gm: fx.GraphModule, ctx: PassContext, container: str) -> t
 def _input_bytes(gm: fx.GraphModule, ctx: PassContext, group_piece: dict[int, Any]) -> dict[Any, int]:
     """Per piece, the bytes one device holds of the activations that enter its forward from another piece (a
     layer's input hidden state), in the layout their producer chose: what activation recomputation keeps."""
-    from autoshard.passes.candidates import shard_factor
+    from autoshard.compiler.candidates import shard_factor
 
     ms = ctx.mesh_shape
     kinds = {g.id: g.kind for g in ctx.groups}

@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autoshard.cluster import ClusterProfile
 from autoshard.config import PlanConfig
-from autoshard.passes.context import PassContext
+from autoshard.compiler.context import PassContext
 from autoshard.pipeline.costs import boundary_node, with_optimizer
 
 log = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ class StageSolves:
 
     def capture(self, b: int, mesh: DeviceMesh, cluster: ClusterProfile) -> tuple[fx.GraphModule, PassContext]:
         """The captured graph of one of ``b`` micro-batches (made on first use) and its capture context."""
-        from autoshard.passes.runner import run_passes
+        from autoshard.compiler.runner import run_passes
 
         if b not in self.captured:
             ctx = PassContext(mesh=mesh, cluster=cluster, config=self.config, broadcast_solution=self.meshes.broadcast,
@@ -211,7 +211,7 @@ class StageSolves:
 
     def _entry(self, stages: int, key: Key) -> _Entry:
         """``key``'s graph and context through ``strategies`` (solutions are made when asked)."""
-        from autoshard.passes.runner import run_passes
+        from autoshard.compiler.runner import run_passes
 
         if key not in self._keys:
             shape, names, b = key
@@ -223,8 +223,8 @@ class StageSolves:
 
     def _free(self, entry: _Entry, key: Key) -> Any:
         """The free plan: a matching solved key's layouts carried over, else solved here."""
-        from autoshard.passes.runner import run_passes
-        from autoshard.passes.solve import annotate
+        from autoshard.compiler.runner import run_passes
+        from autoshard.compiler.solve import annotate
 
         source = self._source(key) if self.reuse else None
         sol = None if source is None else self._carry(self._keys[source], entry.ctx, source)
@@ -269,7 +269,7 @@ class StageSolves:
 
     def _write(self, key: Key, label: str) -> _Entry:
         """Put ``key``'s ``label`` solution on its graph (shared by every key of its micro-batch count)."""
-        from autoshard.passes.solve import annotate
+        from autoshard.compiler.solve import annotate
 
         entry = self._keys[key]
         if self._on_graph.get(key[2]) != (key, label):
@@ -315,7 +315,7 @@ class StageSolves:
         return entry.costs[recipe]
 
     def _solution(self, entry: _Entry, key: Key, recipe: str) -> Any:
-        from autoshard.passes.solve_recipes import solve_recipe
+        from autoshard.compiler.solve_recipes import solve_recipe
 
         if recipe not in entry.solutions and recipe == FREE:
             entry.solutions[FREE] = self._free(entry, key)
@@ -334,7 +334,7 @@ class StageSolves:
 
     def plan(self, mesh: DeviceMesh, cluster: ClusterProfile, config: PlanConfig, progress: Any = None) -> Any:
         """``planner.plan_graph``'s Plan of the whole batch on ``mesh`` under ``config``, from the kept capture."""
-        from autoshard.passes.runner import run_passes
+        from autoshard.compiler.runner import run_passes
         from autoshard.planner import recipe_summaries, build_plan
 
         gm, ctx = self.context(1, mesh, cluster, config, progress)
@@ -358,7 +358,7 @@ class StageSolves:
     def resolve(self, stages: int, key: Key) -> tuple[Any, KeyCosts | None]:
         """Solve ``key``'s own free plan when it took another key's layouts; returns the carried-over solution
         (to put back with :meth:`restore` if the solve is not better for the pipeline) and the new costs."""
-        from autoshard.passes.runner import run_passes
+        from autoshard.compiler.runner import run_passes
 
         entry = self._entry(stages, key)
         old = self._solution(entry, key, FREE)

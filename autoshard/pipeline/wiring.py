@@ -53,7 +53,7 @@ def _loss_call(model: nn.Module, signature: CallSignature, loss_fn: Callable[[An
     """The model called as the example call did (flat tensors in), returning only its loss: a shallow copy that
     shares the model's parameters, buffers and children (traced names are the model's own) with a forward that
     runs the model's and keeps the loss (``passes.capture.loss_of``)."""
-    from autoshard.passes.capture import loss_of
+    from autoshard.compiler.capture import loss_of
 
     wrapper = copy.copy(model)
     cls_forward = type(model).forward

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from autoshard import _torch_compat as tc
-from autoshard.passes.context import PassContext
+from autoshard.compiler.context import PassContext
 
 
 def partition(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

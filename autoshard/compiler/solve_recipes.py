@@ -24,8 +24,8 @@ from torch.distributed.tensor import Replicate, Shard
 from autoshard.config import normalize
 from autoshard.ir import tensor_args
 from autoshard.rules import attention
-from autoshard.passes.context import PassContext
-from autoshard.passes.solve_memory import solve_within, temporaries_of
+from autoshard.compiler.context import PassContext
+from autoshard.compiler.solve_memory import solve_within, temporaries_of
 from autoshard.solver.intra_op import InfeasibleBudget, SolverTimeout
 from autoshard.solver.recipes import (RecipeResult, applicable, candidate_state_kind, even_prefix, is_expert_weight,
                                       placement_short, recipe_placements, state_kind)

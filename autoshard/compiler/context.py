@@ -3,7 +3,7 @@
 A ``PassContext`` is made per ``autoshard.plan``/``compile`` call and is the only mutable object the passes
 share; nothing is kept at module level. Per-node facts live on the nodes themselves
 (``node.meta["autoshard_*"]``), per-run products (groups, strategies, the solution, the program) live here,
-each set by the pass named next to it (``passes/runner.py`` checks that it was).
+each set by the pass named next to it (``autoshard/compiler/runner.py`` checks that it was).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ Progress = Callable[[str, float, str], None]  # (pass, fraction done, message), 
 
 
 class RankProgram(Protocol):
-    """What ``compile`` hands the runtime: this rank's forward and backward (``passes/compile.py``), and the
+    """What ``compile`` hands the runtime: this rank's forward and backward (``autoshard/compiler/compile.py``), and the
     placements of the parameters and inputs (``input[i]``) by name: computed with (``layouts``), gradients
     delivered in (``grad_layouts``) and stepped by the optimizer (``state_layouts``)."""
 

@@ -27,8 +27,8 @@ from autoshard import _torch_compat as tc
 from autoshard.buckets import gather_axes
 from autoshard.cost.reshard import reshard_time as redistribute_time
 from autoshard.ir import Group, Placements, is_state, tensor_args
-from autoshard.passes.candidates import CandidateEnumerator
-from autoshard.passes.context import PassContext
+from autoshard.compiler.candidates import CandidateEnumerator
+from autoshard.compiler.context import PassContext
 
 __all__ = ["follow_members"]
 

@@ -3,14 +3,14 @@
     capture -> coarsen -> share_layers -> strategies -> solve          (planning: ``autoshard.plan``)
     -> lower -> partition -> overlap -> compile                         (this rank's program: ``autoshard.compile``)
 
-Each pass is a file in ``passes/`` with the signature ``(GraphModule, PassContext) -> GraphModule`` (``capture``
-takes the user's module) and a docstring of what it needs and guarantees (``passes/README.md`` tabulates them).
+Each pass is a file in ``autoshard/compiler/`` with the signature ``(GraphModule, PassContext) -> GraphModule`` (``capture``
+takes the user's module) and a docstring of what it needs and guarantees (``autoshard/compiler/README.md`` tabulates them).
 The runner runs a slice of the list: it times and logs every pass (``autoshard pass <name> <seconds>`` at INFO),
 checks that each returns a graph module and sets the products it promises on the context, dumps the graph after
 each with ``AUTOSHARD_DEBUG=1``, and honours ``PlanConfig.disable_passes``: a pass that can be disabled runs its
 stated stand-in instead, one that cannot is refused, and an unknown name is refused, all before any pass runs.
 
-Adding a pass: one file in ``passes/`` and one ``PassSpec`` line in ``PASSES``.
+Adding a pass: one file in ``autoshard/compiler/`` and one ``PassSpec`` line in ``PASSES``.
 """
 
 from __future__ import annotations
@@ -24,16 +24,16 @@ import torch.fx as fx
 from torch import nn
 
 from autoshard import _torch_compat as tc
-from autoshard.passes.capture_layers import capture_model
-from autoshard.passes.coarsen import coarsen, coarsen_per_node
-from autoshard.passes.compile import compile_program, run_graphs
-from autoshard.passes.context import BACKENDS, PassContext, RankProgram, debug_enabled
-from autoshard.passes.lower import lower
-from autoshard.passes.overlap import overlap
-from autoshard.passes.partition import partition
-from autoshard.passes.share_layers import share_layers, share_nothing
-from autoshard.passes.solve import solve
-from autoshard.passes.strategies import strategies
+from autoshard.compiler.capture_layers import capture_model
+from autoshard.compiler.coarsen import coarsen, coarsen_per_node
+from autoshard.compiler.compile import compile_program, run_graphs
+from autoshard.compiler.context import BACKENDS, PassContext, RankProgram, debug_enabled
+from autoshard.compiler.lower import lower
+from autoshard.compiler.overlap import overlap
+from autoshard.compiler.partition import partition
+from autoshard.compiler.share_layers import share_layers, share_nothing
+from autoshard.compiler.solve import solve
+from autoshard.compiler.strategies import strategies
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from autoshard import _torch_compat as tc
 from autoshard import rules
 from autoshard.ir import NodeSharding
 from autoshard.notation import local_shape, placements_str
-from autoshard.passes.lower_buckets import (
+from autoshard.compiler.lower_buckets import (
     BUCKET_BYTES,
     FIRST_BUCKET_BYTES,
     bucketable,
@@ -48,7 +48,7 @@ from autoshard.passes.lower_buckets import (
     scatter_together,
 )
 from autoshard.ir import layer_key, sums, tensor_args
-from autoshard.passes.context import PassContext
+from autoshard.compiler.context import PassContext
 
 log = logging.getLogger(__name__)
 _VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
@@ -74,7 +74,7 @@ class PlanInterpreter:
         self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
         self.output = self.nodes[-1]
         self.mismatches = 0
-        # FSDP-style: one all-gather per layer and phase for the parameters it gathers (passes/lower_buckets.py)
+        # FSDP-style: one all-gather per layer and phase for the parameters it gathers (autoshard/compiler/lower_buckets.py)
         self.groups, self.group_of = _gather_groups(self.nodes, tuple(mesh.shape)) if group_gathers else ({}, {})
         self.gathered: dict[tuple, DTensor] = {}
 
@@ -235,7 +235,7 @@ class PlanInterpreter:
             result.append(local.to(dtypes[len(result)]) if len(result) in dtypes else local)
         for (have, want, _, axes), members in buckets.items():
             # in the order the backward makes them, so that a bucket is complete (and its reduction can start,
-            # see passes/overlap.py) while the backward goes on with earlier layers
+            # see autoshard/compiler/overlap.py) while the backward goes on with earlier layers
             members.sort(key=lambda m: order[m[0]])
             for chunk in by_size(members, FIRST_BUCKET_BYTES, BUCKET_BYTES):
                 vals = [v for _, v in chunk]
@@ -324,7 +324,7 @@ def trace_rank_program(
     gm: fx.GraphModule, ctx: PassContext, decompositions: dict | None = None, group_gathers: bool = True
 ) -> fx.GraphModule:
     """make_fx-trace ``PlanInterpreter`` over the joint graph for this rank (``group_gathers``: one all-gather
-    per layer and phase for the parameters it gathers, see ``passes/lower_buckets.py``)."""
+    per layer and phase for the parameters it gathers, see ``autoshard/compiler/lower_buckets.py``)."""
     mesh = ctx.mesh
     interp = PlanInterpreter(gm, mesh, group_gathers=group_gathers)
     roles = ctx.output_roles

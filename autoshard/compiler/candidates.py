@@ -24,7 +24,7 @@ from autoshard import _torch_compat as tc
 from autoshard import rules as op_rules
 from autoshard.ir import Placements, output_vals
 from autoshard.ir import tensor_args
-from autoshard.passes.context import PassContext
+from autoshard.compiler.context import PassContext
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten

@@ -18,7 +18,7 @@ The tags travel into the costs (``strategies``: a recomputed op is not saved and
 ``stored`` says what is saved), into ``share_layers`` (layers in different modes are not identical), into
 ``cost/memory.py`` (the replay's working set) and into this rank's program: ``lower`` traces each op with its
 global node's metadata, so the lowered ops (collectives included) carry the tag and torch's partitioner saves and
-replays what they say (``passes/partition.py``).
+replays what they say (``autoshard/compiler/partition.py``).
 
 With sampled capture (``ctx.sampled_layers``: k of a container's L layers captured), ``sampled_specs`` gives the
 captured layers modes such that every mode of the L layers is represented, and ``mode_counts`` how many real

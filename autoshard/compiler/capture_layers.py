@@ -18,9 +18,9 @@ from torch import nn
 
 from autoshard.config import PlanConfig
 from autoshard.ir import repeated_layers
-from autoshard.passes.capture import capture
-from autoshard.passes.context import PassContext
-from autoshard.passes.recompute import sampled_specs, tag_recompute
+from autoshard.compiler.capture import capture
+from autoshard.compiler.context import PassContext
+from autoshard.compiler.recompute import sampled_specs, tag_recompute
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import torch.fx as fx
 from autoshard.cost.memory import temporaries, transients
 from autoshard.ir import NodeSharding
 from autoshard.notation import format_bytes
-from autoshard.passes.context import PassContext
+from autoshard.compiler.context import PassContext
 from autoshard.solver.intra_op import InfeasibleBudget, Solution
 
 log = logging.getLogger(__name__)

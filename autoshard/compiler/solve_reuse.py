@@ -17,7 +17,7 @@ import torch.fx as fx
 from autoshard.fingerprint import fingerprint, mismatch
 from autoshard.ir import GroupStrategy
 from autoshard.notation import placement_str
-from autoshard.passes.context import PassContext
+from autoshard.compiler.context import PassContext
 from autoshard.solver.intra_op import Solution
 
 

@@ -43,10 +43,10 @@ from autoshard.cost.comm import axis_collective_time, point_to_point_time
 from autoshard.cost.compute import compute_time, op_flops
 from autoshard.cost.offload import OffloadSummary, host_is_device, offload_cost
 from autoshard.ir import Group, GroupStrategy, NodeOut, Placements, output_vals, tensor_args
-from autoshard.passes.candidates import CandidateEnumerator, evenly_divisible, shard_factor
-from autoshard.passes.context import PassContext
-from autoshard.passes.follow import follow_members
-from autoshard.passes.recompute import is_recomputed, stored
+from autoshard.compiler.candidates import CandidateEnumerator, evenly_divisible, shard_factor
+from autoshard.compiler.context import PassContext
+from autoshard.compiler.follow import follow_members
+from autoshard.compiler.recompute import is_recomputed, stored
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -106,7 +106,7 @@ def _cost(
         once = max(once, hidden) + sum(point_to_point_time(b, ms, axis, ctx.cluster) if kind == "point_to_point" else
                                        axis_collective_time(kind, b, ms, axis, ctx.cluster)
                                        for kind, axis, b in sends if kind != "overlapped")
-        # a recomputed op (passes/recompute.py) runs again in the backward and is not saved for it
+        # a recomputed op (autoshard/compiler/recompute.py) runs again in the backward and is not saved for it
         compute += 2 * once if is_recomputed(node) else once
         if stored(node):  # saved for the backward (or for a replay), not replayed
             act += local_bytes

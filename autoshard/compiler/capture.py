@@ -34,13 +34,13 @@ from torch import nn
 
 from autoshard import _torch_compat as tc
 from autoshard.inputs import CallSignature, signature_of
-from autoshard.passes.capture_cleanup import (
+from autoshard.compiler.capture_cleanup import (
     constant_values,
     drop_assertions,
     drop_empty_concat_inputs,
     merge_tied_parameters,
 )
-from autoshard.passes.context import PassContext
+from autoshard.compiler.context import PassContext
 
 log = logging.getLogger(__name__)
 

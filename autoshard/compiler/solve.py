@@ -16,10 +16,10 @@ import logging
 import torch.distributed as dist
 import torch.fx as fx
 
-from autoshard.passes.context import PassContext
-from autoshard.passes.solve_memory import layouts_of, solve_within
-from autoshard.passes.solve_recipes import best_recipe, recipe_pins, solve_recipes
-from autoshard.passes.solve_reuse import reused_solution
+from autoshard.compiler.context import PassContext
+from autoshard.compiler.solve_memory import layouts_of, solve_within
+from autoshard.compiler.solve_recipes import best_recipe, recipe_pins, solve_recipes
+from autoshard.compiler.solve_reuse import reused_solution
 from autoshard.solver.intra_op import InfeasibleBudget, IntraOpProblem, Solution
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Several tensors, one collective: the gradient buckets and parameter gather groups ``lower`` traces.
 
-Not a pass of its own: helpers of ``passes/lower.py``'s ``PlanInterpreter`` (which calls them while
+Not a pass of its own: helpers of ``autoshard/compiler/lower.py``'s ``PlanInterpreter`` (which calls them while
 ``make_fx`` traces a rank's program, so the collectives they issue land in the lowered graph like any other).
 
 - Gradient buckets (DDP's): gradients that only need Partial -> Replicate are flattened, concatenated and

@@ -27,7 +27,7 @@ import torch.fx as fx
 
 from autoshard import _torch_compat as tc
 from autoshard.ir import Group, layer_key, tensor_args
-from autoshard.passes.context import PassContext
+from autoshard.compiler.context import PassContext
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten

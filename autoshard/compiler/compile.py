@@ -31,8 +31,8 @@ from torch.distributed.tensor import Replicate
 
 from autoshard import _torch_compat as tc
 from autoshard.ir import param_offload_of
-from autoshard.passes.context import PassContext
-from autoshard.passes.lower import PlanInterpreter, param_placements_of
+from autoshard.compiler.context import PassContext
+from autoshard.compiler.lower import PlanInterpreter, param_placements_of
 
 log = logging.getLogger(__name__)
 

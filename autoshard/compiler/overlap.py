@@ -27,7 +27,7 @@ import logging
 import torch
 import torch.fx as fx
 
-from autoshard.passes.context import PassContext
+from autoshard.compiler.context import PassContext
 
 log = logging.getLogger(__name__)
 
