@@ -23,7 +23,7 @@ from autoshard.plan import Plan
 from autoshard.planner import plan_graph
 from autoshard.compiler.context import BACKENDS
 from autoshard.compiler.runner import check_disabled, rank_program
-from autoshard.solver.intra_op import InfeasibleBudget
+from autoshard.errors import InfeasibleBudget, InputError
 from autoshard.runtime.accumulate import Accumulation, accumulated_plan, batched_inputs, loss_weighting, micro_example
 from autoshard.runtime.lazy import DATA_PARALLEL_NAMES, LazyShardedModule, batch_constraint
 from autoshard.runtime.pipeline import PipelinedModule
@@ -47,7 +47,7 @@ def _check_compilable(model: nn.Module, mesh: DeviceMesh, real_group: bool) -> N
     """What compile needs that plan does not: a mesh over every rank. (Parameters on the meta device get this
     rank's shards only; their values come from ``init_weights`` or a checkpoint: ``autoshard/weights/``.)"""
     if real_group and mesh.size() != dist.get_world_size():
-        raise ValueError(
+        raise InputError(
             f"the mesh {dict(zip(mesh.mesh_dim_names or range(mesh.ndim), mesh.shape))} holds {mesh.size()} ranks but "
             f"the process group has {dist.get_world_size()}; autoshard.compile shards over every rank: make the mesh "
             "with init_device_mesh over the whole world (its shape's product = the world size)"
@@ -90,7 +90,7 @@ def plan(
     """
     if isinstance(mesh, DeviceMesh) and isinstance(model, nn.Module) and global_batch is None:
         if pipeline != "none":
-            raise ValueError("pipeline planning runs on the offline path: call autoshard.plan(model, "
+            raise InputError("pipeline planning runs on the offline path: call autoshard.plan(model, "
                              "example_inputs=..., cluster=...) without a DeviceMesh (or compile with pipeline=)")
         if "sample_layers" not in options:  # planning only: compile captures every layer (it runs them)
             from autoshard.ir import repeated_layers
@@ -107,7 +107,7 @@ def plan(
     from autoshard.offline import plan_offline
 
     if cluster is None:
-        raise ValueError(
+        raise InputError(
             "autoshard.plan without a DeviceMesh needs cluster= (a preset such as 'h100-sxm:16x8', see "
             "autoshard.cluster.known_clusters(), or a .json profile)"
         )
@@ -191,17 +191,17 @@ def compile(  # noqa: A001 - the one-line API the project promises
     the recipes that fit are timed on the mesh and the fastest kept, cached on disk (``autoshard/autotune.py``).
     """
     if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not known; use one of {BACKENDS}")
+        raise InputError(f"backend={backend!r} is not known; use one of {BACKENDS}")
     check_disabled(tuple(options.get("disable_passes", ())))
     if parameters not in ("auto", "dtensor", "local"):
-        raise ValueError(f"parameters={parameters!r}: use 'auto', 'dtensor' or 'local' (see compile's docstring)")
+        raise InputError(f"parameters={parameters!r}: use 'auto', 'dtensor' or 'local' (see compile's docstring)")
     if parameters == "local":  # each parameter object holds its compute shard, which the optimizer steps
         options.setdefault("shard_state", False)
     if options.get("plan") is not None and options["plan"].microbatches > 1:
         microbatches = microbatches or options["plan"].microbatches
     if example_inputs is None:
         if microbatches is not None and "pp" not in tuple(mesh.mesh_dim_names or ()) and pipeline != "auto":
-            raise ValueError(
+            raise InputError(
                 f"microbatches={microbatches} without pipeline stages is gradient accumulation over the global "
                 "batch: pass global-shaped example_inputs to compile and train with sharded.step(global batch) "
                 "(compile without example_inputs takes each rank's batch shard in forward, one call per micro-batch)"
@@ -210,7 +210,7 @@ def compile(  # noqa: A001 - the one-line API the project promises
             cluster=cluster, memory_budget=memory_budget, backend=backend, pipeline=pipeline,
             microbatches=microbatches, schedule=schedule, parameters=parameters, **options))
     if pipeline not in (None, "auto", "none"):
-        raise ValueError(f"pipeline={pipeline!r} is not known; use None/'none' (a 'pp' mesh axis decides) or 'auto'")
+        raise InputError(f"pipeline={pipeline!r} is not known; use None/'none' (a 'pp' mesh axis decides) or 'auto'")
     inputs = example_call(example_inputs)
     # DTensor's sharding caches may hold meshes of another world (a plan made on a fake group, LocalTensorMode,
     # or a parent process this one was forked from): start from a clean cache
@@ -335,7 +335,7 @@ def _compile_on_first_call(model: nn.Module, mesh: DeviceMesh, constraints: Mapp
     """``compile`` without example inputs: DDP's input convention, planned when first called (runtime/lazy.py)."""
     user = dict(constraints or {})
     if any(k == "inputs" or k.startswith("input[") for k in user):
-        raise ValueError(
+        raise InputError(
             "compile without example_inputs splits every input over the data-parallel ranks (each rank passes its "
             "batch shard); to place inputs otherwise, pass global-shaped example_inputs with your input constraints"
         )
@@ -364,15 +364,15 @@ def _compile_pipelined(
 
     names = tuple(mesh.mesh_dim_names or ())
     if not real_group or tc.in_local_tensor_mode():
-        raise ValueError("pipeline stages run on a real process group (torchrun or gloo workers), one process per "
+        raise InputError("pipeline stages run on a real process group (torchrun or gloo workers), one process per "
                          "rank; LocalTensorMode and single-process meshes cannot run a pipeline schedule")
     if "pp" in names and names[0] != "pp":
-        raise ValueError(f"the 'pp' axis must be the outermost mesh axis; mesh axes are {names}")
+        raise InputError(f"the 'pp' axis must be the outermost mesh axis; mesh axes are {names}")
     counts = [mesh.shape[0]] if "pp" in names else [s for s in range(2, mesh.shape[0] + 1) if mesh.shape[0] % s == 0]
     choice = choose_pipeline(model, inputs, mesh, cluster, config, counts, microbatches, schedule)
     if choice is None:
         if "pp" in names:
-            raise ValueError(f"no split of the model into {counts[0]} pipeline stages fits; see the log for each "
+            raise InputError(f"no split of the model into {counts[0]} pipeline stages fits; see the log for each "
                              "micro-batch count tried")
         return None
     if "pp" not in names:

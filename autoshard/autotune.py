@@ -39,7 +39,8 @@ from autoshard.compiler.solve import annotate
 from autoshard.compiler.solve_memory import solve_within
 from autoshard.plan import Plan, RecipeSummary
 from autoshard.planner import build_plan
-from autoshard.solver.intra_op import InfeasibleBudget, SolverTimeout, Solution
+from autoshard.solver.intra_op import Solution
+from autoshard.errors import InfeasibleBudget, InputError, SolverTimeout
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ def autotune(model: torch.nn.Module, inputs: Any, k: int, backend: str, real_gro
     """The module of the fastest candidate, compiled on ``model`` (see the module docstring). ``plan_graph()``
     plans the program; ``compile_plan(module, plan)`` compiles a saved plan on a module."""
     if k < 1:
-        raise ValueError(f"autotune={k}: give the number of solved plans to time (>= 1), or 0 / None for none")
+        raise InputError(f"autotune={k}: give the number of solved plans to time (>= 1), or 0 / None for none")
     plan, gm, ctx = plan_graph()
     path = cache_file(plan, k, backend)
     cached = None

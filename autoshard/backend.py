@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from autoshard import _torch_compat as tc
 from autoshard.inputs import Call, signature_of
 from autoshard.runtime.lazy import batch_constraint, global_example
+from autoshard.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, opti
     opts = dict(options or {})
     mesh = opts.pop("mesh", None)
     if not isinstance(mesh, DeviceMesh):
-        raise ValueError("torch.compile(model, backend='autoshard', options={'mesh': mesh}) needs the DeviceMesh "
+        raise InputError("torch.compile(model, backend='autoshard', options={'mesh': mesh}) needs the DeviceMesh "
                          f"to shard over in options['mesh'] (got {type(mesh).__name__})")
     if mode not in (None, "default"):
         log.warning("autoshard backend: mode=%r is ignored (the plan chooses what to run)", mode)

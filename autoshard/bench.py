@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from autoshard.launch import launch as launch_ranks
+from autoshard.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +77,9 @@ class Row:
 def quantile(values: Sequence[float], q: float) -> float:
     """The ``q`` quantile (0..1) of ``values`` with linear interpolation between the closest ranks."""
     if not values:
-        raise ValueError("quantile of no values")
+        raise InputError("quantile of no values")
     if not 0.0 <= q <= 1.0:
-        raise ValueError(f"q must be within [0, 1], got {q}")
+        raise InputError(f"q must be within [0, 1], got {q}")
     xs = sorted(values)
     pos = q * (len(xs) - 1)
     lo = int(pos)
@@ -134,9 +135,9 @@ def time_steps(
     step, outside the timed interval. ``clock`` returns seconds (a fake clock makes the statistics testable).
     """
     if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
+        raise InputError(f"steps must be >= 1, got {steps}")
     if warmup < 0:
-        raise ValueError(f"warmup must be >= 0, got {warmup}")
+        raise InputError(f"warmup must be >= 0, got {warmup}")
     if barrier is None:
         barrier = dist.is_available() and dist.is_initialized()
     for _ in range(warmup):
@@ -212,7 +213,7 @@ def _run_interleaved(
     clock: Callable[[], float],
 ) -> list[Row]:
     if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
+        raise InputError(f"steps must be >= 1, got {steps}")
     if barrier is None:
         barrier = dist.is_available() and dist.is_initialized()
     live: dict[str, tuple[Callable[[], Any], float, dict[str, Any]]] = {}

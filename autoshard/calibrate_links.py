@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from autoshard.errors import InputError
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +50,12 @@ class CalibrationConfig:
 
     def __post_init__(self) -> None:
         if self.ranks not in (2, 4):
-            raise ValueError(f"calibrate runs 2 or 4 gloo ranks (mesh (2,) or (2, 2)), got ranks={self.ranks}")
+            raise InputError(f"calibrate runs 2 or 4 gloo ranks (mesh (2,) or (2, 2)), got ranks={self.ranks}")
         if self.reps < 1 or self.warmup < 0 or self.threads < 1:
-            raise ValueError(f"need reps >= 1, warmup >= 0, threads >= 1; got {self.reps}, {self.warmup}, "
+            raise InputError(f"need reps >= 1, warmup >= 0, threads >= 1; got {self.reps}, {self.warmup}, "
                              f"{self.threads}")
         if not 0 < self.small_message_bytes < self.large_message_bytes:
-            raise ValueError("need 0 < small_message_bytes < large_message_bytes")
+            raise InputError("need 0 < small_message_bytes < large_message_bytes")
 
     @classmethod
     def quick(cls, ranks: int = 4) -> CalibrationConfig:
@@ -108,7 +109,7 @@ def fit_ring(kind: str, n: int, small_bytes: float, small_s: float, large_bytes:
     small, or a negative intercept); then the bandwidth comes from the large message alone after taking the
     small one's time as latency, and the latency is clamped at 0."""
     if kind not in COLLECTIVE_KINDS or n < 2:
-        raise ValueError(f"fit_ring: need kind in {COLLECTIVE_KINDS} and n >= 2, got {kind!r}, n={n}")
+        raise InputError(f"fit_ring: need kind in {COLLECTIVE_KINDS} and n >= 2, got {kind!r}, n={n}")
     passes = 2 if kind == "all_reduce" else 1
     steps, c = passes * (n - 1), passes * (n - 1) / n
     slope = (large_s - small_s) / (large_bytes - small_bytes)

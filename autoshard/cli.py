@@ -26,7 +26,7 @@ from typing import TextIO
 from autoshard.cluster import get_cluster, known_clusters
 from autoshard.models.zoo import get_model, known_models
 from autoshard.notation import parse_bytes
-from autoshard.solver.intra_op import SolverTimeout
+from autoshard.errors import SolverTimeout
 
 log = logging.getLogger(__name__)
 

@@ -20,6 +20,7 @@ from types import MappingProxyType
 from autoshard.hardware import (  # noqa: F401 - AxisLayout, check_mesh, default_host_link: re-exported
     AxisLayout, ClusterProfile, DeviceSpec, Link, check_mesh, default_host_link, pcie_link,
 )
+from autoshard.errors import InputError
 
 logger = logging.getLogger(__name__)
 
@@ -215,14 +216,14 @@ def get_cluster(spec: str | Path | ClusterProfile | None) -> ClusterProfile:
     if text.lower().endswith(".json"):
         path = Path(text).expanduser()
         if not path.is_file():
-            raise ValueError(f"cluster profile file {text!r} does not exist")
+            raise InputError(f"cluster profile file {text!r} does not exist")
         profile = ClusterProfile.from_dict(json.loads(path.read_text()))
         logger.debug("loaded cluster profile %s from %s", profile.name, path)
         return profile
     name, _, size = text.lower().partition(":")
     presets = _presets()
     if name not in presets:
-        raise ValueError(
+        raise InputError(
             f"unknown cluster {name!r}; known clusters: {', '.join(known_clusters())} "
             f"(optionally with a size, e.g. 'h100-sxm:4x8', or a path to a .json profile)"
         )
@@ -231,7 +232,7 @@ def get_cluster(spec: str | Path | ClusterProfile | None) -> ClusterProfile:
         return profile
     match = _SIZE.match(size)
     if match is None:
-        raise ValueError(
+        raise InputError(
             f"cannot parse cluster size {size!r} in {text!r}; write '<nodes>x<devices_per_node>', "
             f"e.g. '{name}:4x8' for 4 nodes of 8 devices"
         )

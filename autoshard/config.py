@@ -10,6 +10,7 @@ from typing import Any
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from autoshard.notation import parse_bytes, parse_placement, parse_placements
+from autoshard.errors import InputError
 
 # optimizer-state bytes per parameter byte. "adamw-mixed": 16-bit parameters and gradients with fp32 master weights
 # and fp32 moments (12 bytes per 2-byte parameter), the mixed-precision Adam of Megatron-LM and of ZeRO's
@@ -48,7 +49,7 @@ def normalize(name: str) -> str:
     key = name.strip().lower()
     key = ALIASES.get(key, key)
     if key not in RECIPES:
-        raise ValueError(
+        raise InputError(
             f"unknown recipe {name!r}; known recipes: {', '.join(RECIPES)} "
             f"(aliases: {', '.join(f'{a}={b}' for a, b in ALIASES.items())})"
         )
@@ -101,7 +102,7 @@ class PlanConfig:
         if self.memory_budget is not None:
             object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))
         if self.optimizer not in OPTIMIZER_STATE_FACTOR:
-            raise ValueError(
+            raise InputError(
                 f"optimizer={self.optimizer!r} is not known; use one of {sorted(OPTIMIZER_STATE_FACTOR)} "
                 "(it sets how many optimizer-state bytes each parameter byte costs)"
             )
@@ -110,24 +111,24 @@ class PlanConfig:
         if self.mixed_precision is not None:
             key = str(self.mixed_precision).removeprefix("torch.").lower()
             if key in ("fp16", "float16", "half"):
-                raise ValueError("mixed_precision='fp16' needs loss scaling, which autoshard does not do; use 'bf16'")
+                raise InputError("mixed_precision='fp16' needs loss scaling, which autoshard does not do; use 'bf16'")
             if key not in MIXED_PRECISION:
-                raise ValueError(f"mixed_precision={self.mixed_precision!r} is not known; use 'bf16' (or None)")
+                raise InputError(f"mixed_precision={self.mixed_precision!r} is not known; use 'bf16' (or None)")
             object.__setattr__(self, "mixed_precision", MIXED_PRECISION[key])
         key = str(self.reduce_dtype).removeprefix("torch.").lower()
         if key not in REDUCE_DTYPES:
-            raise ValueError(f"reduce_dtype={self.reduce_dtype!r} is not known; use 'float32' or 'bfloat16'")
+            raise InputError(f"reduce_dtype={self.reduce_dtype!r} is not known; use 'float32' or 'bfloat16'")
         object.__setattr__(self, "reduce_dtype", REDUCE_DTYPES[key])
         if self.offload not in OFFLOAD_MODES:
-            raise ValueError(f"offload={self.offload!r} is not known; use one of {', '.join(OFFLOAD_MODES)} (auto: "
+            raise InputError(f"offload={self.offload!r} is not known; use one of {', '.join(OFFLOAD_MODES)} (auto: "
                              "host memory where device memory forces it, none: never, optimizer/params: always)")
         if isinstance(self.recompute, str):
             object.__setattr__(self, "recompute", (self.recompute,))
         object.__setattr__(self, "recompute", tuple(self.recompute))
         if self.sample_layers is not None and self.sample_layers < 2:
-            raise ValueError(f"sample_layers must be >= 2 (or None to capture every layer), got {self.sample_layers}")
+            raise InputError(f"sample_layers must be >= 2 (or None to capture every layer), got {self.sample_layers}")
         if self.time_limit_s <= 0:
-            raise ValueError(f"time_limit_s must be positive, got {self.time_limit_s}")
+            raise InputError(f"time_limit_s must be positive, got {self.time_limit_s}")
 
     @property
     def optimizer_factor(self) -> int:
@@ -158,11 +159,11 @@ class PlanConfig:
                 idx = key[len("input[") : -1]
                 if idx.isdigit() and int(idx) < len(inputs):
                     continue
-                raise ValueError(f"constraint {key!r}: the model is called with {len(inputs)} tensor inputs "
+                raise InputError(f"constraint {key!r}: the model is called with {len(inputs)} tensor inputs "
                                  f"({', '.join(inputs)}); use input[0] .. input[{len(inputs) - 1}] or their names")
             if not any(fnmatch.fnmatchcase(p, key) for p in params):
                 close = sorted(params, key=lambda p: -_common(p, key))[:3]
-                raise ValueError(
+                raise InputError(
                     f"constraint {key!r} matches no parameter and no input; keys are 'inputs', 'params', an input "
                     f"('input[i]' or an argument name: {', '.join(inputs) or 'none'}) or a glob over parameter names "
                     f"(such as {', '.join(close)})"
@@ -206,7 +207,7 @@ def _to_axis_list(value: ConstraintValue, mesh_names: Sequence[str], key: str) -
         out: list[Placement | None] = [None] * len(mesh_names)
         for axis, p in value.items():
             if axis not in mesh_names:
-                raise ValueError(
+                raise InputError(
                     f"constraint {key!r} names mesh axis {axis!r}, but the mesh axes are {tuple(mesh_names)}"
                 )
             out[list(mesh_names).index(axis)] = p if isinstance(p, Placement) else parse_placement(str(p))
@@ -216,7 +217,7 @@ def _to_axis_list(value: ConstraintValue, mesh_names: Sequence[str], key: str) -
     else:
         pls = [p if isinstance(p, Placement) else parse_placement(str(p)) for p in value]
     if len(pls) != len(mesh_names):
-        raise ValueError(
+        raise InputError(
             f"constraint {key!r} gives {len(pls)} placements but the mesh has {len(mesh_names)} axes "
             f"{tuple(mesh_names)}; give one placement per axis, or a mapping {{axis: placement}}"
         )

@@ -16,6 +16,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
+from autoshard.errors import InputError
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +44,9 @@ class Link:
 
     def __post_init__(self) -> None:
         if not self.bandwidth > 0:
-            raise ValueError(f"Link {self.name!r}: bandwidth must be > 0 bytes/s, got {self.bandwidth}")
+            raise InputError(f"Link {self.name!r}: bandwidth must be > 0 bytes/s, got {self.bandwidth}")
         if not self.latency >= 0 or not self.sync >= 0:
-            raise ValueError(f"Link {self.name!r}: latency and sync must be >= 0 s, got {self.latency}, {self.sync}")
+            raise InputError(f"Link {self.name!r}: latency and sync must be >= 0 s, got {self.latency}, {self.sync}")
 
 
 @dataclass(frozen=True)
@@ -71,16 +72,16 @@ class DeviceSpec:
         object.__setattr__(self, "peak_flops", {str(k): float(v) for k, v in self.peak_flops.items()})
         object.__setattr__(self, "sources", {str(k): str(v) for k, v in self.sources.items()})
         if "float32" not in self.peak_flops:
-            raise ValueError(
+            raise InputError(
                 f"DeviceSpec {self.name!r}: peak_flops needs a 'float32' entry (the fallback for unlisted "
                 f"dtypes); got keys {sorted(self.peak_flops)}"
             )
         for key in ("flops_efficiency", "memory_efficiency"):
             value = getattr(self, key)
             if not 0 < value <= 1:
-                raise ValueError(f"DeviceSpec {self.name!r}: {key} must be in (0, 1], got {value}")
+                raise InputError(f"DeviceSpec {self.name!r}: {key} must be in (0, 1], got {value}")
         if self.memory_bytes <= 0 or self.memory_bandwidth <= 0:
-            raise ValueError(f"DeviceSpec {self.name!r}: memory_bytes and memory_bandwidth must be > 0")
+            raise InputError(f"DeviceSpec {self.name!r}: memory_bytes and memory_bandwidth must be > 0")
 
 
 @dataclass(frozen=True)
@@ -113,14 +114,14 @@ class ClusterProfile:
 
     def __post_init__(self) -> None:
         if self.devices_per_node < 1 or self.nodes < 1:
-            raise ValueError(
+            raise InputError(
                 f"ClusterProfile {self.name!r}: need nodes >= 1 and devices_per_node >= 1, "
                 f"got {self.nodes}x{self.devices_per_node}"
             )
         if self.host_link is None:
             object.__setattr__(self, "host_link", default_host_link(self.device))
         if self.all_to_all not in ("pairwise", "ring"):
-            raise ValueError(f"ClusterProfile {self.name!r}: all_to_all must be 'pairwise' (NCCL) or 'ring' (gloo: "
+            raise InputError(f"ClusterProfile {self.name!r}: all_to_all must be 'pairwise' (NCCL) or 'ring' (gloo: "
                              f"gathered whole), got {self.all_to_all!r}")
 
     def num_devices(self) -> int:
@@ -143,7 +144,7 @@ class ClusterProfile:
         """
         ndim = len(mesh_shape)
         if not -ndim <= axis < ndim:
-            raise ValueError(f"axis {axis} is out of range for mesh shape {tuple(mesh_shape)}")
+            raise InputError(f"axis {axis} is out of range for mesh shape {tuple(mesh_shape)}")
         i = axis % ndim
         n = int(mesh_shape[i])
         stride = math.prod(int(s) for s in mesh_shape[i + 1:])
@@ -213,7 +214,7 @@ class ClusterProfile:
                 all_to_all=data.get("all_to_all", "ring" if data["intra_node"]["name"].startswith("gloo") else "pairwise"),
             )
         except (KeyError, TypeError) as exc:
-            raise ValueError(
+            raise InputError(
                 f"invalid cluster profile dict ({exc!r}); expected the layout written by ClusterProfile.to_dict(): "
                 f"keys name, device{{name, peak_flops, memory_bytes, memory_bandwidth, flops_efficiency, "
                 f"memory_efficiency, kernel_overhead, sources}}, devices_per_node, nodes, "
@@ -229,14 +230,14 @@ def check_mesh(cluster: ClusterProfile, mesh_shape: Sequence[int]) -> None:
     itself must accept any size; call this where a whole training mesh meets its cluster."""
     shape = tuple(int(s) for s in mesh_shape)
     if not shape or min(shape) < 1:
-        raise ValueError(f"mesh shape {shape} is invalid: need at least one axis, every size >= 1")
+        raise InputError(f"mesh shape {shape} is invalid: need at least one axis, every size >= 1")
     total, have = math.prod(shape), cluster.num_devices()
     if total == have:
         return
     per = cluster.devices_per_node
     size = f"{total // per}x{per}" if total % per == 0 else f"1x{total}"
     base = cluster.name.split(":", 1)[0]
-    raise ValueError(
+    raise InputError(
         f"mesh {' x '.join(map(str, shape))} has {total} devices but cluster {cluster.name!r} has {have} "
         f"({cluster.nodes} node(s) x {per} devices); size the cluster to the mesh with NAME:NODESxPER_NODE, "
         f"e.g. '{base}:{size}'"

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from autoshard import _torch_compat as tc
+from autoshard.errors import InputError
 
 # A graph input's name in plans and errors is "input[i]"; this is its place in the user's call
 _NO_VALUE = object()
@@ -39,7 +40,7 @@ def as_call(example_inputs: Any) -> tuple[tuple, dict[str, Any]]:
     if isinstance(example_inputs, Call):
         return tuple(example_inputs.args), dict(example_inputs.kwargs)
     if example_inputs is None:
-        raise ValueError("example_inputs is required here: a tuple of positional arguments or a dict of keyword "
+        raise InputError("example_inputs is required here: a tuple of positional arguments or a dict of keyword "
                          "arguments (global-shaped tensors, real, fake or meta), as forward is called")
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,), {}
@@ -126,7 +127,7 @@ class CallSignature:
                     raise TypeError(f"argument {self._leaf_name(i)} must be a tensor, as traced; got {type(leaf).__name__}")
                 out.append(leaf)
             elif isinstance(leaf, torch.Tensor) or leaf != const:
-                raise ValueError(
+                raise InputError(
                     f"argument {self._leaf_name(i)}={leaf!r} differs from the traced value {const!r}; non-tensor "
                     "arguments are baked into the compiled program: pass the traced value, or compile again with "
                     "this one in example_inputs"

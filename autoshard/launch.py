@@ -34,15 +34,7 @@ from typing import Any
 
 import torch
 
-
-class LaunchError(RuntimeError):
-    """A child process raised, died or timed out; the message is one line, ``detail`` the full traceback, ``rank``
-    the failing rank (None for a time-out)."""
-
-    def __init__(self, message: str, detail: str = "", rank: int | None = None) -> None:
-        super().__init__(message)
-        self.detail = detail
-        self.rank = rank
+from autoshard.errors import InputError, LaunchError
 
 
 class ChildTraceback(Exception):
@@ -125,7 +117,7 @@ def launch(world: int, fn: Callable[[int, int, Any], Any], arg: Any = None, *, t
     results in rank order. The first failure stops the other ranks and is raised as :class:`LaunchError`; past
     ``timeout`` seconds all are stopped. See the module docstring."""
     if world < 1:
-        raise ValueError(f"world must be >= 1, got {world}")
+        raise InputError(f"world must be >= 1, got {world}")
     if gloo:
         import torch.distributed as dist
 
@@ -162,4 +154,4 @@ def launch(world: int, fn: Callable[[int, int, Any], Any], arg: Any = None, *, t
         return [torch.load(f"{tmpdir}/result{r}.pt", weights_only=False) for r in range(world)]
 
 
-__all__ = ["ChildTraceback", "LaunchError", "launch"]
+__all__ = ["ChildTraceback", "launch"]

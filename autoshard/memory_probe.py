@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from autoshard.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -143,13 +144,13 @@ def peak_of_timeline(
     """
     names = tuple(names or category_names())
     if len(times) != len(sizes):
-        raise ValueError(f"timeline has {len(times)} time stamps but {len(sizes)} rows")
+        raise InputError(f"timeline has {len(times)} time stamps but {len(sizes)} rows")
     if not sizes:
         empty = {n: 0 for n in names}
         return MemoryPeak(0, empty, 0, dict(empty), 0, {}, 0)
     for k, r in enumerate(sizes):
         if len(r) < len(names):
-            raise ValueError(f"timeline row {k} has {len(r)} columns, fewer than the {len(names)} categories")
+            raise InputError(f"timeline row {k} has {len(r)} columns, fewer than the {len(names)} categories")
     totals = [sum(_row(r, names).values()) for r in sizes]
     top = _peak_index(totals, 0, len(totals))
     has_base = len(times) > 1 and times[0] == times[1]

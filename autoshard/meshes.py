@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from autoshard import _torch_compat as tc
 from autoshard.cluster import ClusterProfile
+from autoshard.errors import InputError
 
 
 def default_mesh(cluster: ClusterProfile) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -31,7 +32,7 @@ def mesh_names(shape: Sequence[int]) -> tuple[str, ...]:
 def parse_mesh(text: str) -> tuple[int, ...]:
     parts = text.lower().replace("(", "").replace(")", "").replace(",", "x").split("x")
     if not parts or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"cannot parse mesh {text!r}; write sizes joined by 'x', e.g. '16x8x8' or '128x8'")
+        raise InputError(f"cannot parse mesh {text!r}; write sizes joined by 'x', e.g. '16x8x8' or '128x8'")
     return tuple(int(p) for p in parts)
 
 
@@ -43,7 +44,7 @@ def parse_mesh_spec(text: str) -> tuple[int, ...] | dict[str, int]:
     for part in text.replace("×", ",").replace(" x ", ",").split(","):
         name, _, size = part.strip().partition("=")
         if not name.strip() or not size.strip().isdigit() or int(size) < 1 or name.strip() in out:
-            raise ValueError(f"cannot parse mesh {text!r}; write named axes outer first, e.g. 'pp=4,tp=8' or "
+            raise InputError(f"cannot parse mesh {text!r}; write named axes outer first, e.g. 'pp=4,tp=8' or "
                              "'pp=2,dp=2,tp=8' (each name once), or sizes such as '16x8'")
         out[name.strip()] = int(size)
     return out
@@ -60,10 +61,10 @@ def fake_world(world_size: int) -> Iterator[None]:
     default group: replacing it would break the meshes made on it).
     """
     if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+        raise InputError(f"world_size must be >= 1, got {world_size}")
     if dist.is_initialized():
         if dist.get_world_size() != world_size:
-            raise ValueError(
+            raise InputError(
                 f"a process group of {dist.get_world_size()} ranks is already initialized; planning a mesh of "
                 f"{world_size} devices needs its own fake group: call autoshard.plan outside torch.distributed, "
                 "or pass a DeviceMesh of that group"

@@ -29,6 +29,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autoshard.ir import layer_parts
+from autoshard.errors import InputError
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def placement_str(p: Placement | str) -> str:
     if isinstance(p, Partial):
         op = str(p.reduce_op)
         return "P" if op == "sum" else f"P({op})"
-    raise ValueError(
+    raise InputError(
         f"placement {p!r} (type {type(p).__name__}) has no autoshard notation; "
         f"supported kinds are Shard, Replicate and Partial"
     )
@@ -96,10 +97,10 @@ def placements_str(ps: Sequence[Placement | str]) -> str:
 def parse_placement(s: str) -> Placement:
     """Inverse of :func:`placement_str`; also accepts the long forms ``Shard(0)``, ``Replicate()``, ``Partial(avg)``."""
     if not isinstance(s, str):
-        raise ValueError(f"expected placement text like 'S(0)', got {s!r} of type {type(s).__name__}")
+        raise InputError(f"expected placement text like 'S(0)', got {s!r} of type {type(s).__name__}")
     m = _PLACEMENT_RE.match(s)
     if m is None:
-        raise ValueError(f"cannot parse placement {s!r}; accepted forms: {_ACCEPTED_PLACEMENTS}")
+        raise InputError(f"cannot parse placement {s!r}; accepted forms: {_ACCEPTED_PLACEMENTS}")
     if m.group("r") is not None:
         return Replicate()
     if m.group("s") is not None:
@@ -141,7 +142,7 @@ def parse_placements(s: str | Sequence[str]) -> tuple[Placement, ...]:
         try:
             out.append(parse_placement(item) if isinstance(item, str) else _as_placement(item))
         except ValueError as e:
-            raise ValueError(f"in placements {s!r}: {e}") from None
+            raise InputError(f"in placements {s!r}: {e}") from None
     return tuple(out)
 
 
@@ -150,7 +151,7 @@ def _as_placement(p: Placement | str) -> Placement:
         return parse_placement(p)
     if isinstance(p, (Shard, Replicate, Partial)):
         return p
-    raise ValueError(f"expected a placement or placement text, got {p!r}")
+    raise InputError(f"expected a placement or placement text, got {p!r}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -162,7 +163,7 @@ def mesh_str(shape: Sequence[int], names: Sequence[str]) -> str:
     shape = tuple(shape)
     names = tuple(names)
     if names and len(names) != len(shape):
-        raise ValueError(f"mesh shape {shape} has {len(shape)} axes but names {names} has {len(names)}")
+        raise InputError(f"mesh shape {shape} has {len(shape)} axes but names {names} has {len(names)}")
     if not shape:
         return "(single device)"
     if not names:
@@ -209,7 +210,7 @@ def dtype_name(dtype: torch.dtype | str) -> str:
     """``torch.float32`` / ``"f32"`` -> ``float32``: the long form the plan's JSON stores, stable across torch."""
     dt = _to_dtype(dtype)
     if dt is None:
-        raise ValueError(f"unknown dtype {dtype!r}; use a torch dtype such as torch.float32 or text like 'float32'")
+        raise InputError(f"unknown dtype {dtype!r}; use a torch dtype such as torch.float32 or text like 'float32'")
     return str(dt).removeprefix("torch.")
 
 
@@ -231,7 +232,7 @@ def local_shape(
     mesh_t = tuple(int(n) for n in mesh_shape)
     ps = tuple(_as_placement(p) for p in placements)
     if len(ps) != len(mesh_t):
-        raise ValueError(
+        raise InputError(
             f"placements {placements_str(ps)} have {len(ps)} entries but the mesh {mesh_t} has {len(mesh_t)} axes; "
             f"give one placement per mesh axis"
         )
@@ -241,12 +242,12 @@ def local_shape(
             continue
         dim = p.dim + len(shape_t) if p.dim < 0 else p.dim
         if not 0 <= dim < len(shape_t):
-            raise ValueError(
+            raise InputError(
                 f"placement {placement_str(p)} on mesh axis {axis} names dim {p.dim}, but the tensor of shape "
                 f"{list(shape_t)} has {len(shape_t)} dims; shard a dim in range or use R"
             )
         if out[dim] % n:
-            raise ValueError(
+            raise InputError(
                 f"cannot shard shape {list(shape_t)} with placements {placements_str(ps)} on mesh {list(mesh_t)}: "
                 f"dim {dim} is {out[dim]} when it reaches mesh axis {axis} ({n} devices) and does not divide "
                 f"evenly; make dim {dim} divisible by the product of the axes sharding it, use another mesh shape, "
@@ -337,7 +338,7 @@ def format_bytes(n: int, unit: str | None = None) -> str:
     n = int(n)
     if unit is not None:
         if unit not in _BINARY_UNITS:
-            raise ValueError(f"unknown unit {unit!r}; use one of {', '.join(_BINARY_UNITS)}")
+            raise InputError(f"unknown unit {unit!r}; use one of {', '.join(_BINARY_UNITS)}")
         if unit == "B":
             return f"{n} B"
         return f"{_three_digits(n / 1024 ** _BINARY_UNITS.index(unit))} {unit}"
@@ -357,17 +358,17 @@ def parse_bytes(s: str | int) -> int:
     number can be copied from either without conversion.
     """
     if isinstance(s, bool):
-        raise ValueError(f"expected a byte count, got {s!r}")
+        raise InputError(f"expected a byte count, got {s!r}")
     if isinstance(s, int):
         if s < 0:
-            raise ValueError(f"byte count must be non-negative, got {s}")
+            raise InputError(f"byte count must be non-negative, got {s}")
         return s
     if isinstance(s, float):
         s = repr(s)
     m = _BYTES_RE.match(str(s))
     unit = m.group("unit").lower() if m else ""
     if m is None or unit not in _BYTE_SUFFIX:
-        raise ValueError(
+        raise InputError(
             f"cannot parse byte size {s!r}; write a number with an optional unit, e.g. '80GB' (1e9), "
             f"'2 GiB' (2**30), '512MiB', '1.5e9' or 1024"
         )

@@ -26,7 +26,7 @@ from autoshard.models.zoo import ZooModel, get_model
 from autoshard.notation import format_bytes
 from autoshard.plan import Plan
 from autoshard.planner import plan_graph
-from autoshard.solver.intra_op import InfeasibleBudget
+from autoshard.errors import InfeasibleBudget, InputError
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def resolve_model(
     """A zoo name, a Hugging Face config.json path, a ZooModel or an nn.Module (with example inputs)."""
     if isinstance(model, nn.Module):
         if example_inputs is None:
-            raise ValueError(
+            raise InputError(
                 f"{type(model).__name__} is an nn.Module: pass example_inputs (global-shaped, real, fake or meta), "
                 "or plan a zoo model by name (autoshard.models.zoo.known_models())"
             )
@@ -71,7 +71,7 @@ def resolve_model(
         return ModelJob(type(model).__name__, model, example_call(example_inputs), params=params)
     zoo = model if isinstance(model, ZooModel) else get_model(str(model))
     if global_batch is None or global_batch < 1:
-        raise ValueError(f"planning {zoo.name} needs global_batch (sequences per step, >= 1), got {global_batch}")
+        raise InputError(f"planning {zoo.name} needs global_batch (sequences per step, >= 1), got {global_batch}")
     seq = seq or zoo.default_seq
     with torch.device("meta"):
         module = zoo.build(seq=seq, dtype=dtype, device="meta")
@@ -101,7 +101,7 @@ def _check_batch(job: ModelJob, shape: Sequence[int], names: Sequence[str], reci
     degree = math.prod(shape[i] for i in dp_axes) if dp_axes else 1
     if batch % degree != 0:
         axes = " x ".join(f"{names[i]}={shape[i]}" for i in dp_axes)
-        raise ValueError(
+        raise InputError(
             f"global batch {batch} is not divisible by the data-parallel degree {degree} ({axes}) of mesh "
             f"{tuple(shape)}; use a global batch that is a multiple of {degree} (e.g. {degree * max(1, -(-batch // degree))}), "
             f"or a mesh with fewer data-parallel devices"
@@ -173,7 +173,7 @@ def plan_offline(
     the usual plan (the log says why). A mesh whose outermost axis is named ``"pp"`` fixes the stage count to
     that axis's size; the other axes are each stage's sub-mesh."""
     if pipeline not in PIPELINE_MODES:
-        raise ValueError(f"pipeline={pipeline!r} is not known; use one of {PIPELINE_MODES}")
+        raise InputError(f"pipeline={pipeline!r} is not known; use one of {PIPELINE_MODES}")
     prof = get_cluster(cluster)
     base = config or PlanConfig()
     if isinstance(mesh, DeviceMesh):
@@ -189,7 +189,7 @@ def plan_offline(
     stages = None
     if "pp" in names:
         if names[0] != "pp" or len(shape) < 2:
-            raise ValueError(f"mesh {dict(zip(names, shape))}: 'pp' must be the outermost axis, followed by the "
+            raise InputError(f"mesh {dict(zip(names, shape))}: 'pp' must be the outermost axis, followed by the "
                              "axes of each stage's sub-mesh, e.g. {'pp': 4, 'tp': 8}")
         stages, shape, names = shape[0], shape[1:], names[1:]
         stages = stages if stages > 1 else None  # pp=1: the plain plan of the other axes

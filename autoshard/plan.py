@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from autoshard.notation import dtype_name, local_shape, mesh_str, placement_str, placements_str
+from autoshard.errors import InputError
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ def _set(obj: object, **values: Any) -> None:
 
 def _check(value: str, allowed: Sequence[str], what: str, owner: str) -> None:
     if value not in allowed:
-        raise ValueError(f"{owner}: {what} {value!r} is not one of {', '.join(allowed)}")
+        raise InputError(f"{owner}: {what} {value!r} is not one of {', '.join(allowed)}")
 
 
 def _placements(ps: Iterable[Any]) -> tuple[str, ...]:  # canonical: "Shard(0)" and "S(0)" make equal plans
@@ -52,7 +53,7 @@ class MeshSpec:
     def __post_init__(self) -> None:
         _set(self, shape=tuple(int(n) for n in self.shape), names=tuple(str(n) for n in self.names))
         if not len(self.shape) == len(self.names) == len(set(self.names)) or min(self.shape, default=1) < 1:
-            raise ValueError(f"mesh {self.shape} {self.names}: name every axis, once; sizes must be ≥ 1")
+            raise InputError(f"mesh {self.shape} {self.names}: name every axis, once; sizes must be ≥ 1")
 
     @property
     def size(self) -> int:
@@ -85,7 +86,7 @@ class TensorLayout:
         _set(self, placements=_placements(self.placements), grad_placements=_placements(self.grad_placements),
              state_placements=_placements(self.state_placements))
         if any(w and len(w) != len(self.placements) for w in (self.grad_placements, self.state_placements)):
-            raise ValueError(f"tensor {self.name!r}: grad/state placements need one placement per mesh axis")
+            raise InputError(f"tensor {self.name!r}: grad/state placements need one placement per mesh axis")
 
     @property
     def zero(self) -> str:
@@ -99,7 +100,7 @@ class TensorLayout:
         try:
             return local_shape(self.shape, self.placements, mesh.shape)
         except ValueError as e:
-            raise ValueError(f"tensor {self.name!r}: {e}") from None
+            raise InputError(f"tensor {self.name!r}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -218,11 +219,11 @@ class StagePlan:
         _set(self, compute_s=float(self.compute_s), comm_s=float(self.comm_s),
              microbatch_time_s=float(self.microbatch_time_s), offload_s=float(self.offload_s))
         if self.ranks and len(self.ranks) != self.mesh.size:
-            raise ValueError(f"stage {self.index}: {len(self.ranks)} ranks for mesh {self.mesh} of {self.mesh.size}")
+            raise InputError(f"stage {self.index}: {len(self.ranks)} ranks for mesh {self.mesh} of {self.mesh.size}")
         ndim = len(self.mesh.shape)
         for t in self.tensors:
             if len(t.placements) != ndim:
-                raise ValueError(
+                raise InputError(
                     f"stage {self.index}: tensor {t.name!r} has placements {placements_str(t.placements)} "
                     f"for a {ndim}-axis mesh {self.mesh}; give one placement per mesh axis"
                 )
@@ -290,10 +291,10 @@ class Plan:
         _set(self, recompute_layers=tuple(self.recompute_layers), recompute_s=float(self.recompute_s),
              fingerprint=tuple((str(k), str(v)) for k, v in self.fingerprint))
         if self.microbatches < 1 or self.chunks < 1 or not 0.0 <= self.bubble_fraction < 1.0:
-            raise ValueError(f"plan: microbatches {self.microbatches} and chunks {self.chunks} must be >= 1 and "
+            raise InputError(f"plan: microbatches {self.microbatches} and chunks {self.chunks} must be >= 1 and "
                              f"bubble_fraction {self.bubble_fraction} in [0, 1)")
         if [s.index for s in self.stages] != list(range(len(self.stages))):
-            raise ValueError(f"stage indices {[s.index for s in self.stages]} must be 0, 1, ... in order")
+            raise InputError(f"stage indices {[s.index for s in self.stages]} must be 0, 1, ... in order")
 
     @property
     def tokens_per_s(self) -> float:
@@ -324,7 +325,7 @@ class Plan:
             if m := re.fullmatch(r"input\[(\d+)\]", t.name):
                 found.setdefault(int(m.group(1)), t.placements)
         if missing := sorted(set(range(len(found))) - set(found)):
-            raise ValueError(f"plan lists inputs {sorted(found)} but not input[{missing[0]}]; inputs must be dense")
+            raise InputError(f"plan lists inputs {sorted(found)} but not input[{missing[0]}]; inputs must be dense")
         return tuple(found[i] for i in range(len(found)))
 
     @property
@@ -352,7 +353,7 @@ class Plan:
         d = json.loads(s)
         version = d.get("format_version") if isinstance(d, dict) else None
         if version != FORMAT_VERSION:
-            raise ValueError(f"plan format_version {version!r} is not {FORMAT_VERSION}; re-plan with this autoshard")
+            raise InputError(f"plan format_version {version!r} is not {FORMAT_VERSION}; re-plan with this autoshard")
         if "baselines" in d:  # plans written before the recipes had one name
             d["recipes"] = d.pop("baselines")
         plan = _build(cls, d, "plan")
@@ -371,10 +372,10 @@ def _nested(key: str) -> tuple[type, bool] | None:
 def _build(cls: type, d: Any, path: str) -> Any:
     """Construct ``cls`` from a JSON object, naming the path of any missing or unknown key."""
     if not isinstance(d, dict):
-        raise ValueError(f"plan JSON at {path}: expected an object for {cls.__name__}, got {type(d).__name__}")
+        raise InputError(f"plan JSON at {path}: expected an object for {cls.__name__}, got {type(d).__name__}")
     unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
     if unknown:
-        raise ValueError(f"plan JSON at {path}: unknown keys {unknown} for {cls.__name__}")
+        raise InputError(f"plan JSON at {path}: unknown keys {unknown} for {cls.__name__}")
     kwargs = dict(d)
     for k, v in d.items():
         if (nested := _nested(k)) is not None:
@@ -384,7 +385,7 @@ def _build(cls: type, d: Any, path: str) -> Any:
     try:
         return cls(**kwargs)
     except TypeError as e:
-        raise ValueError(f"plan JSON at {path}: {e}") from None
+        raise InputError(f"plan JSON at {path}: {e}") from None
 
 
 def summarize_collectives(collectives: Iterable[CollectiveStat]) -> list[CollectiveRow]:

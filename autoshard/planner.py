@@ -31,7 +31,8 @@ from autoshard.compiler.runner import PLANNING, run_passes
 from autoshard.compiler.solve import annotate
 from autoshard.compiler.solve_reuse import program_fingerprint
 from autoshard.ir import repeated_layers
-from autoshard.solver.intra_op import GRAD_SINK_CREDIT, InfeasibleBudget
+from autoshard.solver.intra_op import GRAD_SINK_CREDIT
+from autoshard.errors import InfeasibleBudget
 from autoshard.plan_collectives import plan_collectives, weight_of
 from autoshard.plan import (
     RecipeSummary,

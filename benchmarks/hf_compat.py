@@ -43,7 +43,8 @@ from typing import Any
 
 import torch
 
-from autoshard.launch import LaunchError, launch
+from autoshard.launch import launch
+from autoshard.errors import LaunchError
 
 log = logging.getLogger("hf_compat")
 

@@ -56,7 +56,8 @@ from torch import nn
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "autoshard-inductor"))
 
 import autoshard  # noqa: E402
-from autoshard.launch import LaunchError, launch  # noqa: E402
+from autoshard.launch import launch
+from autoshard.errors import LaunchError
 from autoshard.ir import repeated_layers  # noqa: E402
 from autoshard.memory_probe import measure_peak  # noqa: E402
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs  # noqa: E402

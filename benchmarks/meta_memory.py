@@ -54,7 +54,8 @@ import torch
 from torch.profiler import record_function
 
 import autoshard
-from autoshard.launch import LaunchError, launch
+from autoshard.launch import launch
+from autoshard.errors import LaunchError
 from autoshard.memory_probe import measure_peak
 
 log = logging.getLogger("meta_memory")

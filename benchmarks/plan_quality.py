@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import autoshard
 from autoshard.config import RECIPES
 from autoshard.models.zoo import get_model
-from autoshard.solver.intra_op import InfeasibleBudget
+from autoshard.errors import InfeasibleBudget
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import plan_quality_memory  # noqa: E402  (this directory's helper, also when run from elsewhere)

@@ -42,7 +42,7 @@ from autoshard.cluster import get_cluster
 from autoshard.config import RECIPES
 from autoshard.models.zoo import get_model
 from autoshard.compiler.recompute import describe
-from autoshard.solver.intra_op import InfeasibleBudget
+from autoshard.errors import InfeasibleBudget
 
 log = logging.getLogger("plan_quality")
 

@@ -59,7 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/man
 import autoshard  # noqa: E402
 from manual_tp import apply_tp  # noqa: E402
 from autoshard.bench import Row, Variant, call_loss, side_by_side, spearman  # noqa: E402
-from autoshard.launch import LaunchError  # noqa: E402
+from autoshard.errors import LaunchError
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs  # noqa: E402
 from autoshard.solver.recipes import applicable  # noqa: E402
 

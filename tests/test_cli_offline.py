@@ -10,7 +10,7 @@ import torch
 import autoshard
 from autoshard.cli import main
 from autoshard.plan import Plan
-from autoshard.solver.intra_op import InfeasibleBudget
+from autoshard.errors import InfeasibleBudget
 from harness import case_result, run_two_at_a_time
 
 SMALL = ["--model", "gpt2-124m", "--cluster", "h100-sxm:1x8", "--seq", "128", "--global-batch", "16"]

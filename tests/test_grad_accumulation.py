@@ -16,7 +16,7 @@ from torch.distributed.tensor import Shard
 
 import autoshard
 from autoshard.plan import Plan
-from autoshard.solver.intra_op import InfeasibleBudget
+from autoshard.errors import InfeasibleBudget
 
 from harness import (assert_close_to_reference, case_result, local_ranks, run_two_at_a_time,
                      single_device_reference)

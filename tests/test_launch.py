@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autoshard.launch import LaunchError, launch
+from autoshard.launch import launch
+from autoshard.errors import LaunchError
 from autoshard.meshes import fake_world
 
 

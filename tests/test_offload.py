@@ -22,7 +22,7 @@ from autoshard.meshes import fake_world
 from autoshard.models.mlp import MLP, mlp_example_inputs
 from autoshard.compiler.strategies import offloaded_params
 from autoshard.planner import plan_graph
-from autoshard.solver.intra_op import InfeasibleBudget
+from autoshard.errors import InfeasibleBudget
 from harness import assert_close_to_reference, single_device_reference
 from numerics_utils import LR, MODELS, PARAM_ATOL
 

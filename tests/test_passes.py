@@ -19,7 +19,7 @@ from autoshard.compiler.context import PassContext
 from autoshard.compiler.share_layers import share_layers
 from autoshard.compiler.solve import solve
 from autoshard.compiler.strategies import strategies
-from autoshard.solver.intra_op import InfeasibleBudget
+from autoshard.errors import InfeasibleBudget
 
 
 class Block(nn.Module):
@@ -167,7 +167,7 @@ def test_budget_below_minimum_names_the_minimum(ctx):
 def test_a_time_out_is_not_an_out_of_memory_verdict(ctx):
     """A solve stopped by its time limit before any plan is a SolverTimeout (raise time_limit_s), never an
     InfeasibleBudget (which says no plan fits)."""
-    from autoshard.solver.intra_op import SolverTimeout
+    from autoshard.errors import SolverTimeout
 
     c = PassContext(mesh=ctx.mesh, cluster=ctx.cluster, config=PlanConfig(time_limit_s=1e-9, solve_recipes=False))
     gm = strategies(share_layers(coarsen(capture(Stack([16, 16, 16]), _inputs(), c), c), c), c)

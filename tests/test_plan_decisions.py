@@ -20,7 +20,7 @@ from autoshard.models.mlp import MLP, mlp_example_inputs
 from autoshard.models.moe import MoEConfig, MoEDecoder, moe_example_inputs
 from autoshard.compiler.lower import collective_counts, lower
 from autoshard.planner import plan_graph
-from autoshard.solver.intra_op import InfeasibleBudget
+from autoshard.errors import InfeasibleBudget
 
 BATCH_ON_DP = {"inputs": {"dp": Shard(0)}}
 

@@ -12,7 +12,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
-from autoshard.launch import LaunchError, launch
+from autoshard.launch import launch
+from autoshard.errors import LaunchError
 
 from harness import assert_close_to_reference, single_device_reference
 from numerics_utils import LR, MODELS, PARAM_ATOL

@@ -35,7 +35,7 @@ def _mlp_plan(constraints: dict) -> autoshard.Plan:
     ],
 )
 def test_bad_constraints_are_refused(constraints: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(autoshard.InputError, match=message):
         _mlp_plan(constraints)
 
 

@@ -41,6 +41,7 @@ from autoshard.compiler.capture_cleanup import (
     merge_tied_parameters,
 )
 from autoshard.compiler.context import PassContext
+from autoshard.errors import DataDependentError, InputError
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ def loss_of(out: Any, model_name: str, loss_fn: Callable[[Any], torch.Tensor] | 
         loss = out.get("loss") if isinstance(out, Mapping) else out.loss
         where = f"{type(out).__name__}.loss"
         if loss is None:
-            raise ValueError(
+            raise InputError(
                 f"{model_name}.forward returned a {type(out).__name__} whose loss is None: pass the targets the "
                 "model needs to compute its loss (labels=... for a Hugging Face model), or give loss_fn= (a "
                 "function of the output that returns the scalar loss)"
@@ -211,18 +212,16 @@ def _inherit_modules(gm: fx.GraphModule) -> None:
             node.meta["autoshard_module"] = max(ins, key=order.__getitem__).meta["autoshard_module"]
 
 
-class DataDependentError(RuntimeError):
-    """The model's Python branches on a tensor's value, which a trace with fake tensors cannot know."""
-
-    def __init__(self, model: str, op: str, cause: BaseException) -> None:
-        where = _user_frame(cause)
-        super().__init__(
-            f"capture: {model}.forward reads a tensor's value in Python ({op}){where}. autoshard traces the "
-            "training step once, with shapes but no values, into one program for every step, so a Python branch, "
-            "loop count or .item()/.tolist() on a tensor cannot be followed. Compute it with tensor ops instead "
-            "(torch.where, masks, torch.cond), or skip the check when torch.compiler.is_compiling() is true, as "
-            "Hugging Face models do."
-        )
+def _data_dependent(model: str, op: str, cause: BaseException) -> DataDependentError:
+    """The error for a model whose Python branches on a tensor's value, which a trace with fake tensors cannot know."""
+    where = _user_frame(cause)
+    return DataDependentError(
+        f"capture: {model}.forward reads a tensor's value in Python ({op}){where}. autoshard traces the "
+        "training step once, with shapes but no values, into one program for every step, so a Python branch, "
+        "loop count or .item()/.tolist() on a tensor cannot be followed. Compute it with tensor ops instead "
+        "(torch.where, masks, torch.cond), or skip the check when torch.compiler.is_compiling() is true, as "
+        "Hugging Face models do."
+    )
 
 
 def _user_frame(e: BaseException) -> str:
@@ -257,7 +256,7 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], ctx: PassContext) -
         op = tc.data_dependent_op(e)
         if op is None:
             raise
-        raise DataDependentError(type(model).__name__, op, e) from e
+        raise _data_dependent(type(model).__name__, op, e) from e
     drop_assertions(gm)
     constant_values(gm, fake_mode)
     drop_empty_concat_inputs(gm)
@@ -269,7 +268,7 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], ctx: PassContext) -
         pass
     elif not isinstance(loss_val, torch.Tensor) or loss_val.numel() != 1:
         shape = None if loss_val is None else tuple(getattr(loss_val, "shape", ()))
-        raise ValueError(
+        raise InputError(
             f"{type(model).__name__}.forward must return a scalar loss to train; it returned shape {shape}. "
             "Reduce the output to a scalar (e.g. .mean() or a loss function) inside forward."
         )

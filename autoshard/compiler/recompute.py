@@ -42,6 +42,7 @@ import torch.fx as fx
 from autoshard import _torch_compat as tc
 from autoshard.cost.compute import compute_time, op_flops
 from autoshard.ir import is_saved, is_view, layer_key, layer_parts, owns_storage, tensor_args
+from autoshard.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def parse_spec(spec: str) -> tuple[str, str]:
     path, _, mode = str(spec).partition(":")
     mode = mode or FULL
     if mode not in MODES:
-        raise ValueError(f"recompute={spec!r}: mode {mode!r} is not one of {', '.join(MODES)} (write 'PATH' or "
+        raise InputError(f"recompute={spec!r}: mode {mode!r} is not one of {', '.join(MODES)} (write 'PATH' or "
                          f"'PATH:selective')")
     return path, mode
 
@@ -126,7 +127,7 @@ def tag_recompute(gm: fx.GraphModule, specs: Sequence[str], modules: Sequence[st
     parsed = [parse_spec(s) for s in specs]
     unknown = [p for p, _ in parsed if not any(_inside(m, p) for m in modules)]
     if unknown:
-        raise ValueError(f"recompute={list(specs)}: {unknown} name no module of the model; give module paths "
+        raise InputError(f"recompute={list(specs)}: {unknown} name no module of the model; give module paths "
                          f"such as {[m for m in modules if m.count('.') == 1][:3]} or a container of layers, "
                          f"optionally with ':selective'")
     region: dict[fx.Node, tuple] = {}

@@ -34,6 +34,7 @@ from autoshard.compiler.partition import partition
 from autoshard.compiler.share_layers import share_layers, share_nothing
 from autoshard.compiler.solve import solve
 from autoshard.compiler.strategies import strategies
+from autoshard.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +88,10 @@ def check_disabled(names: tuple[str, ...]) -> None:
     optional = [p.name for p in PASSES if p.when_disabled is not None]
     for name in names:
         if name not in PASS_NAMES:
-            raise ValueError(f"disable_passes: {name!r} is not a pass; the passes are {', '.join(PASS_NAMES)} "
+            raise InputError(f"disable_passes: {name!r} is not a pass; the passes are {', '.join(PASS_NAMES)} "
                              f"(of which these can be disabled: {', '.join(optional)})")
         if name not in optional:
-            raise ValueError(f"disable_passes: the {name} pass cannot be disabled (every later pass needs what it "
+            raise InputError(f"disable_passes: the {name} pass cannot be disabled (every later pass needs what it "
                              f"makes); these can: {', '.join(optional)}")
 
 
@@ -134,7 +135,7 @@ def rank_program(gm: fx.GraphModule, ctx: PassContext, backend: str) -> RankProg
     """The program passes (lower .. compile) on a planned graph: this rank's program. ``backend`` is
     "inductor" or "eager"; under ``LocalTensorMode`` the plan is interpreted instead (no rank graph)."""
     if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not known; use one of {BACKENDS}")
+        raise InputError(f"backend={backend!r} is not known; use one of {BACKENDS}")
     ctx.backend = "interpret" if tc.in_local_tensor_mode() else backend
     run_passes(gm, ctx, *PROGRAM)
     assert ctx.program is not None  # _check: compile sets it

@@ -20,7 +20,8 @@ from autoshard.compiler.context import PassContext
 from autoshard.compiler.solve_memory import layouts_of, solve_within
 from autoshard.compiler.solve_recipes import best_recipe, recipe_pins, solve_recipes
 from autoshard.compiler.solve_reuse import reused_solution
-from autoshard.solver.intra_op import InfeasibleBudget, IntraOpProblem, Solution
+from autoshard.solver.intra_op import IntraOpProblem, Solution
+from autoshard.errors import InfeasibleBudget
 
 log = logging.getLogger(__name__)
 

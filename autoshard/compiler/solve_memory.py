@@ -19,7 +19,8 @@ from autoshard.cost.memory import temporaries, transients
 from autoshard.ir import NodeSharding
 from autoshard.notation import format_bytes
 from autoshard.compiler.context import PassContext
-from autoshard.solver.intra_op import InfeasibleBudget, Solution
+from autoshard.solver.intra_op import Solution
+from autoshard.errors import InfeasibleBudget
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from autoshard.ir import tensor_args
 from autoshard.rules import attention
 from autoshard.compiler.context import PassContext
 from autoshard.compiler.solve_memory import solve_within, temporaries_of
-from autoshard.solver.intra_op import InfeasibleBudget, SolverTimeout
+from autoshard.errors import InfeasibleBudget, InputError, SolverTimeout
 from autoshard.solver.recipes import (RecipeResult, applicable, candidate_state_kind, even_prefix, is_expert_weight,
                                       placement_short, recipe_placements, state_kind)
 
@@ -42,10 +42,10 @@ def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext) -> tuple[dict
     nodes = {n.name: n for n in gm.graph.nodes}
     ms = ctx.mesh_shape
     if recipe == "cp" and not has_attention(gm):
-        raise ValueError("recipe 'cp' shards the sequence of attention and this model has no attention op that "
+        raise InputError("recipe 'cp' shards the sequence of attention and this model has no attention op that "
                          "autoshard can shard on the sequence (self-attention of at least 256 tokens); use fsdp or tp")
     if recipe == "ep" and not has_experts(gm, ctx):
-        raise ValueError("recipe 'ep' shards stacked expert weights ([experts, in, out] parameters of a mixture of "
+        raise InputError("recipe 'ep' shards stacked expert weights ([experts, in, out] parameters of a mixture of "
                          "experts) and this model has none; use fsdp, tp or fsdp+tp")
     pins: dict[int, set[int]] = {}
     dp_axes: set[int] = set()
@@ -88,12 +88,12 @@ def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext) -> tuple[dict
             want = ", ".join(f"{a}: {placement_short(p)}" for a, p in zip(names, target))
             if role.kind == "input":
                 dp = [n for n, p in zip(ms, target) if isinstance(p, Shard)]
-                raise ValueError(
+                raise InputError(
                     f"recipe {recipe!r} shards {role.name} of shape {list(shape)} as {{{want}}}, but dim 0 ({shape[0]}) "
                     f"is not divisible by the data-parallel degree {int(torch.tensor(dp).prod()) if dp else 1} of mesh "
                     f"{dict(zip(names, ms))} (or a constraint forbids it); use a global batch that is a multiple of it"
                 )
-            raise ValueError(
+            raise InputError(
                 f"recipe {recipe!r} needs {role.name} {list(shape)} placed {{{want}}}, which its candidates do not "
                 f"include (" + ("offload='params' keeps only layouts sharded over every axis; " if
                                  ctx.config.offload == "params" else "") + "a constraint in PlanConfig.constraints may "

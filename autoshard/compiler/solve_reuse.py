@@ -19,6 +19,7 @@ from autoshard.ir import GroupStrategy
 from autoshard.notation import placement_str
 from autoshard.compiler.context import PassContext
 from autoshard.solver.intra_op import Solution
+from autoshard.errors import InputError
 
 
 def _pl(ps: object) -> tuple[str, ...]:
@@ -43,12 +44,12 @@ def reused_solution(gm: fx.GraphModule, ctx: PassContext, plan: object) -> Solut
     """The solution that realises ``plan`` on this captured program (see the module docstring)."""
     stages = getattr(plan, "stages", ())
     if len(stages) != 1:
-        raise ValueError(f"plan= runs a single-stage plan; this one has {len(stages)} pipeline stages (compile with "
+        raise InputError(f"plan= runs a single-stage plan; this one has {len(stages)} pipeline stages (compile with "
                          "the 'pp' mesh and let it plan the stages)")
     if plan.fingerprint:
         diff = mismatch(plan.fingerprint, program_fingerprint(gm, ctx))
         if diff:
-            raise ValueError("plan= was made for another program; what differs: " + "; ".join(diff)
+            raise InputError("plan= was made for another program; what differs: " + "; ".join(diff)
                              + ". Re-plan (autoshard.plan / compile without plan=) for this one.")
     tensors = {t.name: (t.placements, t.grad_placements, t.state_placements, t.offload) for t in stages[0].tensors}
     ops = {d.node: (d.output, d.inputs) for d in stages[0].ops}
@@ -67,11 +68,11 @@ def reused_solution(gm: fx.GraphModule, ctx: PassContext, plan: object) -> Solut
         elif group.anchor in ops:
             want, key = ops[group.anchor], _op_key
         else:
-            raise ValueError(f"plan= names no layout for {group.anchor} ({anchor.target}); the plan does not match "
+            raise InputError(f"plan= names no layout for {group.anchor} ({anchor.target}); the plan does not match "
                              "this program: re-plan it")
         hit = next((i for i, s in enumerate(cands) if key(s) == want), None)
         if hit is None:
-            raise ValueError(f"plan= asks {group.anchor} ({anchor.target}) for {want}, which is not one of its "
+            raise InputError(f"plan= asks {group.anchor} ({anchor.target}) for {want}, which is not one of its "
                              f"{len(cands)} candidates here; re-plan it for this program")
         choice_c[c] = hit
     canon = ctx.layer_of_group or {}

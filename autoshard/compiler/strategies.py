@@ -47,6 +47,7 @@ from autoshard.compiler.candidates import CandidateEnumerator, evenly_divisible,
 from autoshard.compiler.context import PassContext
 from autoshard.compiler.follow import follow_members
 from autoshard.compiler.recompute import is_recomputed, stored
+from autoshard.errors import InputError
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -68,7 +69,7 @@ def _placeholder_candidates(node: fx.Node, ctx: PassContext) -> list[tc.RawStrat
     if pinned is not None:
         cands = [c for c in cands if all(q is None or q == p for p, q in zip(c, pinned))]
         if not cands:
-            raise ValueError(
+            raise InputError(
                 f"constraint on {role.name} {tuple(val.shape)} asks for placements {pinned} on mesh "
                 f"{dict(zip(ctx.mesh_names, ctx.mesh_shape))}, which does not divide evenly; pin a dim whose size "
                 "is a multiple of the axis size"
@@ -207,7 +208,7 @@ def _forced_offload(result: dict[tuple, GroupStrategy], mode: str, ms: tuple[int
     copy is sharded over every axis of size > 1, where the parameter has such a layout."""
     kept = {k: v for k, v in result.items() if v.offload}
     if not kept:
-        raise ValueError(f"offload={mode!r}: parameter {name} has no offloaded layout on mesh {ms} (the optimizer "
+        raise InputError(f"offload={mode!r}: parameter {name} has no offloaded layout on mesh {ms} (the optimizer "
                          "keeps no state, optimizer='none'?); use offload='auto' or 'none'")
     if mode == "params":
         sharded = {k: v for k, v in kept.items()

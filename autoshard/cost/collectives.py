@@ -56,6 +56,7 @@ NCCL's tuner picks the algorithm with the least predicted time. Plain arithmetic
 from __future__ import annotations
 
 from autoshard.cluster import AxisLayout, Link
+from autoshard.errors import InputError
 
 __all__ = [
     "ALGORITHMS", "COLLECTIVES", "TREE_BANDWIDTH_FACTOR", "algorithm_time", "applicable_algorithms",
@@ -92,7 +93,7 @@ def applicable_algorithms(kind: str, layout: AxisLayout, all_to_all: str = "pair
     _check_kind(kind)
     if kind == "all_to_all":
         if all_to_all not in ("pairwise", "ring"):
-            raise ValueError(f"all_to_all algorithm {all_to_all!r}: known are 'pairwise' (NCCL) and 'ring' (gloo)")
+            raise InputError(f"all_to_all algorithm {all_to_all!r}: known are 'pairwise' (NCCL) and 'ring' (gloo)")
         return (all_to_all,)
     algorithms: tuple[str, ...] = ("ring", "tree") if kind == "all_reduce" else ("ring",)
     if layout.per_node > 1 and layout.nodes > 1:
@@ -109,8 +110,8 @@ def algorithm_time(kind: str, nbytes: float, layout: AxisLayout, intra: Link, in
     applicable = applicable_algorithms(kind, layout, all_to_all)
     if algorithm not in applicable:
         if algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown collective algorithm {algorithm!r}; known: {', '.join(ALGORITHMS)}, auto")
-        raise ValueError(
+            raise InputError(f"unknown collective algorithm {algorithm!r}; known: {', '.join(ALGORITHMS)}, auto")
+        raise InputError(
             f"{algorithm} does not apply to {kind} on an axis of {layout.size} devices laid {layout.per_node} per "
             f"node over {layout.nodes} node(s); applicable: {', '.join(applicable)} "
             f"(tree: all_reduce only; hierarchical: more than one node and more than one device per node)"
@@ -153,4 +154,4 @@ def best_algorithm(kind: str, nbytes: float, layout: AxisLayout, intra: Link, in
 
 def _check_kind(kind: str) -> None:
     if kind not in COLLECTIVES:
-        raise ValueError(f"unknown collective kind {kind!r}; known kinds: {', '.join(COLLECTIVES)}")
+        raise InputError(f"unknown collective kind {kind!r}; known kinds: {', '.join(COLLECTIVES)}")

@@ -43,6 +43,7 @@ from autoshard.cost.collectives import (
     ring_bandwidth,
     ring_pass,
 )
+from autoshard.errors import InputError
 
 __all__ = [
     "ALGORITHMS", "COLLECTIVES", "CollectiveStep", "axis_collective", "axis_collective_time", "collective_time", "point_to_point_time",
@@ -54,9 +55,9 @@ def collective_time(kind: str, nbytes: int, n: int, link: Link, all_to_all: str 
     """Seconds for one ring collective of ``kind`` over ``n`` devices on one link; ``nbytes`` is the full
     (gathered) size; an all_to_all runs ``all_to_all`` (``pairwise``, or ``ring``: gathered whole)."""
     if kind not in COLLECTIVES:
-        raise ValueError(f"unknown collective kind {kind!r}; known kinds: {', '.join(COLLECTIVES)}")
+        raise InputError(f"unknown collective kind {kind!r}; known kinds: {', '.join(COLLECTIVES)}")
     if n < 1:
-        raise ValueError(f"{kind} over {n} devices: a mesh axis has at least 1 device")
+        raise InputError(f"{kind} over {n} devices: a mesh axis has at least 1 device")
     if kind == "all_to_all":
         return algorithm_time(kind, nbytes, AxisLayout(n, n, 1), link, link, all_to_all, all_to_all)
     one_pass = ring_pass(nbytes, n, link.latency, link.bandwidth)
@@ -156,7 +157,7 @@ def redistribute_steps(
     DTensor may gather to full size there, and the planner should not rely on such moves being cheap.
     """
     if len(mesh_shape) != len(src) or len(mesh_shape) != len(dst):
-        raise ValueError(
+        raise InputError(
             f"placements {_fmt(src)} -> {_fmt(dst)} do not match mesh shape {tuple(mesh_shape)}: "
             f"need one placement per mesh axis"
         )
@@ -205,7 +206,7 @@ def _plan(
         _check_shard_dim(q, ndim, src, dst, shape)
         phase = _phase(p, q, ndim)
         if phase is None:
-            raise ValueError(
+            raise InputError(
                 f"cannot redistribute {_fmt(src)} -> {_fmt(dst)} on mesh {_fmt_mesh(mesh)}: mesh axis {axis} "
                 f"goes {_fmt((p,))[1:-1]} -> {_fmt((q,))[1:-1]}, which no collective does (a Shard or "
                 f"Replicate value can become Partial only as R -> P; Partial can only be reduced to R or S)"
@@ -278,7 +279,7 @@ def _check_shard_dim(
     p: Placement, ndim: int, src: tuple[Placement, ...], dst: tuple[Placement, ...], shape: tuple[int, ...]
 ) -> None:
     if p.is_shard() and not -ndim <= p.dim < ndim:
-        raise ValueError(
+        raise InputError(
             f"cannot redistribute {_fmt(src)} -> {_fmt(dst)}: {_fmt((p,))[1:-1]} names tensor dim {p.dim}, "
             f"but the tensor has shape {list(shape)} ({ndim} dims)"
         )

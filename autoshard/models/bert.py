@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from autoshard.errors import InputError
 
 __all__ = ["MLP", "Bert", "BertConfig", "BertLayer", "SelfAttention", "bert_example_inputs", "init_encoder_weights"]
 
@@ -46,7 +47,7 @@ class BertConfig:
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head != 0:
-            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
+            raise InputError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
 
     @classmethod
     def bert_large(cls, seq_len: int = 512) -> BertConfig:
@@ -137,7 +138,7 @@ class Bert(nn.Module):
     def forward(self, tokens: Tensor, token_types: Tensor, labels: Tensor) -> Tensor:
         _, t = tokens.shape
         if t > self.cfg.seq_len:
-            raise ValueError(f"sequence length {t} exceeds cfg.seq_len={self.cfg.seq_len}")
+            raise InputError(f"sequence length {t} exceeds cfg.seq_len={self.cfg.seq_len}")
         pos = torch.arange(t, device=tokens.device)
         x = self.word_embed(tokens) + self.pos_embed(pos) + self.type_embed(token_types)
         x = self.embed_norm(x)
@@ -160,7 +161,7 @@ def bert_example_inputs(
     """
     t = cfg.seq_len if seq is None else seq
     if t > cfg.seq_len:
-        raise ValueError(f"seq={t} exceeds the model's seq_len={cfg.seq_len}")
+        raise InputError(f"seq={t} exceeds the model's seq_len={cfg.seq_len}")
     g = torch.Generator().manual_seed(seed)
     original = torch.randint(0, cfg.vocab, (batch, t), generator=g, dtype=torch.long)
     n_masked = max(1, round(mask_prob * t))

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from autoshard.models.tokens import next_token_batch
+from autoshard.errors import InputError
 
 __all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "FeedForward", "gpt_example_inputs"]
 
@@ -48,7 +49,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head != 0:
-            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
+            raise InputError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
 
     @property
     def head_dim(self) -> int:
@@ -146,7 +147,7 @@ class GPT(nn.Module):
     def forward(self, tokens: Tensor, targets: Tensor) -> Tensor:
         _, t = tokens.shape
         if t > self.cfg.seq_len:
-            raise ValueError(f"sequence length {t} exceeds cfg.seq_len={self.cfg.seq_len}")
+            raise InputError(f"sequence length {t} exceeds cfg.seq_len={self.cfg.seq_len}")
         pos = torch.arange(t, device=tokens.device)
         x = self.wte(tokens) + self.wpe(pos)
         for layer in self.layers:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from autoshard.models.tokens import next_token_batch
+from autoshard.errors import InputError
 
 __all__ = [
     "Attention",
@@ -64,14 +65,14 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head != 0:
-            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
+            raise InputError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
         if self.n_kv_head <= 0 or self.n_head % self.n_kv_head != 0:
-            raise ValueError(
+            raise InputError(
                 f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}; "
                 "grouped-query attention needs every key/value head to serve the same number of query heads"
             )
         if self.head_dim % 2 != 0:
-            raise ValueError(f"head_dim={self.head_dim} (d_model // n_head) must be even for rotary embeddings")
+            raise InputError(f"head_dim={self.head_dim} (d_model // n_head) must be even for rotary embeddings")
 
     @property
     def head_dim(self) -> int:
@@ -254,7 +255,7 @@ class Llama(nn.Module):
     def forward(self, tokens: Tensor, targets: Tensor) -> Tensor:
         _, t = tokens.shape
         if t > self.cfg.seq_len:
-            raise ValueError(f"sequence length {t} exceeds cfg.seq_len={self.cfg.seq_len}")
+            raise InputError(f"sequence length {t} exceeds cfg.seq_len={self.cfg.seq_len}")
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         x = self.embed(tokens)
         for layer in self.layers:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from autoshard.errors import InputError
 
 __all__ = ["MLP", "mlp_example_inputs"]
 
@@ -32,9 +33,9 @@ class MLP(nn.Module):
     ) -> None:
         super().__init__()
         if activation not in _ACTIVATIONS:
-            raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
+            raise InputError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
         if depth < 0:
-            raise ValueError(f"depth must be >= 0, got {depth}")
+            raise InputError(f"depth must be >= 0, got {depth}")
         self.activation = activation
         self.fc1 = nn.Linear(d_in, d_hidden, bias=bias)
         self.layers = nn.ModuleList(nn.Linear(d_hidden, d_hidden, bias=bias) for _ in range(depth))

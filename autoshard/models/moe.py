@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from autoshard.models.llama import Attention, LlamaConfig, RMSNorm, rope_tables
 from autoshard.models.tokens import next_token_batch
+from autoshard.errors import InputError
 
 __all__ = ["MoEConfig", "MoEDecoder", "MoEFeedForward", "MoEBlock", "moe_example_inputs", "route"]
 
@@ -71,9 +72,9 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.n_experts:
-            raise ValueError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
+            raise InputError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
         if self.capacity_factor <= 0 or self.group_size < 1:
-            raise ValueError("capacity_factor must be positive and group_size at least 1")
+            raise InputError("capacity_factor must be positive and group_size at least 1")
         self.attention_config()  # validates heads, like LlamaConfig
 
     @property
@@ -222,7 +223,7 @@ class MoEDecoder(nn.Module):
     def forward(self, tokens: Tensor, targets: Tensor) -> Tensor:
         _, t = tokens.shape
         if t > self.cfg.seq_len:
-            raise ValueError(f"sequence length {t} exceeds cfg.seq_len={self.cfg.seq_len}")
+            raise InputError(f"sequence length {t} exceeds cfg.seq_len={self.cfg.seq_len}")
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         x = self.embed(tokens)
         auxes = []

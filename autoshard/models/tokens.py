@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from autoshard.errors import InputError
 
 
 def next_token_batch(vocab: int, max_seq: int, batch: int, seq: int | None = None, seed: int = 0) -> tuple[Tensor, Tensor]:
@@ -13,7 +14,7 @@ def next_token_batch(vocab: int, max_seq: int, batch: int, seq: int | None = Non
     """
     t = max_seq if seq is None else seq
     if t > max_seq:
-        raise ValueError(f"seq={t} exceeds the model's seq_len={max_seq}")
+        raise InputError(f"seq={t} exceeds the model's seq_len={max_seq}")
     g = torch.Generator().manual_seed(seed)
     stream = torch.randint(0, vocab, (batch, t + 1), generator=g, dtype=torch.long)
     return stream[:, :-1].contiguous(), stream[:, 1:].contiguous()

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from autoshard.models.bert import MLP, SelfAttention, init_encoder_weights
+from autoshard.errors import InputError
 
 __all__ = ["ViT", "ViTBlock", "ViTConfig", "patchify", "vit_example_inputs"]
 
@@ -47,9 +48,9 @@ class ViTConfig:
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head != 0:
-            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
+            raise InputError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
         if self.image_size % self.patch != 0:
-            raise ValueError(f"image_size={self.image_size} is not a multiple of patch={self.patch}")
+            raise InputError(f"image_size={self.image_size} is not a multiple of patch={self.patch}")
 
     @property
     def n_patches(self) -> int:
@@ -120,7 +121,7 @@ class ViT(nn.Module):
     def forward(self, images: Tensor, labels: Tensor) -> Tensor:
         cfg = self.cfg
         if tuple(images.shape[1:]) != (cfg.channels, cfg.image_size, cfg.image_size):
-            raise ValueError(
+            raise InputError(
                 f"images of shape {tuple(images.shape)}; this ViT takes (B, {cfg.channels}, {cfg.image_size}, "
                 f"{cfg.image_size})"
             )

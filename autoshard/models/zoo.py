@@ -38,6 +38,7 @@ from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.models.llama import Llama, LlamaConfig, llama_example_inputs
 from autoshard.models.moe import MoEConfig, MoEDecoder, moe_example_inputs
 from autoshard.models.vit import ViT, ViTConfig, vit_example_inputs
+from autoshard.errors import InputError
 
 __all__ = ["ZooModel", "get_model", "known_models"]
 
@@ -90,7 +91,7 @@ def _vit_flops(c: ViTConfig, s: int) -> float:
 def _vit_with_seq(c: ViTConfig, seq: int) -> ViTConfig:
     side = math.isqrt(max(seq - 1, 0))
     if seq < 2 or side * side != seq - 1:
-        raise ValueError(
+        raise InputError(
             f"a ViT takes (image_size / patch)^2 + 1 tokens (patches + class token); seq={seq} is not a square "
             f"plus one (e.g. {c.seq_len} for {c.image_size} px images in {c.patch} px patches)"
         )
@@ -143,7 +144,7 @@ class ZooModel:
         cfg = self.config
         if num_layers is not None:
             if num_layers < 0:
-                raise ValueError(f"num_layers must be >= 0, got {num_layers}")
+                raise InputError(f"num_layers must be >= 0, got {num_layers}")
             cfg = replace(cfg, n_layer=num_layers)
         if seq is not None:
             cfg = _FAMILIES[self.family].with_seq(cfg, seq)
@@ -246,14 +247,14 @@ def _get(j: Mapping[str, Any], key: str, default: Any = None) -> Any:
     if key in j and j[key] is not None:
         return j[key]
     if default is None:
-        raise ValueError(f"Hugging Face config lacks {key!r}, which this model type needs")
+        raise InputError(f"Hugging Face config lacks {key!r}, which this model type needs")
     return default
 
 
 def _check_head_dim(j: Mapping[str, Any], d: int, heads: int) -> None:
     hd = j.get("head_dim")
     if hd is not None and hd != d // heads:
-        raise ValueError(f"head_dim={hd} differs from hidden_size / num_attention_heads = {d // heads}; unsupported")
+        raise InputError(f"head_dim={hd} differs from hidden_size / num_attention_heads = {d // heads}; unsupported")
 
 
 def _hf_seq(j: Mapping[str, Any], default: int) -> int:
@@ -290,7 +291,7 @@ def _hf_gpt2(j: Mapping[str, Any]) -> tuple[str, Any]:
     d = _get(j, "n_embd", 768)
     inner = j.get("n_inner") or 4 * d
     if inner % d:
-        raise ValueError(f"n_inner={inner} is not a multiple of n_embd={d}; autoshard's GPT takes an integer mlp_ratio")
+        raise InputError(f"n_inner={inner} is not a multiple of n_embd={d}; autoshard's GPT takes an integer mlp_ratio")
     return "gpt", GPTConfig(
         n_layer=_get(j, "n_layer", 12), d_model=d, n_head=_get(j, "n_head", 12), vocab=_get(j, "vocab_size", 50257),
         seq_len=_get(j, "n_positions", 1024), mlp_ratio=inner // d, bias=True,
@@ -341,18 +342,18 @@ def _from_hf(path: Path) -> ZooModel:
     try:
         j = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
+        raise InputError(f"{path} is not valid JSON: {e}") from e
     mt = j.get("model_type") if isinstance(j, dict) else None
     parse = _HF_TYPES.get(mt)
     if parse is None:
-        raise ValueError(
+        raise InputError(
             f"{path}: model_type {mt!r} is not supported; supported Hugging Face model types: "
             f"{', '.join(sorted(_HF_TYPES))}"
         )
     try:
         family, cfg = parse(j)
     except (ValueError, TypeError) as e:
-        raise ValueError(f"{path} ({mt}): {e}") from e
+        raise InputError(f"{path} ({mt}): {e}") from e
     stem = path.parent.name if path.stem == "config" and path.parent.name else path.stem
     return _entry(f"hf:{mt}:{stem}", family, f"{mt} from {path.name}: {_describe(family, cfg)}", cfg)
 
@@ -369,7 +370,7 @@ def get_model(name_or_path: str) -> ZooModel:
         path = path / "config.json"
     if path.is_file():
         return _from_hf(path)
-    raise ValueError(
+    raise InputError(
         f"unknown model {name_or_path!r}: known models are {', '.join(known_models())}; a path to a Hugging Face "
         f"config.json is also accepted (model_type {', '.join(sorted(_HF_TYPES))})"
     )

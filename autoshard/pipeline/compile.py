@@ -44,6 +44,7 @@ from autoshard.planner import plan_graph
 from autoshard.runtime.pipeline import EXECUTABLE_SCHEDULES, LossWeighting, PipelinedModule, StageModule, TiedParameter
 from autoshard.compiler.runner import rank_program
 from autoshard.solver.inter_op import StageSplit
+from autoshard.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ def choose_pipeline(
     configurations it solved, with schedules this runtime runs); None when none fits."""
     found = pipeline_layers(model)
     if found is None or not found[0]:
-        raise ValueError(
+        raise InputError(
             f"pipeline stages go between repeated layers, and {type(model).__name__} has no nn.ModuleList of "
             "blocks of one class; compile it without pipeline= (or with a mesh without a 'pp' axis)"
         )

@@ -34,6 +34,7 @@ from autoshard.ir import layer_key
 from autoshard.compiler.context import PassContext
 from autoshard.solver.inter_op import PieceCost
 from autoshard.solver.intra_op import GRAD_SINK_CREDIT
+from autoshard.errors import InputError
 
 HEAD, TAIL = "head", "tail"
 
@@ -154,7 +155,7 @@ def piece_detail(gm: fx.GraphModule, ctx: PassContext, solution: Any = None,
     sol = solution if solution is not None else ctx.solution
     container = container or container_of(ctx)
     if container is None:
-        raise ValueError("the model has no repeated layers (modules named like 'layers.0', 'h.1'): nothing to split "
+        raise InputError("the model has no repeated layers (modules named like 'layers.0', 'h.1'): nothing to split "
                          "into pipeline stages")
     piece_of_module, first_layer = _piece_of_modules(gm, ctx, container)
     position = {n.name: i for i, n in enumerate(gm.graph.nodes)}

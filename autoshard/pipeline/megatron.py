@@ -24,6 +24,7 @@ from autoshard.config import PlanConfig
 from autoshard.pipeline.search import MEGATRON, PipelineOption, p2p_seconds
 from autoshard.pipeline.solves import FakeStageMeshes, StageSolves
 from autoshard.solver.inter_op import best_split
+from autoshard.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +54,10 @@ def evaluate_config(
     n = cluster.num_devices()
     dp = n // (tp * pp) if dp is None else dp
     if tp * pp * dp != n or min(tp, pp, dp) < 1:
-        raise ValueError(f"tp={tp} x pp={pp} x dp={dp} = {tp * pp * dp} devices, but {cluster.name} has {n}")
+        raise InputError(f"tp={tp} x pp={pp} x dp={dp} = {tp * pp * dp} devices, but {cluster.name} has {n}")
     batch = int(example_inputs[0].shape[0])
     if batch % microbatches or (batch // microbatches) % dp:
-        raise ValueError(f"global batch {batch} in {microbatches} micro-batches does not split over dp={dp}; "
+        raise InputError(f"global batch {batch} in {microbatches} micro-batches does not split over dp={dp}; "
                          f"use a micro-batch count that divides {batch} into multiples of {dp} sequences")
     sub, names = ((dp, tp), ("dp", "tp")) if dp > 1 and tp > 1 else ((tp,), ("tp",)) if tp > 1 else ((dp,), ("dp",))
     recipe = "tp" if tp > 1 else "ddp"

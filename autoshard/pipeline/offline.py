@@ -27,7 +27,7 @@ from autoshard.pipeline.plan import FLAT_NAME, pipelined_plan
 from autoshard.pipeline.search import MEGATRON, PipelineOption, search_pipeline, stage_meshes
 from autoshard.pipeline.solves import FakeStageMeshes, StageSolves
 from autoshard.plan import RecipeSummary, Plan
-from autoshard.solver.intra_op import InfeasibleBudget
+from autoshard.errors import InfeasibleBudget, InputError
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def choose(options: Sequence[PipelineOption], stages: int | None = None) -> tupl
     if stages is not None:
         mine = [o for o in free if o.stages == stages]
         if not mine:
-            raise ValueError(f"no {stages}-stage configuration was planned: each stage needs at least one of the "
+            raise InputError(f"no {stages}-stage configuration was planned: each stage needs at least one of the "
                              "model's repeated layers (a ModuleList of identical blocks); use fewer stages")
         if mine[0].split is None:
             raise InfeasibleBudget(f"{_describe(mine[0])}; try more stages, a smaller batch or more memory")
@@ -103,13 +103,13 @@ def _check_stages(cluster: ClusterProfile, stages: int, sub_shape: Sequence[int]
     """A fixed stage count must be one the search plans: equal sub-meshes of whole nodes (or of one node)."""
     allowed = dict(stage_meshes(cluster))
     if stages not in allowed:
-        raise ValueError(
+        raise InputError(
             f"a pp axis of {stages} stages does not split {cluster.name} into equal sub-meshes of whole nodes (or "
             f"one node evenly); possible stage counts: {sorted(allowed)}"
         )
     if sub_shape is not None and tuple(sub_shape) != allowed[stages]:
         want = ",".join(f"{n}={k}" for n, k in zip(mesh_names(allowed[stages]), allowed[stages]))
-        raise ValueError(
+        raise InputError(
             f"{stages} stages on {cluster.name} plan each stage on a sub-mesh {allowed[stages]}, not "
             f"{tuple(sub_shape)}; give the mesh as pp={stages},{want}"
         )
@@ -144,7 +144,7 @@ def plan_with_pipeline(
     if repeated_layers(model) is None:
         why = f"{type(model).__name__} has no repeated layers (a ModuleList of identical blocks) to split into stages"
         if stages is not None:
-            raise ValueError(f"a pp axis of {stages} stages: {why}; plan it without a pp axis")
+            raise InputError(f"a pp axis of {stages} stages: {why}; plan it without a pp axis")
         log.info("pipeline: no stages: %s", why)
         return flat(None, True)
     if progress:

@@ -44,6 +44,7 @@ from autoshard.pipeline.costs import optimizer_step_s
 from autoshard.pipeline.solves import FREE, FakeStageMeshes, StageSolves
 from autoshard.plan import CollectiveStat, MemoryBreakdown, MeshSpec, Plan, StagePlan
 from autoshard.solver.inter_op import PieceCost
+from autoshard.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class _Cut:
 def _container(ctx: Any) -> str:
     found = container_of(ctx)
     if found is None:
-        raise ValueError("the model has no repeated layers (modules named like 'layers.0'): nothing to pipeline")
+        raise InputError("the model has no repeated layers (modules named like 'layers.0'): nothing to pipeline")
     return found
 
 
@@ -114,7 +115,7 @@ def _cut(gm: Any, ctx: Any, sub: Plan, solution: Any) -> _Cut:
         return found or [group_piece[g.id]]
 
     if len(sub.stages) != 1:
-        raise ValueError(f"a stage's plan has {len(sub.stages)} stages")
+        raise InputError(f"a stage's plan has {len(sub.stages)} stages")
     stage = sub.stages[0]
     tensor_group = {n.meta["autoshard_role"].name: group_of[n.name] for n in gm.graph.find_nodes(op="placeholder")
                     if n.name in group_of}
@@ -270,12 +271,12 @@ def pipelined_plan(
 
     split = option.split
     if split is None:
-        raise ValueError(f"{option.stages} stages of {option.submesh}: {option.note or 'no split'}; nothing to plan")
+        raise InputError(f"{option.stages} stages of {option.submesh}: {option.note or 'no split'}; nothing to plan")
     sub_shape = tuple(option.submesh)
     default = mesh_names(sub_shape)
     names = tuple(axis_names) if axis_names is not None else default
     if len(names) != len(sub_shape) or "pp" in names:
-        raise ValueError(f"axis names {names} for sub-mesh {sub_shape}: give one name per axis, none of them 'pp'")
+        raise InputError(f"axis names {names} for sub-mesh {sub_shape}: give one name per axis, none of them 'pp'")
     if solves is None:
         from autoshard.ir import pipeline_layers
 
@@ -290,7 +291,7 @@ def pipelined_plan(
     cut = _cut(gm, ctx, sub, sol)
     depth = split.layers[-1][1] if split.layers else 0
     if len(cut.full) != depth or len(costs[1]) != depth:
-        raise ValueError(f"the re-planned sub-mesh has {len(cut.full)} layers but the split covers {depth}")
+        raise InputError(f"the re-planned sub-mesh has {len(cut.full)} layers but the split covers {depth}")
     mesh = MeshSpec(sub_shape, names)
     axis_of = dict(zip(default, names))
     stages = tuple(_stage(option, r, cut, costs, mesh, axis_of, cluster, config.optimizer_factor)

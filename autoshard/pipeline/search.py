@@ -55,6 +55,7 @@ from autoshard.pipeline.pricing import (FALLBACK_RECIPES, Config, PipelineOption
 from autoshard.pipeline.costs import optimizer_step_s, with_optimizer
 from autoshard.pipeline.solves import FakeStageMeshes, Key, StageSolves, layout_summary, micro_inputs
 from autoshard.solver.inter_op import SCHEDULES
+from autoshard.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ def search_stages(
         if stages > depth:
             continue
         if space.microbatches is not None and batch % space.microbatches:
-            raise ValueError(f"microbatches={space.microbatches} does not divide the global batch {batch}")
+            raise InputError(f"microbatches={space.microbatches} does not divide the global batch {batch}")
         counts = ([space.microbatches] if space.microbatches else
                   microbatch_counts(batch, stages, math.prod(sub), cluster.devices_per_node))
         if not counts:

@@ -40,6 +40,7 @@ from autoshard.cluster import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.compiler.context import PassContext
 from autoshard.pipeline.costs import boundary_node, with_optimizer
+from autoshard.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ def micro_call(call: Any, parts: int) -> Any:
     sig, tensors = signature_of(call)
     for name, t in zip(sig.names, tensors):
         if t.ndim == 0 or t.shape[0] % parts:
-            raise ValueError(f"argument {name} of shape {tuple(t.shape)}: pipeline micro-batches cut every input "
+            raise InputError(f"argument {name} of shape {tuple(t.shape)}: pipeline micro-batches cut every input "
                              f"along dim 0 into {parts}, which must divide it")
     args, kwargs = sig.unflatten([t[: t.shape[0] // parts] for t in tensors])
     return Call(args, kwargs) if kwargs else args
@@ -384,7 +385,7 @@ class StageSolves:
         entry = self._entry(stages, key)
         sol = self._solution(entry, key, recipe)
         if sol is None:
-            raise ValueError(f"recipe {recipe!r} has no solution on sub-mesh {key[0]}")
+            raise InputError(f"recipe {recipe!r} has no solution on sub-mesh {key[0]}")
         self._write(key, recipe)
         return entry.gm, entry.ctx, sol
 

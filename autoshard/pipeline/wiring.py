@@ -35,6 +35,7 @@ from torch import nn
 from autoshard import _torch_compat as tc
 from autoshard.ir import kept_target_counter, node_arg
 from autoshard.inputs import CallSignature
+from autoshard.errors import InputError
 
 Source = tuple[str, int]  # ("input", i): model input i; ("recv", p): received value p; ("out", j): own output j
 
@@ -135,17 +136,17 @@ def wiring_of(graph: fx.Graph) -> list[StageWiring]:
             return ("value", (index[a.args[0]], int(a.args[1])))
         if a in index:
             return ("value", (index[a], 0))
-        raise ValueError(f"pipeline stage argument {a} is neither a model input nor a stage's output")
+        raise InputError(f"pipeline stage argument {a} is neither a model input nor a stage's output")
 
     uses = []
     for call in calls:
         if call.kwargs:
-            raise ValueError(f"pipeline stage {call.target} takes keyword arguments {sorted(call.kwargs)}")
+            raise InputError(f"pipeline stage {call.target} takes keyword arguments {sorted(call.kwargs)}")
         uses.append([source(a) for a in call.args])
     out = graph.find_nodes(op="output")[0].args[0]
     out = out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
     if out is not calls[-1]:
-        raise ValueError("the model's loss must be the last pipeline stage's only output; here it is "
+        raise InputError("the model's loss must be the last pipeline stage's only output; here it is "
                          f"{out}, not stage {len(calls) - 1}'s")
     n = len(calls)
     # carry[k]: the values sent from stage k to k+1 (made at or before k, used after k), in a fixed order

@@ -41,6 +41,7 @@ from autoshard.ir import NodeSharding, output_vals, tensor_args
 import autoshard.rules.causal_chunks as causal_chunks
 import autoshard.rules.ring_attention as ring_attention
 from autoshard.rules.base import OpRule
+from autoshard.errors import InputError
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +183,7 @@ def _ring_call(node: fx.Node, axis: int) -> Callable[[tuple, dict, DeviceMesh], 
         q_len = local[1 if backward else 0].shape[_SEQ]
         dropout = local[6 if backward else 3] if len(local) > (6 if backward else 3) else 0.0
         if dropout or (causal and not causal_chunks.balanced(q_len, mesh.size(axis))):
-            raise ValueError(f"{node.name} ({node.target}): ring attention over mesh axis {axis} (size "
+            raise InputError(f"{node.name} ({node.target}): ring attention over mesh axis {axis} (size "
                              f"{mesh.size(axis)}) needs no dropout and, causal, an even chunk ({q_len} queries per "
                              "rank); make the sequence a multiple of twice the axis size, or constrain attention's "
                              "inputs off the sequence")

@@ -29,6 +29,7 @@ import torch.fx as fx
 
 from autoshard import _torch_compat as tc
 from autoshard.ir import kept_target_counter, node_arg
+from autoshard.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +108,10 @@ def batched_inputs(tensors: Sequence[torch.Tensor]) -> tuple[bool, ...]:
 def check_divides(names: Sequence[str], tensors: Sequence[torch.Tensor], batched: Sequence[bool], k: int) -> None:
     """A clear error when ``k`` micro-batches do not divide the batch (dim 0) of every batched input."""
     if k < 1:
-        raise ValueError(f"microbatches={k}: use a positive number of micro-batches")
+        raise InputError(f"microbatches={k}: use a positive number of micro-batches")
     for name, t, b in zip(names, tensors, batched):
         if b and t.shape[0] % k:
-            raise ValueError(
+            raise InputError(
                 f"microbatches={k}: argument {name} has batch size {t.shape[0]} (dim 0 of shape {tuple(t.shape)}), "
                 f"which {k} micro-batches do not divide; use a number of micro-batches that divides {t.shape[0]}"
             )

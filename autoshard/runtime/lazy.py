@@ -22,6 +22,7 @@ from autoshard import _torch_compat as tc
 from autoshard.inputs import Call
 from autoshard.weights import deferred
 from autoshard.weights.pretrained import fqn_modifiers
+from autoshard.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def data_parallel_axes(mesh: DeviceMesh) -> tuple[int, ...]:
         return axes
     if mesh.ndim == 1:
         return (0,)
-    raise ValueError(
+    raise InputError(
         f"mesh axes {names or tuple(mesh.shape)}: none is named as a data-parallel axis ({', '.join(DATA_PARALLEL_NAMES)}), "
         "so which axis splits the batch is unknown. Name it, e.g. init_device_mesh('cpu', (2, 2), "
         "mesh_dim_names=('dp', 'tp')), or pass example_inputs (global-shaped) to compile."
@@ -60,7 +61,7 @@ def global_example(args: tuple, kwargs: dict[str, Any], mesh: DeviceMesh) -> Cal
         if not isinstance(t, torch.Tensor):
             return t
         if t.ndim == 0:
-            raise ValueError("a 0-d tensor argument has no batch dimension to split over the data-parallel ranks; "
+            raise InputError("a 0-d tensor argument has no batch dimension to split over the data-parallel ranks; "
                              "pass it as a Python number, or compile with global example_inputs")
         return torch.empty((t.shape[0] * size, *t.shape[1:]), dtype=t.dtype, device="meta")
 

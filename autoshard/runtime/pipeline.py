@@ -40,6 +40,7 @@ from autoshard.weights.deferred import take_deferred
 from autoshard.weights.init import init_weights
 from autoshard.weights.pretrained import load_pretrained, save_pretrained
 from autoshard.weights.shards import Unfilled, materialize_buffers
+from autoshard.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ def schedule_class(name: str) -> Any:
 
     table = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
     if name not in table:
-        raise ValueError(
+        raise InputError(
             f"pipeline schedule {name!r} cannot run here; autoshard runs {EXECUTABLE_SCHEDULES} (zero-bubble "
             "schedules split the backward into input and weight parts, which a compiled stage program does not)"
         )
@@ -277,7 +278,7 @@ class PipelinedModule(nn.Module):
         for i in self._used_inputs:
             t = tensors[i]
             if t.ndim == 0 or t.shape[0] % m:
-                raise ValueError(
+                raise InputError(
                     f"argument {self.signature.names[i]} of shape {tuple(t.shape)}: the pipeline cuts every input "
                     f"into {m} micro-batches along dim 0, which must divide by {m}"
                 )

@@ -30,6 +30,7 @@ from autoshard.weights.deferred import take_deferred
 from autoshard.weights.init import init_weights
 from autoshard.weights.pretrained import fqn_modifiers, load_pretrained, save_pretrained
 from autoshard.weights.shards import Unfilled, empty_shard, materialize_buffers
+from autoshard.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ def as_dtensor(param: torch.Tensor, value: torch.Tensor | None = None) -> DTenso
     if layout is None:
         if isinstance(param, DTensor):
             return param if value is None else tc.dtensor_like(value, param)
-        raise ValueError("as_dtensor takes a parameter autoshard holds as a local shard (parameters='local' or the "
+        raise InputError("as_dtensor takes a parameter autoshard holds as a local shard (parameters='local' or the "
                          "torch.compile backend); this one is not")
     mesh, placements, shape = layout
     return DTensor.from_local(param.detach() if value is None else value, mesh, placements, run_check=False,
@@ -207,7 +208,7 @@ class ShardedModule(nn.Module):
         self._unfilled.watch((n, b) for n, b in _named_buffers(model, materialize_buffers(model, mesh.device_type)))
         if self._local_params:
             if self._states.sharded_masters():
-                raise ValueError(
+                raise InputError(
                     f"parameters='local' holds each parameter in its compute layout; the plan shards the optimizer "
                     f"state of {self._states.sharded_masters()[:3]} further (ZeRO-1/2). Plan with "
                     "shard_state=False, or use parameters='dtensor'."
@@ -242,12 +243,12 @@ class ShardedModule(nn.Module):
         rep = [Replicate()] * self.mesh.ndim
         for t, layout in zip(tensors, self._inputs):
             if tuple(t.shape) != tuple(layout.shape):
-                raise ValueError(
+                raise InputError(
                     f"{self._label(layout.name)}: expected global shape {tensor_str(layout.dtype, layout.shape)}, got {tuple(t.shape)}"
                 )
             bad = tc.ranks_disagree(t)
             if bad:
-                raise ValueError(
+                raise InputError(
                     f"{self._label(layout.name)}: shard_inputs takes the global value, equal on every rank, but simulated ranks "
                     f"{bad} hold different values than rank 0 (a tensor drawn from a random generator inside "
                     "LocalTensorMode differs per rank). Make the global inputs before entering LocalTensorMode."
@@ -280,7 +281,7 @@ class ShardedModule(nn.Module):
             if isinstance(a, DTensor):
                 raise TypeError(f"{self._label(layout.name)}: pass this rank's local tensor (use sharded.shard_inputs), not a DTensor")
             if tuple(a.shape) != tuple(shape) or str(a.dtype).replace("torch.", "") != layout.dtype:
-                raise ValueError(
+                raise InputError(
                     f"{self._label(layout.name)}: expected this rank's local piece {tensor_str(layout.dtype, shape)} (global "
                     f"{tensor_str(layout.dtype, layout.shape)} placed {placements_str(layout.placements)} on mesh "
                     f"{self.plan.mesh}), got {tensor_str(a.dtype, tuple(a.shape))}. sharded.shard_inputs(*global) "

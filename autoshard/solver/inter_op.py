@@ -49,6 +49,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from autoshard.errors import InputError
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
 SPLIT_BACKWARD = ("InterleavedZeroBubble",)  # backward split into input- and weight-gradient parts
@@ -113,7 +114,7 @@ def in_flight(schedule: str, stage: int, stages: int, microbatches: int, chunks:
         return base + (stages - 1) / chunks
     if schedule == "1F1B":
         return base
-    raise ValueError(f"schedule {schedule!r} is not known; use one of {SCHEDULES}")
+    raise InputError(f"schedule {schedule!r} is not known; use one of {SCHEDULES}")
 
 
 def pipeline_time(schedule: str, times: Sequence[float], microbatches: int, chunks: int) -> tuple[float, float]:
@@ -126,7 +127,7 @@ def pipeline_time(schedule: str, times: Sequence[float], microbatches: int, chun
     elif schedule == "InterleavedZeroBubble":
         total = b * worst + (s - 1) * worst / (3 * chunks)
     else:
-        raise ValueError(f"schedule {schedule!r} is not known; use one of {SCHEDULES}")
+        raise InputError(f"schedule {schedule!r} is not known; use one of {SCHEDULES}")
     return total, (total - b * worst) / total if total else 0.0
 
 
@@ -318,7 +319,7 @@ def split_layers(
     """
     why = check_schedule(schedule, stages, microbatches, chunks)
     if why:
-        raise ValueError(why)
+        raise InputError(why)
     return _split(_Costs(layers, head, tail, recompute), stages, microbatches, schedule, chunks, memory_budget, p2p_s)
 
 
@@ -326,7 +327,7 @@ def even_bounds(n: int, pieces: int) -> list[tuple[int, int]]:
     """``n`` layers in ``pieces`` contiguous runs of equal length; when ``pieces`` does not divide ``n`` the
     first ``n % pieces`` runs take one layer more."""
     if not 1 <= pieces <= n:
-        raise ValueError(f"cannot cut {n} layers into {pieces} non-empty pieces")
+        raise InputError(f"cannot cut {n} layers into {pieces} non-empty pieces")
     q, r = divmod(n, pieces)
     return [(k * q + min(k, r), (k + 1) * q + min(k + 1, r)) for k in range(pieces)]
 
@@ -338,7 +339,7 @@ def even_split(layers: Sequence[PieceCost], head: PieceCost, tail: PieceCost, st
     first and the tail on the last, whatever they cost (None when a rank exceeds ``memory_budget``)."""
     why = check_schedule(schedule, stages, microbatches, chunks)
     if why:
-        raise ValueError(why)
+        raise InputError(why)
     if len(layers) < stages * chunks:
         return None
     costs = _Costs(layers, head, tail, recompute)

@@ -44,6 +44,7 @@ from autoshard.buckets import bucketable, gather_axes
 from autoshard.cluster import ClusterProfile
 from autoshard.cost.reshard import reshard_time as redistribute_time
 from autoshard.ir import Edge, Group, GroupStrategy, Placements, is_state
+from autoshard.errors import InfeasibleBudget, InputError, SolverTimeout
 from autoshard.notation import format_bytes, placements_str
 from autoshard.ir import tensor_args
 
@@ -67,20 +68,6 @@ class Solution:
     wall_s: float
     variables: int
     memory_bytes: int
-
-
-class InfeasibleBudget(ValueError):
-    """No plan fits the memory budget (proven); ``least_bytes`` is the smallest per-device memory any plan needs
-    (None when unknown)."""
-
-    def __init__(self, message: str, least_bytes: int | None = None) -> None:
-        super().__init__(message)
-        self.least_bytes = least_bytes
-
-
-class SolverTimeout(RuntimeError):
-    """The solver's time limit ran out before it found a plan or proved that none fits: not an out-of-memory
-    verdict. A longer ``time_limit_s`` (or a looser budget) may find one."""
 
 
 def collect_edges(gm: fx.GraphModule, groups: Sequence[Group], output_roles: Sequence) -> tuple[list[Edge], list]:
@@ -273,7 +260,7 @@ class IntraOpProblem:
             else:
                 const += unary[c][0]
         if math.isinf(const):
-            raise ValueError(self._impossible_message(allowed))
+            raise InputError(self._impossible_message(allowed))
         model.Minimize(sum(int(round(w * NS)) * v for v, w in obj_terms))
         self.variables = max(self.variables, n_vars)
         # each chosen term is rounded to a nanosecond: a gap below half a nanosecond per group and edge is rounding,
@@ -328,7 +315,7 @@ class IntraOpProblem:
         for c, keep in (pins or {}).items():
             allowed[c] &= set(keep)
             if not allowed[c]:
-                raise ValueError(f"{what}: group {c} has no candidate left after pinning")
+                raise InputError(f"{what}: group {c} has no candidate left after pinning")
         if memory_budget is not None:
             least = sum(min(self.mem[c][i] for i in allowed[c]) for c in canon_ids)
             if least > memory_budget:
@@ -368,7 +355,7 @@ class IntraOpProblem:
         status = solver.Solve(model)
         name = solver.StatusName(status)
         if status == cp_model.INFEASIBLE and memory_budget is None:
-            raise ValueError(self._impossible_message(order))
+            raise InputError(self._impossible_message(order))
         if status == cp_model.INFEASIBLE:
             raise InfeasibleBudget(f"no {what} fits memory_budget={format_bytes(memory_budget)} (proven by the solver)")
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):

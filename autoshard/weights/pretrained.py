@@ -32,6 +32,7 @@ from torch import nn
 
 from autoshard import _torch_compat as tc
 from autoshard.weights.shards import global_shape, local_of
+from autoshard.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def check_checkpoint(state: Mapping[str, torch.Tensor], aliases: Mapping[str, st
     for key, stored in plan.items():
         want, have = tuple(global_shape(state[key])), tuple(saved[stored].size)
         if want != have:
-            raise ValueError(f"{path}: {stored} has shape {have} in the checkpoint but {want} in the model "
+            raise InputError(f"{path}: {stored} has shape {have} in the checkpoint but {want} in the model "
                              f"({type(model).__name__}); is the checkpoint from another model or config?")
     expected = set(state) | set(aliases) | set(expected or ())
     skip = _ignored(model, "_keys_to_ignore_on_load_unexpected")
@@ -106,7 +107,7 @@ def check_checkpoint(state: Mapping[str, torch.Tensor], aliases: Mapping[str, st
         if unexpected:
             parts.append(f"not in the model: {unexpected[0]} {tuple(saved[unexpected[0]].size)}"
                          + (f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""))
-        raise ValueError(f"{path} does not match {type(model).__name__}: {'; '.join(parts)}. Is it a checkpoint of "
+        raise InputError(f"{path} does not match {type(model).__name__}: {'; '.join(parts)}. Is it a checkpoint of "
                          "another model? (strict=False loads the keys both have.)")
     return plan
 

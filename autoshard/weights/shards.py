@@ -22,6 +22,7 @@ from torch.distributed.tensor import empty as dtensor_empty
 from torch.distributed.tensor.placement_types import Placement
 
 from autoshard import _torch_compat as tc
+from autoshard.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def write_full(target: torch.Tensor, full: torch.Tensor) -> None:
     casting to its dtype; no communication."""
     layout = layout_of(target)
     if tuple(full.shape) != tuple(global_shape(target)):
-        raise ValueError(f"a whole tensor of shape {tuple(full.shape)} cannot fill one of shape "
+        raise InputError(f"a whole tensor of shape {tuple(full.shape)} cannot fill one of shape "
                          f"{tuple(global_shape(target))}")
     if layout is None:
         target.copy_(full)

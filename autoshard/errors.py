@@ -1,0 +1,47 @@
+"""The errors autoshard raises, under one base class.
+
+Every error names what it refused (the op, shape, mesh, placement, option or file) and the fix. Catch
+:class:`AutoshardError` for all of them; each is also the built-in type it has always been (``InputError`` is a
+``ValueError``, the others ``RuntimeError``), so ``except ValueError`` keeps working.
+"""
+
+from __future__ import annotations
+
+
+class AutoshardError(Exception):
+    """Base class of autoshard's errors."""
+
+
+class InputError(AutoshardError, ValueError):
+    """Something given to autoshard it cannot take: a model, call, mesh, option, plan or checkpoint."""
+
+
+class InfeasibleBudget(InputError):
+    """No plan fits the memory budget (proven); ``least_bytes`` is the smallest per-device memory any plan needs
+    (None when unknown)."""
+
+    def __init__(self, message: str, least_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.least_bytes = least_bytes
+
+
+class SolverTimeout(AutoshardError, RuntimeError):
+    """The solver's time limit ran out before it found a plan or proved that none fits: not an out-of-memory
+    verdict. A longer ``time_limit_s`` (or a looser budget) may find one."""
+
+
+class DataDependentError(AutoshardError, RuntimeError):
+    """The model's Python branches on a tensor's value, which a trace with fake tensors cannot know."""
+
+
+class LaunchError(AutoshardError, RuntimeError):
+    """A child process raised, died or timed out; the message is one line, ``detail`` the full traceback, ``rank``
+    the failing rank (None for a time-out)."""
+
+    def __init__(self, message: str, detail: str = "", rank: int | None = None) -> None:
+        super().__init__(message)
+        self.detail = detail
+        self.rank = rank
+
+
+__all__ = ["AutoshardError", "DataDependentError", "InfeasibleBudget", "InputError", "LaunchError", "SolverTimeout"]
