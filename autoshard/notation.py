@@ -94,6 +94,12 @@ def placements_str(ps: Sequence[Placement | str]) -> str:
     return "[" + ", ".join(placement_str(p) for p in ps) + "]"
 
 
+def placements_tuple(ps: Sequence[Placement | str] | None) -> tuple[str, ...]:
+    """``(Shard(0), Replicate())`` -> ``("S(0)", "R")`` (``None`` -> ``()``): the canonical form plans store and
+    compare, so "Shard(0)" and "S(0)" make equal plans."""
+    return tuple(placement_str(p) for p in ps) if ps is not None else ()
+
+
 def parse_placement(s: str) -> Placement:
     """Inverse of :func:`placement_str`; also accepts the long forms ``Shard(0)``, ``Replicate()``, ``Partial(avg)``."""
     if not isinstance(s, str):

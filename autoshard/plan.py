@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from autoshard.notation import dtype_name, local_shape, mesh_str, placement_str, placements_str
+from autoshard.notation import dtype_name, local_shape, mesh_str, placements_str, placements_tuple
 from autoshard.errors import InputError
 
 logger = logging.getLogger(__name__)
@@ -37,10 +37,6 @@ def _set(obj: object, **values: Any) -> None:
 def _check(value: str, allowed: Sequence[str], what: str, owner: str) -> None:
     if value not in allowed:
         raise InputError(f"{owner}: {what} {value!r} is not one of {', '.join(allowed)}")
-
-
-def _placements(ps: Iterable[Any]) -> tuple[str, ...]:  # canonical: "Shard(0)" and "S(0)" make equal plans
-    return tuple(placement_str(p) for p in ps)
 
 
 @dataclass(frozen=True)
@@ -83,8 +79,8 @@ class TensorLayout:
         _check(self.role, TENSOR_ROLES, "role", f"tensor {self.name!r}")
         _check(self.offload, ("", "optimizer", "params"), "offload", f"tensor {self.name!r}")
         _set(self, shape=tuple(int(d) for d in self.shape), dtype=dtype_name(self.dtype))
-        _set(self, placements=_placements(self.placements), grad_placements=_placements(self.grad_placements),
-             state_placements=_placements(self.state_placements))
+        _set(self, placements=placements_tuple(self.placements), grad_placements=placements_tuple(self.grad_placements),
+             state_placements=placements_tuple(self.state_placements))
         if any(w and len(w) != len(self.placements) for w in (self.grad_placements, self.state_placements)):
             raise InputError(f"tensor {self.name!r}: grad/state placements need one placement per mesh axis")
 
@@ -123,8 +119,8 @@ class OpDecision:
 
     def __post_init__(self) -> None:
         _check(self.phase, PHASES, "phase", f"decision {self.node!r}")
-        _set(self, shape=tuple(int(d) for d in self.shape), output=_placements(self.output))
-        _set(self, inputs=tuple(_placements(ps) for ps in self.inputs), compute_s=float(self.compute_s))
+        _set(self, shape=tuple(int(d) for d in self.shape), output=placements_tuple(self.output))
+        _set(self, inputs=tuple(placements_tuple(ps) for ps in self.inputs), compute_s=float(self.compute_s))
         _set(self, group_size=int(self.group_size), dtype=dtype_name(self.dtype) if self.dtype else "")
 
 

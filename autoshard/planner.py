@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autoshard.cluster import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.cost.memory import temporaries, transients
-from autoshard.notation import placement_str
+from autoshard.notation import placements_tuple
 from autoshard.compiler.context import PassContext
 from autoshard.compiler.recompute import (FULL, SELECTIVE, best_mix, describe, layer_replays, mix_peak, mix_specs,
                                         replay_time, spec, typical_replay)
@@ -48,10 +48,6 @@ from autoshard.plan import (
 log = logging.getLogger(__name__)
 
 
-def _pl(ps: Sequence | None) -> tuple[str, ...]:
-    return tuple(placement_str(p) for p in ps) if ps is not None else ()
-
-
 def _dtype(v: torch.Tensor) -> str:
     return str(v.dtype).replace("torch.", "")
 
@@ -72,8 +68,8 @@ def build_plan(gm: fx.GraphModule, ctx: PassContext, solution: Any = None, recip
             continue
         v = n.meta["val"]
         sh = n.meta["autoshard"]
-        tensors.append(TensorLayout(role.name, role.kind, tuple(v.shape), _dtype(v), _pl(sh.outputs[0]),
-                                    _pl(sh.grad) if sh.state is not None else (), _pl(sh.state), sh.offload))
+        tensors.append(TensorLayout(role.name, role.kind, tuple(v.shape), _dtype(v), placements_tuple(sh.outputs[0]),
+                                    placements_tuple(sh.grad) if sh.state is not None else (), placements_tuple(sh.state), sh.offload))
     ops = []
     compute = 0.0
     params = grads = opt = acts = host = offload_s = 0.0
@@ -98,8 +94,8 @@ def build_plan(gm: fx.GraphModule, ctx: PassContext, solution: Any = None, recip
                     module=g.module,
                     phase=g.phase,
                     shape=tuple(v0.shape) if v0 is not None else (),
-                    output=_pl(s.outputs[0][0]),
-                    inputs=tuple(_pl(p) for p in s.inputs[0]),
+                    output=placements_tuple(s.outputs[0][0]),
+                    inputs=tuple(placements_tuple(p) for p in s.inputs[0]),
                     compute_s=s.compute_s,
                     group_size=len(g.members),
                     dtype=_dtype(v0) if v0 is not None else "",

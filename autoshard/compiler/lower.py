@@ -36,17 +36,9 @@ from autoshard import _torch_compat as tc
 from autoshard import rules
 from autoshard.ir import NodeSharding
 from autoshard.notation import local_shape, placements_str
-from autoshard.compiler.lower_buckets import (
-    BUCKET_BYTES,
-    FIRST_BUCKET_BYTES,
-    bucketable,
-    by_size,
-    gather_all,
-    gather_axes,
-    reduce_together,
-    scatter_axes,
-    scatter_together,
-)
+from autoshard.buckets import bucketable, gather_all, gather_axes, scatter_axes
+from autoshard.compiler.lower_buckets import by_size, reduce_together, scatter_together
+from autoshard.config import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from autoshard.ir import layer_key, sums, tensor_args
 from autoshard.compiler.context import PassContext
 

@@ -25,10 +25,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from autoshard import _torch_compat as tc
 
-from autoshard.buckets import (  # noqa: F401 (lower's too)
-    bucket_starts, bucketable, gather_all, gather_axes, gather_together, scatter_axes,
-)
-from autoshard.config import BUCKET_BYTES, FIRST_BUCKET_BYTES  # noqa: F401 (lower's bucket sizes, DDP's)
+from autoshard.buckets import bucket_starts
 
 
 def by_size(members: list[tuple[int, DTensor]], first: int, limit: int) -> list[list[tuple[int, DTensor]]]:

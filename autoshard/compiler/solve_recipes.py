@@ -27,8 +27,9 @@ from autoshard.rules import attention
 from autoshard.compiler.context import PassContext
 from autoshard.compiler.solve_memory import solve_within, temporaries_of
 from autoshard.errors import InfeasibleBudget, InputError, SolverTimeout
+from autoshard.notation import placement_str
 from autoshard.solver.recipes import (RecipeResult, applicable, candidate_state_kind, even_prefix, is_expert_weight,
-                                      placement_short, recipe_placements, state_kind)
+                                      recipe_placements, state_kind)
 
 T = TypeVar("T")
 
@@ -85,7 +86,7 @@ def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext) -> tuple[dict
             bent += bool(keep)
         if not keep:
             names = ctx.mesh_names
-            want = ", ".join(f"{a}: {placement_short(p)}" for a, p in zip(names, target))
+            want = ", ".join(f"{a}: {placement_str(p)}" for a, p in zip(names, target))
             if role.kind == "input":
                 dp = [n for n, p in zip(ms, target) if isinstance(p, Shard)]
                 raise InputError(

@@ -16,23 +16,19 @@ import torch.fx as fx
 
 from autoshard.fingerprint import fingerprint, mismatch
 from autoshard.ir import GroupStrategy
-from autoshard.notation import placement_str
+from autoshard.notation import placements_tuple
 from autoshard.compiler.context import PassContext
 from autoshard.solver.intra_op import Solution
 from autoshard.errors import InputError
 
 
-def _pl(ps: object) -> tuple[str, ...]:
-    return tuple(placement_str(p) for p in ps) if ps is not None else ()
-
-
 def _tensor_key(s: GroupStrategy) -> tuple:
     zero = s.state_placements is not None
-    return (_pl(s.outputs[0][0]), _pl(s.grad_placements) if zero else (), _pl(s.state_placements), s.offload)
+    return (placements_tuple(s.outputs[0][0]), placements_tuple(s.grad_placements) if zero else (), placements_tuple(s.state_placements), s.offload)
 
 
 def _op_key(s: GroupStrategy) -> tuple:
-    return _pl(s.outputs[0][0]), tuple(_pl(p) for p in s.inputs[0])
+    return placements_tuple(s.outputs[0][0]), tuple(placements_tuple(p) for p in s.inputs[0])
 
 
 def program_fingerprint(gm: fx.GraphModule, ctx: PassContext) -> tuple[tuple[str, str], ...]:

@@ -32,7 +32,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import Placement
 
 from autoshard.cluster import AxisLayout, ClusterProfile, Link
 from autoshard.cost.collectives import (
@@ -44,6 +44,7 @@ from autoshard.cost.collectives import (
     ring_pass,
 )
 from autoshard.errors import InputError
+from autoshard.notation import mesh_str, placements_str
 
 __all__ = [
     "ALGORITHMS", "COLLECTIVES", "CollectiveStep", "axis_collective", "axis_collective_time", "collective_time", "point_to_point_time",
@@ -158,7 +159,7 @@ def redistribute_steps(
     """
     if len(mesh_shape) != len(src) or len(mesh_shape) != len(dst):
         raise InputError(
-            f"placements {_fmt(src)} -> {_fmt(dst)} do not match mesh shape {tuple(mesh_shape)}: "
+            f"placements {placements_str(src)} -> {placements_str(dst)} do not match mesh shape {tuple(mesh_shape)}: "
             f"need one placement per mesh axis"
         )
     mesh = tuple(int(s) for s in mesh_shape)
@@ -207,8 +208,8 @@ def _plan(
         phase = _phase(p, q, ndim)
         if phase is None:
             raise InputError(
-                f"cannot redistribute {_fmt(src)} -> {_fmt(dst)} on mesh {_fmt_mesh(mesh)}: mesh axis {axis} "
-                f"goes {_fmt((p,))[1:-1]} -> {_fmt((q,))[1:-1]}, which no collective does (a Shard or "
+                f"cannot redistribute {placements_str(src)} -> {placements_str(dst)} on mesh {mesh_str(mesh, ())}: mesh axis {axis} "
+                f"goes {placements_str((p,))[1:-1]} -> {placements_str((q,))[1:-1]}, which no collective does (a Shard or "
                 f"Replicate value can become Partial only as R -> P; Partial can only be reduced to R or S)"
             )
         if phase:
@@ -280,25 +281,8 @@ def _check_shard_dim(
 ) -> None:
     if p.is_shard() and not -ndim <= p.dim < ndim:
         raise InputError(
-            f"cannot redistribute {_fmt(src)} -> {_fmt(dst)}: {_fmt((p,))[1:-1]} names tensor dim {p.dim}, "
+            f"cannot redistribute {placements_str(src)} -> {placements_str(dst)}: {placements_str((p,))[1:-1]} names tensor dim {p.dim}, "
             f"but the tensor has shape {list(shape)} ({ndim} dims)"
         )
 
 
-def _fmt(placements: Sequence[Placement]) -> str:
-    """The notation of ``autoshard/notation.py``: ``[S(0), R, P]`` (``P(avg)`` for non-sum partials)."""
-    parts = []
-    for p in placements:
-        if isinstance(p, Shard) or p.is_shard():
-            parts.append(f"S({p.dim})")
-        elif isinstance(p, Replicate):
-            parts.append("R")
-        elif isinstance(p, Partial):
-            parts.append("P" if p.reduce_op == "sum" else f"P({p.reduce_op})")
-        else:
-            parts.append(repr(p))
-    return "[" + ", ".join(parts) + "]"
-
-
-def _fmt_mesh(mesh: Sequence[int]) -> str:
-    return " x ".join(str(s) for s in mesh)

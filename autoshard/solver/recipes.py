@@ -193,5 +193,3 @@ def even_prefix(target: tuple[Placement, ...], shape: Sequence[int], mesh_shape:
     return tuple(out)
 
 
-def placement_short(p: Placement) -> str:
-    return f"S({p.dim})" if isinstance(p, Shard) else "R" if isinstance(p, Replicate) else str(p)
