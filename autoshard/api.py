@@ -132,8 +132,9 @@ def recipe(
     example_inputs: Sequence[Any] | None = None,
     **kwargs: Any,
 ) -> Plan:
-    """The manual recipe ``recipe`` ("ddp", "fsdp", "tp", "fsdp+tp") as a Plan, costed exactly like a solved one
-    (it can be compiled with ``autoshard.compile(..., recipe=recipe)``). ``mesh_or_cluster`` is a DeviceMesh
+    """The manual recipe ``recipe`` (one of ``autoshard.config.RECIPES``: "ddp", "zero1", "zero2", "fsdp",
+    "hsdp", "tp", "fsdp+tp", "ep", "cp"; aliases such as "megatron" or "zero3" in ``ALIASES``) as a Plan, costed
+    exactly like a solved one (it can be compiled with ``autoshard.compile(..., recipe=recipe)``). ``mesh_or_cluster`` is a DeviceMesh
     (then ``example_inputs`` are required, as for ``plan``) or a cluster spec (then ``kwargs`` as for ``plan``)."""
     if isinstance(mesh_or_cluster, DeviceMesh):
         return plan(model, mesh_or_cluster, example_inputs, recipe=recipe, solve_recipes=False, **kwargs)
@@ -157,7 +158,9 @@ def compile(  # noqa: A001 - the one-line API the project promises
     autotune: int | None = None,
     **options: Any,
 ) -> ShardedModule | PipelinedModule | LazyShardedModule:
-    """Plan, lower and compile ``model`` for this rank; returns a trainable ``ShardedModule``.
+    """Plan, lower and compile ``model`` for this rank. Returns a trainable module: a ``ShardedModule``; a
+    ``PipelinedModule`` when the mesh has a ``pp`` axis or ``pipeline=`` asks for stages; a ``LazyShardedModule``
+    (planned at its first call, from each rank's batch shard) when ``example_inputs`` is not given.
 
     Without ``example_inputs``, planning happens on the first call, from the inputs it sees, with data
     parallelism's convention: each rank passes its own shard of the batch (split on dim 0 over the mesh's

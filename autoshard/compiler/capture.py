@@ -1,7 +1,8 @@
 """capture: nn.Module + global-shaped example inputs -> joint forward+backward ATen graph.
 
-Needs: a module whose ``forward(*example_inputs)`` returns a scalar loss (or a tuple whose first element is the
-loss); example inputs as real, fake or meta tensors of GLOBAL shape.
+Needs: a module called the way its users call it (``example_inputs``: positional, keyword or both, as real, fake
+or meta tensors of GLOBAL shape) whose output holds a scalar loss: the tensor itself, the ``loss`` of a
+``ModelOutput``/dict/object, a tuple's first element, or what ``PlanConfig.loss_fn`` picks (``loss_of``).
 
 Guarantees on exit:
 - one fx.GraphModule holding forward and backward together (``aot_export_joint_with_descriptors``), traced
