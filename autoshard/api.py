@@ -159,7 +159,7 @@ def compile(  # noqa: A001 - the one-line API the project promises
     **options: Any,
 ) -> ShardedModule | PipelinedModule | LazyShardedModule:
     """Plan, lower and compile ``model`` for this rank. Returns a trainable module: a ``ShardedModule``; a
-    ``PipelinedModule`` when the mesh has a ``pp`` axis or ``pipeline=`` asks for stages; a ``LazyShardedModule``
+    ``PipelinedModule`` when the mesh has a ``pp`` axis or ``pipeline="auto"`` chooses stages; a ``LazyShardedModule``
     (planned at its first call, from each rank's batch shard) when ``example_inputs`` is not given.
 
     Without ``example_inputs``, planning happens on the first call, from the inputs it sees, with data
