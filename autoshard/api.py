@@ -19,7 +19,7 @@ from autoshard.cluster import ClusterProfile, get_cluster
 from autoshard.config import PlanConfig
 from autoshard.inputs import Call, example_call, signature_of
 from autoshard.notation import format_bytes
-from autoshard.plan import Plan
+from autoshard.plans.plan import Plan
 from autoshard.planner import plan_graph
 from autoshard.compiler.context import BACKENDS
 from autoshard.compiler.runner import check_disabled, rank_program

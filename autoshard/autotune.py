@@ -37,7 +37,7 @@ import torch.fx as fx
 from autoshard.compiler.context import PassContext
 from autoshard.compiler.solve import annotate
 from autoshard.compiler.solve_memory import solve_within
-from autoshard.plan import Plan, RecipeSummary
+from autoshard.plans.plan import Plan, RecipeSummary
 from autoshard.planner import build_plan
 from autoshard.solver.intra_op import Solution
 from autoshard.errors import InfeasibleBudget, InputError, SolverTimeout

@@ -24,7 +24,7 @@ from autoshard.inputs import Call, as_call, example_call
 from autoshard.meshes import default_mesh, fake_world, mesh_names, parse_mesh, parse_mesh_spec  # noqa: F401 (re-exported)
 from autoshard.models.zoo import ZooModel, get_model
 from autoshard.notation import format_bytes
-from autoshard.plan import Plan
+from autoshard.plans.plan import Plan
 from autoshard.planner import plan_graph
 from autoshard.errors import InfeasibleBudget, InputError
 
@@ -258,7 +258,7 @@ def _plan_flat(
 def _say_offload(gm: Any, ctx: Any, progress: Progress | None) -> None:
     """Log (and show as ``autoshard plan``'s progress) what the plan holds in host memory, if anything."""
     from autoshard.compiler.strategies import offload_summary
-    from autoshard.plan_report import offload_text
+    from autoshard.plans.report import offload_text
 
     found = offload_summary(gm, ctx)
     if found is None:

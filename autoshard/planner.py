@@ -33,8 +33,8 @@ from autoshard.compiler.solve_reuse import program_fingerprint
 from autoshard.ir import repeated_layers
 from autoshard.solver.intra_op import GRAD_SINK_CREDIT
 from autoshard.errors import InfeasibleBudget
-from autoshard.plan_collectives import plan_collectives, weight_of
-from autoshard.plan import (
+from autoshard.plans.collectives import plan_collectives, weight_of
+from autoshard.plans.plan import (
     RecipeSummary,
     MemoryBreakdown,
     MeshSpec,

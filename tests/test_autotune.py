@@ -8,7 +8,7 @@ import os
 
 import autoshard.autotune as at
 from autoshard.launch import launch
-from autoshard.plan import Plan
+from autoshard.plans.plan import Plan
 
 from numerics_utils import MODELS
 

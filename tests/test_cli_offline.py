@@ -9,7 +9,7 @@ import torch
 
 import autoshard
 from autoshard.cli import main
-from autoshard.plan import Plan
+from autoshard.plans.plan import Plan
 from autoshard.errors import InfeasibleBudget
 from harness import case_result, run_two_at_a_time
 

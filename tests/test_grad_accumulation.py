@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 import autoshard
-from autoshard.plan import Plan
+from autoshard.plans.plan import Plan
 from autoshard.errors import InfeasibleBudget
 
 from harness import (assert_close_to_reference, case_result, local_ranks, run_two_at_a_time,

@@ -21,7 +21,7 @@ from autoshard.launch import launch
 from autoshard.meshes import fake_world
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.compiler.lower import trace_rank_program
-from autoshard.plan import Plan
+from autoshard.plans.plan import Plan
 from autoshard.planner import plan_graph
 
 from harness import assert_close_to_reference, single_device_reference

@@ -68,7 +68,7 @@ BATCH = {"inputs": {"dp": Shard(0)}}
 )
 def test_gloo_eager(name, shape, names, kw):
     results = _run(name, shape, names, **kw)
-    from autoshard.plan import Plan
+    from autoshard.plans.plan import Plan
 
     plan = Plan.from_json(results[0]["plan"])
     if name == "llama-long":  # context parallelism: ring attention, chunks passed point to point
@@ -93,7 +93,7 @@ def test_gloo_gpt_zero2():
     """ZeRO-2: gradients reduce-scattered inside the rank's program, AdamW on each rank's shard of the master
     parameters, the compute copies gathered at the next forward."""
     results = _run("gpt", (2,), ("dp",), recipe="zero2", backend="eager")
-    from autoshard.plan import Plan
+    from autoshard.plans.plan import Plan
 
     layouts = [t for t in Plan.from_json(results[0]["plan"]).stages[0].tensors if t.role == "parameter"]
     assert {t.zero for t in layouts if t.shape[0] % 2 == 0} == {"zero2"}

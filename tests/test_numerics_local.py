@@ -83,7 +83,7 @@ def test_mesh_2x4_batch_on_dp(name, runs):
 
 def test_mesh_2x2_zero2_state_sharded_over_both_axes(runs):
     got = _check(runs, "gpt-2x2-zero2")
-    from autoshard.plan import Plan
+    from autoshard.plans.plan import Plan
 
     tensors = [t for t in Plan.from_json(got["plan"]).stages[0].tensors if t.role == "parameter"]
     assert {t.state_placements for t in tensors if t.zero} == {("S(0)", "S(0)")}
@@ -93,7 +93,7 @@ def test_mesh_2x2_zero2_state_sharded_over_both_axes(runs):
 def test_mesh_8_gpt_fsdp_like_budget(runs):
     # a budget that forces sharded parameters on 8 simulated ranks
     got = _check(runs, "gpt-8-budget")
-    from autoshard.plan import Plan
+    from autoshard.plans.plan import Plan
 
     placements = Plan.from_json(got["plan"]).parameter_placements()
     assert any(p != ("R",) for p in placements.values())
@@ -104,7 +104,7 @@ def test_sequence_sharded_residual_trains_like_one_device(runs):
     chunks (its cost beat moving the heads to the sequence by all-to-all, DeepSpeed-Ulysses, which this case
     ran before ring attention existed), no all-reduce in the forward, the norm after it on the sequence shard."""
     got = _check(runs, "gpt-seq-4")
-    from autoshard.plan import Plan
+    from autoshard.plans.plan import Plan
 
     stage = Plan.from_json(got["plan"]).stages[0]
     fwd = [c for c in stage.collectives if c.phase == "forward"]
@@ -120,7 +120,7 @@ def test_expert_parallel_moe_trains_like_one_device(runs):
     their expert's rank and come back by all-to-all (DTensor's all-to-all op), capacity drops included; loss,
     every gradient and the parameters after 3 AdamW steps equal the single-device run."""
     got = _check(runs, "moe-ep-4")
-    from autoshard.plan import Plan
+    from autoshard.plans.plan import Plan
 
     plan = Plan.from_json(got["plan"])
     experts = {k: v for k, v in plan.parameter_placements().items() if ".moe.w" in k}
@@ -136,7 +136,7 @@ def test_context_parallel_causal_attention_trains_like_one_device(runs):
     gradients passed home), forward and backward; equal to the single-device run. (The gathered-K/V kernel is
     checked against the whole kernel in ``test_attention_kernels.py``.)"""
     got = _check(runs, "llama-cp-4")
-    from autoshard.plan import Plan
+    from autoshard.plans.plan import Plan
 
     stage = Plan.from_json(got["plan"]).stages[0]
     attn = [d for d in stage.ops if d.op.startswith("aten._scaled_dot_product_flash_attention_for_cpu")]
@@ -152,7 +152,7 @@ def test_vocabulary_parallel_loss_trains_like_one_device(runs):
     on tp and the cross-entropy runs on the slices (row max and sum all-reduced, each rank picking the targets
     in its slice), forward and backward; equal to the single-device run."""
     got = _check(runs, "gpt-vocab-4")
-    from autoshard.plan import Plan
+    from autoshard.plans.plan import Plan
 
     ops = [d for d in Plan.from_json(got["plan"]).stages[0].ops
            if d.op in ("aten._log_softmax.default", "aten.nll_loss_forward.default", "aten.nll_loss_backward.default",

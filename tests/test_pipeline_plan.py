@@ -15,7 +15,7 @@ import torch
 import autoshard
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.pipeline.plan import FLAT_NAME
-from autoshard.plan import Plan
+from autoshard.plans.plan import Plan
 
 BALANCE = 1.25  # the slowest stage's time per micro-batch is at most this factor of the fastest's
 DEEP = GPTConfig(n_layer=8, d_model=1024, n_head=8, vocab=512, seq_len=128)

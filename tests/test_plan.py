@@ -23,7 +23,7 @@ from autoshard.notation import (
     placements_str,
     tensor_str,
 )
-from autoshard.plan import (
+from autoshard.plans.plan import (
     CollectiveStat,
     MemoryBreakdown,
     MeshSpec,

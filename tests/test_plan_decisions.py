@@ -123,7 +123,7 @@ def test_transformer_block_is_megatron_on_tp():
 
 
 def test_plan_report_and_json_round_trip():
-    from autoshard.plan import Plan
+    from autoshard.plans.plan import Plan
 
     with fake_world(4):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

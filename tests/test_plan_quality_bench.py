@@ -8,7 +8,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 import plan_quality_memory as pqm  # noqa: E402
 
-from autoshard.plan import RecipeSummary  # noqa: E402
+from autoshard.plans.plan import RecipeSummary  # noqa: E402
 
 G = pqm.GIB
 CASE = pqm.MemCase("llama3-8b", "h100-sxm:8x8", (8, 8), 64)

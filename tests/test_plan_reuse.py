@@ -12,8 +12,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
-from autoshard.fingerprint import canonical_json, digest
-from autoshard.plan import Plan
+from autoshard.plans.fingerprint import canonical_json, digest
+from autoshard.plans.plan import Plan
 
 from harness import local_ranks
 from numerics_utils import MODELS

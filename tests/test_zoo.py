@@ -293,8 +293,8 @@ def test_plan_step_time_prices_any_choice_like_the_solver() -> None:
     import math as _math
 
     from autoshard.compiler.solve import annotate
-    from autoshard.plan import Plan
-    from autoshard.plan_collectives import plan_collectives
+    from autoshard.plans.plan import Plan
+    from autoshard.plans.collectives import plan_collectives
     from autoshard.planner import build_plan
     from autoshard.solver.intra_op import GRAD_SINK_CREDIT
 

@@ -1,7 +1,7 @@
 """A saved plan's choices instead of a new solve (part of ``solve``, not a pass of its own): ``compile(model, mesh,
 inputs, plan=saved)``.
 
-The captured program is first checked against the plan's fingerprint (``autoshard/fingerprint.py``): a plan made
+The captured program is first checked against the plan's fingerprint (``autoshard/plans/fingerprint.py``): a plan made
 for another program, input shapes, mesh, cluster, precision or torch/autoshard version is refused with the parts
 that differ. Then every decision group takes the candidate the plan names: an op group the one whose anchor has
 the plan's output and input placements (``OpDecision``), a parameter or input the one with the plan's layouts
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from autoshard.fingerprint import fingerprint, mismatch
+from autoshard.plans.fingerprint import fingerprint, mismatch
 from autoshard.ir import GroupStrategy
 from autoshard.notation import placements_tuple
 from autoshard.compiler.context import PassContext

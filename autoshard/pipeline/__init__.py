@@ -7,7 +7,7 @@
   intra-op solves behind it, kept and reused (captures per micro-batch, layouts across stage counts);
 - ``costs``: a solved intra-op plan cut into per-layer pieces (what the inter-op DP splits);
 - ``megatron``: Megatron-LM's fixed (TP, PP, DP) configurations priced by the same model;
-- ``plan``: the pipelined :class:`~autoshard.plan.Plan` (one stage plan per stage);
+- ``plan``: the pipelined :class:`~autoshard.plans.plan.Plan` (one stage plan per stage);
 - ``offline``: ``autoshard.plan(..., pipeline="auto")`` on the offline path (options, the recipe rows, the choice);
 - ``compile`` and ``wiring``: ``autoshard.compile`` with stages: the model cut by
   ``torch.distributed.pipelining``, every stage planned and compiled, values routed between stages.

@@ -38,7 +38,7 @@ from autoshard.inputs import signature_of
 from autoshard.pipeline.search import SearchSpace, search_stages
 from autoshard.pipeline.solves import KeyCosts, StageSolves, micro_call
 from autoshard.pipeline.wiring import StageWiring, loss_counter, split_model, stage_examples
-from autoshard.plan import MeshSpec, Plan
+from autoshard.plans.plan import MeshSpec, Plan
 from autoshard.ir import pipeline_layers
 from autoshard.planner import plan_graph
 from autoshard.runtime.pipeline import EXECUTABLE_SCHEDULES, LossWeighting, PipelinedModule, StageModule, TiedParameter

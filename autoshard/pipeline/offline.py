@@ -26,7 +26,7 @@ from autoshard.pipeline.megatron import megatron_recipe
 from autoshard.pipeline.plan import FLAT_NAME, pipelined_plan
 from autoshard.pipeline.search import MEGATRON, PipelineOption, search_pipeline, stage_meshes
 from autoshard.pipeline.solves import FakeStageMeshes, StageSolves
-from autoshard.plan import RecipeSummary, Plan
+from autoshard.plans.plan import RecipeSummary, Plan
 from autoshard.errors import InfeasibleBudget, InputError
 
 log = logging.getLogger(__name__)

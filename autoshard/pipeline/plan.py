@@ -42,7 +42,7 @@ from autoshard.pipeline.costs import container_of, piece_costs
 from autoshard.pipeline.search import PipelineOption
 from autoshard.pipeline.costs import optimizer_step_s
 from autoshard.pipeline.solves import FREE, FakeStageMeshes, StageSolves
-from autoshard.plan import CollectiveStat, MemoryBreakdown, MeshSpec, Plan, StagePlan
+from autoshard.plans.plan import CollectiveStat, MemoryBreakdown, MeshSpec, Plan, StagePlan
 from autoshard.solver.inter_op import PieceCost
 from autoshard.errors import InputError
 

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from autoshard.inputs import CallSignature
 from autoshard.pipeline.wiring import StageWiring, loss_weights, stage_args, stage_sends
-from autoshard.plan import Plan
+from autoshard.plans.plan import Plan
 from autoshard.runtime.rebind import rebind_optimizers
 from autoshard.runtime.param_state import ParamStates, scatter_grads
 from autoshard.runtime.sharded_module import distribute_parameters

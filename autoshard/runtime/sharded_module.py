@@ -22,7 +22,7 @@ from torch.distributed.tensor.placement_types import Placement
 from autoshard import _torch_compat as tc
 from autoshard.inputs import CallSignature
 from autoshard.notation import local_shape, placements_str, tensor_str
-from autoshard.plan import Plan
+from autoshard.plans.plan import Plan
 from autoshard.runtime.accumulate import Accumulation
 from autoshard.runtime.param_state import ParamStates, scatter_grads
 from autoshard.runtime.rebind import rebind_optimizers, retire

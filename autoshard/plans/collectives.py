@@ -1,6 +1,6 @@
 """The collectives a solved graph's plan makes, priced as the lowering runs them (``autoshard/compiler/lower.py``).
 
-One :class:`~autoshard.plan.CollectiveStat` per collective DTensor runs for a placement change, with three
+One :class:`~autoshard.plans.plan.CollectiveStat` per collective DTensor runs for a placement change, with three
 corrections that follow what the lowered program does rather than one collective per consumer edge:
 
 - **Once per value and placement.** A value several consumers want in one placement is moved once (the first
@@ -38,7 +38,7 @@ from autoshard.cost.comm import redistribute_steps, sync_time
 from autoshard.ir import is_state, layer_key, tensor_args, view_root
 from autoshard.notation import local_shape
 from autoshard.compiler.context import PassContext
-from autoshard.plan import CollectiveStat
+from autoshard.plans.plan import CollectiveStat
 
 __all__ = ["plan_collectives", "weight_of"]
 

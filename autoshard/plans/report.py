@@ -1,4 +1,4 @@
-"""The plain-text report of a :class:`~autoshard.plan.Plan` (``Plan.report()``): header, recipe comparison,
+"""The plain-text report of a :class:`~autoshard.plans.plan.Plan` (``Plan.report()``): header, recipe comparison,
 then per stage the placements per module with repeated layers folded, the decisions and the collectives."""
 
 from __future__ import annotations

@@ -277,7 +277,7 @@ class Plan:
     recompute: bool = False  # layers run their forward again in the backward (pipelined: all; else config.recompute)
     recompute_layers: tuple[str, ...] = ()  # which modules replay, in which mode ("layers.3:selective"; recompute.py)
     recompute_s: float = 0.0  # predicted time the replays add to the step (in step_time_s)
-    fingerprint: tuple[tuple[str, str], ...] = ()  # what the plan was made for (autoshard/fingerprint.py)
+    fingerprint: tuple[tuple[str, str], ...] = ()  # what the plan was made for (autoshard/plans/fingerprint.py)
     measured_s: float = 0.0  # autotune: this plan's median step measured on the mesh; recipes hold the others'
 
     def __post_init__(self) -> None:
@@ -337,7 +337,7 @@ class Plan:
 
     def report(self, *, collapse: bool = True, max_rows: int = 400) -> str:
         """A plain-text table of the plan; ``collapse`` folds repeated layers with identical placements."""
-        from autoshard.plan_report import report_lines
+        from autoshard.plans.report import report_lines
 
         return "\n".join(report_lines(self, collapse=collapse, max_rows=max_rows)) + "\n"
 
