@@ -15,7 +15,8 @@ from torch.distributed.tensor import Shard
 
 from autoshard import _torch_compat as tc
 from autoshard.autotune import autotune as _autotune
-from autoshard.cluster import ClusterProfile, get_cluster
+from autoshard.cluster import get_cluster
+from autoshard.hardware import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.inputs import Call, example_call, signature_of
 from autoshard.notation import format_bytes

@@ -47,16 +47,16 @@ from typing import Any
 
 import torch
 
-from autoshard.calibrate_links import (  # noqa: F401 - COLLECTIVE_KINDS, fit_ring, _axis_groups: re-exported
-    COLLECTIVE_KINDS, CalibrationConfig, CollectiveFit, SyncFit, _axis_groups, _run_all, fit_ring,
+from autoshard.calibrate_links import (
+    CalibrationConfig, CollectiveFit, SyncFit, _run_all,
     measure_collectives,
 )
-from autoshard.cluster import ClusterProfile, DeviceSpec, Link
+from autoshard.hardware import ClusterProfile, DeviceSpec, Link
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "Calibration", "CalibrationConfig", "CollectiveFit", "SyncFit", "calibrate", "fit_ring", "measure_collectives",
+    "Calibration", "CalibrationConfig", "CollectiveFit", "SyncFit", "calibrate", "measure_collectives",
     "measure_copy_bandwidth", "measure_kernel_overhead", "measure_matmul", "summary", "write_profile",
 ]
 

@@ -17,17 +17,12 @@ from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 
-from autoshard.hardware import (  # noqa: F401 - AxisLayout, check_mesh, default_host_link: re-exported
-    AxisLayout, ClusterProfile, DeviceSpec, Link, check_mesh, default_host_link, pcie_link,
-)
+from autoshard.hardware import ClusterProfile, DeviceSpec, Link, pcie_link
 from autoshard.errors import InputError
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "AxisLayout", "ClusterProfile", "DeviceSpec", "Link", "check_mesh", "default_host_link", "get_cluster",
-    "known_clusters",
-]
+__all__ = ["get_cluster", "known_clusters"]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 import torch.distributed as dist
 
 from autoshard import _torch_compat as tc
-from autoshard.cluster import ClusterProfile
+from autoshard.hardware import ClusterProfile
 from autoshard.errors import InputError
 
 

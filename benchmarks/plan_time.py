@@ -39,7 +39,8 @@ import time
 
 from autoshard.config import PlanConfig
 from autoshard.models.zoo import get_model, known_models
-from autoshard.offline import fake_world, mesh_names, parse_mesh, resolve_model
+from autoshard.offline import resolve_model
+from autoshard.meshes import fake_world, mesh_names, parse_mesh
 from autoshard.planner import plan_graph
 from autoshard.cluster import get_cluster
 

@@ -13,7 +13,8 @@ import json
 import pytest
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autoshard.cluster import AxisLayout, ClusterProfile, check_mesh, get_cluster, known_clusters
+from autoshard.cluster import get_cluster, known_clusters
+from autoshard.hardware import AxisLayout, ClusterProfile, check_mesh
 from autoshard.cost.collectives import ALGORITHMS, algorithm_time, applicable_algorithms
 from autoshard.cost.comm import (
     CollectiveStep,

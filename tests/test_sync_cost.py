@@ -13,7 +13,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autoshard
 from autoshard.buckets import gather_axes, scatter_axes
-from autoshard.cluster import ClusterProfile, Link, get_cluster
+from autoshard.cluster import get_cluster
+from autoshard.hardware import ClusterProfile, Link
 from autoshard.config import PlanConfig
 from autoshard.meshes import fake_world
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs

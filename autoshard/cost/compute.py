@@ -23,7 +23,7 @@ import torch
 from torch.utils.flop_counter import flop_registry
 
 from autoshard import rules
-from autoshard.cluster import DeviceSpec
+from autoshard.hardware import DeviceSpec
 
 logger = logging.getLogger(__name__)
 

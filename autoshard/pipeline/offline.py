@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoshard.cluster import ClusterProfile
+from autoshard.hardware import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.meshes import mesh_names
 from autoshard.notation import format_seconds

@@ -34,7 +34,7 @@ from typing import Any
 
 from torch import nn
 
-from autoshard.cluster import ClusterProfile
+from autoshard.hardware import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.notation import format_bytes, format_seconds
 from autoshard.meshes import mesh_names

@@ -48,7 +48,7 @@ from typing import Any
 
 from torch import nn
 
-from autoshard.cluster import ClusterProfile
+from autoshard.hardware import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.pipeline.pricing import (FALLBACK_RECIPES, Config, PipelineOption, Pricer, SearchSpace, kind,
                                         p2p_seconds)

@@ -36,7 +36,7 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from autoshard.cluster import ClusterProfile
+from autoshard.hardware import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.compiler.context import PassContext
 from autoshard.pipeline.costs import boundary_node, with_optimizer
