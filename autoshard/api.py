@@ -15,8 +15,8 @@ from torch.distributed.tensor import Shard
 
 from autoshard import _torch_compat as tc
 from autoshard.autotune import autotune as _autotune
-from autoshard.cluster import get_cluster
-from autoshard.hardware import ClusterProfile
+from autoshard.cluster.presets import get_cluster
+from autoshard.cluster.profile import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.inputs import Call, example_call, signature_of
 from autoshard.notation import format_bytes
@@ -110,7 +110,7 @@ def plan(
     if cluster is None:
         raise InputError(
             "autoshard.plan without a DeviceMesh needs cluster= (a preset such as 'h100-sxm:16x8', see "
-            "autoshard.cluster.known_clusters(), or a .json profile)"
+            "autoshard.cluster.presets.known_clusters(), or a .json profile)"
         )
     return plan_offline(
         model,

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from autoshard.cluster import get_cluster, known_clusters
+from autoshard.cluster.presets import get_cluster, known_clusters
 from autoshard.models.zoo import get_model, known_models
 from autoshard.notation import parse_bytes
 from autoshard.errors import SolverTimeout
@@ -114,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _plan(a: argparse.Namespace) -> int:
     import autoshard
-    from autoshard.meshes import parse_mesh_spec
+    from autoshard.cluster.meshes import parse_mesh_spec
 
     budget = parse_bytes(a.memory_per_device) if a.memory_per_device else None
     mesh = parse_mesh_spec(a.mesh) if a.mesh else None
@@ -146,7 +146,7 @@ def _plan(a: argparse.Namespace) -> int:
 def _calibrate(a: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from autoshard.calibrate import CalibrationConfig, calibrate, summary, write_profile
+    from autoshard.cluster.calibrate import CalibrationConfig, calibrate, summary, write_profile
 
     cfg = CalibrationConfig.quick(a.ranks) if a.quick else CalibrationConfig(ranks=a.ranks)
     cfg = replace(cfg, threads=a.threads)

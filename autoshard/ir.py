@@ -207,7 +207,7 @@ def kept_target_counter(owner: fx.GraphModule, target: fx.Node, ignore: object) 
 
 def is_state(node: fx.Node) -> bool:
     """A parameter or buffer placeholder, or a view of one (the ``t`` before a matmul). The solver charges no
-    ``autoshard.hardware.Link.sync`` for such a move when the lowering gathers it ahead with its layer's others
+    ``autoshard.cluster.profile.Link.sync`` for such a move when the lowering gathers it ahead with its layer's others
     (FSDP's gathers); every other moved value (activations, their gradients, the loss) is waited on by the op
     that needs it (``autoshard/plans/collectives.py``)."""
     node = view_root(node)

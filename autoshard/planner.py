@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from autoshard.hardware import ClusterProfile
+from autoshard.cluster.profile import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.cost.memory import temporaries, transients
 from autoshard.notation import placements_tuple

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard.cluster import get_cluster
+from autoshard.cluster.presets import get_cluster
 from autoshard.notation import format_bytes
 
 log = logging.getLogger("gpu_meta_offload")

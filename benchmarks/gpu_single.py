@@ -12,7 +12,7 @@ the same batch in both variants:
   traced, planned (nothing to shard), split by the partitioner and compiled by Inductor (Triton kernels on a
   GPU), eager AdamW over its parameters.
 
-Both run in this process, one after the other, ``autoshard.bench.time_steps`` (warm-up untimed, median, p10,
+Both run in this process, one after the other, ``autoshard.testing.bench.time_steps`` (warm-up untimed, median, p10,
 p90, CUDA synchronised at the end of every step). Printed: median step, autoshard / torch.compile, and MFU =
 model FLOPs per step / step time / the device's dense bf16 peak, with model FLOPs the usual transformer count
 72 B s L h^2 (1 + s / 6h + V / 12hL) (forward + backward, no recomputation, causal attention counted whole).
@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard.bench import Timing, time_steps
-from autoshard.cluster import get_cluster
+from autoshard.testing.bench import Timing, time_steps
+from autoshard.cluster.presets import get_cluster
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 
 log = logging.getLogger("gpu_single")

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from autoshard.launch import launch
+from autoshard.testing.launch import launch
 from autoshard.errors import LaunchError
 
 log = logging.getLogger("hf_compat")
@@ -89,7 +89,7 @@ def _plan_case(rank: int, world: int, arg: tuple[str, int, int, str]) -> dict[st
     """Plan on a fake (8, 8) world; a failure comes back as data, with whether capture got through."""
     import autoshard
     from autoshard.models.hf import build
-    from autoshard.meshes import fake_world
+    from autoshard.cluster.meshes import fake_world
     from torch.distributed.device_mesh import init_device_mesh
 
     name, batch, seq, cluster = arg

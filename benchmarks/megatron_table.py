@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autoshard.cluster import get_cluster
+from autoshard.cluster.presets import get_cluster
 from autoshard.config import PlanConfig
 from autoshard.models.gpt import GPT, GPTConfig
 from autoshard.pipeline.megatron import evaluate_config, megatron_recipe

@@ -4,13 +4,13 @@
     python benchmarks/memory_truth.py --model gpt --backend eager
     python benchmarks/memory_truth.py --rows solved,ddp     # a subset of the rows
 
-Each row is one ``autoshard.launch`` of 2 forked gloo ranks (1 thread each; mesh (2,) "dp"): the model is built
+Each row is one ``autoshard.testing.launch`` of 2 forked gloo ranks (1 thread each; mesh (2,) "dp"): the model is built
 with fixed weights, ``autoshard.compile``d (the solved plan, a forced ``recipe=``, or the solved plan under a
 ``memory_budget`` of 0.9 / 0.85 of the no-budget plan's predicted peak), and trained with
 ``torch.optim.AdamW(foreach=True)`` (rows ``bf16``: ``mixed_precision="bf16"``, autocast with fp32 master weights) (the multi-tensor path GPU users get by default) and
 ``zero_grad(set_to_none=True)``: 2 warm-up steps, then one step measured on every rank.
 
-Measuring method: ``autoshard.memory_probe.measure_peak``, the PyTorch profiler's CPU memory timeline
+Measuring method: ``autoshard.testing.memory_probe.measure_peak``, the PyTorch profiler's CPU memory timeline
 (``profile_memory=True`` + ``export_memory_timeline(..raw.json, device="cpu")``): the peak is the largest sum
 over categories at one time stamp, over every tensor allocated through c10's CPU allocator (eager ops, Inductor's
 compiled code, DTensor local shards, gloo collectives' output tensors) plus the pre-existing tensors the step
@@ -56,10 +56,10 @@ from torch import nn
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "autoshard-inductor"))
 
 import autoshard  # noqa: E402
-from autoshard.launch import launch
+from autoshard.testing.launch import launch
 from autoshard.errors import LaunchError
 from autoshard.ir import repeated_layers  # noqa: E402
-from autoshard.memory_probe import measure_peak  # noqa: E402
+from autoshard.testing.memory_probe import measure_peak  # noqa: E402
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs  # noqa: E402
 
 log = logging.getLogger("memory_truth")

@@ -7,7 +7,7 @@
 Model: a stock ``transformers`` LlamaForCausalLM from ``LlamaConfig`` (default hidden 1024, 12 layers, MLP 2816,
 16 heads, vocab 32000, untied head: 220 M parameters, 838 MiB in float32), global batch 4 x 64 tokens.
 
-Cases, each one ``autoshard.launch`` of fresh forked processes (gloo ranks, 1 thread each), ``recipe="fsdp"``:
+Cases, each one ``autoshard.testing.launch`` of fresh forked processes (gloo ranks, 1 thread each), ``recipe="fsdp"``:
 
 - ``single``: the plain model built with ``from_config`` on the CPU, trained as one process does (no autoshard);
 - ``whole``: ``from_config`` on every rank (values from construction), then ``autoshard.compile``;
@@ -24,7 +24,7 @@ Measured two ways, per rank (the table shows the rank with the larger peak):
   nothing carries over from the parent. The child is forked from a parent that has only imported torch,
   transformers and autoshard: its resident size when it starts (``runtime``, about 0.27 GiB: libraries, Python,
   the pages inherited from the parent) is reported, and ``RSS - runtime`` is what the case itself added;
-- the project's probe (``autoshard.memory_probe.measure_peak``, the profiler's CPU memory timeline: tensor bytes,
+- the project's probe (``autoshard.testing.memory_probe.measure_peak``, the profiler's CPU memory timeline: tensor bytes,
   no allocator slack nor non-tensor memory) on a third step, after the two measured ones (the profiler's own
   memory stays out of the RSS numbers).
 
@@ -54,9 +54,9 @@ import torch
 from torch.profiler import record_function
 
 import autoshard
-from autoshard.launch import launch
+from autoshard.testing.launch import launch
 from autoshard.errors import LaunchError
-from autoshard.memory_probe import measure_peak
+from autoshard.testing.memory_probe import measure_peak
 
 log = logging.getLogger("meta_memory")
 

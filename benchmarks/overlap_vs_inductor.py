@@ -33,9 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import autoshard  # noqa: E402
 from runtime_vs_manual import global_inputs, make_model  # noqa: E402
 from autoshard._torch_compat.overlap import available, inductor_schedule_overlap  # noqa: E402
-from autoshard.bench import Variant, side_by_side  # noqa: E402
-from autoshard.cluster import get_cluster  # noqa: E402
-from autoshard.hardware import ClusterProfile  # noqa: E402
+from autoshard.testing.bench import Variant, side_by_side  # noqa: E402
+from autoshard.cluster.presets import get_cluster  # noqa: E402
+from autoshard.cluster.profile import ClusterProfile  # noqa: E402
 from autoshard.cost.comm import collective_time  # noqa: E402
 from autoshard.cost.compute import compute_time, op_bytes, op_flops  # noqa: E402
 from autoshard.compiler.lower import collective_counts  # noqa: E402

@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 
 import autoshard
-from autoshard.cluster import get_cluster
+from autoshard.cluster.presets import get_cluster
 from autoshard.config import RECIPES
 from autoshard.models.zoo import get_model
 from autoshard.compiler.recompute import describe

@@ -40,9 +40,9 @@ import time
 from autoshard.config import PlanConfig
 from autoshard.models.zoo import get_model, known_models
 from autoshard.offline import resolve_model
-from autoshard.meshes import fake_world, mesh_names, parse_mesh
+from autoshard.cluster.meshes import fake_world, mesh_names, parse_mesh
 from autoshard.planner import plan_graph
-from autoshard.cluster import get_cluster
+from autoshard.cluster.presets import get_cluster
 
 log = logging.getLogger("plan_time")
 

@@ -4,10 +4,10 @@
     python benchmarks/runtime_vs_manual.py --quick          # fewer steps, no torch.compile rows
     python benchmarks/runtime_vs_manual.py --model gpt --ranks 2
 
-CPU gloo, one thread per rank (``autoshard.launch``). Meshes: 2 ranks (2,) "dp"; 4 ranks (2, 2) "dp", "tp".
+CPU gloo, one thread per rank (``autoshard.testing.launch``). Meshes: 2 ranks (2,) "dp"; 4 ranks (2, 2) "dp", "tp".
 A step is forward, backward and AdamW (``zero_grad(set_to_none=True)`` included), on the same global batch and
 the same initial weights in every variant (seeded builders). All variants of one mesh run in ONE launch
-(``autoshard.bench.side_by_side``): every variant is built and warmed up, then the timed steps go round-robin
+(``autoshard.testing.bench.side_by_side``): every variant is built and warmed up, then the timed steps go round-robin
 over the variants (``--sequential``: one variant's steps after another's), so that a change in the machine's load
 falls on every row alike; each row is the median of rank 0's step times, with a barrier before every timed step.
 
@@ -58,7 +58,7 @@ import sys  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/manual_tp.py, when loaded by path
 import autoshard  # noqa: E402
 from manual_tp import apply_tp  # noqa: E402
-from autoshard.bench import Row, Variant, call_loss, side_by_side, spearman  # noqa: E402
+from autoshard.testing.bench import Row, Variant, call_loss, side_by_side, spearman  # noqa: E402
 from autoshard.errors import LaunchError
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs  # noqa: E402
 from autoshard.solver.recipes import applicable  # noqa: E402
@@ -243,7 +243,7 @@ def make_variants(rank: int, world: int, setup: Setup) -> list[Variant]:
 def predicted_step_s(plan: Any, cluster: str) -> float:
     """The cost model's training step: the plan's forward + backward + communication, plus the AdamW update
     over this device's parameters, gradients and optimizer state (memory-bound; ``pipeline_search``)."""
-    from autoshard.cluster import get_cluster
+    from autoshard.cluster.presets import get_cluster
     from autoshard.pipeline.search import optimizer_step_s
 
     m = plan.stages[0].memory
@@ -300,7 +300,7 @@ def _profile(spec: str, world: int, tmp: str) -> str:
     ``world`` gloo ranks written under ``tmp`` (its summary is printed)."""
     if spec != "calibrate":
         return spec
-    from autoshard.calibrate import CalibrationConfig, calibrate, summary, write_profile
+    from autoshard.cluster.calibrate import CalibrationConfig, calibrate, summary, write_profile
 
     t0 = time.perf_counter()
     cal = calibrate(CalibrationConfig.quick(ranks=world), name=f"calibrated-cpu-{world}")
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="time each variant's steps in a block (default: round-robin over the variants)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("autoshard.bench").setLevel(logging.INFO)  # which variant runs (to stderr)
+    logging.getLogger("autoshard.testing.bench").setLevel(logging.INFO)  # which variant runs (to stderr)
     steps = args.steps or (5 if args.quick else 20)
     warmup = args.warmup or (2 if args.quick else 3)
     models = ("gpt", "hf") if args.model == "both" else (args.model,)

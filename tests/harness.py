@@ -2,8 +2,8 @@
 
 Imported by test modules (``from harness import ...`` or ``from tests.harness import ...``);
 it is not itself a test file. The library provides the rest: gloo ranks in forked processes are
-``autoshard.launch.launch`` (mind its forking pitfall: fork first, compute references afterwards),
-a fake process group is ``autoshard.meshes.fake_world``, planning on one is ``autoshard.plan``
+``autoshard.testing.launch.launch`` (mind its forking pitfall: fork first, compute references afterwards),
+a fake process group is ``autoshard.cluster.meshes.fake_world``, planning on one is ``autoshard.plan``
 (or ``autoshard.planner.plan_graph`` for the traced graph and pass context too).
 """
 
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from autoshard.bench import call_loss
-from autoshard.meshes import fake_world
+from autoshard.testing.bench import call_loss
+from autoshard.cluster.meshes import fake_world
 
 if TYPE_CHECKING:
     from torch.distributed._local_tensor import LocalTensorMode
@@ -215,7 +215,7 @@ def run_two_at_a_time(run: Callable[[Any], Any], cases: Sequence[Any], cost: dic
     Returns ``{case: {"result": ...}}`` or ``{case: {"error": traceback}}``; :func:`case_result` turns the latter
     into the case's test failure. ``run`` must be a module-level function and its results plain
     (``torch.save``-able)."""
-    from autoshard.launch import launch
+    from autoshard.testing.launch import launch
 
     cases = sorted(dict.fromkeys(cases), key=lambda c: -(cost or {}).get(c, 1.0))
     if len(cases) < 2:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 import autoshard.autotune as at
-from autoshard.launch import launch
+from autoshard.testing.launch import launch
 from autoshard.plans.plan import Plan
 
 from numerics_utils import MODELS

@@ -1,4 +1,4 @@
-"""The benchmark measurement harness (autoshard.bench): warm-up, median/p10/p90, side-by-side variants on gloo.
+"""The benchmark measurement harness (autoshard.testing.bench): warm-up, median/p10/p90, side-by-side variants on gloo.
 
 No timed assertions: the statistics are checked on a fake clock, the gloo run on what ran, not how fast.
 """
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autoshard.bench import Row, Variant, quantile, run_variants, side_by_side, time_steps
+from autoshard.testing.bench import Row, Variant, quantile, run_variants, side_by_side, time_steps
 
 
 class FakeClock:
@@ -128,7 +128,7 @@ def test_side_by_side_returns_one_row_per_variant_from_rank_zero() -> None:
 
 
 def _row(name: str, median: float) -> Row:
-    from autoshard.bench import Timing
+    from autoshard.testing.bench import Timing
 
     return Row(name, Timing(median, median, median, (median,)))
 

@@ -13,13 +13,13 @@ import pytest
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
-from autoshard.calibrate import CalibrationConfig, calibrate, write_profile
-from autoshard.calibrate_links import COLLECTIVE_KINDS, _axis_groups, fit_ring
+from autoshard.cluster.calibrate import CalibrationConfig, calibrate, write_profile
+from autoshard.cluster.calibrate_links import COLLECTIVE_KINDS, _axis_groups, fit_ring
 from autoshard.cli import main
-from autoshard.cluster import get_cluster
-from autoshard.hardware import AxisLayout, Link
+from autoshard.cluster.presets import get_cluster
+from autoshard.cluster.profile import AxisLayout, Link
 from autoshard.cost.collectives import algorithm_time
-from autoshard.meshes import fake_world
+from autoshard.cluster.meshes import fake_world
 from autoshard.models.mlp import MLP, mlp_example_inputs
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autoshard.cluster import get_cluster, known_clusters
-from autoshard.hardware import ClusterProfile, DeviceSpec, Link
+from autoshard.cluster.presets import get_cluster, known_clusters
+from autoshard.cluster.profile import ClusterProfile, DeviceSpec, Link
 from autoshard.cost.comm import CollectiveStep, collective_time, redistribute_steps, redistribute_time
 from autoshard.cost.compute import compute_time, op_bytes, op_flops
 

@@ -13,8 +13,8 @@ import json
 import pytest
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autoshard.cluster import get_cluster, known_clusters
-from autoshard.hardware import AxisLayout, ClusterProfile, check_mesh
+from autoshard.cluster.presets import get_cluster, known_clusters
+from autoshard.cluster.profile import AxisLayout, ClusterProfile, check_mesh
 from autoshard.cost.collectives import ALGORITHMS, algorithm_time, applicable_algorithms
 from autoshard.cost.comm import (
     CollectiveStep,

@@ -18,7 +18,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autoshard._torch_compat.capture import _inline_constant_items
 from autoshard._torch_compat.dtensor import op_strategies, tensor_meta
-from autoshard.meshes import fake_world
+from autoshard.cluster.meshes import fake_world
 
 aten = torch.ops.aten
 

@@ -104,7 +104,7 @@ def _gloo_worker(rank: int, world: int, k: int) -> dict:
 def test_gloo_gpt_padded_targets_weighted_by_count() -> None:
     """Real gloo processes, the GPT of ``MODELS`` with -100 targets spread unevenly: each micro-batch's mean
     cross-entropy is weighted by the targets it counts, alike on every rank (from the global batch)."""
-    from autoshard.launch import launch
+    from autoshard.testing.launch import launch
 
     results = launch(2, _gloo_worker, 2)
     inputs = _padded_gpt_inputs()
@@ -190,7 +190,7 @@ def _gloo_budget_worker(rank: int, world: int, arg: None) -> dict:
 
 def test_gloo_ranks_agree_on_the_micro_batches() -> None:
     """On a real group rank 0 solves each try; every rank follows its verdict to the same micro-batch count."""
-    from autoshard.launch import launch
+    from autoshard.testing.launch import launch
 
     results = launch(2, _gloo_budget_worker, None)
     ref = single_device_reference(_make_mlp, _big_batch(2048), steps=1, lr=LR)

@@ -115,9 +115,9 @@ def test_piece_costs_add_up_to_the_plan(sample):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autoshard.cluster import get_cluster
+    from autoshard.cluster.presets import get_cluster
     from autoshard.config import PlanConfig
-    from autoshard.meshes import fake_world
+    from autoshard.cluster.meshes import fake_world
     from autoshard.models.llama import Llama, LlamaConfig, llama_example_inputs
     from autoshard.pipeline.costs import piece_costs
     from autoshard.planner import plan_graph
@@ -150,7 +150,7 @@ def test_deep_narrow_model_on_a_slow_network_gets_balanced_stages():
     within 25%, and the plain intra-op plan (1 stage) is among the options compared."""
     import torch
 
-    from autoshard.cluster import get_cluster
+    from autoshard.cluster.presets import get_cluster
     from autoshard.config import PlanConfig
     from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
     from autoshard.pipeline.search import search_pipeline
@@ -234,7 +234,7 @@ def test_interleaved_ranks_send_at_every_chunk_boundary():
 
 
 def test_microbatch_counts_and_stage_start():
-    from autoshard.cluster import get_cluster
+    from autoshard.cluster.presets import get_cluster
     from autoshard.config import PlanConfig
     from autoshard.pipeline.search import microbatch_counts, stage_start
 
@@ -266,7 +266,7 @@ def _small_gpt(batch: int = 16):
 def test_a_fixed_tp_pp_dp_config_prices_megatrons_layout():
     """TP 8 in a node, 2 stages of 2 nodes each (DP 2), 8 micro-batches: the tp recipe on a
     (dp, tp) sub-mesh, layers split evenly; recomputation lowers memory and costs time."""
-    from autoshard.cluster import get_cluster
+    from autoshard.cluster.presets import get_cluster
     from autoshard.config import PlanConfig
     from autoshard.pipeline.megatron import evaluate_config
 
@@ -291,7 +291,7 @@ def test_a_fixed_tp_pp_dp_config_prices_megatrons_layout():
 def test_megatron_recipe_takes_the_smallest_pp_that_fits_and_the_search_is_not_slower():
     """On 4 nodes with a budget that one stage (TP 8 x DP 4) exceeds, Megatron's recipe takes PP 2 (TP 8 x DP 2
     per stage); the free search, which lists it among its options, finds something at least as fast."""
-    from autoshard.cluster import get_cluster
+    from autoshard.cluster.presets import get_cluster
     from autoshard.config import PlanConfig
     from autoshard.pipeline.megatron import megatron_recipe
     from autoshard.pipeline.search import MEGATRON, search_pipeline

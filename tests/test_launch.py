@@ -1,4 +1,4 @@
-"""``autoshard.launch``: forked ranks' results in rank order, and a failing, dying or hanging rank reported (its
+"""``autoshard.testing.launch``: forked ranks' results in rank order, and a failing, dying or hanging rank reported (its
 rank, its traceback), not waited on."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autoshard.launch import launch
+from autoshard.testing.launch import launch
 from autoshard.errors import LaunchError
-from autoshard.meshes import fake_world
+from autoshard.cluster.meshes import fake_world
 
 
 def _sum_of_ranks(rank: int, world: int, arg: int) -> int:
@@ -38,6 +38,13 @@ def _raise_on_rank_1(rank: int, world: int, arg: object) -> int:
 def _killed_on_rank_1(rank: int, world: int, arg: None) -> int:
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)  # a native death: no Python exception, no error file
+    dist.barrier()
+    return rank
+
+
+def _aborts_on_rank_1(rank: int, world: int, arg: None) -> int:
+    if rank == 1:
+        os.abort()  # what a native abort ("malloc(): ... corrupted", a failed C++ check) does
     dist.barrier()
     return rank
 
@@ -74,6 +81,13 @@ def test_a_rank_that_dies_without_a_python_exception_is_the_cause() -> None:
     with pytest.raises(LaunchError, match=r"rank 1: died without a Python exception \(killed by SIGKILL\)") as info:
         launch(2, _killed_on_rank_1, timeout=60)
     assert info.value.rank == 1
+
+
+def test_a_native_abort_reports_the_python_stack_it_died_in() -> None:
+    with pytest.raises(LaunchError, match=r"rank 1: died without a Python exception \(killed by SIGABRT\)") as info:
+        launch(2, _aborts_on_rank_1, timeout=60)
+    assert "rank 1's Python stacks" in info.value.detail
+    assert "_aborts_on_rank_1" in info.value.detail  # faulthandler's stack names the function it aborted in
 
 
 def test_a_hung_launch_is_stopped_at_its_timeout() -> None:

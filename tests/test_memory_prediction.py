@@ -11,8 +11,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
-from autoshard.launch import launch
-from autoshard.memory_probe import measure_peak
+from autoshard.testing.launch import launch
+from autoshard.testing.memory_probe import measure_peak
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 
 # benchmarks/memory_truth.py's GPT: big enough that the step's tensors, not allocator slack, make its peak

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from autoshard.memory_probe import (
+from autoshard.testing.memory_probe import (
     ALLOCATOR_CATEGORIES,
     CATEGORIES,
     category_names,
@@ -137,7 +137,7 @@ def test_peak_of_timeline_baseline_regions_and_errors():
 
 
 def test_allocator_fallback_rebuilds_the_peak():
-    from autoshard.memory_probe import _allocator_timeline
+    from autoshard.testing.memory_probe import _allocator_timeline
 
     allocs = [(5, 1, 100), (6, 2, 50), (6, 1, -100), (7, 3, 10)]  # +100, then +50 and -100 at once, +10
     times, sizes = _allocator_timeline(allocs, 1000)

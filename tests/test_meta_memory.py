@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 import meta_memory as mm  # noqa: E402
 
-from autoshard.launch import launch  # noqa: E402
+from autoshard.testing.launch import launch  # noqa: E402
 
 # one layer (a quick compile) with a wide MLP: 59 M parameters, 236 MB float32; its three MLP weights (64 MiB each)
 # are above glibc's largest mmap threshold, so they are returned to the kernel when freed (a repeatable RSS)

@@ -15,10 +15,10 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
-from autoshard.cluster import get_cluster
+from autoshard.cluster.presets import get_cluster
 from autoshard.config import PlanConfig
-from autoshard.launch import launch
-from autoshard.meshes import fake_world
+from autoshard.testing.launch import launch
+from autoshard.cluster.meshes import fake_world
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.compiler.lower import trace_rank_program
 from autoshard.plans.plan import Plan

@@ -1,5 +1,5 @@
 """Fast checks of the example models, of the test harness (simulated ranks, references) and of the fake world it
-uses (``autoshard.meshes.fake_world``). The gloo launcher is tested in test_launch.py."""
+uses (``autoshard.cluster.meshes.fake_world``). The gloo launcher is tested in test_launch.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autoshard.meshes import fake_world
+from autoshard.cluster.meshes import fake_world
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.models.mlp import MLP, mlp_example_inputs
 

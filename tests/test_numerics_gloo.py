@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Shard
 
-from autoshard.launch import launch
+from autoshard.testing.launch import launch
 from autoshard.models.mlp import mlp_example_inputs
 from harness import assert_close_to_reference, local_ranks, single_device_reference
 from numerics_utils import LR, MODELS, PARAM_ATOL, make_mlp, train_sharded

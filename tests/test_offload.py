@@ -14,11 +14,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 import autoshard
-from autoshard.cluster import get_cluster
+from autoshard.cluster.presets import get_cluster
 from autoshard.config import PlanConfig
 from autoshard.cost.offload import host_memory_rate, offload_cost
-from autoshard.launch import launch
-from autoshard.meshes import fake_world
+from autoshard.testing.launch import launch
+from autoshard.cluster.meshes import fake_world
 from autoshard.models.mlp import MLP, mlp_example_inputs
 from autoshard.compiler.strategies import offloaded_params
 from autoshard.planner import plan_graph

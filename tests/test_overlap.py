@@ -8,7 +8,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoshard import _torch_compat as tc
-from autoshard.meshes import fake_world
+from autoshard.cluster.meshes import fake_world
 from autoshard.compiler.overlap import IN_FLIGHT, schedule_overlap
 
 

@@ -10,9 +10,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
-from autoshard.cluster import get_cluster
+from autoshard.cluster.presets import get_cluster
 from autoshard.config import PlanConfig
-from autoshard.meshes import fake_world
+from autoshard.cluster.meshes import fake_world
 from autoshard.compiler.capture import capture
 from autoshard.compiler.coarsen import coarsen
 from autoshard.compiler.context import PassContext

@@ -9,7 +9,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
-from autoshard.launch import launch
+from autoshard.testing.launch import launch
 from autoshard.models import hf
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.models.llama import Llama, LlamaConfig, llama_example_inputs

@@ -169,7 +169,7 @@ def test_a_model_without_repeated_layers_gets_no_stages(caplog: pytest.LogCaptur
 def test_pipeline_planning_needs_the_offline_path() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autoshard.meshes import fake_world
+    from autoshard.cluster.meshes import fake_world
 
     model, inputs = _deep_narrow()
     with fake_world(4):

@@ -16,9 +16,9 @@ from torch.distributed.device_mesh import init_device_mesh
 import autoshard
 import autoshard.pipeline.compile as pipeline_compile
 import autoshard.pipeline.search as pipeline_search
-from autoshard.cluster import get_cluster
+from autoshard.cluster.presets import get_cluster
 from autoshard.config import PlanConfig
-from autoshard.meshes import fake_world
+from autoshard.cluster.meshes import fake_world
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.runtime.pipeline import EXECUTABLE_SCHEDULES
 from autoshard.solver.inter_op import SCHEDULES, SPLIT_BACKWARD

@@ -11,9 +11,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 import autoshard
-from autoshard.cluster import get_cluster
+from autoshard.cluster.presets import get_cluster
 from autoshard.config import PlanConfig
-from autoshard.meshes import fake_world
+from autoshard.cluster.meshes import fake_world
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.models.llama import Llama, LlamaConfig, llama_example_inputs
 from autoshard.models.mlp import MLP, mlp_example_inputs

@@ -13,8 +13,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 import autoshard.api
-from autoshard.launch import launch
-from autoshard.meshes import fake_world
+from autoshard.testing.launch import launch
+from autoshard.cluster.meshes import fake_world
 from autoshard.ir import repeated_layers
 
 pytest.importorskip("transformers")

@@ -13,7 +13,7 @@ import autoshard
 from autoshard.config import normalize
 from autoshard.models.moe import MoEConfig, MoEDecoder, moe_example_inputs
 from autoshard.solver.recipes import applicable, is_expert_weight, tp_role
-from autoshard.meshes import fake_world
+from autoshard.cluster.meshes import fake_world
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.models.llama import Llama, LlamaConfig, llama_example_inputs
 from autoshard.models.mlp import MLP, mlp_example_inputs

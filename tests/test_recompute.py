@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 import autoshard
-from autoshard.launch import launch
+from autoshard.testing.launch import launch
 from autoshard.compiler.recompute import LayerReplay, best_mix, layer_modes, mix_specs, sampled_specs
 from harness import assert_close_to_reference, single_device_reference
 from numerics_utils import LR, MODELS, PARAM_ATOL, train_sharded
@@ -96,7 +96,7 @@ def test_planner_recomputes_some_layers_selectively_only_when_the_budget_asks():
     than every layer); with 102% nothing recomputes. The plan's JSON keeps which layers, and old JSON still loads."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autoshard.meshes import fake_world
+    from autoshard.cluster.meshes import fake_world
 
     with torch.device("meta"):
         model = _Stack()

@@ -10,10 +10,10 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 from autoshard.buckets import bucket_starts
-from autoshard.cluster import get_cluster
+from autoshard.cluster.presets import get_cluster
 from autoshard.cost.comm import collective_time
-from autoshard.launch import launch
-from autoshard.meshes import fake_world
+from autoshard.testing.launch import launch
+from autoshard.cluster.meshes import fake_world
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.compiler.lower import collective_counts
 from harness import assert_close_to_reference, single_device_reference

@@ -13,10 +13,10 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autoshard
 from autoshard.buckets import gather_axes, scatter_axes
-from autoshard.cluster import get_cluster
-from autoshard.hardware import ClusterProfile, Link
+from autoshard.cluster.presets import get_cluster
+from autoshard.cluster.profile import ClusterProfile, Link
 from autoshard.config import PlanConfig
-from autoshard.meshes import fake_world
+from autoshard.cluster.meshes import fake_world
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.compiler.lower import _gather_groups, collective_counts, trace_rank_program
 from autoshard.planner import plan_graph
@@ -152,7 +152,7 @@ def _flat_worker(rank: int, world: int, _: object) -> dict:
 
 
 def test_flattened_and_dim1_bundled_collectives_give_dtensors_values() -> None:
-    from autoshard.launch import launch
+    from autoshard.testing.launch import launch
 
     torch.manual_seed(0)
     full = torch.randn(8, 12)

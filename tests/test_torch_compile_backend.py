@@ -12,7 +12,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
-from autoshard.launch import launch
+from autoshard.testing.launch import launch
 from autoshard.errors import LaunchError
 
 from harness import assert_close_to_reference, single_device_reference

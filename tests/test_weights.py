@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard.launch import launch
+from autoshard.testing.launch import launch
 from harness import local_ranks
 
 transformers = pytest.importorskip("transformers")

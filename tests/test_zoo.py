@@ -16,9 +16,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import autoshard
-from autoshard.cluster import get_cluster
+from autoshard.cluster.presets import get_cluster
 from autoshard.config import PlanConfig
-from autoshard.meshes import fake_world
+from autoshard.cluster.meshes import fake_world
 from autoshard.models.bert import BertConfig
 from autoshard.models.gpt import GPTConfig
 from autoshard.models.llama import LlamaConfig

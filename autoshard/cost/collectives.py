@@ -55,7 +55,7 @@ NCCL's tuner picks the algorithm with the least predicted time. Plain arithmetic
 
 from __future__ import annotations
 
-from autoshard.hardware import AxisLayout, Link
+from autoshard.cluster.profile import AxisLayout, Link
 from autoshard.errors import InputError
 
 __all__ = [

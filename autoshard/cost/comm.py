@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from torch.distributed.tensor import Placement
 
-from autoshard.hardware import AxisLayout, ClusterProfile, Link
+from autoshard.cluster.profile import AxisLayout, ClusterProfile, Link
 from autoshard.cost.collectives import (
     ALGORITHMS,
     COLLECTIVES,

@@ -23,7 +23,7 @@ import torch
 from torch.utils.flop_counter import flop_registry
 
 from autoshard import rules
-from autoshard.hardware import DeviceSpec
+from autoshard.cluster.profile import DeviceSpec
 
 logger = logging.getLogger(__name__)
 

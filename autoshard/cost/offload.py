@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoshard.hardware import ClusterProfile
+from autoshard.cluster.profile import ClusterProfile
 
 # DRAM bandwidth of the host per GPU (bytes/s) by device family, and the share a streaming optimizer step reaches
 HOST_DRAM_PER_DEVICE = {"a100": 409.6e9 / 8, "h100": 614.4e9 / 8, "h200": 614.4e9 / 8}

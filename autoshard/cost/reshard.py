@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from torch.distributed.tensor.placement_types import Placement
 
-from autoshard.hardware import ClusterProfile
+from autoshard.cluster.profile import ClusterProfile
 from autoshard.cost.comm import redistribute_steps, sync_time
 
 

@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.placement_types import Placement
 
-from autoshard.hardware import ClusterProfile
+from autoshard.cluster.profile import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.inputs import signature_of
 from autoshard.pipeline.search import SearchSpace, search_stages

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autoshard.hardware import DeviceSpec
+from autoshard.cluster.profile import DeviceSpec
 from autoshard.ir import layer_key
 from autoshard.compiler.context import PassContext
 from autoshard.solver.inter_op import PieceCost

@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from autoshard.hardware import ClusterProfile
+from autoshard.cluster.profile import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.pipeline.search import MEGATRON, PipelineOption, p2p_seconds
 from autoshard.pipeline.solves import FakeStageMeshes, StageSolves

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoshard.hardware import ClusterProfile
+from autoshard.cluster.profile import ClusterProfile
 from autoshard.config import PlanConfig
-from autoshard.meshes import mesh_names
+from autoshard.cluster.meshes import mesh_names
 from autoshard.notation import format_seconds
 from autoshard.pipeline.megatron import megatron_recipe
 from autoshard.pipeline.plan import FLAT_NAME, pipelined_plan

@@ -34,10 +34,10 @@ from typing import Any
 
 from torch import nn
 
-from autoshard.hardware import ClusterProfile
+from autoshard.cluster.profile import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.notation import format_bytes, format_seconds
-from autoshard.meshes import mesh_names
+from autoshard.cluster.meshes import mesh_names
 from autoshard.pipeline.costs import container_of, piece_costs
 from autoshard.pipeline.search import PipelineOption
 from autoshard.pipeline.costs import optimizer_step_s

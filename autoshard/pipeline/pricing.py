@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
-from autoshard.hardware import ClusterProfile
+from autoshard.cluster.profile import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.pipeline.costs import optimizer_step_s
 from autoshard.pipeline.solves import FREE, Key, KeyCosts, StageSolves

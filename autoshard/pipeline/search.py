@@ -48,7 +48,7 @@ from typing import Any
 
 from torch import nn
 
-from autoshard.hardware import ClusterProfile
+from autoshard.cluster.profile import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.pipeline.pricing import (FALLBACK_RECIPES, Config, PipelineOption, Pricer, SearchSpace, kind,
                                         p2p_seconds)
@@ -263,7 +263,7 @@ def search_pipeline(
     device) walked per kind of sub-mesh. (``pipeline.megatron.megatron_recipe`` prices Megatron's recipe to
     compare with.)"""
     from autoshard.ir import pipeline_layers
-    from autoshard.meshes import mesh_names
+    from autoshard.cluster.meshes import mesh_names
 
     found = pipeline_layers(model)
     solves = solves or StageSolves(model, example_inputs, config, FakeStageMeshes(cluster), found[0] if found else "",

@@ -36,7 +36,7 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from autoshard.hardware import ClusterProfile
+from autoshard.cluster.profile import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.compiler.context import PassContext
 from autoshard.pipeline.costs import boundary_node, with_optimizer
@@ -79,7 +79,7 @@ class FakeStageMeshes:
     def mesh(self, stages: int, shape: tuple[int, ...], names: tuple[str, ...]) -> Iterator[DeviceMesh]:
         from torch.distributed.device_mesh import init_device_mesh
 
-        from autoshard.meshes import fake_world
+        from autoshard.cluster.meshes import fake_world
 
         with fake_world(math.prod(shape)):
             yield init_device_mesh("cpu", shape, mesh_dim_names=names)

@@ -12,7 +12,7 @@ corrections that follow what the lowered program does rather than one collective
   masters back to their compute layout after the step all together (``runtime.param_state``). Each member is
   priced at its bytes; each bucket or group adds its collectives' latency once (tensor ``"bucket of N
   gradients"`` or ``"group of N parameters"``, 0 bytes, named after its first member's consumer).
-- **Each wait costs the links' sync** (:attr:`autoshard.hardware.Link.sync`: the ranks arrive apart after
+- **Each wait costs the links' sync** (:attr:`autoshard.cluster.profile.Link.sync`: the ranks arrive apart after
   compute). Measured on gloo, a prefetched gather group or a gradient bucket is waited on much like an
   activation's all-reduce, so every collective of a move, bucket or group pays it (a move's second collective
   too: on another mesh axis it meets other ranks); ZeRO's gathers after the optimizer step that cannot be bundled

@@ -271,7 +271,7 @@ def _pipeline_lines(plan: Plan) -> list[str]:
 def _why_unbalanced(plan: Plan) -> str:
     """Why the fastest stage has fewer layers, where memory is the reason: it sits at the per-device budget (the
     one given, else the device's memory) with its share of the schedule's in-flight activations."""
-    from autoshard.cluster import get_cluster
+    from autoshard.cluster.presets import get_cluster
 
     budget = plan.memory_budget_bytes
     if not budget:

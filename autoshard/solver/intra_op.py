@@ -41,7 +41,7 @@ from ortools.sat.python import cp_model
 from torch.distributed.tensor import Replicate
 
 from autoshard.buckets import bucketable, gather_axes
-from autoshard.hardware import ClusterProfile
+from autoshard.cluster.profile import ClusterProfile
 from autoshard.cost.reshard import reshard_time as redistribute_time
 from autoshard.ir import Edge, Group, GroupStrategy, Placements, is_state
 from autoshard.errors import InfeasibleBudget, InputError, SolverTimeout

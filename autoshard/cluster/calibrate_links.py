@@ -1,13 +1,13 @@
 """``autoshard calibrate``'s link measurements: what to measure (:class:`CalibrationConfig`), and the
 collectives (all_reduce, all_gather, reduce_scatter) timed over a real gloo group of forked ranks on every mesh
 axis, each fitted to the ring formula ``t = steps * latency + c * bytes / bandwidth`` through a small and a
-large message (:func:`fit_ring`). ``autoshard.calibrate`` measures compute and builds the profile.
+large message (:func:`fit_ring`). ``autoshard.cluster.calibrate`` measures compute and builds the profile.
 
 Each of those is timed right after a barrier, with every rank arriving together. Inside a training step a
 collective that waits on compute finds the ranks apart (on shared cores a rank may be descheduled for a whole
 time slice), so each axis also gets a sync probe (:class:`SyncFit`): a loop of equal compute chunks, with and
 without a small all_reduce after each; what the collective adds per iteration beyond its own after-barrier time is
-the link's ``sync`` (``autoshard.hardware.Link``).
+the link's ``sync`` (``autoshard.cluster.profile.Link``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """``autoshard calibrate``: measure this machine and write a cluster profile the planner can use.
 
-The cost model reads a :class:`~autoshard.cluster.DeviceSpec` (roofline: ``flops / (peak_flops[dtype] *
+The cost model reads a :class:`~autoshard.cluster.presets.DeviceSpec` (roofline: ``flops / (peak_flops[dtype] *
 flops_efficiency)``, ``bytes / (memory_bandwidth * memory_efficiency)``, ``kernel_overhead``) and, per mesh axis,
-a :class:`~autoshard.cluster.Link` (``latency`` per ring step, ``bandwidth`` per device) priced with the ring
+a :class:`~autoshard.cluster.presets.Link` (``latency`` per ring step, ``bandwidth`` per device) priced with the ring
 formulas of :mod:`autoshard.cost.collectives`. This module measures each of those figures:
 
 * **compute**: ``torch.mm`` of square matrices per dtype (float32, bfloat16 and float16 where they run) at a few
@@ -20,12 +20,12 @@ formulas of :mod:`autoshard.cost.collectives`. This module measures each of thos
   ``c = (n - 1) / n``, both doubled for all_reduce) through both points, so the model reproduces the measured
   medians; the profile's link takes the median latency and bandwidth over the fits.
 * **sync**: per axis, a loop of equal compute chunks with and without a small all_reduce after each
-  (``autoshard.calibrate_links.SyncFit``): what a collective that compute waits on costs beyond its
+  (``autoshard.cluster.calibrate_links.SyncFit``): what a collective that compute waits on costs beyond its
   after-barrier time (ranks arriving apart); the link's ``sync`` is the median over axes.
 
 Every figure is the median of ``reps`` repetitions after ``warmup`` un-timed ones, and every ``source`` says
 "measured by autoshard calibrate on <date>, <host/cpu>, <sizes>". The raw timings are kept under the JSON key
-``"calibration"`` (ignored by :func:`~autoshard.cluster.get_cluster`).
+``"calibration"`` (ignored by :func:`~autoshard.cluster.presets.get_cluster`).
 """
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ from typing import Any
 
 import torch
 
-from autoshard.calibrate_links import (
+from autoshard.cluster.calibrate_links import (
     CalibrationConfig, CollectiveFit, SyncFit, _run_all,
     measure_collectives,
 )
-from autoshard.hardware import ClusterProfile, DeviceSpec, Link
+from autoshard.cluster.profile import ClusterProfile, DeviceSpec, Link
 
 logger = logging.getLogger(__name__)
 

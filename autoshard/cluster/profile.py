@@ -6,7 +6,7 @@ numbers in one frozen, JSON-able value (instead of constants scattered through t
 ``autoshard plan --cluster h100-sxm:128x8`` run on a laptop, lets a user drop in a ``my_cluster.json`` they
 measured themselves, and lets a reader check each number against the document it came from (``sources``).
 
-This module holds the value types; ``autoshard.cluster`` holds the presets and resolves spec strings.
+This module holds the value types; ``autoshard.cluster.presets`` holds the presets and resolves spec strings.
 """
 
 from __future__ import annotations

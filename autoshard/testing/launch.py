@@ -22,6 +22,7 @@ references afterwards (or inside a child). ``fn`` should be a module-level funct
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing
 import signal
 import sys
@@ -50,6 +51,9 @@ def _child(rank: int, world: int, fn: Callable[[int, int, Any], Any], arg: Any, 
 
     if gloo:
         torch.set_num_threads(1)  # 4 ranks on a few cores; ATen runs its parallel loops inline
+    # a native abort (SIGABRT, SIGSEGV) leaves no Python exception: every thread's Python stack goes to this file
+    fault = open(f"{tmpdir}/fault{rank}.txt", "w")  # noqa: SIM115 - open until the process exits
+    faulthandler.enable(fault, all_threads=True)
     code = 0
     try:
         if gloo:
@@ -87,6 +91,13 @@ def _errors(tmpdir: str) -> list[tuple[int, int, str, str]]:
     return sorted(found)
 
 
+def _stacks(tmpdir: str, rank: int) -> list[str]:
+    """The Python stacks ``faulthandler`` wrote when ``rank`` died natively, as lines (none if it wrote none)."""
+    f = Path(tmpdir, f"fault{rank}.txt")
+    text = f.read_text().strip() if f.exists() else ""
+    return [f"rank {rank}'s Python stacks when it died:", text] if text else []
+
+
 def _failure(tmpdir: str, first: dict[int, int], codes: list[int | None], hung: list[int], timed_out: bool,
              timeout: float) -> LaunchError | None:
     """The error to raise, if any: a child that died without a Python exception before any was stopped, else the
@@ -98,7 +109,7 @@ def _failure(tmpdir: str, first: dict[int, int], codes: list[int | None], hung: 
     if native:
         r = native[0]
         return LaunchError(f"rank {r}: died without a Python exception ({_how(first[r])}); exit codes {codes}",
-                           "\n".join(later), rank=r)
+                           "\n".join([*_stacks(tmpdir, r), *later]), rank=r)
     if errors:  # the earliest is the cause; peers then fail in a collective
         _, rank, summary, text = errors[0]
         return LaunchError(f"rank {rank}: {summary}", "\n".join([text.rstrip(), *later[1:]]), rank=rank)
@@ -107,7 +118,7 @@ def _failure(tmpdir: str, first: dict[int, int], codes: list[int | None], hung: 
     bad = [r for r, c in enumerate(codes) if c != 0]
     if bad:
         return LaunchError(f"rank {bad[0]}: died without a Python exception ({_how(codes[bad[0]])}); exit codes "
-                           f"{codes}", rank=bad[0])
+                           f"{codes}", "\n".join(_stacks(tmpdir, bad[0])), rank=bad[0])
     return None
 
 

@@ -1,4 +1,4 @@
-"""Cluster presets and spec strings: the hardware profiles (``autoshard.hardware``) autoshard ships, every
+"""Cluster presets and spec strings: the hardware profiles (``autoshard.cluster.profile``) autoshard ships, every
 number with its source, and :func:`get_cluster`, which resolves a spec::
 
     "h100-sxm"          one node of the preset's default size (8 devices)
@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 
-from autoshard.hardware import ClusterProfile, DeviceSpec, Link, pcie_link
+from autoshard.cluster.profile import ClusterProfile, DeviceSpec, Link, pcie_link
 from autoshard.errors import InputError
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 import torch.distributed as dist
 
 from autoshard import _torch_compat as tc
-from autoshard.hardware import ClusterProfile
+from autoshard.cluster.profile import ClusterProfile
 from autoshard.errors import InputError
 
 

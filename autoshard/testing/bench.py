@@ -12,7 +12,7 @@ is kept in ``Row.extra["first"]`` when it is a number (the benchmark returns the
 variant trains the same model on the same batch); a variant that fails on only some
 ranks would leave the others waiting in a collective, so variants should fail (if at all) on every rank.
 
-``side_by_side`` launches ``world_size`` gloo ranks once (``autoshard.launch.launch``, or the ``launch`` given:
+``side_by_side`` launches ``world_size`` gloo ranks once (``autoshard.testing.launch.launch``, or the ``launch`` given:
 ``launch(world_size, fn, arg) -> [result of rank 0, rank 1, ...]``) and returns rank 0's rows.
 
 Also here: ``call_loss`` (a model called on its example inputs as its users call it, the loss of the result) and
@@ -33,7 +33,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
-from autoshard.launch import launch as launch_ranks
+from autoshard.testing.launch import launch as launch_ranks
 from autoshard.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -270,7 +270,7 @@ def side_by_side(
     ``make_variants`` must be a module-level function (it crosses a fork or a pickle) and return the same names
     on every rank; each variant's ``build`` runs on its rank (same seed, same weights, same global batch are the
     caller's to arrange). ``interleave`` as for :func:`run_variants`. ``launch`` defaults to
-    :func:`autoshard.launch.launch` (gloo, its default time-out). Returns rank 0's rows.
+    :func:`autoshard.testing.launch.launch` (gloo, its default time-out). Returns rank 0's rows.
     """
     results = (launch or launch_ranks)(world_size, _side_by_side_worker, (make_variants, arg, steps, warmup, interleave))
     rows: list[Row] = results[0]
