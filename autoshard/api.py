@@ -4,31 +4,28 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
 
 from autoshard import _torch_compat as tc
-from autoshard.autotune import autotune as _autotune
 from autoshard.cluster.presets import get_cluster
 from autoshard.cluster.profile import ClusterProfile
-from autoshard.config import PlanConfig
-from autoshard.inputs import Call, example_call, signature_of
-from autoshard.notation import format_bytes
-from autoshard.plans.plan import Plan
-from autoshard.planner import plan_graph
 from autoshard.compiler.context import BACKENDS
 from autoshard.compiler.runner import check_disabled, rank_program
-from autoshard.errors import InfeasibleBudget, InputError
-from autoshard.runtime.accumulate import Accumulation, accumulated_plan, batched_inputs, loss_weighting, micro_example
-from autoshard.runtime.lazy import DATA_PARALLEL_NAMES, LazyShardedModule, batch_constraint
+from autoshard.config import PlanConfig
+from autoshard.errors import InputError
+from autoshard.inputs import Call, example_call
+from autoshard.plans.plan import Plan
+from autoshard.runtime.lazy import LazyShardedModule, batch_constraint
 from autoshard.runtime.pipeline import PipelinedModule
 from autoshard.runtime.sharded_module import ShardedModule
+from autoshard.search.accumulate import plan_accumulated
+from autoshard.search.autotune import autotune as _autotune
+from autoshard.search.recompute import plan_graph
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +97,10 @@ def plan(
             found = repeated_layers(model)
             long = found is not None and found[1] >= 2 * DEFAULT_SAMPLE_LAYERS
             options["sample_layers"] = DEFAULT_SAMPLE_LAYERS if long else None
-        p, _, _ = plan_graph(
+        p = plan_graph(
             model, example_call(example_inputs), mesh, get_cluster(cluster),
             _config(memory_budget, constraints, **options), progress=progress,
-        )
+        ).plan
         return dataclasses.replace(p, model=type(model).__name__)
     from autoshard.offline import plan_offline
 
@@ -192,7 +189,7 @@ def compile(  # noqa: A001 - the one-line API the project promises
     ``plan=Plan.from_json(text)`` runs a saved single-stage plan without solving: it must have been made for this
     program (``plan.fingerprint``: ops, parameters, input shapes, mesh, cluster, precision, versions), or it is
     refused naming what differs (``autoshard/compiler/solve_reuse.py``). ``autotune=k``: the solver's k best distinct plans and
-    the recipes that fit are timed on the mesh and the fastest kept, cached on disk (``autoshard/autotune.py``).
+    the recipes that fit are timed on the mesh and the fastest kept, cached on disk (``autoshard/search/autotune.py``).
     """
     if backend not in BACKENDS:
         raise InputError(f"backend={backend!r} is not known; use one of {BACKENDS}")
@@ -232,106 +229,14 @@ def compile(  # noqa: A001 - the one-line API the project promises
         return _autotune(model, inputs, int(autotune), backend, real_group, lambda: plan_graph(
             model, inputs, mesh, get_cluster(cluster), config, real_group), lambda m, saved: compile(
             m, mesh, example_inputs, cluster=cluster, backend=backend, parameters=parameters, plan=saved))
-    p, gm, ctx, accumulation = _plan_accumulated(model, inputs, mesh, get_cluster(cluster), config, real_group,
-                                                 microbatches)
-    program = rank_program(gm, ctx, backend)
+    planned, accumulation = plan_accumulated(model, inputs, mesh, get_cluster(cluster), config, real_group,
+                                             microbatches)
+    p, ctx = planned.plan, planned.ctx
+    program = rank_program(planned.graph, ctx, backend)
     grad_names = [r.name for r in ctx.output_roles if r.kind == "grad"]
     sharded = ShardedModule(model, mesh, p, program, grad_names, ctx.signature, parameters, accumulation)
     sharded.timings = dict(ctx.timings)
     return sharded
-
-
-def _plan_accumulated(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
-                      config: PlanConfig, real_group: bool, microbatches: int | None
-                      ) -> tuple[Plan, Any, Any, Accumulation | None]:
-    """The plan of the whole batch, or of one of ``microbatches`` micro-batches (given, or the fewest that fit the
-    memory budget when the whole batch does not), with the Accumulation that ``ShardedModule.step`` runs."""
-    if microbatches is not None:
-        return _plan_micro(model, inputs, mesh, cluster, config, real_group, int(microbatches))
-    if config.memory_budget is None:
-        p, gm, ctx = plan_graph(model, inputs, mesh, cluster, config, real_group)
-        return p, gm, ctx, None
-    whole_plan, whole = _agreed(real_group, lambda: _plan_micro(model, inputs, mesh, cluster, config, real_group, 1))
-    if whole is None:
-        return whole_plan
-    least = whole.least_bytes
-    tried: list[str] = []
-    for k in _microbatch_counts(inputs, mesh, config):
-        found, err = _agreed(real_group, lambda k=k: _plan_micro(model, inputs, mesh, cluster, config, real_group, k))
-        if err is not None:
-            tried.append(f"{k}: {format_bytes(err.least_bytes) if err.least_bytes else 'none fits'}")
-            least = err.least_bytes if err.least_bytes and (least is None or err.least_bytes < least) else least
-            continue
-        peak = found[0].peak_memory.total
-        if peak > config.memory_budget:  # the solver's constraint may count less than the plan's full peak
-            tried.append(f"{k}: predicted peak {format_bytes(peak)}")
-            least = peak if least is None or peak < least else least
-            continue
-        log.info("compile: the whole batch does not fit memory_budget=%s (%s); gradient accumulation over %d "
-                 "micro-batches fits (predicted peak %s per device)", format_bytes(config.memory_budget),
-                 whole, k, format_bytes(peak))
-        return found
-    smallest = f"; the smallest budget any plan needs is {format_bytes(least)}" if least else ""
-    raise InfeasibleBudget(
-        f"{str(whole).rstrip('.')}. Gradient accumulation did not fit either (micro-batches tried: "
-        f"{'; '.join(tried) or 'none, the batch does not split further'}){smallest}", least) from whole
-
-
-def _agreed(real_group: bool, attempt: Callable[[], Any]) -> tuple[Any, InfeasibleBudget | None]:
-    """``attempt()`` on every rank: (its result, None), or (None, the error) when the budget is infeasible; other
-    errors are raised. On a real group rank 0 solves and the other ranks hear of its error only as a
-    RuntimeError (``autoshard/compiler/solve.py``): rank 0's verdict is broadcast so that every rank takes the same branch."""
-    result, err = None, None
-    try:
-        result = attempt()
-    except Exception as e:  # noqa: BLE001 - sorted below, on every rank alike
-        err = e
-    if real_group:
-        box: list[Any] = [err if isinstance(err, InfeasibleBudget) else ("failed" if err is not None else None)]
-        dist.broadcast_object_list(box, src=0)
-        if isinstance(box[0], InfeasibleBudget):
-            return None, box[0]
-        if err is None and box[0] is not None:
-            raise RuntimeError("rank 0 could not plan (see its error); this rank stops too")
-    if isinstance(err, InfeasibleBudget):
-        return None, err
-    if err is not None:
-        raise err
-    return result, None
-
-
-def _plan_micro(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
-                config: PlanConfig, real_group: bool, k: int) -> tuple[Plan, Any, Any, Accumulation | None]:
-    """Plan one of ``k`` micro-batches of ``inputs``; the plan says ``microbatches=k``."""
-    if k == 1:
-        p, gm, ctx = plan_graph(model, inputs, mesh, cluster, config, real_group)
-        return p, gm, ctx, None
-    sig, tensors = signature_of(inputs)
-    p, gm, ctx = plan_graph(model, micro_example(sig, tensors, k), mesh, cluster, config, real_group)
-    weighting = loss_weighting(gm, ctx.output_roles)
-    return accumulated_plan(p, k), gm, ctx, Accumulation(k, batched_inputs(tensors), weighting)
-
-
-def _microbatch_counts(inputs: tuple | dict | Call, mesh: DeviceMesh, config: PlanConfig) -> list[int]:
-    """2, 4, 8, ... micro-batches that divide every batched input's dim 0 and leave each data-parallel shard of
-    a micro-batch non-empty and even (inputs pinned ``Shard(0)`` on mesh axes, or the mesh's data-parallel axes)."""
-    sig, tensors = signature_of(inputs)
-    names = tuple(mesh.mesh_dim_names or (f"d{i}" for i in range(mesh.ndim)))
-    batched = [(i, t) for i, (t, b) in enumerate(zip(tensors, batched_inputs(tensors))) if b]
-    if not batched:
-        return []
-    dp = math.prod(s for n, s in zip(names, mesh.shape) if n in DATA_PARALLEL_NAMES)
-    need = []  # per batched input: what its micro-batch's dim 0 must be a multiple of
-    for i, t in batched:
-        pinned = config.constraint_for(f"input[{i}]", "input", names, alias=sig.names[i]) or ()
-        split = math.prod(s for p, s in zip(pinned, mesh.shape) if isinstance(p, Shard) and p.dim == 0)
-        need.append((t.shape[0], max(split, 1), dp))
-    out, k = [], 2
-    while all(b // k >= 1 for b, _, _ in need):
-        if all(b % k == 0 and (b // k) % split == 0 and b // k >= d for b, split, d in need):
-            out.append(k)
-        k *= 2
-    return out
 
 
 def _compile_on_first_call(model: nn.Module, mesh: DeviceMesh, constraints: Mapping[str, Any] | None,
@@ -380,7 +285,7 @@ def _compile_pipelined(
                              "micro-batch count tried")
         return None
     if "pp" not in names:
-        plain, _, _ = plan_graph(model, inputs, mesh, cluster, config, broadcast_solution=True)
+        plain = plan_graph(model, inputs, mesh, cluster, config, broadcast_solution=True).plan
         if plain.step_time_s <= choice.split.step_time_s:
             log.info("compile: no pipeline (%.6f s per step) beats %d stages (%.6f s)", plain.step_time_s,
                      choice.stages, choice.split.step_time_s)

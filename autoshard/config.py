@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
@@ -19,7 +19,7 @@ OPTIMIZER_STATE_FACTOR = {"adamw": 2, "adam": 2, "adamw-mixed": 6, "sgd": 1, "no
 
 # A constraint value: either a full placement list (one per mesh axis: "[S(0), R]", ("S(0)", "R"),
 # [Shard(0), Replicate()]) or a partial mapping {axis name: placement} that leaves other axes free.
-ConstraintValue = Any
+ConstraintValue = Union[str, Sequence[Union[str, Placement, None]], Mapping[str, Union[str, Placement]]]
 
 
 # the manual recipes a plan can be forced to (PlanConfig.recipe) and is compared with (autoshard.solver.recipes)
@@ -93,7 +93,7 @@ class PlanConfig:
     reduce_dtype: str = "float32"  # gradients reduced in this dtype under mixed_precision
     offload: str = "auto"
     reuse: Any = None  # a saved Plan whose choices are run instead of solving (compile(..., plan=saved))
-    recompute: tuple[str, ...] = ()  # module paths whose forward the backward runs again (autoshard/compiler/recompute.py)
+    recompute: tuple[str, ...] = ()  # module paths whose forward the backward runs again (autoshard/compiler/capture_recompute.py)
     # picks the scalar loss out of what forward returns; default: a tensor itself, a ModelOutput's or dict's
     # "loss", a tuple's first element (autoshard/compiler/capture.py: loss_of)
     loss_fn: Callable[[Any], Any] | None = None

@@ -209,7 +209,7 @@ def is_state(node: fx.Node) -> bool:
     """A parameter or buffer placeholder, or a view of one (the ``t`` before a matmul). The solver charges no
     ``autoshard.cluster.profile.Link.sync`` for such a move when the lowering gathers it ahead with its layer's others
     (FSDP's gathers); every other moved value (activations, their gradients, the loss) is waited on by the op
-    that needs it (``autoshard/plans/collectives.py``)."""
+    that needs it (``autoshard/compiler/plan_collectives.py``)."""
     node = view_root(node)
     role = node.meta.get("autoshard_role") if node.op == "placeholder" else None
     return role is not None and role.kind in ("parameter", "buffer")

@@ -12,7 +12,8 @@ The notation (docs/design.md, "Code rules"):
 - meshes: ``dp=2 × tp=4``;
 - tensors: ``f32[B, T, D]``;
 - sizes ``1.50 GiB`` (binary units), times ``12.3 ms``;
-- ops ``mm`` for ``aten.mm.default``; repeated layers ``layers.1–31: same as layers.0``.
+- ops ``mm`` for ``aten.mm.default``; repeated layers ``layers.1–31: same as layers.0``;
+- recomputation specs ``layers.3`` (full) or ``layers.3:selective``, folded as ``layers.0-3 full, layers.4-31 selective``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from autoshard.errors import InputError
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "FULL", "MODES", "SELECTIVE", "describe", "parse_spec", "spec",
     "placement_str",
     "placements_str",
     "parse_placement",
@@ -397,3 +399,39 @@ def format_seconds(t: float) -> str:
         i -= 1
     scale, name = _TIME_UNITS[i]
     return f"{_three_digits(t / scale)} {name}"
+
+
+# recomputation specs (``PlanConfig.recompute``; ``autoshard/compiler/capture_recompute.py`` tags them)
+FULL, SELECTIVE = "full", "selective"
+MODES = (FULL, SELECTIVE)
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    """``"layers.3:selective"`` -> ``("layers.3", "selective")``; no mode is ``full``."""
+    path, _, mode = str(spec).partition(":")
+    mode = mode or FULL
+    if mode not in MODES:
+        raise InputError(f"recompute={spec!r}: mode {mode!r} is not one of {', '.join(MODES)} (write 'PATH' or "
+                         f"'PATH:selective')")
+    return path, mode
+
+
+def spec(path: str, mode: str) -> str:
+    return path if mode == FULL else f"{path}:{mode}"
+
+
+def describe(specs: Sequence[str]) -> str:
+    """``layers.0-3 full, layers.4-31 selective``: specs with runs of consecutive layers folded."""
+    runs: list[list] = []  # [container, first, last, mode] or [path, None, None, mode]
+    for s in specs:
+        path, mode = parse_spec(s)
+        parts = layer_parts(path + ".x")
+        if parts and parts[2] == "x" and runs and runs[-1][0] == parts[0] and runs[-1][3] == mode \
+                and runs[-1][2] == parts[1] - 1:
+            runs[-1][2] = parts[1]
+        elif parts and parts[2] == "x":
+            runs.append([parts[0], parts[1], parts[1], mode])
+        else:
+            runs.append([path, None, None, mode])
+    return ", ".join(f"{c}.{a}" + (f"-{b}" if b != a else "") + f" {m}" if a is not None else f"{c} {m}"
+                     for c, a, b, m in runs)

@@ -26,7 +26,7 @@ from autoshard.cluster.meshes import default_mesh, fake_world, mesh_names, parse
 from autoshard.models.zoo import ZooModel, get_model
 from autoshard.notation import format_bytes
 from autoshard.plans.plan import Plan
-from autoshard.planner import plan_graph
+from autoshard.search.recompute import plan_graph
 from autoshard.errors import InfeasibleBudget, InputError
 
 log = logging.getLogger(__name__)
@@ -249,8 +249,9 @@ def _plan_flat(
             if solves is not None:
                 plan = solves.plan(dm, prof, cfg, progress)
             else:
-                plan, gm, ctx = plan_graph(job.module, job.inputs, dm, prof, cfg, progress=progress)
-                _say_offload(gm, ctx, progress)
+                planned = plan_graph(job.module, job.inputs, dm, prof, cfg, progress=progress)
+                plan = planned.plan
+                _say_offload(planned.graph, planned.ctx, progress)
         except InfeasibleBudget as e:  # (a SolverTimeout is not an out-of-memory verdict: it passes through)
             raise InfeasibleBudget(_explain_oom(job, e, prof, shape, cfg.memory_budget), e.least_bytes) from None
     return plan
@@ -270,5 +271,4 @@ def _say_offload(gm: Any, ctx: Any, progress: Progress | None) -> None:
         progress("offload", 1.0, text.removeprefix("offload: "))
 
 
-__all__ = ["PIPELINE_MODES", "default_mesh", "fake_world", "mesh_names", "parse_mesh", "parse_mesh_spec",
-           "plan_offline", "resolve_model"]
+__all__ = ["PIPELINE_MODES", "plan_offline", "resolve_model"]

@@ -43,7 +43,8 @@ from autoshard.cluster.presets import get_cluster
 from autoshard.config import PlanConfig
 from autoshard.models.gpt import GPT, GPTConfig
 from autoshard.pipeline.megatron import evaluate_config, megatron_recipe
-from autoshard.pipeline.search import PipelineOption, search_pipeline
+from autoshard.pipeline.pricing import PipelineOption
+from autoshard.pipeline.search import search_pipeline
 
 # GPT weak scaling, Megatron-LM (Narayanan et al., SC'21), NVIDIA Selene: 8x A100-80GB per node (NVSwitch), 8x HDR InfiniBand (200 Gb/s) per node.
 # Source: NVIDIA/Megatron-LM README table image images/cases_april2021.png and its text: vocab 51200, sequence 2048, mixed precision,

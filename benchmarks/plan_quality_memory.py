@@ -19,7 +19,7 @@ sharded on some mesh axis out of all the captured graph's parameters (three samp
 axis, those whose gradients and optimizer state are sharded apart from them (ZeRO-1 / ZeRO-2,
 ``TensorLayout.zero``), and the program inputs' placements (tokens, targets).
 
-The plan may recompute activations per layer (``autoshard/planner.py``: every layer saved, every layer recomputed
+The plan may recompute activations per layer (``autoshard/search/recompute.py``: every layer saved, every layer recomputed
 in full, and the fastest mix of saved, selective and fully recomputed layers that fits); "uses" says which layers
 recompute and what the replays cost. The recipes are compared as people run them: each recipe's faster fitting
 variant of saving every activation and recomputing every layer ("recipes with full recomputation"), not with the
@@ -41,7 +41,7 @@ import autoshard
 from autoshard.cluster.presets import get_cluster
 from autoshard.config import RECIPES
 from autoshard.models.zoo import get_model
-from autoshard.compiler.recompute import describe
+from autoshard.notation import describe
 from autoshard.errors import InfeasibleBudget
 
 log = logging.getLogger("plan_quality")

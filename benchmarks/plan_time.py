@@ -41,7 +41,7 @@ from autoshard.config import PlanConfig
 from autoshard.models.zoo import get_model, known_models
 from autoshard.offline import resolve_model
 from autoshard.cluster.meshes import fake_world, mesh_names, parse_mesh
-from autoshard.planner import plan_graph
+from autoshard.search.recompute import plan_graph
 from autoshard.cluster.presets import get_cluster
 
 log = logging.getLogger("plan_time")
@@ -126,8 +126,9 @@ def run_case(model: str, shape: tuple[int, ...], solve_recipes: bool, time_limit
     cluster = get_cluster(f"h100-sxm:{world // per_node}x{per_node}")
     job = resolve_model(model, None, seq=None, global_batch=world)
     config = PlanConfig(sample_layers=3, solve_recipes=solve_recipes, time_limit_s=time_limit)
-    (plan, _, ctx), wall, cpu = _timed_plan(shape, profile,
+    planned, wall, cpu = _timed_plan(shape, profile,
                                             lambda mesh: plan_graph(job.module, job.inputs, mesh, cluster, config))
+    plan, ctx = planned.plan, planned.ctx
     canon = ctx.layer_of_group or {}
     s = plan.solver
     row = {

@@ -244,7 +244,7 @@ def predicted_step_s(plan: Any, cluster: str) -> float:
     """The cost model's training step: the plan's forward + backward + communication, plus the AdamW update
     over this device's parameters, gradients and optimizer state (memory-bound; ``pipeline_search``)."""
     from autoshard.cluster.presets import get_cluster
-    from autoshard.pipeline.search import optimizer_step_s
+    from autoshard.pipeline.costs import optimizer_step_s
 
     m = plan.stages[0].memory
     return plan.step_time_s + optimizer_step_s(m.parameters + m.gradients + m.optimizer, get_cluster(cluster).device, 2)
@@ -300,7 +300,8 @@ def _profile(spec: str, world: int, tmp: str) -> str:
     ``world`` gloo ranks written under ``tmp`` (its summary is printed)."""
     if spec != "calibrate":
         return spec
-    from autoshard.cluster.calibrate import CalibrationConfig, calibrate, summary, write_profile
+    from autoshard.cluster.calibrate import calibrate, summary, write_profile
+    from autoshard.cluster.calibrate_links import CalibrationConfig
 
     t0 = time.perf_counter()
     cal = calibrate(CalibrationConfig.quick(ranks=world), name=f"calibrated-cpu-{world}")

@@ -4,7 +4,7 @@ Imported by test modules (``from harness import ...`` or ``from tests.harness im
 it is not itself a test file. The library provides the rest: gloo ranks in forked processes are
 ``autoshard.testing.launch.launch`` (mind its forking pitfall: fork first, compute references afterwards),
 a fake process group is ``autoshard.cluster.meshes.fake_world``, planning on one is ``autoshard.plan``
-(or ``autoshard.planner.plan_graph`` for the traced graph and pass context too).
+(or ``autoshard.search.recompute.plan_graph`` for the traced graph and pass context too).
 """
 
 from __future__ import annotations

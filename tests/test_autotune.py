@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-import autoshard.autotune as at
+import autoshard.search.autotune as at
 from autoshard.testing.launch import launch
 from autoshard.plans.plan import Plan
 

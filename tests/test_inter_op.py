@@ -120,15 +120,16 @@ def test_piece_costs_add_up_to_the_plan(sample):
     from autoshard.cluster.meshes import fake_world
     from autoshard.models.llama import Llama, LlamaConfig, llama_example_inputs
     from autoshard.pipeline.costs import piece_costs
-    from autoshard.planner import plan_graph
+    from autoshard.search.recompute import plan_graph
 
     cfg = LlamaConfig(n_layer=6, d_model=64, n_head=4, n_kv_head=2, ffn=128, vocab=256, seq_len=32)
     with fake_world(4):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         with torch.device("meta"):
             model = Llama(cfg)
-        plan, gm, ctx = plan_graph(model, llama_example_inputs(cfg, 8), mesh, get_cluster("h100-sxm:1x4"),
+        planned = plan_graph(model, llama_example_inputs(cfg, 8), mesh, get_cluster("h100-sxm:1x4"),
                                    PlanConfig(sample_layers=sample, solve_recipes=False))
+        plan, gm, ctx = planned.plan, planned.graph, planned.ctx
         head, layers, tail = piece_costs(gm, ctx)
     assert len(layers) == 6
     total = head.time_s + tail.time_s + sum(c.time_s + c.step_s for c in layers) + head.step_s + tail.step_s

@@ -22,7 +22,7 @@ from autoshard.cluster.meshes import fake_world
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.compiler.lower import trace_rank_program
 from autoshard.plans.plan import Plan
-from autoshard.planner import plan_graph
+from autoshard.search.recompute import plan_graph
 
 from harness import assert_close_to_reference, single_device_reference
 from numerics_utils import LR, MODELS, train_sharded
@@ -49,7 +49,8 @@ def test_fsdp_gathers_bf16_weights_and_reduces_fp32_gradients() -> None:
         for mp, red in ((None, "float32"), ("bf16", "float32"), ("bf16", "bf16")):
             torch.manual_seed(0)
             config = PlanConfig(recipe="fsdp", mixed_precision=mp, reduce_dtype=red)
-            plan, gm, ctx = plan_graph(GPT(cfg), gpt_example_inputs(cfg, 8), mesh, get_cluster("cpu"), config)
+            planned = plan_graph(GPT(cfg), gpt_example_inputs(cfg, 8), mesh, get_cluster("cpu"), config)
+            plan, gm, ctx = planned.plan, planned.graph, planned.ctx
             got[(mp, red)] = (plan, _collective_dtypes(trace_rank_program(gm, ctx)))
     fp32, (mixed, dtypes), (low, low_dtypes) = got[(None, "float32")], got[("bf16", "float32")], got[("bf16", "bf16")]
     assert fp32[1]["all_gather_into_tensor"] == {torch.float32}

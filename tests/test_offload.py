@@ -21,7 +21,7 @@ from autoshard.testing.launch import launch
 from autoshard.cluster.meshes import fake_world
 from autoshard.models.mlp import MLP, mlp_example_inputs
 from autoshard.compiler.strategies import offloaded_params
-from autoshard.planner import plan_graph
+from autoshard.search.recompute import plan_graph
 from autoshard.errors import InfeasibleBudget
 from harness import assert_close_to_reference, single_device_reference
 from numerics_utils import LR, MODELS, PARAM_ATOL
@@ -48,7 +48,8 @@ def _plan(budget=None, recipes=False, **kw):
     config = PlanConfig(constraints=BATCH, memory_budget=budget, solve_recipes=recipes, **kw)
     # 4 A100s in 4 nodes: every collective crosses InfiniBand; the fastest plan shards both weights (moving a
     # shard of fc2's weight by all-to-all costs less than DDP's gradient all-reduce), the smallest on the device
-    plan, gm, ctx = plan_graph(model, mlp_example_inputs(512, 1024, 1024), mesh, get_cluster("a100-80gb:4x1"), config)
+    planned = plan_graph(model, mlp_example_inputs(512, 1024, 1024), mesh, get_cluster("a100-80gb:4x1"), config)
+    plan, gm, ctx = planned.plan, planned.graph, planned.ctx
     return plan, offloaded_params(gm, ctx), ctx
 
 

@@ -116,7 +116,7 @@ def test_the_plan_without_stages_from_the_kept_capture_is_the_plan() -> None:
     ``plan_graph`` makes from a capture of its own, wall-clock fields aside."""
     from autoshard.ir import pipeline_layers
     from autoshard.pipeline.solves import FakeStageMeshes, StageSolves
-    from autoshard.planner import plan_graph
+    from autoshard.search.recompute import plan_graph
 
     model, inputs = _deep()
     cluster, config = get_cluster(CLUSTER), PlanConfig(sample_layers=3, memory_budget=2**30)
@@ -126,7 +126,8 @@ def test_the_plan_without_stages_from_the_kept_capture_is_the_plan() -> None:
     with fake_world(16):
         mesh = init_device_mesh("cpu", (2, 8), mesh_dim_names=("dp", "tp"))
         kept = solves.plan(mesh, cluster, config)
-        fresh, _, _ = plan_graph(model, inputs, mesh, cluster, config)
+        planned = plan_graph(model, inputs, mesh, cluster, config)
+        fresh = planned.plan
 
     def still(p: autoshard.Plan) -> autoshard.Plan:
         return dataclasses.replace(p, solver=dataclasses.replace(p.solver, wall_s=0.0))

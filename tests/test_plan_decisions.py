@@ -19,7 +19,7 @@ from autoshard.models.llama import Llama, LlamaConfig, llama_example_inputs
 from autoshard.models.mlp import MLP, mlp_example_inputs
 from autoshard.models.moe import MoEConfig, MoEDecoder, moe_example_inputs
 from autoshard.compiler.lower import collective_counts, lower
-from autoshard.planner import plan_graph
+from autoshard.search.recompute import plan_graph
 from autoshard.errors import InfeasibleBudget
 
 BATCH_ON_DP = {"inputs": {"dp": Shard(0)}}
@@ -35,7 +35,7 @@ def _mlp_inputs():
 
 
 def _planned(cls, cfg, inputs, shape, names, cluster, constraints):
-    """``cls(cfg)`` built on the meta device and planned on a fake mesh: (plan, captured graph, pass context)."""
+    """``cls(cfg)`` built on the meta device and planned on a fake mesh (a ``Planned``: plan, graph, context)."""
     with torch.device("meta"):
         model = cls(cfg)
     with fake_world(math.prod(shape)):
@@ -53,7 +53,8 @@ def _pinned_objective(ctx, group, want) -> float:
 def test_mlp_no_budget_is_ddp():
     with fake_world(4):
         mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
-        plan, gm, ctx = plan_graph(_mlp(), _mlp_inputs(), mesh, get_cluster("cpu"), PlanConfig(constraints=BATCH_ON_DP))
+        planned = plan_graph(_mlp(), _mlp_inputs(), mesh, get_cluster("cpu"), PlanConfig(constraints=BATCH_ON_DP))
+        plan, gm, ctx = planned.plan, planned.graph, planned.ctx
         assert set(plan.parameter_placements().values()) == {("R",)}
         assert plan.input_placements() == (("S(0)",), ("S(0)",))
         kinds = {(c.kind, c.axis) for c in plan.stages[0].collectives}
@@ -85,7 +86,8 @@ def test_mlp_budget_shards_optimizer_state_then_parameters():
         assert mid.step_time_s <= recipes["fsdp"].step_time_s
         budget = int(ddp.peak_memory.total * 0.7)
         config = PlanConfig(constraints=BATCH_ON_DP, memory_budget=budget)
-        plan, gm, ctx = plan_graph(_mlp(), _mlp_inputs(), mesh, get_cluster("cpu"), config)
+        planned = plan_graph(_mlp(), _mlp_inputs(), mesh, get_cluster("cpu"), config)
+        plan, gm, ctx = planned.plan, planned.graph, planned.ctx
         assert plan.peak_memory.total <= budget
         pl = plan.parameter_placements()
         assert pl["fc1.weight"] != ("R",) and pl["fc2.weight"] != ("R",)
@@ -109,8 +111,9 @@ def test_transformer_block_is_megatron_on_tp():
         model = GPT(cfg)
     with fake_world(4):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        plan, gm, ctx = plan_graph(model, gpt_example_inputs(cfg, 2), mesh, get_cluster("h100-sxm"),
+        planned = plan_graph(model, gpt_example_inputs(cfg, 2), mesh, get_cluster("h100-sxm"),
                                    PlanConfig(constraints={"inputs": "[S(0), R]"}))
+        plan, gm, ctx = planned.plan, planned.graph, planned.ctx
         pl = plan.parameter_placements()
         # column-parallel first MLP matmul (weight rows = output features split), row-parallel second
         assert pl["layers.0.mlp.fc1.weight"][1] == "S(0)"
@@ -156,7 +159,8 @@ def test_fsdp_gathers_each_layers_parameters_with_one_collective_per_phase():
     torch.manual_seed(0)
     with fake_world(4):
         mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
-        plan, gm, ctx = plan_graph(GPT(cfg), gpt_example_inputs(cfg, 8), mesh, get_cluster("cpu"), PlanConfig(recipe="fsdp"))
+        planned = plan_graph(GPT(cfg), gpt_example_inputs(cfg, 8), mesh, get_cluster("cpu"), PlanConfig(recipe="fsdp"))
+        plan, gm, ctx = planned.plan, planned.graph, planned.ctx
         groups, uses = _gather_groups(list(gm.graph.nodes), (4,))
         grouped = collective_counts(trace_rank_program(gm, ctx))
         apart = collective_counts(trace_rank_program(gm, ctx, group_gathers=False))
@@ -177,7 +181,8 @@ def test_long_sequence_block_is_tensor_parallel_with_sequence_sharded_residuals(
     The residual stream is sequence-sharded and gathered before each norm: no all-reduce of activations. The
     cost comparisons: Megatron's row-parallel ``wo`` and a sequence-sharded norm each cost more."""
     cfg = GPTConfig(n_layer=2, d_model=4096, n_head=32, vocab=512, seq_len=4096, bias=False)
-    plan, gm, ctx = _planned(GPT, cfg, gpt_example_inputs(cfg, 1), (4,), ("tp",), "h100-sxm", {"inputs": "[R]"})
+    planned = _planned(GPT, cfg, gpt_example_inputs(cfg, 1), (4,), ("tp",), "h100-sxm", {"inputs": "[R]"})
+    plan, gm, ctx = planned.plan, planned.graph, planned.ctx
     pl = plan.parameter_placements()
     for i in range(cfg.n_layer):
         for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.fc1"):
@@ -212,7 +217,8 @@ def test_mixture_of_experts_is_expert_parallel_with_all_to_all_tokens():
     recipe."""
     cfg = MoEConfig(n_layer=2, d_model=2048, n_head=16, n_kv_head=8, ffn=8192, n_experts=8, top_k=2, vocab=1024,
                     seq_len=2048)
-    plan, gm, ctx = _planned(MoEDecoder, cfg, moe_example_inputs(cfg, 8), (8,), ("dp",), "h100-sxm", BATCH_ON_DP)
+    planned = _planned(MoEDecoder, cfg, moe_example_inputs(cfg, 8), (8,), ("dp",), "h100-sxm", BATCH_ON_DP)
+    plan, gm, ctx = planned.plan, planned.graph, planned.ctx
     experts = {k: v for k, v in plan.parameter_placements().items() if ".moe.w" in k}
     assert len(experts) == 3 * cfg.n_layer and set(experts.values()) == {("S(0)",)}
     stage = plan.stages[0]
@@ -238,8 +244,9 @@ def test_long_sequence_attention_is_context_parallel():
     axis, each cost more. (On one axis of 8 the ring also beats splitting the heads, Ulysses-style: 61.4 ms
     against 62.0 ms on this model with 2 K/V heads.)"""
     cfg = LlamaConfig(n_layer=2, d_model=1024, n_head=8, n_kv_head=8, ffn=3584, vocab=512, seq_len=32768)
-    plan, gm, ctx = _planned(Llama, cfg, llama_example_inputs(cfg, 1), (2, 8), ("cp", "tp"), "h100-sxm:2x8",
+    planned = _planned(Llama, cfg, llama_example_inputs(cfg, 1), (2, 8), ("cp", "tp"), "h100-sxm:2x8",
                              {"inputs": "[S(1), R]"})
+    plan, gm, ctx = planned.plan, planned.graph, planned.ctx
     attn = [d for d in plan.stages[0].ops if d.op.startswith("aten._scaled_dot_product_flash_attention_for_cpu")]
     fwd = [d for d in attn if d.phase == "forward"]
     bwd = [d for d in attn if d.phase == "backward"]
@@ -269,8 +276,9 @@ def test_large_vocabulary_is_megatron_with_vocabulary_parallel_loss():
     embedding lookup reads a hidden-split copy of the tied weight: DTensor's vocabulary-split lookup leaves a
     masked partial the planner does not take.)"""
     cfg = GPTConfig(n_layer=1, d_model=2048, n_head=16, vocab=65536, seq_len=512, bias=False)
-    plan, gm, ctx = _planned(GPT, cfg, gpt_example_inputs(cfg, 8), (2, 2), ("dp", "tp"), "h100-sxm",
+    planned = _planned(GPT, cfg, gpt_example_inputs(cfg, 8), (2, 2), ("dp", "tp"), "h100-sxm",
                              {"inputs": "[S(0), R]"})
+    plan, gm, ctx = planned.plan, planned.graph, planned.ctx
     tp = {k: v[1] for k, v in plan.parameter_placements().items()}
     for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.fc1"):
         assert tp[f"layers.0.{name}.weight"] == "S(0)", name  # column-parallel

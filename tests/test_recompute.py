@@ -1,4 +1,4 @@
-"""Activation recomputation of chosen modules (``compile(..., recompute=[...])``, autoshard/compiler/recompute.py): the
+"""Activation recomputation of chosen modules (``compile(..., recompute=[...])``, autoshard/compiler/capture_recompute.py): the
 plan counts the recomputed layers' activations as not saved and their forward twice; the rank's program saves
 fewer tensors and replays the layers' forward in the backward (a selective layer all but its matmuls); numerics
 equal to one device on gloo. Under a budget the planner recomputes only as many layers, in the cheapest mode, as
@@ -13,7 +13,8 @@ from torch.distributed.tensor import Shard
 
 import autoshard
 from autoshard.testing.launch import launch
-from autoshard.compiler.recompute import LayerReplay, best_mix, layer_modes, mix_specs, sampled_specs
+from autoshard.compiler.capture_recompute import LayerReplay, layer_modes, mix_specs, sampled_specs
+from autoshard.search.recompute import best_mix
 from harness import assert_close_to_reference, single_device_reference
 from numerics_utils import LR, MODELS, PARAM_ATOL, train_sharded
 

@@ -1,9 +1,22 @@
-"""The package's shape: no import cycles among autoshard's modules (counting imports inside functions, which
-only defer a cycle, and ``if TYPE_CHECKING:`` imports, which tie the modules all the same), no long modules."""
+"""The package's shape, checked for intent rather than counts:
+
+- no import cycles among autoshard's modules (imports inside functions count: they only defer a cycle; imports
+  under ``if TYPE_CHECKING:`` do not: they name a type for an annotation, which is how a value's module and its
+  renderer refer to each other without erasing the type), and none among its packages (``runtime`` and
+  ``pipeline`` may not import each other even through different modules);
+- lower layers never import upper ones;
+- no re-export shims (a module listing in ``__all__`` a name it imports from another autoshard module; the
+  package root, the public API, and ``_torch_compat``, the one door to torch's private APIs, are the two
+  facades), no private name imported across modules, no ``Any`` alias standing for a type;
+- modules read in one sitting: at most ``CODE_LINES`` lines of code, docstrings, comments and blank lines not
+  counted, so that the limit never argues against explaining.
+"""
 
 from __future__ import annotations
 
 import ast
+import io
+import tokenize
 from pathlib import Path
 
 import networkx as nx
@@ -22,10 +35,16 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+def _type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+
+
 def _runtime_imports(tree: ast.AST) -> list[str]:
     found: list[str] = []
 
     def visit(node: ast.AST) -> None:
+        if _type_checking(node):
+            return
         if isinstance(node, ast.ImportFrom) and node.module:
             found.append(node.module)
             found.extend(f"{node.module}.{a.name}" for a in node.names)
@@ -61,32 +80,115 @@ def test_no_import_cycles() -> None:
     assert not cycles, "import cycles:\n" + "\n".join(sorted(cycles, key=len)[:10])
 
 
-def test_every_module_reads_in_one_sitting() -> None:
-    long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > 400}
-    assert not long, f"modules over 400 lines: {long}"
+def _package(module: str) -> str:
+    """The unit of the package-level graph: a subpackage (``autoshard.runtime``) or a top-level module."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else module
 
 
-def test_every_benchmark_and_test_file_reads_in_one_sitting() -> None:
-    files = [p for folder in ("benchmarks", "tests") for p in (ROOT / folder).rglob("*.py")]
-    assert len(files) > 20
-    long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > 400}
-    assert not long, f"benchmark and test files over 400 lines: {long}"
+def test_no_import_cycles_between_packages() -> None:
+    g = nx.DiGraph()
+    for a, b in import_graph().edges:
+        if _package(a) != _package(b) and "autoshard" not in (_package(a), _package(b)):
+            g.add_edge(_package(a), _package(b))
+    assert g.number_of_edges() > 30
+    cycles = [" -> ".join(c + [c[0]]) for c in nx.simple_cycles(g)]
+    assert not cycles, "package import cycles:\n" + "\n".join(sorted(cycles, key=len)[:10])
+
+
+FACADES = ("autoshard", "autoshard._torch_compat")  # the public API; the one door to torch's private APIs
+
+
+def _imported_names(tree: ast.Module) -> dict[str, tuple[str, str]]:
+    """Local name -> (autoshard module, imported name), for every ``from autoshard... import`` in the module."""
+    return {a.asname or a.name: (node.module, a.name) for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("autoshard")
+            for a in node.names}
+
+
+def _all(tree: ast.Module) -> list[str]:
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return [e.value for e in node.value.elts if isinstance(e, ast.Constant)]
+    return []
+
+
+def test_no_reexport_shims() -> None:
+    """A name is imported from the module that defines it: no module passes on another's names."""
+    bad = []
+    for name, path in _modules().items():
+        if name in FACADES:
+            continue
+        tree = ast.parse(path.read_text())
+        imported = _imported_names(tree)
+        bad += [f"{name}: __all__ lists {n}, imported from {imported[n][0]}" for n in _all(tree) if n in imported]
+        body = [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+        if body and all(isinstance(n, (ast.Import, ast.ImportFrom)) or "__all__" in ast.unparse(n) for n in body):
+            bad.append(f"{name}: only imports (a shim)")
+    assert not bad, "re-exports:\n" + "\n".join(bad)
+
+
+def test_no_private_names_across_modules() -> None:
+    bad = [f"{name}: {n} from {mod}" for name, path in _modules().items()
+           for _, (mod, n) in _imported_names(ast.parse(path.read_text())).items()
+           if n.startswith("_") and not n.startswith("__") and n != "_torch_compat" and mod != name]
+    assert not bad, "private names imported from another module (make them public or move them):\n" + "\n".join(bad)
+
+
+def test_no_any_aliases() -> None:
+    """``Plan = Any`` erases a type: an annotation names the type (under ``TYPE_CHECKING`` if need be)."""
+    bad = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in _modules().values()
+           for node in ast.parse(path.read_text()).body
+           if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Name) and node.value.id == "Any"]
+    assert not bad, "module-level aliases of Any:\n" + "\n".join(bad)
+
+
+# At most this many lines of code per file: beyond it, in this code base, a module has been doing two jobs.
+# Docstrings, comments and blank lines are not counted: the limit never argues against explaining.
+CODE_LINES = 350
+
+
+def code_lines(text: str) -> int:
+    """Lines holding code: not blank, not a comment, not inside a module's, class's or function's docstring."""
+    tree = ast.parse(text)
+    doc: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                doc.update(range(first.lineno, first.end_lineno + 1))
+    skip = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
+    return len({line for tok in tokenize.generate_tokens(io.StringIO(text).readline) if tok.type not in skip
+                for line in range(tok.start[0], tok.end[0] + 1) if line not in doc})
+
+
+def test_code_lines_counts_code_only() -> None:
+    text = '"""Doc.\n\nMore."""\n\n# a comment\nx = 1\n\n\ndef f(a):\n    """Doc."""\n    return (a +\n            1)\n'
+    assert code_lines(text) == 4  # x = 1, def, and the two lines of the return
+
+
+def test_every_file_reads_in_one_sitting() -> None:
+    files = [*(ROOT / "autoshard").rglob("*.py"), *(p for d in ("benchmarks", "tests") for p in (ROOT / d).rglob("*.py"))]
+    assert len(files) > 100
+    long = {str(p.relative_to(ROOT)): n for p in files if (n := code_lines(p.read_text())) > CODE_LINES}
+    assert not long, f"files over {CODE_LINES} lines of code: {long}"
 
 
 # lower layers never call up: the runtime runs a program and imports no pass; the solver, the cost model, the op
-# rules, the shared IR and where weights come from (weights/) know nothing of the passes, the planner, pipelines or
-# the runtime
+# rules, the shared IR and where weights come from (weights/) know nothing of the passes, the searches, pipelines
+# or the runtime
 LAYERS = {
-    "autoshard.runtime": ("autoshard.compiler", "autoshard.planner", "autoshard.api", "autoshard.solver"),
-    "autoshard.solver": ("autoshard.compiler", "autoshard.planner", "autoshard.api", "autoshard.pipeline",
+    "autoshard.runtime": ("autoshard.compiler", "autoshard.search", "autoshard.api", "autoshard.solver",
+                          "autoshard.pipeline"),
+    "autoshard.solver": ("autoshard.compiler", "autoshard.search", "autoshard.api", "autoshard.pipeline",
                          "autoshard.runtime"),
-    "autoshard.cost": ("autoshard.compiler", "autoshard.planner", "autoshard.api", "autoshard.pipeline",
+    "autoshard.cost": ("autoshard.compiler", "autoshard.search", "autoshard.api", "autoshard.pipeline",
                        "autoshard.runtime", "autoshard.solver"),
-    "autoshard.rules": ("autoshard.compiler", "autoshard.planner", "autoshard.api", "autoshard.pipeline",
+    "autoshard.rules": ("autoshard.compiler", "autoshard.search", "autoshard.api", "autoshard.pipeline",
                         "autoshard.runtime", "autoshard.solver"),
-    "autoshard.weights": ("autoshard.compiler", "autoshard.planner", "autoshard.api", "autoshard.pipeline",
+    "autoshard.weights": ("autoshard.compiler", "autoshard.search", "autoshard.api", "autoshard.pipeline",
                           "autoshard.runtime", "autoshard.solver"),
-    "autoshard.ir": ("autoshard.compiler", "autoshard.planner", "autoshard.api", "autoshard.pipeline",
+    "autoshard.ir": ("autoshard.compiler", "autoshard.search", "autoshard.api", "autoshard.pipeline",
                      "autoshard.runtime", "autoshard.solver"),
 }
 

@@ -19,7 +19,7 @@ from autoshard.config import PlanConfig
 from autoshard.cluster.meshes import fake_world
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.compiler.lower import _gather_groups, collective_counts, trace_rank_program
-from autoshard.planner import plan_graph
+from autoshard.search.recompute import plan_graph
 
 CFG = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab=128, seq_len=16)
 
@@ -81,8 +81,9 @@ def test_fsdp_plan_prices_one_latency_per_gather_group_and_bucket_as_the_program
     torch.manual_seed(0)
     with fake_world(4):
         mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
-        plan, gm, ctx = plan_graph(GPT(CFG), gpt_example_inputs(CFG, 8), mesh, get_cluster("cpu"),
+        planned = plan_graph(GPT(CFG), gpt_example_inputs(CFG, 8), mesh, get_cluster("cpu"),
                                    PlanConfig(recipe="fsdp"))
+        plan, gm, ctx = planned.plan, planned.graph, planned.ctx
         counts = collective_counts(trace_rank_program(gm, ctx))
     stats = plan.stages[0].collectives
     groups = [c for c in stats if c.tensor.startswith("group of")]
@@ -105,8 +106,9 @@ def test_fsdp_tp_gathers_each_layers_weights_together_whatever_dim_fsdp_shards()
     torch.manual_seed(0)
     with fake_world(4):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        plan, gm, ctx = plan_graph(GPT(CFG), gpt_example_inputs(CFG, 8), mesh, get_cluster("cpu"),
+        planned = plan_graph(GPT(CFG), gpt_example_inputs(CFG, 8), mesh, get_cluster("cpu"),
                                    PlanConfig(recipe="fsdp+tp"))
+        plan, gm, ctx = planned.plan, planned.graph, planned.ctx
         groups, uses = _gather_groups(list(gm.graph.nodes), (2, 2))
         grouped = collective_counts(trace_rank_program(gm, ctx))
         apart = collective_counts(trace_rank_program(gm, ctx, group_gathers=False))

@@ -25,7 +25,7 @@ from autoshard.models.llama import LlamaConfig
 from autoshard.models.moe import MoEConfig, MoEFeedForward, route
 from autoshard.models.vit import ViTConfig, patchify
 from autoshard.models.zoo import ZooModel, get_model, known_models
-from autoshard.planner import plan_graph
+from autoshard.search.recompute import plan_graph
 
 # Published sizes: GPT-2 (Radford et al. 2019), Llama 3 Herd of Models (2024), Mixtral (Jiang et al. 2024),
 # BERT (Devlin et al. 2019; 335M with the MLM head and no pooler), ViT (Dosovitskiy et al. 2021).
@@ -294,8 +294,8 @@ def test_plan_step_time_prices_any_choice_like_the_solver() -> None:
 
     from autoshard.compiler.solve import annotate
     from autoshard.plans.plan import Plan
-    from autoshard.plans.collectives import plan_collectives
-    from autoshard.planner import build_plan
+    from autoshard.compiler.plan_collectives import plan_collectives
+    from autoshard.search.planned import build_plan
     from autoshard.solver.intra_op import GRAD_SINK_CREDIT
 
     def priced(p: Plan) -> float:  # the plan's collectives as the solver prices them: per edge, buckets aside
@@ -306,8 +306,9 @@ def test_plan_step_time_prices_any_choice_like_the_solver() -> None:
     m = _tiny("mixtral", n_layer=2)
     with fake_world(8):
         mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
-        plan, gm, ctx = plan_graph(m.build(), m.example_inputs(8), mesh, get_cluster("h100-sxm"),
+        planned = plan_graph(m.build(), m.example_inputs(8), mesh, get_cluster("h100-sxm"),
                                    PlanConfig(solve_recipes=False))
+        plan, gm, ctx = planned.plan, planned.graph, planned.ctx
         assert _math.isclose(priced(plan), plan.solver.objective_s, rel_tol=1e-4)
         problem = ctx.problem
         choice = {c: ctx.solution.choice[c] for c in problem.canon_ids}

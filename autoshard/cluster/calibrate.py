@@ -47,17 +47,13 @@ from typing import Any
 
 import torch
 
-from autoshard.cluster.calibrate_links import (
-    CalibrationConfig, CollectiveFit, SyncFit, _run_all,
-    measure_collectives,
-)
+from autoshard.cluster.calibrate_links import CalibrationConfig, CollectiveFit, SyncFit, measure_collectives, run_all
 from autoshard.cluster.profile import ClusterProfile, DeviceSpec, Link
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "Calibration", "CalibrationConfig", "CollectiveFit", "SyncFit", "calibrate", "measure_collectives",
-    "measure_copy_bandwidth", "measure_kernel_overhead", "measure_matmul", "summary", "write_profile",
+    "Calibration", "calibrate", "measure_copy_bandwidth", "measure_kernel_overhead", "measure_matmul", "summary", "write_profile",
 ]
 
 @dataclass(frozen=True)
@@ -170,7 +166,7 @@ def measure_compute(cfg: CalibrationConfig) -> dict[str, Any]:
         paths = [os.path.join(tmpdir, f"compute{r}.json") for r in range(cfg.ranks)]
         start = ctx.Barrier(cfg.ranks)
         procs = [ctx.Process(target=_compute_worker, args=(cfg, p, start), daemon=True) for p in paths]
-        _run_all(procs, cfg.timeout_s)
+        run_all(procs, cfg.timeout_s)
         if any(proc.exitcode != 0 for proc in procs) or not all(os.path.exists(p) for p in paths):
             errors = [Path(p + ".error").read_text() for p in paths if os.path.exists(p + ".error")]
             detail = "; ".join(errors) or f"exit codes {[proc.exitcode for proc in procs]}"

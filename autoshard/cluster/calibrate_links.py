@@ -202,7 +202,7 @@ def _collective_worker(rank: int, cfg: CalibrationConfig, tmpdir: str) -> None:
             dist.destroy_process_group()
 
 
-def _run_all(procs: Sequence[Any], timeout_s: float) -> None:
+def run_all(procs: Sequence[Any], timeout_s: float) -> None:
     """Start the child processes, wait for all of them up to ``timeout_s`` in all, and stop any still running."""
     for proc in procs:
         proc.start()
@@ -226,7 +226,7 @@ def measure_collectives(cfg: CalibrationConfig) -> tuple[tuple[CollectiveFit, ..
     with tempfile.TemporaryDirectory(prefix="autoshard_calibrate_") as tmpdir:
         procs = [ctx.Process(target=_collective_worker, args=(r, cfg, tmpdir), daemon=True)
                  for r in range(cfg.ranks)]
-        _run_all(procs, cfg.timeout_s)
+        run_all(procs, cfg.timeout_s)
         errors = sorted(Path(tmpdir).glob("error*.txt"))
         if errors or any(p.exitcode != 0 for p in procs):
             detail = "; ".join(e.read_text() for e in errors) or f"exit codes {[p.exitcode for p in procs]}"
@@ -251,4 +251,4 @@ def measure_collectives(cfg: CalibrationConfig) -> tuple[tuple[CollectiveFit, ..
     return tuple(fits), tuple(syncs)
 
 
-__all__ = ["COLLECTIVE_KINDS", "CalibrationConfig", "CollectiveFit", "SyncFit", "fit_ring", "measure_collectives"]
+__all__ = ["COLLECTIVE_KINDS", "CalibrationConfig", "CollectiveFit", "SyncFit", "fit_ring", "measure_collectives", "run_all"]

@@ -20,7 +20,7 @@ from autoshard.config import PlanConfig
 from autoshard.ir import repeated_layers
 from autoshard.compiler.capture import capture
 from autoshard.compiler.context import PassContext
-from autoshard.compiler.recompute import sampled_specs, tag_recompute
+from autoshard.compiler.capture_recompute import sampled_specs, tag_recompute
 
 log = logging.getLogger(__name__)
 

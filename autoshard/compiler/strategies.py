@@ -46,7 +46,7 @@ from autoshard.ir import Group, GroupStrategy, NodeOut, Placements, output_vals,
 from autoshard.compiler.candidates import CandidateEnumerator, evenly_divisible, shard_factor
 from autoshard.compiler.context import PassContext
 from autoshard.compiler.follow import follow_members
-from autoshard.compiler.recompute import is_recomputed, stored
+from autoshard.compiler.capture_recompute import is_recomputed, stored
 from autoshard.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ def _cost(
         once = max(once, hidden) + sum(point_to_point_time(b, ms, axis, ctx.cluster) if kind == "point_to_point" else
                                        axis_collective_time(kind, b, ms, axis, ctx.cluster)
                                        for kind, axis, b in sends if kind != "overlapped")
-        # a recomputed op (autoshard/compiler/recompute.py) runs again in the backward and is not saved for it
+        # a recomputed op (autoshard/compiler/capture_recompute.py) runs again in the backward and is not saved for it
         compute += 2 * once if is_recomputed(node) else once
         if stored(node):  # saved for the backward (or for a replay), not replayed
             act += local_bytes

@@ -47,7 +47,7 @@ from autoshard.errors import InputError
 from autoshard.notation import mesh_str, placements_str
 
 __all__ = [
-    "ALGORITHMS", "COLLECTIVES", "CollectiveStep", "axis_collective", "axis_collective_time", "collective_time", "point_to_point_time",
+    "CollectiveStep", "axis_collective", "axis_collective_time", "collective_time", "point_to_point_time",
     "redistribute_steps", "redistribute_time", "sync_time",
 ]
 

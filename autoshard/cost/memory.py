@@ -21,7 +21,7 @@ size under the plan's placements and keeps the most that is alive at once of wha
   that point of the backward;
 - an input an op needs in a larger local layout than its producer's (an all-gather: a sharded weight gathered,
   an activation made whole) is a temporary of the op that needs it;
-- a recomputed layer (``autoshard/compiler/recompute.py``) makes its activations again in the backward: the largest layer's
+- a recomputed layer (``autoshard/compiler/capture_recompute.py``) makes its activations again in the backward: the largest layer's
   are added to the backward's peak (layers replay one at a time).
 
 ``MemoryBreakdown.temporaries`` is then the larger of the backward's and the forward's temporaries and the

@@ -35,12 +35,14 @@ from torch.distributed.tensor.placement_types import Placement
 from autoshard.cluster.profile import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.inputs import signature_of
-from autoshard.pipeline.search import SearchSpace, search_stages
+from autoshard.pipeline.pricing import SearchSpace
+from autoshard.pipeline.search import search_stages
 from autoshard.pipeline.solves import KeyCosts, StageSolves, micro_call
-from autoshard.pipeline.wiring import StageWiring, loss_counter, split_model, stage_examples
+from autoshard.pipeline.wiring import loss_counter, split_model, stage_examples
+from autoshard.runtime.stage_values import StageWiring
 from autoshard.plans.plan import MeshSpec, Plan
 from autoshard.ir import pipeline_layers
-from autoshard.planner import plan_graph
+from autoshard.search.recompute import plan_graph
 from autoshard.runtime.pipeline import EXECUTABLE_SCHEDULES, LossWeighting, PipelinedModule, StageModule, TiedParameter
 from autoshard.compiler.runner import rank_program
 from autoshard.solver.inter_op import StageSplit
@@ -208,7 +210,8 @@ def compile_pipelined(
         # are summed across stages: their master layouts must match too, so tied models keep masters unsharded
         cfg = dataclasses.replace(config, constraints=pins, solve_recipes=False,
                                   shard_state=config.shard_state and len(set(canon.values())) == len(canon))
-        plan, gm, ctx = plan_graph(mod, ex_args[k], submesh, cluster, cfg, broadcast_solution=True, stage=True)
+        planned = plan_graph(mod, ex_args[k], submesh, cluster, cfg, broadcast_solution=True, stage=True)
+        plan, gm, ctx = planned.plan, planned.graph, planned.ctx
         for node in gm.graph.find_nodes(op="placeholder"):  # the solved layouts, as Placement objects
             role = node.meta["autoshard_role"]
             if role.kind == "parameter":
@@ -273,4 +276,4 @@ def _tied_groups(holders: dict[str, list[int]], S: int, k_sub: int) -> list[Tied
     return out
 
 
-__all__ = ["PipelineChoice", "RealStageMeshes", "choose_pipeline", "compile_pipelined", "micro_call", "pp_mesh"]
+__all__ = ["PipelineChoice", "RealStageMeshes", "choose_pipeline", "compile_pipelined", "pp_mesh"]

@@ -150,7 +150,7 @@ def piece_detail(gm: fx.GraphModule, ctx: PassContext, solution: Any = None,
     """:func:`piece_costs` and, per piece (head, layers, tail), the collectives on the mesh's outermost axis as
     (kind, bytes gathered, gradient reduction, forward, of a parameter or its gradient): what the stage search
     prices again for a sub-mesh whose outer axis has another size (``pipeline.search``)."""
-    from autoshard.plans.collectives import plan_collectives  # the plan's own collective list: one accounting
+    from autoshard.compiler.plan_collectives import plan_collectives  # the plan's own collective list: one accounting
 
     sol = solution if solution is not None else ctx.solution
     container = container or container_of(ctx)

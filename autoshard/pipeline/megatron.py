@@ -21,7 +21,8 @@ from torch import nn
 
 from autoshard.cluster.profile import ClusterProfile
 from autoshard.config import PlanConfig
-from autoshard.pipeline.search import MEGATRON, PipelineOption, p2p_seconds
+from autoshard.pipeline.pricing import PipelineOption, p2p_seconds
+from autoshard.pipeline.search import MEGATRON
 from autoshard.pipeline.solves import FakeStageMeshes, StageSolves
 from autoshard.solver.inter_op import best_split
 from autoshard.errors import InputError

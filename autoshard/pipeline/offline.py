@@ -24,7 +24,8 @@ from autoshard.cluster.meshes import mesh_names
 from autoshard.notation import format_seconds
 from autoshard.pipeline.megatron import megatron_recipe
 from autoshard.pipeline.plan import FLAT_NAME, pipelined_plan
-from autoshard.pipeline.search import MEGATRON, PipelineOption, search_pipeline, stage_meshes
+from autoshard.pipeline.pricing import PipelineOption
+from autoshard.pipeline.search import MEGATRON, search_pipeline, stage_meshes
 from autoshard.pipeline.solves import FakeStageMeshes, StageSolves
 from autoshard.plans.plan import RecipeSummary, Plan
 from autoshard.errors import InfeasibleBudget, InputError

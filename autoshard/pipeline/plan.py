@@ -39,7 +39,7 @@ from autoshard.config import PlanConfig
 from autoshard.notation import format_bytes, format_seconds
 from autoshard.cluster.meshes import mesh_names
 from autoshard.pipeline.costs import container_of, piece_costs
-from autoshard.pipeline.search import PipelineOption
+from autoshard.pipeline.pricing import PipelineOption
 from autoshard.pipeline.costs import optimizer_step_s
 from autoshard.pipeline.solves import FREE, FakeStageMeshes, StageSolves
 from autoshard.plans.plan import CollectiveStat, MemoryBreakdown, MeshSpec, Plan, StagePlan
@@ -267,7 +267,7 @@ def pipelined_plan(
     """The Plan of ``option`` (a stage search result with a split): one StagePlan per stage on a mesh ``pp`` x
     ``option.submesh``; ``axis_names`` names the sub-mesh axes (default ``meshes.mesh_names``). ``solves``: the
     search's solves, whose stage plan is taken as the search costed it (without them it is solved again)."""
-    from autoshard.planner import build_plan
+    from autoshard.search.planned import build_plan
 
     split = option.split
     if split is None:

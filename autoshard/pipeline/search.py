@@ -275,6 +275,4 @@ def search_pipeline(
     return search_stages(model, example_inputs, cluster, config, rungs, space, solves)
 
 
-__all__ = ["MEGATRON", "FALLBACK_RECIPES", "PipelineOption", "SearchSpace", "layout_summary", "microbatch_counts",
-           "micro_inputs", "optimizer_step_s", "p2p_seconds", "search_pipeline", "search_stages", "stage_meshes",
-           "stage_start", "with_optimizer"]
+__all__ = ["MEGATRON", "microbatch_counts", "search_pipeline", "search_stages", "stage_meshes", "stage_start"]

@@ -143,7 +143,7 @@ class KeyCosts:
     layers: tuple[PieceCost, ...]
     tail: PieceCost
     boundary_bytes: int  # global bytes of the activation a stage boundary sends
-    layout: str  # ``search.layout_summary`` of the stage plan
+    layout: str  # ``layout_summary`` of the stage plan
     recipe: str  # "" for the free plan
     source: str  # how its layouts were found: "solved", or "layouts of the (128, 8) solve"
     outer: tuple[Any, ...] = ()  # per piece, its collectives on the outermost axis (``costs.piece_detail``)
@@ -285,7 +285,7 @@ class StageSolves:
         apply to this sub-mesh or has no solution)."""
         from autoshard.notation import placement_str
         from autoshard.pipeline.costs import piece_detail
-        from autoshard.planner import build_plan
+        from autoshard.search.planned import build_plan
 
         entry = self._entry(stages, key)
         if recipe not in entry.costs:
@@ -334,9 +334,9 @@ class StageSolves:
         return entry.solutions[recipe]
 
     def plan(self, mesh: DeviceMesh, cluster: ClusterProfile, config: PlanConfig, progress: Any = None) -> Any:
-        """``planner.plan_graph``'s Plan of the whole batch on ``mesh`` under ``config``, from the kept capture."""
+        """``search/recompute.py: plan_graph``'s Plan of the whole batch on ``mesh`` under ``config``, from the kept capture."""
         from autoshard.compiler.runner import run_passes
-        from autoshard.planner import recipe_summaries, build_plan
+        from autoshard.search.planned import build_plan, recipe_summaries
 
         gm, ctx = self.context(1, mesh, cluster, config, progress)
         gm = run_passes(gm, ctx, "coarsen", "solve")

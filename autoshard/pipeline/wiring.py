@@ -11,11 +11,12 @@ torch's schedules send activations from stage k to stage k+1 only, so here:
 - a value made in stage j and used in a stage k > j+1 (rotary tables, a causal mask built once from the
   attention mask) is relayed: each stage in between sends it on with its own outputs.
 
-``StageWiring`` says, per stage, where each argument of its graph comes from and what it sends on.
+``StageWiring`` (``autoshard/runtime/stage_values.py``, which the runtime reads) says, per stage, where each
+argument of its graph comes from and what it sends on.
 
 The last stage ends in the model's loss, one per micro-batch. The schedule averages them; that equals the
 whole batch's loss when every micro-batch counts alike. A mean cross-entropy with ignored targets (padding)
-does not: ``loss_weights`` finds how many targets each micro-batch counts and weights its loss so that the
+does not: ``loss_counter`` finds how many targets each micro-batch counts and weights its loss so that the
 step's loss and gradients are the whole batch's, as on one device.
 """
 
@@ -25,7 +26,6 @@ import contextlib
 import copy
 import operator
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,19 +36,7 @@ from autoshard import _torch_compat as tc
 from autoshard.ir import kept_target_counter, node_arg
 from autoshard.inputs import CallSignature
 from autoshard.errors import InputError
-
-Source = tuple[str, int]  # ("input", i): model input i; ("recv", p): received value p; ("out", j): own output j
-
-
-@dataclass(frozen=True)
-class StageWiring:
-    """One stage: where each argument of its graph comes from, and what it sends to the next stage."""
-
-    args: tuple[Source, ...]  # ("input", i) or ("recv", p)
-    sends: tuple[Source, ...]  # ("out", j) or ("recv", p); the last stage sends its loss, ("out", 0)
-    received: int  # how many values it receives from the previous stage
-    last: bool = False  # sends the loss, shaped (1,) (the schedule concatenates the micro-batches' outputs)
-
+from autoshard.runtime.stage_values import MEAN, Source, StageWiring, stage_args, stage_sends
 
 def _loss_call(model: nn.Module, signature: CallSignature, loss_fn: Callable[[Any], torch.Tensor] | None) -> nn.Module:
     """The model called as the example call did (flat tensors in), returning only its loss: a shallow copy that
@@ -166,18 +154,6 @@ def wiring_of(graph: fx.Graph) -> list[StageWiring]:
     return wiring
 
 
-def stage_args(w: StageWiring, received: Sequence[Any], inputs: Sequence[Any]) -> list[Any]:
-    """The stage graph's arguments from what it received and the (micro-batch) model inputs."""
-    return [inputs[i] if kind == "input" else received[i] for kind, i in w.args]
-
-
-def stage_sends(w: StageWiring, outputs: Sequence[Any], received: Sequence[Any]) -> tuple[Any, ...]:
-    """What the stage sends on: its own outputs and the values it relays (the last stage: its loss, shape (1,))."""
-    if w.last:
-        return (outputs[0].reshape(1),)
-    return tuple(outputs[i] if kind == "out" else received[i] for kind, i in w.sends)
-
-
 def stage_examples(pipe: Any, wiring: Sequence[StageWiring], mb_tensors: Sequence[torch.Tensor]
                    ) -> tuple[list[tuple[torch.Tensor, ...]], list[tuple[torch.Tensor, ...]]]:
     """Per stage: its graph's arguments and what it sends, as zero tensors of the micro-batch shapes (a
@@ -208,7 +184,6 @@ def _like(t: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------- loss weights
 
-_MEAN, _SUM = 1, 2  # aten's reduction enum
 
 
 def loss_counter(stage: fx.GraphModule, wiring: StageWiring) -> tuple[int, Callable[..., torch.Tensor] | None]:
@@ -222,9 +197,9 @@ def loss_counter(stage: fx.GraphModule, wiring: StageWiring) -> tuple[int, Calla
     if not isinstance(loss, fx.Node) or loss.target not in ops:
         return 0, None
     r_at, ig_at = ops[loss.target]
-    reduction = node_arg(loss, r_at, "reduction", _MEAN)
+    reduction = node_arg(loss, r_at, "reduction", MEAN)
     weight = node_arg(loss, 2, "weight", None)
-    if reduction != _MEAN or weight is not None:
+    if reduction != MEAN or weight is not None:
         return (reduction if weight is None else 0), None
     ignore = node_arg(loss, ig_at, "ignore_index", -100)
     target = loss.args[1]
@@ -232,23 +207,9 @@ def loss_counter(stage: fx.GraphModule, wiring: StageWiring) -> tuple[int, Calla
     which = {placeholders[pos]: i for pos, (kind, i) in enumerate(wiring.args) if kind == "input"}
     counter, used = kept_target_counter(stage, target, ignore)
     if any(p not in which for p in used):
-        return _MEAN, None  # the targets depend on received values: cannot be counted from the inputs
+        return MEAN, None  # the targets depend on received values: cannot be counted from the inputs
     order = [which[p] for p in used]
-    return _MEAN, lambda inputs: counter(*[inputs[i] for i in order])
+    return MEAN, lambda inputs: counter(*[inputs[i] for i in order])
 
 
-def loss_weights(reduction: int, counter: Callable[..., torch.Tensor] | None, tensors: Sequence[torch.Tensor],
-                 microbatches: int) -> torch.Tensor:
-    """Per micro-batch, the factor on its loss such that the schedule's mean over micro-batches is the whole
-    batch's loss: M * count_i / count for a mean over counted targets, M for a sum, else 1."""
-    if reduction == _SUM:
-        return torch.full((microbatches,), float(microbatches))
-    if counter is None:
-        return torch.ones(microbatches)
-    pieces = [torch.tensor_split(t, microbatches) for t in tensors]
-    counts = torch.stack([counter([p[i] for p in pieces]).float() for i in range(microbatches)])
-    return counts * microbatches / counts.sum().clamp_min(1.0)
-
-
-__all__ = ["StageWiring", "loss_counter", "loss_weights", "split_model", "stage_args", "stage_examples",
-           "stage_sends", "wiring_of"]
+__all__ = ["loss_counter", "split_model", "stage_examples", "wiring_of"]

@@ -275,7 +275,7 @@ class Plan:
     chunks: int = 1  # model chunks per pipeline rank (interleaved schedules); each stage's layers hold all of its
     bubble_fraction: float = 0.0  # predicted idle share of the step on the busiest stage (pipelined plans)
     recompute: bool = False  # layers run their forward again in the backward (pipelined: all; else config.recompute)
-    recompute_layers: tuple[str, ...] = ()  # which modules replay, in which mode ("layers.3:selective"; recompute.py)
+    recompute_layers: tuple[str, ...] = ()  # which modules replay, in which mode ("layers.3:selective"; notation.parse_spec)
     recompute_s: float = 0.0  # predicted time the replays add to the step (in step_time_s)
     fingerprint: tuple[tuple[str, str], ...] = ()  # what the plan was made for (autoshard/plans/fingerprint.py)
     measured_s: float = 0.0  # autotune: this plan's median step measured on the mesh; recipes hold the others'

@@ -6,11 +6,12 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Hashable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from autoshard.ir import layer_parts
 from autoshard.solver.inter_op import SPLIT_BACKWARD
 from autoshard.notation import (
+    describe,
     fold_layers,
     format_bytes,
     format_seconds,
@@ -18,9 +19,8 @@ from autoshard.notation import (
     placements_str,
     tensor_str,
 )
-# plan.py calls this module (Plan.report), so this one does not import it: a Plan, a StagePlan and a
-# MemoryBreakdown are read through their attributes
-Plan = StagePlan = MemoryBreakdown = Any
+if TYPE_CHECKING:  # plan.py calls this module (Plan.report): the types only, not an import at run time
+    from autoshard.plans.plan import MemoryBreakdown, Plan, StagePlan
 
 # ---------------------------------------------------------------------------------------------------------------
 # report
@@ -235,8 +235,6 @@ def _recompute_str(plan: Plan) -> str:
     """Which layers replay their forward in the backward, in which mode, and what the replays cost."""
     if not plan.recompute_layers:
         return "the chosen layers run their forward again in the backward"
-    from autoshard.compiler.recompute import describe
-
     return (f"{describe(plan.recompute_layers)} (full: the whole forward runs again in the backward; selective: all "
             f"but the matmuls and attention), +{format_seconds(plan.recompute_s)} per step")
 

@@ -90,4 +90,4 @@ def flop_formula(op: Any) -> Callable[..., int] | None:
     return _formulas().get(str(op))
 
 
-__all__ = ["OpRule", "candidates", "exchanges", "flop_formula", "more_candidates", "local_call", "rule_for", "runs_local"]
+__all__ = ["candidates", "exchanges", "flop_formula", "more_candidates", "local_call", "rule_for", "runs_local"]

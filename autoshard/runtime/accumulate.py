@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 

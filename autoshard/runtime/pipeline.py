@@ -8,7 +8,7 @@ gradients (``passes.capture`` with ``ctx.stage``). Here:
   outputs, backward takes their gradients and returns the parameters' and the received activations' gradients.
   Its parameters are DTensors with the stage plan's placements, under the model's own names.
 - The last stage returns the model's loss; the schedule's loss function weights it per micro-batch so that the
-  mean over micro-batches is the whole batch's loss (``pipeline.wiring.loss_weights``).
+  mean over micro-batches is the whole batch's loss (``runtime/stage_values.py: loss_weights``).
 - ``PipelinedModule`` holds this rank's stages and the schedule (GPipe, 1F1B or interleaved 1F1B, all from
   ``torch.distributed.pipelining``); ``step(...)`` trains one step over all micro-batches (the whole batch's loss
   and gradients) and returns the loss on every rank. A parameter tied across
@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from autoshard.inputs import CallSignature
-from autoshard.pipeline.wiring import StageWiring, loss_weights, stage_args, stage_sends
+from autoshard.runtime.stage_values import StageWiring, loss_weights, stage_args, stage_sends
 from autoshard.plans.plan import Plan
 from autoshard.runtime.rebind import rebind_optimizers
 from autoshard.runtime.param_state import ParamStates, scatter_grads
@@ -156,7 +156,7 @@ def schedule_class(name: str) -> Any:
 
 @dataclass(frozen=True)
 class LossWeighting:
-    """How the last stage's per-micro-batch losses make the whole batch's (``pipeline.wiring.loss_weights``)."""
+    """How the last stage's per-micro-batch losses make the whole batch's (``runtime/stage_values.py: loss_weights``)."""
 
     reduction: int
     counter: Callable[..., torch.Tensor] | None
@@ -387,7 +387,7 @@ class _Path:
 
 
 def _weighted(output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The last stage's loss for one micro-batch times its weight (see ``pipeline.wiring.loss_weights``)."""
+    """The last stage's loss for one micro-batch times its weight (see ``runtime/stage_values.py: loss_weights``)."""
     return (output * weight).reshape(())
 
 

@@ -38,7 +38,7 @@ from autoshard.compiler.context import PassContext
 from autoshard.compiler.solve import annotate
 from autoshard.compiler.solve_memory import solve_within
 from autoshard.plans.plan import Plan, RecipeSummary
-from autoshard.planner import build_plan
+from autoshard.search.planned import Planned, build_plan
 from autoshard.solver.intra_op import Solution
 from autoshard.errors import InfeasibleBudget, InputError, SolverTimeout
 
@@ -124,13 +124,14 @@ def _from_rank0(real_group: bool, value: Any) -> Any:
 
 
 def autotune(model: torch.nn.Module, inputs: Any, k: int, backend: str, real_group: bool,
-             plan_graph: Callable[[], tuple[Plan, fx.GraphModule, PassContext]],
+             plan_graph: Callable[[], Planned],
              compile_plan: Callable[[torch.nn.Module, Plan], Any]) -> Any:
     """The module of the fastest candidate, compiled on ``model`` (see the module docstring). ``plan_graph()``
     plans the program; ``compile_plan(module, plan)`` compiles a saved plan on a module."""
     if k < 1:
         raise InputError(f"autotune={k}: give the number of solved plans to time (>= 1), or 0 / None for none")
-    plan, gm, ctx = plan_graph()
+    planned = plan_graph()
+    plan, gm, ctx = planned.plan, planned.graph, planned.ctx
     path = cache_file(plan, k, backend)
     cached = None
     if not real_group or dist.get_rank() == 0:

@@ -29,7 +29,6 @@ Part of capture (not a pass of its own): it runs on the captured graph before ``
 
 from __future__ import annotations
 
-import itertools
 import logging
 import operator
 from collections import Counter
@@ -41,13 +40,12 @@ import torch.fx as fx
 
 from autoshard import _torch_compat as tc
 from autoshard.cost.compute import compute_time, op_flops
-from autoshard.ir import is_saved, is_view, layer_key, layer_parts, owns_storage, tensor_args
+from autoshard.notation import FULL, SELECTIVE, parse_spec, spec
+from autoshard.ir import is_saved, is_view, layer_key, owns_storage, tensor_args
 from autoshard.errors import InputError
 
 log = logging.getLogger(__name__)
 
-FULL, SELECTIVE = "full", "selective"
-MODES = (FULL, SELECTIVE)
 KEPT = "autoshard_replay_input"  # meta key: a kept value a replay reads (see the module docstring)
 MUST_SAVE = type(tc.PREFER_RECOMPUTE).MUST_SAVE  # the same enum (torch.utils.checkpoint.CheckpointPolicy)
 # what selective recomputation keeps (torch's selective-checkpoint examples and torchtitan's op list save these)
@@ -56,20 +54,6 @@ EXPENSIVE = frozenset({
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
 })
-
-
-def parse_spec(spec: str) -> tuple[str, str]:
-    """``"layers.3:selective"`` -> ``("layers.3", "selective")``; no mode is ``full``."""
-    path, _, mode = str(spec).partition(":")
-    mode = mode or FULL
-    if mode not in MODES:
-        raise InputError(f"recompute={spec!r}: mode {mode!r} is not one of {', '.join(MODES)} (write 'PATH' or "
-                         f"'PATH:selective')")
-    return path, mode
-
-
-def spec(path: str, mode: str) -> str:
-    return path if mode == FULL else f"{path}:{mode}"
 
 
 def _inside(module: str, prefix: str) -> bool:
@@ -194,23 +178,6 @@ def stored(node: fx.Node) -> bool:
     return (is_saved(node) or bool(node.meta.get(KEPT))) and owns_storage(node) and not is_recomputed(node)
 
 
-def describe(specs: Sequence[str]) -> str:
-    """``layers.0-3 full, layers.4-31 selective``: specs with runs of consecutive layers folded."""
-    runs: list[list] = []  # [container, first, last, mode] or [path, None, None, mode]
-    for s in specs:
-        path, mode = parse_spec(s)
-        parts = layer_parts(path + ".x")
-        if parts and parts[2] == "x" and runs and runs[-1][0] == parts[0] and runs[-1][3] == mode \
-                and runs[-1][2] == parts[1] - 1:
-            runs[-1][2] = parts[1]
-        elif parts and parts[2] == "x":
-            runs.append([parts[0], parts[1], parts[1], mode])
-        else:
-            runs.append([path, None, None, mode])
-    return ", ".join(f"{c}.{a}" + (f"-{b}" if b != a else "") + f" {m}" if a is not None else f"{c} {m}"
-                     for c, a, b, m in runs)
-
-
 @dataclass(frozen=True)
 class LayerReplay:
     """One recomputed layer under a solved layout, per device: the saved bytes full / selective recomputation
@@ -332,48 +299,12 @@ def replay_time(gm: fx.GraphModule, mesh_shape: Sequence[int], device: object, w
                for n in gm.graph.nodes if is_recomputed(n) and n.meta.get("autoshard") is not None)
 
 
-def _mix_bytes(replay: LayerReplay, counts: tuple[int, int, int]) -> float:
-    saved, sel, full = counts
-    again = replay.full_again if full else replay.cheap_again if sel else 0.0
-    return saved * replay.full_bytes + sel * (replay.full_bytes - replay.cheap_bytes) + again
-
-
-def _mix_s(replay: LayerReplay, counts: tuple[int, int, int]) -> float:
-    return counts[1] * replay.cheap_s + counts[2] * replay.full_s
-
-
-def mix_peak(replay: LayerReplay, anchor: tuple[int, int, int], anchor_bytes: float,
-             counts: tuple[int, int, int]) -> float:
-    """The peak of a (saved, selective, full) mix estimated from a plan of the ``anchor`` mix (peak
-    ``anchor_bytes``) in its layout: each saved layer keeps what full recomputation frees, a selective one what it
-    does not replay; the replay's working set (``cost/memory.py``: the largest replayed layer) is a full layer's,
-    a selective one's, or none."""
-    return anchor_bytes + _mix_bytes(replay, counts) - _mix_bytes(replay, anchor)
-
-
-def best_mix(layers: int, replay: LayerReplay, anchor: tuple[int, int, int], anchor_s: float, anchor_bytes: float,
-             budget: float, offset: float = 0.0, allow_full: bool = True) -> tuple[tuple[int, int, int], float] | None:
-    """The (saved, selective, full) layer counts (at most two modes; no full layers unless ``allow_full``) that
-    fit ``budget`` fastest in the layout of a plan of the ``anchor`` mix (step ``anchor_s``, peak
-    ``anchor_bytes``), and that mix's predicted step; ``offset``: what an earlier estimate missed by. None when
-    no mix fits."""
-    best: tuple[tuple[int, int, int], float] | None = None
-    for a, b in itertools.product(range(layers + 1), repeat=2):
-        counts = (a, b, layers - a - b)
-        if counts[2] < 0 or sum(c > 0 for c in counts) > 2 or (counts[2] and not allow_full):
-            continue
-        step = anchor_s - _mix_s(replay, anchor) + _mix_s(replay, counts)
-        if mix_peak(replay, anchor, anchor_bytes, counts) + offset <= budget and (best is None or step < best[1] - 1e-12):
-            best = (counts, step)
-    return best
-
-
 def mix_specs(container: str, counts: tuple[int, int, int]) -> tuple[str, ...]:
     """Specs for (saved, selective, full) layer counts: full layers first, then selective, then saved."""
     saved, sel, full = counts
     return layer_specs(container, [FULL] * full + [SELECTIVE] * sel + [None] * saved)
 
 
-__all__ = ["EXPENSIVE", "FULL", "KEPT", "MODES", "SELECTIVE", "LayerReplay", "best_mix", "describe", "is_recomputed",
-           "layer_modes", "layer_replays", "layer_specs", "mix_peak", "mix_specs", "parse_spec", "replay_time", "sampled_specs",
-           "spec", "stored", "tag_recompute", "typical_replay"]
+__all__ = ["EXPENSIVE", "KEPT", "LayerReplay", "is_recomputed",
+           "layer_modes", "layer_replays", "layer_specs", "mix_specs", "replay_time", "sampled_specs",
+           "stored", "tag_recompute", "typical_replay"]

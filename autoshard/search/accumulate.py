@@ -1,0 +1,125 @@
+"""The gradient-accumulation search: the fewest micro-batches whose plan fits the memory budget.
+
+``compile(..., memory_budget=...)`` without ``microbatches``: when no plan of the whole batch fits, 2, 4, 8, ...
+micro-batches (each dividing every batched input and leaving every data-parallel shard non-empty) are planned in
+turn and the first that fits is kept, with the :class:`~autoshard.runtime.accumulate.Accumulation` that
+``ShardedModule.step`` runs. On a process group every rank takes the same branch (rank 0's verdict).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
+
+from autoshard.cluster.profile import ClusterProfile
+from autoshard.config import PlanConfig
+from autoshard.errors import InfeasibleBudget
+from autoshard.inputs import Call, signature_of
+from autoshard.notation import format_bytes
+from autoshard.runtime.accumulate import Accumulation, accumulated_plan, batched_inputs, loss_weighting, micro_example
+from autoshard.runtime.lazy import DATA_PARALLEL_NAMES
+from autoshard.search.planned import Planned
+from autoshard.search.recompute import plan_graph
+
+log = logging.getLogger(__name__)
+
+
+def plan_accumulated(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
+                      config: PlanConfig, real_group: bool, microbatches: int | None
+                      ) -> tuple[Planned, Accumulation | None]:
+    """The plan of the whole batch, or of one of ``microbatches`` micro-batches (given, or the fewest that fit the
+    memory budget when the whole batch does not), with the Accumulation that ``ShardedModule.step`` runs."""
+    if microbatches is not None:
+        return _plan_micro(model, inputs, mesh, cluster, config, real_group, int(microbatches))
+    if config.memory_budget is None:
+        return plan_graph(model, inputs, mesh, cluster, config, real_group), None
+    whole_plan, whole = _agreed(real_group, lambda: _plan_micro(model, inputs, mesh, cluster, config, real_group, 1))
+    if whole is None:
+        return whole_plan
+    least = whole.least_bytes
+    tried: list[str] = []
+    for k in _microbatch_counts(inputs, mesh, config):
+        found, err = _agreed(real_group, lambda k=k: _plan_micro(model, inputs, mesh, cluster, config, real_group, k))
+        if err is not None:
+            tried.append(f"{k}: {format_bytes(err.least_bytes) if err.least_bytes else 'none fits'}")
+            least = err.least_bytes if err.least_bytes and (least is None or err.least_bytes < least) else least
+            continue
+        peak = found[0].plan.peak_memory.total
+        if peak > config.memory_budget:  # the solver's constraint may count less than the plan's full peak
+            tried.append(f"{k}: predicted peak {format_bytes(peak)}")
+            least = peak if least is None or peak < least else least
+            continue
+        log.info("compile: the whole batch does not fit memory_budget=%s (%s); gradient accumulation over %d "
+                 "micro-batches fits (predicted peak %s per device)", format_bytes(config.memory_budget),
+                 whole, k, format_bytes(peak))
+        return found
+    smallest = f"; the smallest budget any plan needs is {format_bytes(least)}" if least else ""
+    raise InfeasibleBudget(
+        f"{str(whole).rstrip('.')}. Gradient accumulation did not fit either (micro-batches tried: "
+        f"{'; '.join(tried) or 'none, the batch does not split further'}){smallest}", least) from whole
+
+
+def _agreed(real_group: bool, attempt: Callable[[], Any]) -> tuple[Any, InfeasibleBudget | None]:
+    """``attempt()`` on every rank: (its result, None), or (None, the error) when the budget is infeasible; other
+    errors are raised. On a real group rank 0 solves and the other ranks hear of its error only as a
+    RuntimeError (``autoshard/compiler/solve.py``): rank 0's verdict is broadcast so that every rank takes the same branch."""
+    result, err = None, None
+    try:
+        result = attempt()
+    except Exception as e:  # noqa: BLE001 - sorted below, on every rank alike
+        err = e
+    if real_group:
+        box: list[Any] = [err if isinstance(err, InfeasibleBudget) else ("failed" if err is not None else None)]
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], InfeasibleBudget):
+            return None, box[0]
+        if err is None and box[0] is not None:
+            raise RuntimeError("rank 0 could not plan (see its error); this rank stops too")
+    if isinstance(err, InfeasibleBudget):
+        return None, err
+    if err is not None:
+        raise err
+    return result, None
+
+
+def _plan_micro(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
+                config: PlanConfig, real_group: bool, k: int) -> tuple[Planned, Accumulation | None]:
+    """Plan one of ``k`` micro-batches of ``inputs``; the plan says ``microbatches=k``."""
+    if k == 1:
+        return plan_graph(model, inputs, mesh, cluster, config, real_group), None
+    sig, tensors = signature_of(inputs)
+    one = plan_graph(model, micro_example(sig, tensors, k), mesh, cluster, config, real_group)
+    weighting = loss_weighting(one.graph, one.ctx.output_roles)
+    return one.with_plan(accumulated_plan(one.plan, k)), Accumulation(k, batched_inputs(tensors), weighting)
+
+
+def _microbatch_counts(inputs: tuple | dict | Call, mesh: DeviceMesh, config: PlanConfig) -> list[int]:
+    """2, 4, 8, ... micro-batches that divide every batched input's dim 0 and leave each data-parallel shard of
+    a micro-batch non-empty and even (inputs pinned ``Shard(0)`` on mesh axes, or the mesh's data-parallel axes)."""
+    sig, tensors = signature_of(inputs)
+    names = tuple(mesh.mesh_dim_names or (f"d{i}" for i in range(mesh.ndim)))
+    batched = [(i, t) for i, (t, b) in enumerate(zip(tensors, batched_inputs(tensors))) if b]
+    if not batched:
+        return []
+    dp = math.prod(s for n, s in zip(names, mesh.shape) if n in DATA_PARALLEL_NAMES)
+    need = []  # per batched input: what its micro-batch's dim 0 must be a multiple of
+    for i, t in batched:
+        pinned = config.constraint_for(f"input[{i}]", "input", names, alias=sig.names[i]) or ()
+        split = math.prod(s for p, s in zip(pinned, mesh.shape) if isinstance(p, Shard) and p.dim == 0)
+        need.append((t.shape[0], max(split, 1), dp))
+    out, k = [], 2
+    while all(b // k >= 1 for b, _, _ in need):
+        if all(b % k == 0 and (b // k) % split == 0 and b // k >= d for b, split, d in need):
+            out.append(k)
+        k *= 2
+    return out
+
+
+__all__ = ["plan_accumulated"]
