@@ -9,11 +9,11 @@
 
 from autoshard.api import compile, plan, recipe
 from autoshard.config import PlanConfig
-from autoshard.errors import AutoshardError, DataDependentError, InfeasibleBudget, InputError, LaunchError, SolverTimeout
+from autoshard.errors import AutoshardError, CallError, DataDependentError, InfeasibleBudget, InputError, LaunchError, SolverTimeout
 from autoshard.plans.plan import Plan
 from autoshard.runtime.sharded_module import ShardedModule, as_dtensor, clip_grad_norm_
 from autoshard.weights.deferred import init_weights, load_pretrained, save_pretrained
 
 __all__ = ["clip_grad_norm_", "compile", "init_weights", "load_pretrained", "plan", "recipe", "save_pretrained", "Plan",
            "PlanConfig", "ShardedModule", "as_dtensor", "AutoshardError", "DataDependentError", "InfeasibleBudget",
-           "InputError", "LaunchError", "SolverTimeout"]
+           "InputError", "LaunchError", "SolverTimeout", "CallError"]

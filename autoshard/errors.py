@@ -2,7 +2,7 @@
 
 Every error names what it refused (the op, shape, mesh, placement, option or file) and the fix. Catch
 :class:`AutoshardError` for all of them; each is also the built-in type it has always been (``InputError`` is a
-``ValueError``, the others ``RuntimeError``), so ``except ValueError`` keeps working.
+``ValueError``, ``CallError`` a ``TypeError``, the others ``RuntimeError``), so ``except ValueError`` keeps working.
 """
 
 from __future__ import annotations
@@ -14,6 +14,11 @@ class AutoshardError(Exception):
 
 class InputError(AutoshardError, ValueError):
     """Something given to autoshard it cannot take: a model, call, mesh, option, plan or checkpoint."""
+
+
+class CallError(AutoshardError, TypeError):
+    """A call of a compiled module that does not match what was traced: how many inputs, a tensor where one was
+    traced, a DTensor where a local shard is expected, a keyword the program never saw."""
 
 
 class InfeasibleBudget(InputError):
@@ -44,4 +49,4 @@ class LaunchError(AutoshardError, RuntimeError):
         self.rank = rank
 
 
-__all__ = ["AutoshardError", "DataDependentError", "InfeasibleBudget", "InputError", "LaunchError", "SolverTimeout"]
+__all__ = ["AutoshardError", "CallError", "DataDependentError", "InfeasibleBudget", "InputError", "LaunchError", "SolverTimeout"]

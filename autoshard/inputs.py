@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from autoshard import _torch_compat as tc
-from autoshard.errors import InputError
+from autoshard.errors import CallError, InputError
 
 # A graph input's name in plans and errors is "input[i]"; this is its place in the user's call
 _NO_VALUE = object()
@@ -47,11 +47,11 @@ def as_call(example_inputs: Any) -> tuple[tuple, dict[str, Any]]:
     if isinstance(example_inputs, Mapping):
         bad = [k for k in example_inputs if not isinstance(k, str)]
         if bad:
-            raise TypeError(f"example_inputs as a mapping are keyword arguments; keys must be strings, got {bad!r}")
+            raise CallError(f"example_inputs as a mapping are keyword arguments; keys must be strings, got {bad!r}")
         return (), dict(example_inputs)
     if isinstance(example_inputs, (tuple, list)):
         return tuple(example_inputs), {}
-    raise TypeError(
+    raise CallError(
         f"example_inputs must be a tensor, a tuple of positional arguments or a dict of keyword arguments; got "
         f"{type(example_inputs).__name__}"
     )
@@ -115,7 +115,7 @@ class CallSignature:
         """The tensors of a call in graph-input order; refuses a call shaped unlike the traced one."""
         leaves, spec = tc.tree_flatten((tuple(args), dict(kwargs)))
         if spec != self.spec:
-            raise TypeError(
+            raise CallError(
                 f"this call's arguments {describe(args, kwargs)} are not shaped like the traced call's "
                 f"({self.describe_traced()}); call it as it was traced, or compile again with the new call as "
                 "example_inputs"
@@ -124,7 +124,7 @@ class CallSignature:
         for i, (leaf, const) in enumerate(zip(leaves, self.constants)):
             if const is _NO_VALUE:
                 if not isinstance(leaf, torch.Tensor):
-                    raise TypeError(f"argument {self._leaf_name(i)} must be a tensor, as traced; got {type(leaf).__name__}")
+                    raise CallError(f"argument {self._leaf_name(i)} must be a tensor, as traced; got {type(leaf).__name__}")
                 out.append(leaf)
             elif isinstance(leaf, torch.Tensor) or leaf != const:
                 raise InputError(

@@ -22,7 +22,7 @@ from autoshard.cluster.presets import get_cluster
 from autoshard.cluster.profile import ClusterProfile, check_mesh
 from autoshard.config import PlanConfig
 from autoshard.inputs import Call, as_call, example_call
-from autoshard.cluster.meshes import default_mesh, fake_world, mesh_names, parse_mesh, parse_mesh_spec
+from autoshard.cluster.meshes import default_mesh, fake_world, mesh_names
 from autoshard.models.zoo import ZooModel, get_model
 from autoshard.notation import format_bytes
 from autoshard.plans.plan import Plan

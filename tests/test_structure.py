@@ -201,17 +201,20 @@ def test_no_up_calls() -> None:
 
 
 def test_bad_input_errors_share_the_base_class() -> None:
-    """Bad input is an ``autoshard.InputError`` (a ValueError and an ``AutoshardError``), never a bare ValueError;
-    the public error types are exported at the top level."""
+    """Bad input is an ``autoshard.InputError`` (a ValueError and an ``AutoshardError``), a call that does not match
+    the traced program an ``autoshard.CallError`` (a TypeError), never a bare ValueError or TypeError; the public
+    error types are exported at the top level."""
     import autoshard
     from autoshard.errors import AutoshardError
 
     bare = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in _modules().values()
             for node in ast.walk(ast.parse(path.read_text()))
             if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
-            and isinstance(node.exc.func, ast.Name) and node.exc.func.id == "ValueError"]
-    assert not bare, "raise autoshard.errors.InputError instead of ValueError at:\n" + "\n".join(bare)
-    for name in ("InputError", "InfeasibleBudget", "SolverTimeout", "DataDependentError", "LaunchError"):
+            and isinstance(node.exc.func, ast.Name) and node.exc.func.id in ("ValueError", "TypeError")]
+    assert not bare, "raise InputError or CallError (autoshard.errors) instead of ValueError or TypeError at:\n" + \
+        "\n".join(bare)
+    for name in ("InputError", "CallError", "InfeasibleBudget", "SolverTimeout", "DataDependentError", "LaunchError"):
         assert issubclass(getattr(autoshard, name), AutoshardError), name
     assert issubclass(autoshard.InputError, ValueError) and issubclass(autoshard.InfeasibleBudget, ValueError)
+    assert issubclass(autoshard.CallError, TypeError)
     assert issubclass(autoshard.SolverTimeout, RuntimeError) and issubclass(autoshard.LaunchError, RuntimeError)

@@ -42,7 +42,7 @@ from autoshard.compiler.capture_cleanup import (
     merge_tied_parameters,
 )
 from autoshard.compiler.context import PassContext
-from autoshard.errors import DataDependentError, InputError
+from autoshard.errors import CallError, DataDependentError, InputError
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class _Outputs(nn.Module):
             out = self.inner(*args, **kwargs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         if not outs or not all(isinstance(o, torch.Tensor) for o in outs):
-            raise TypeError(
+            raise CallError(
                 f"pipeline stage {type(self.inner).__name__} must return a tensor or a tuple of tensors, got "
                 f"{type(out).__name__}"
             )
@@ -145,7 +145,7 @@ def loss_of(out: Any, model_name: str, loss_fn: Callable[[Any], torch.Tensor] | 
     elif isinstance(out, torch.Tensor):
         return out
     elif isinstance(out, Mapping) and "loss" not in out and not hasattr(out, "loss"):
-        raise TypeError(
+        raise CallError(
             f"{model_name}.forward returned a {type(out).__name__} with keys {sorted(map(str, out))} and no 'loss'; "
             "return the loss under 'loss', or loss_fn= must pick it (a function of the output that returns the "
             "scalar loss)"
@@ -164,7 +164,7 @@ def loss_of(out: Any, model_name: str, loss_fn: Callable[[Any], torch.Tensor] | 
     else:
         loss, where = out, "the output"
     if not isinstance(loss, torch.Tensor):
-        raise TypeError(
+        raise CallError(
             f"{model_name}.forward must return the loss (a scalar tensor), a ModelOutput/dict with a 'loss', or a "
             f"tuple whose first element is the loss, or loss_fn= must pick it; {where} is {type(loss).__name__}"
         )

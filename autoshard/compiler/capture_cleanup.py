@@ -9,6 +9,8 @@ placement to choose or that would make one tensor two decisions.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.fx as fx
 from torch import nn

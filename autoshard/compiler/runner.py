@@ -34,7 +34,7 @@ from autoshard.compiler.partition import partition
 from autoshard.compiler.share_layers import share_layers, share_nothing
 from autoshard.compiler.solve import solve
 from autoshard.compiler.strategies import strategies
-from autoshard.errors import InputError
+from autoshard.errors import CallError, InputError
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def check_disabled(names: tuple[str, ...]) -> None:
 
 def _check(spec: PassSpec, out: object, ctx: PassContext) -> None:
     if not isinstance(out, fx.GraphModule):
-        raise TypeError(f"pass {spec.name} returned {type(out).__name__}, not a torch.fx.GraphModule")
+        raise CallError(f"pass {spec.name} returned {type(out).__name__}, not a torch.fx.GraphModule")
     for field in spec.produces:
         value = getattr(ctx, field)
         if value is None or (isinstance(value, (list, dict, tuple)) and not value):

@@ -30,7 +30,6 @@ import dataclasses
 import logging
 import math
 import operator
-from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
@@ -42,7 +41,7 @@ from autoshard.cost.reshard import reshard_time as redistribute_time
 from autoshard.cost.comm import axis_collective_time, point_to_point_time
 from autoshard.cost.compute import compute_time, op_flops
 from autoshard.cost.offload import OffloadSummary, host_is_device, offload_cost
-from autoshard.ir import Group, GroupStrategy, NodeOut, Placements, output_vals, tensor_args
+from autoshard.ir import Group, GroupStrategy, NodeOut, output_vals, tensor_args
 from autoshard.compiler.candidates import CandidateEnumerator, evenly_divisible, shard_factor
 from autoshard.compiler.context import PassContext
 from autoshard.compiler.follow import follow_members

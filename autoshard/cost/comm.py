@@ -36,7 +36,6 @@ from torch.distributed.tensor import Placement
 
 from autoshard.cluster.profile import AxisLayout, ClusterProfile, Link
 from autoshard.cost.collectives import (
-    ALGORITHMS,
     COLLECTIVES,
     algorithm_time,
     best_algorithm,

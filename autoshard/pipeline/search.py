@@ -50,10 +50,8 @@ from torch import nn
 
 from autoshard.cluster.profile import ClusterProfile
 from autoshard.config import PlanConfig
-from autoshard.pipeline.pricing import (FALLBACK_RECIPES, Config, PipelineOption, Pricer, SearchSpace, kind,
-                                        p2p_seconds)
-from autoshard.pipeline.costs import optimizer_step_s, with_optimizer
-from autoshard.pipeline.solves import FakeStageMeshes, Key, StageSolves, layout_summary, micro_inputs
+from autoshard.pipeline.pricing import Config, PipelineOption, Pricer, SearchSpace, kind
+from autoshard.pipeline.solves import FakeStageMeshes, Key, StageSolves
 from autoshard.solver.inter_op import SCHEDULES
 from autoshard.errors import InputError
 

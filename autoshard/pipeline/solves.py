@@ -40,6 +40,7 @@ from autoshard.cluster.profile import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.compiler.context import PassContext
 from autoshard.pipeline.costs import boundary_node, with_optimizer
+from autoshard.solver.inter_op import PieceCost
 from autoshard.errors import InputError
 
 log = logging.getLogger(__name__)

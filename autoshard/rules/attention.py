@@ -89,7 +89,6 @@ def candidates(node: fx.Node, ties: Sequence[int]) -> list[tc.RawStrategy]:
     ins = [a.meta["val"] for a in tensor_args(node)]
     backward = _is_backward(node)
     q = ins[1] if backward else ins[0]
-    k = ins[2] if backward else ins[1]
     outs = output_vals(node)
     n_tensors = 6 if backward else 3  # a mask input leaves the ring out (its blocks would need slicing too)
     options = ["whole", "batch", "heads"] + (["seq"] if splits_sequence(node) else []) + (

@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from autoshard import _torch_compat as tc
 from autoshard.ir import kept_target_counter, node_arg
-from autoshard.errors import InputError
+from autoshard.errors import CallError, InputError
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class Accumulation:
     def split(self, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
         """The global call's tensors as ``microbatches`` micro-batches (views along dim 0)."""
         if len(tensors) != len(self.batched):
-            raise TypeError(f"the call has {len(tensors)} tensor inputs; the program was traced with "
+            raise CallError(f"the call has {len(tensors)} tensor inputs; the program was traced with "
                             f"{len(self.batched)}")
         check_divides(names, tensors, self.batched, self.microbatches)
         k = self.microbatches

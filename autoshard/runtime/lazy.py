@@ -22,7 +22,7 @@ from autoshard import _torch_compat as tc
 from autoshard.inputs import Call
 from autoshard.weights import deferred
 from autoshard.weights.pretrained import fqn_modifiers
-from autoshard.errors import InputError
+from autoshard.errors import CallError, InputError
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class LazyShardedModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self._pipelined:
-            raise TypeError("a pipelined model trains one step at a time over micro-batches: call "
+            raise CallError("a pipelined model trains one step at a time over micro-batches: call "
                             "sharded.step(...) with the global batch, as you call the model (it returns the loss)")
         return self._ensure(global_example(args, kwargs, self.mesh))(*args, **kwargs)
 

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from autoshard import _torch_compat as tc
+from autoshard.errors import CallError
 
 HOST = torch.device("cpu")
 
@@ -53,7 +54,7 @@ class HostOffload:
         if local.device.type == HOST.type and (local.is_pinned() or not self.pin):
             return
         if not isinstance(master, DTensor):
-            raise TypeError(f"an offloaded master must be a DTensor parameter, got {type(master).__name__}")
+            raise CallError(f"an offloaded master must be a DTensor parameter, got {type(master).__name__}")
         moved = tc.dtensor_like(self._host_copy(local), master)  # (from_local would move it back to the device)
         torch.utils.swap_tensors(master, torch.nn.Parameter(moved, requires_grad=master.requires_grad))
 

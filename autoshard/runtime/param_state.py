@@ -34,6 +34,7 @@ from torch.distributed.tensor.placement_types import Placement
 from autoshard import _torch_compat as tc
 from autoshard.buckets import gather_all, gather_axes
 from autoshard.runtime.offload import HostOffload
+from autoshard.errors import CallError
 
 Layout = tuple[Placement, ...]
 
@@ -107,7 +108,7 @@ class ParamStates:
         for (axes, _), slots in stale.items():
             masters = [flat[i] for i in slots]
             if not all(isinstance(m, DTensor) for m in masters):
-                raise TypeError(f"parameters {[self.names[i] for i in slots]}: their masters must be DTensors")
+                raise CallError(f"parameters {[self.names[i] for i in slots]}: their masters must be DTensors")
             with torch.no_grad():
                 copies = gather_all(self.mesh, axes, [m.detach() for m in masters])  # -> their compute layouts
             for i, m, c in zip(slots, masters, copies):
@@ -122,7 +123,7 @@ class ParamStates:
         hit = self._copies.get(i)
         if hit is None or hit[:2] != key:
             if not isinstance(master, DTensor):
-                raise TypeError(f"parameter {self.names[i]}: its master must be a DTensor (got {type(master).__name__})")
+                raise CallError(f"parameter {self.names[i]}: its master must be a DTensor (got {type(master).__name__})")
             if self._host is not None and self.offload[i]:
                 self._host.ensure_on_host(master)  # (in place: the optimizer holds this object)
                 key = (id(master), _version(master))

@@ -40,7 +40,7 @@ from autoshard.weights.deferred import take_deferred
 from autoshard.weights.init import init_weights
 from autoshard.weights.pretrained import load_pretrained, save_pretrained
 from autoshard.weights.shards import Unfilled, materialize_buffers
-from autoshard.errors import InputError
+from autoshard.errors import CallError, InputError
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class StageModule(nn.Module):
 
     def forward(self, *received: torch.Tensor, **model_inputs: torch.Tensor) -> Any:
         if len(received) != self._wiring.received:
-            raise TypeError(f"pipeline stage receives {self._wiring.received} tensors, got {len(received)}")
+            raise CallError(f"pipeline stage receives {self._wiring.received} tensors, got {len(received)}")
         inputs = {i: model_inputs[input_key(i)] for kind, i in self._wiring.args if kind == "input"}
         args = stage_args(self._wiring, received, inputs)
         params = dict(self.module.named_parameters(remove_duplicate=False))
@@ -221,14 +221,14 @@ class PipelinedModule(nn.Module):
                             scale_grads=True)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError(
+        raise CallError(
             "a pipelined module runs forward and backward together, one micro-batch after another: call "
             "sharded.step(...) with the global batch, as you call the model (it returns the loss; the gradients "
             "are then in .grad)"
         )
 
     def shard_inputs(self, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError(
+        raise CallError(
             "a pipelined module takes the global batch on every rank (the schedule cuts it into micro-batches and "
             "each stage takes its part): call sharded.step(...) with the global batch, not its shards"
         )

@@ -30,7 +30,7 @@ from autoshard.weights.deferred import take_deferred
 from autoshard.weights.init import init_weights
 from autoshard.weights.pretrained import fqn_modifiers, load_pretrained, save_pretrained
 from autoshard.weights.shards import Unfilled, empty_shard, materialize_buffers
-from autoshard.errors import InputError
+from autoshard.errors import CallError, InputError
 
 log = logging.getLogger(__name__)
 
@@ -271,15 +271,15 @@ class ShardedModule(nn.Module):
 
     def _check_inputs(self, args: Sequence[Any]) -> None:
         if len(args) != len(self._inputs):
-            raise TypeError(
+            raise CallError(
                 f"the sharded module takes {len(self._inputs)} local input tensors (as the plan was traced), got "
                 f"{len(args)}"
             )
         for a, layout, shape in zip(args, self._inputs, self.expected_local_shapes()):
             if not isinstance(a, torch.Tensor):
-                raise TypeError(f"{self._label(layout.name)}: expected a tensor, got {type(a).__name__}")
+                raise CallError(f"{self._label(layout.name)}: expected a tensor, got {type(a).__name__}")
             if isinstance(a, DTensor):
-                raise TypeError(f"{self._label(layout.name)}: pass this rank's local tensor (use sharded.shard_inputs), not a DTensor")
+                raise CallError(f"{self._label(layout.name)}: pass this rank's local tensor (use sharded.shard_inputs), not a DTensor")
             if tuple(a.shape) != tuple(shape) or str(a.dtype).replace("torch.", "") != layout.dtype:
                 raise InputError(
                     f"{self._label(layout.name)}: expected this rank's local piece {tensor_str(layout.dtype, shape)} (global "

@@ -35,7 +35,6 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 from ortools.sat.python import cp_model
 from torch.distributed.tensor import Replicate
