@@ -1,13 +1,22 @@
 import os
 import sys
 
+import torch
+
 # tests import the shared harness as a plain module
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "autoshard-inductor"))
+# One ATen thread in the test process: the suite runs one pytest worker per core (README: -n 2), and its tests
+# fork gloo ranks from this process, where an OpenMP thread pool made by earlier work would not survive the fork
+# (autoshard/testing/launch.py).
+torch.set_num_threads(1)
 
 
 def pytest_collection_finish(session) -> None:
-    """Start early what a selected test marks ``start_early`` (a background subprocess that the test collects)."""
+    """Start early what a selected test marks ``start_early`` (a background subprocess that the test collects).
+    Not under pytest-xdist: every worker collects every test, so each would start it; the test starts it then."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     started = set()
     for item in session.items:
         start = getattr(getattr(item, "function", None), "start_early", None)

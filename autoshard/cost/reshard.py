@@ -6,6 +6,7 @@ which adds the links' ``sync`` (``autoshard.cost.comm.sync_time``)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -26,8 +27,16 @@ def reshard_time(
 ) -> float:
     if tuple(src) == tuple(dst):
         return 0.0
+    return _time(tuple(src), tuple(dst), tuple(global_shape), itemsize, tuple(mesh_shape), cluster, waits)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _time(src: tuple, dst: tuple, shape: tuple, itemsize: int, mesh_shape: tuple, cluster: ClusterProfile,
+          waits: bool) -> float:
+    """Memoized: the planner asks for the same move of the same shape thousands of times (every candidate pair of
+    every edge, each layer alike); every argument is an immutable value, the cluster a frozen dataclass."""
     try:
-        steps = redistribute_steps(tuple(src), tuple(dst), tuple(global_shape), itemsize, tuple(mesh_shape), cluster)
+        steps = redistribute_steps(src, dst, shape, itemsize, mesh_shape, cluster)
     except ValueError:
         return math.inf
     return sum(st.time for st in steps) + (sync_time(steps, mesh_shape, cluster) if waits else 0.0)
