@@ -21,7 +21,7 @@ from autoshard.errors import InputError
 from autoshard.inputs import Call, example_call
 from autoshard.plans.plan import Plan
 from autoshard.runtime.lazy import LazyShardedModule, batch_constraint
-from autoshard.runtime.pipeline import PipelinedModule
+from autoshard.runtime.pipelined import PipelinedModule
 from autoshard.runtime.sharded_module import ShardedModule
 from autoshard.search.accumulate import plan_accumulated
 from autoshard.search.autotune import autotune as _autotune
@@ -269,7 +269,7 @@ def _compile_pipelined(
     real_group: bool,
 ) -> PipelinedModule | None:
     """The pipelined program, or None when ``pipeline="auto"`` finds no pipeline faster than the plain plan."""
-    from autoshard.pipeline.compile import choose_pipeline, compile_pipelined
+    from autoshard.pipeline.compile_stages import choose_pipeline, compile_pipelined
 
     names = tuple(mesh.mesh_dim_names or ())
     if not real_group or tc.in_local_tensor_mode():

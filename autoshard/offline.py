@@ -213,7 +213,7 @@ def plan_offline(
         return _plan_flat(job, prof, mesh, shape, names, cfg, progress if report else None, solves)
 
     if stages is not None or pipeline == "auto":
-        from autoshard.pipeline.offline import plan_with_pipeline
+        from autoshard.pipeline.plan_offline import plan_with_pipeline
 
         plan = plan_with_pipeline(job.module, job.inputs, prof, cfg, flat, stages=stages,
                                   sub_shape=shape if stages else None, axis_names=names if stages else None,

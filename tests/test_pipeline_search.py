@@ -14,13 +14,13 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
-import autoshard.pipeline.compile as pipeline_compile
+import autoshard.pipeline.compile_stages as pipeline_compile
 import autoshard.pipeline.search as pipeline_search
 from autoshard.cluster.presets import get_cluster
 from autoshard.config import PlanConfig
 from autoshard.cluster.meshes import fake_world
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
-from autoshard.runtime.pipeline import EXECUTABLE_SCHEDULES
+from autoshard.runtime.pipelined import EXECUTABLE_SCHEDULES
 from autoshard.solver.inter_op import SCHEDULES, SPLIT_BACKWARD
 
 DEEP = GPTConfig(n_layer=8, d_model=1024, n_head=8, vocab=512, seq_len=128)
@@ -138,7 +138,7 @@ def test_the_plan_without_stages_from_the_kept_capture_is_the_plan() -> None:
 def test_megatron_and_the_plan_without_stages_made_alongside_are_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the recipes solved, Megatron's configurations and the plan without stages are made in a forked process
     while the search runs; the plan is the one made all in this process (sharing the search's solves)."""
-    import autoshard.pipeline.offline as pipeline_offline
+    import autoshard.pipeline.plan_offline as pipeline_offline
 
     model, inputs = _deep()
 

@@ -17,7 +17,7 @@ names, B). :class:`StageSolves` keeps, for one model, example call and config, w
   instead of a new CP-SAT solve. :meth:`StageSolves.resolve` makes that key's own solve (the chosen configuration's).
 
 Where the sub-meshes live is a :class:`StageMeshes`: a fake process group per sub-mesh for offline plans
-(:class:`FakeStageMeshes`), the real ``pp`` sub-meshes in ``compile`` (``pipeline.compile``).
+(:class:`FakeStageMeshes`), the real ``pp`` sub-meshes in ``compile`` (``pipeline/compile_stages.py``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``autoshard/pipeline/wiring.py`` works out, when the model is cut, a ``StageWiring`` per stage (where each argument
 of its graph comes from, what it sends on) and how the loss counts its targets; the runtime
-(``runtime/pipeline.py``) applies them every step with the functions here.
+(``runtime/pipelined.py``) applies them every step with the functions here.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ The mesh this runs on has a ``pp`` axis outermost (the user's, or one made from 
 1. Choose: the stage search offline plans use (``pipeline.search.search_stages``) over the stage counts and
    micro-batch counts, on the real ``pp`` sub-meshes (every rank plans the same things; rank 0's solutions are
    broadcast), with what differs here: boundaries sent whole (each device sends the whole activation), only the
-   schedules that run here (``runtime.pipeline.EXECUTABLE_SCHEDULES``), no recomputation and no recipe layouts
+   schedules that run here (``runtime.pipelined.EXECUTABLE_SCHEDULES``), no recomputation and no recipe layouts
    (each stage is planned freely below). ``pipeline="auto"`` also weighs no pipeline at all (the plain plan of
    the whole batch on the whole mesh).
 2. Cut: ``torch.distributed.pipelining.pipeline`` splits the module at the chosen layers (``SplitPoint``).
@@ -43,7 +43,7 @@ from autoshard.runtime.stage_values import StageWiring
 from autoshard.plans.plan import MeshSpec, Plan
 from autoshard.ir import pipeline_layers
 from autoshard.search.recompute import plan_graph
-from autoshard.runtime.pipeline import EXECUTABLE_SCHEDULES, LossWeighting, PipelinedModule, StageModule, TiedParameter
+from autoshard.runtime.pipelined import EXECUTABLE_SCHEDULES, LossWeighting, PipelinedModule, StageModule, TiedParameter
 from autoshard.compiler.runner import rank_program
 from autoshard.solver.inter_op import StageSplit
 from autoshard.errors import InputError
