@@ -171,7 +171,7 @@ def test_planner_accumulates_when_the_whole_batch_does_not_fit(caplog: pytest.Lo
     with local_ranks(2):
         budget = _tight_budget(init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)))
     ref = single_device_reference(_make_mlp, inputs, steps=3, lr=LR)
-    with local_ranks(2), caplog.at_level("INFO", logger="autoshard.api"):
+    with local_ranks(2), caplog.at_level("INFO", logger="autoshard.search.accumulate"):
         got = train_sharded(_make_mlp, inputs, (2,), ("dp",), lr=LR, backend="eager", memory_budget=budget,
                             constraints=DP)
     plan = Plan.from_json(got["plan"])

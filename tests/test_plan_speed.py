@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 import autoshard.api
+import autoshard.search.accumulate
 from autoshard.testing.launch import launch
 from autoshard.cluster.meshes import fake_world
 from autoshard.ir import repeated_layers
@@ -96,7 +97,8 @@ def test_compile_captures_every_layer(monkeypatch: pytest.MonkeyPatch) -> None:
         raise Stop
 
     model, batch = _tiny_llama(device="cpu")
-    monkeypatch.setattr(autoshard.api, "plan_graph", spy)
+    monkeypatch.setattr(autoshard.api, "plan_graph", spy)  # plan's call
+    monkeypatch.setattr(autoshard.search.accumulate, "plan_graph", spy)  # compile's, through the micro-batch search
     with fake_world(4):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         with pytest.raises(Stop):
