@@ -146,8 +146,7 @@ def _plan(a: argparse.Namespace) -> int:
 def _calibrate(a: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from autoshard.cluster.calibrate import calibrate, summary, write_profile
-    from autoshard.cluster.calibrate_links import CalibrationConfig
+    from autoshard.cluster.calibrate import CalibrationConfig, calibrate, summary, write_profile
 
     cfg = CalibrationConfig.quick(a.ranks) if a.quick else CalibrationConfig(ranks=a.ranks)
     cfg = replace(cfg, threads=a.threads)
