@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import warnings
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 from autoshard.testing.launch import launch
-from autoshard.errors import LaunchError
 
-from harness import assert_close_to_reference, single_device_reference
+from harness import assert_close_to_reference, launch_four, single_device_reference
 from numerics_utils import LR, MODELS, PARAM_ATOL
 
 
@@ -57,16 +55,7 @@ def _worker(rank: int, world: int, arg: tuple) -> dict:
 def test_backend_trains_like_one_device_on_2x2() -> None:
     """FSDP + TP (parameters sharded on both axes), each rank passing its dp shard of the batch."""
     arg = ("gpt", (2, 2), ("dp", "tp"), {"recipe": "fsdp+tp"})
-    try:
-        results = launch(4, _worker, arg)
-    except LaunchError as e:
-        # Four torch.compile'd ranks on two cores sometimes abort natively (SIGABRT, no Python exception; issue 14
-        # records the same in 3 of 9 benchmark launches, cause unknown): once, and only that, is run again. A
-        # Python error or a wrong number still fails at once.
-        if "died without a Python exception" not in str(e):
-            raise
-        warnings.warn(f"re-running the 4-rank backend test after a native abort: {e}", stacklevel=1)
-        results = launch(4, _worker, arg)
+    results = launch_four(_worker, arg)  # (a native abort of 4 ranks on 2 cores is run once more, said so)
     make, inputs_fn = MODELS["gpt"]
     ref = single_device_reference(make, inputs_fn(), steps=3, lr=LR)
     for got in results:
