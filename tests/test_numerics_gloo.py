@@ -35,7 +35,8 @@ def _run(name: str, shape: tuple[int, ...], names: tuple[str, ...], **kw) -> lis
     world = 1
     for s in shape:
         world *= s
-    results = launch_four(_worker, (name, shape, names, kw)) if world == 4 else launch(world, _worker, (name, shape, names, kw))
+    arg = (name, shape, names, kw)
+    results = launch_four(_worker, arg) if world == 4 else launch(world, _worker, arg)
     make, inputs_fn = _models(name)
     ref = single_device_reference(make, inputs_fn(), steps=3, lr=LR)
     for r, got in enumerate(results):
