@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 
 
 def plan_accumulated(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
-                      config: PlanConfig, real_group: bool, microbatches: int | None
-                      ) -> tuple[Planned, Accumulation | None]:
+                     config: PlanConfig, real_group: bool, microbatches: int | None
+                     ) -> tuple[Planned, Accumulation | None]:
     """The plan of the whole batch, or of one of ``microbatches`` micro-batches (given, or the fewest that fit the
     memory budget when the whole batch does not), with the Accumulation that ``ShardedModule.step`` runs."""
     if microbatches is not None:

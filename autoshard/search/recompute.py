@@ -46,8 +46,8 @@ def plan_graph(
     """Plan ``model``; ``stage=True`` plans a pipeline stage (tensor outputs, input gradients; see capture).
 
     Under a memory budget (and no ``config.recompute`` given) recomputation is weighed per layer
-    (``autoshard/compiler/capture_recompute.py``): the plans that save everything, recompute every repeated layer in full, and
-    selectively (all but the matmuls); then, from the last two's layouts and their layers' replay costs
+    (``autoshard/compiler/capture_recompute.py`` tags a mix): the plans that save everything, recompute every
+    repeated layer in full, and selectively (all but the matmuls); then, from the last two's layouts and their layers' replay costs
     (``layer_replays``), the mix of saved, selective and fully recomputed layers predicted to fit the budget
     fastest (``best_mix``) is planned when it is predicted ahead, and once more with the estimate corrected. The
     fastest that fits is kept: the budget may have forced the plan that saves everything into slower layouts, and
