@@ -146,7 +146,8 @@ def _plan(a: argparse.Namespace) -> int:
 def _calibrate(a: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from autoshard.cluster.calibrate import CalibrationConfig, calibrate, summary, write_profile
+    from autoshard.cluster.calibrate import calibrate, summary, write_profile
+    from autoshard.cluster.calibration_config import CalibrationConfig
 
     cfg = CalibrationConfig.quick(a.ranks) if a.quick else CalibrationConfig(ranks=a.ranks)
     cfg = replace(cfg, threads=a.threads)

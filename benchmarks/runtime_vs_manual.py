@@ -300,7 +300,8 @@ def _profile(spec: str, world: int, tmp: str) -> str:
     ``world`` gloo ranks written under ``tmp`` (its summary is printed)."""
     if spec != "calibrate":
         return spec
-    from autoshard.cluster.calibrate import CalibrationConfig, calibrate, summary, write_profile
+    from autoshard.cluster.calibrate import calibrate, summary, write_profile
+    from autoshard.cluster.calibration_config import CalibrationConfig
 
     t0 = time.perf_counter()
     cal = calibrate(CalibrationConfig.quick(ranks=world), name=f"calibrated-cpu-{world}")

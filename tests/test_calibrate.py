@@ -13,7 +13,8 @@ import pytest
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
-from autoshard.cluster.calibrate import CalibrationConfig, calibrate, write_profile
+from autoshard.cluster.calibrate import calibrate, write_profile
+from autoshard.cluster.calibration_config import CalibrationConfig
 from autoshard.cluster.calibrate_links import COLLECTIVE_KINDS, _axis_groups, fit_ring
 from autoshard.cli import main
 from autoshard.cluster.presets import get_cluster

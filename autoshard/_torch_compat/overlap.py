@@ -19,11 +19,9 @@ Estimator = Callable[[fx.Node, "int | None"], "float | None"]
 
 def available() -> bool:
     """Whether this torch has the scheduler (2.11 and 2.13 do)."""
-    try:
-        from torch._inductor.fx_passes import overlap_scheduling  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    import importlib.util
+
+    return importlib.util.find_spec("torch._inductor.fx_passes.overlap_scheduling") is not None
 
 
 def inductor_schedule_overlap(gm: fx.GraphModule, estimate: Estimator, bucketing: bool = True) -> fx.GraphModule:

@@ -1,4 +1,4 @@
-"""``autoshard calibrate``'s link measurements (what to measure: ``calibrate.CalibrationConfig``): the
+"""``autoshard calibrate``'s link measurements (what to measure: ``calibration_config.CalibrationConfig``): the
 collectives (all_reduce, all_gather, reduce_scatter) timed over a real gloo group of forked ranks on every mesh
 axis, each fitted to the ring formula ``t = steps * latency + c * bytes / bandwidth`` through a small and a
 large message (:func:`fit_ring`). ``autoshard.cluster.calibrate`` measures compute and builds the profile.
@@ -23,13 +23,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from autoshard.cluster.calibration_config import CalibrationConfig
 from autoshard.errors import InputError
-
-if TYPE_CHECKING:  # calibrate.py, which runs these measurements, defines it
-    from autoshard.cluster.calibrate import CalibrationConfig
 
 logger = logging.getLogger(__name__)
 
