@@ -264,22 +264,3 @@ def torchrun_example(script: Any, nproc: int, args: Sequence[str], timeout: floa
         assert step not in losses, f"step {step} reported twice:\n{out.stdout[-3000:]}"
         losses[step] = float(m.group(2))
     return text, out.stdout, losses
-
-
-# --------------------------------------------------------------------------- four ranks on two cores
-
-def launch_four(fn: Callable[[int, int, Any], Any], arg: Any) -> list[Any]:
-    """``launch(4, fn, arg)``, run once more if a rank dies natively without a Python exception. Four ranks on the
-    2-core machine have aborted so (SIGABRT: "malloc(): unaligned tcache chunk detected", issue 14 and the CI run
-    of 2026-11-26; cause not found, the ranks' Python stacks are in the error). A Python error or a wrong number
-    still fails at once, and the retry is written to the real stderr, past pytest's capture, with the stacks."""
-    from autoshard.errors import LaunchError
-    from autoshard.testing.launch import launch
-
-    try:
-        return launch(4, fn, arg)
-    except LaunchError as e:
-        if "died without a Python exception" not in str(e):
-            raise
-        sys.__stderr__.write(f"\n[harness] {fn.__name__}: re-running 4 ranks after a native abort: {e}\n{e.detail}\n")
-        return launch(4, fn, arg)

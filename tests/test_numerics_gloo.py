@@ -11,7 +11,7 @@ from torch.distributed.tensor import Shard
 
 from autoshard.testing.launch import launch
 from autoshard.models.mlp import mlp_example_inputs
-from harness import assert_close_to_reference, launch_four, local_ranks, single_device_reference
+from harness import assert_close_to_reference, local_ranks, single_device_reference
 from numerics_utils import LR, MODELS, PARAM_ATOL, make_mlp, train_sharded
 
 def _hf(name: str) -> tuple:
@@ -36,7 +36,7 @@ def _run(name: str, shape: tuple[int, ...], names: tuple[str, ...], **kw) -> lis
     for s in shape:
         world *= s
     arg = (name, shape, names, kw)
-    results = launch_four(_worker, arg) if world == 4 else launch(world, _worker, arg)
+    results = launch(world, _worker, arg)
     make, inputs_fn = _models(name)
     ref = single_device_reference(make, inputs_fn(), steps=3, lr=LR)
     for r, got in enumerate(results):

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import autoshard
 from autoshard.testing.launch import launch
 
-from harness import assert_close_to_reference, launch_four, single_device_reference
+from harness import assert_close_to_reference, single_device_reference
 from numerics_utils import LR, MODELS, PARAM_ATOL
 
 
@@ -55,7 +55,7 @@ def _worker(rank: int, world: int, arg: tuple) -> dict:
 def test_backend_trains_like_one_device_on_2x2() -> None:
     """FSDP + TP (parameters sharded on both axes), each rank passing its dp shard of the batch."""
     arg = ("gpt", (2, 2), ("dp", "tp"), {"recipe": "fsdp+tp"})
-    results = launch_four(_worker, arg)  # (a native abort of 4 ranks on 2 cores is run once more, said so)
+    results = launch(4, _worker, arg)
     make, inputs_fn = MODELS["gpt"]
     ref = single_device_reference(make, inputs_fn(), steps=3, lr=LR)
     for got in results:
