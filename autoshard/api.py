@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -19,6 +20,7 @@ from autoshard.compiler.runner import check_disabled, rank_program
 from autoshard.config import PlanConfig
 from autoshard.errors import InputError
 from autoshard.inputs import Call, example_call
+from autoshard.plans.html import write_html
 from autoshard.plans.plan import Plan
 from autoshard.runtime.lazy import LazyShardedModule, batch_constraint
 from autoshard.runtime.pipelined import PipelinedModule
@@ -154,6 +156,7 @@ def compile(  # noqa: A001 - the one-line API the project promises
     schedule: str | None = None,
     parameters: str = "auto",
     autotune: int | None = None,
+    report: str | Path | None = None,
     **options: Any,
 ) -> ShardedModule | PipelinedModule | LazyShardedModule:
     """Plan, lower and compile ``model`` for this rank. Returns a trainable module: a ``ShardedModule``; a
@@ -190,7 +193,17 @@ def compile(  # noqa: A001 - the one-line API the project promises
     program (``plan.fingerprint``: ops, parameters, input shapes, mesh, cluster, precision, versions), or it is
     refused naming what differs (``autoshard/compiler/solve_reuse.py``). ``autotune=k``: the solver's k best distinct plans and
     the recipes that fit are timed on the mesh and the fastest kept, cached on disk (``autoshard/search/autotune.py``).
+
+    ``report="plan.html"`` writes the plan's page (``autoshard/plans/html.py``) from rank 0 once it is planned
+    (without ``example_inputs``: at the first call).
     """
+    if report is not None and example_inputs is not None:
+        out = compile(model, mesh, example_inputs, cluster=cluster, memory_budget=memory_budget,
+                      constraints=constraints, backend=backend, pipeline=pipeline, microbatches=microbatches,
+                      schedule=schedule, parameters=parameters, autotune=autotune, **options)
+        if not dist.is_initialized() or dist.get_rank() == 0 or tc.in_local_tensor_mode():
+            write_html(out.plan, report)
+        return out
     if backend not in BACKENDS:
         raise InputError(f"backend={backend!r} is not known; use one of {BACKENDS}")
     check_disabled(tuple(options.get("disable_passes", ())))
@@ -209,7 +222,7 @@ def compile(  # noqa: A001 - the one-line API the project promises
             )
         return _compile_on_first_call(model, mesh, constraints, dict(
             cluster=cluster, memory_budget=memory_budget, backend=backend, pipeline=pipeline,
-            microbatches=microbatches, schedule=schedule, parameters=parameters, **options))
+            microbatches=microbatches, schedule=schedule, parameters=parameters, report=report, **options))
     if pipeline not in (None, "auto", "none"):
         raise InputError(f"pipeline={pipeline!r} is not known; use None/'none' (a 'pp' mesh axis decides) or 'auto'")
     inputs = example_call(example_inputs)

@@ -1,7 +1,7 @@
 """``autoshard`` on the command line: plan a zoo model for a cluster from a laptop.
 
     autoshard plan --model llama3-70b --cluster h100-sxm:128x8 --seq 8192 --global-batch 512 \\
-                   --memory-per-device 80GB --out plan.json
+                   --memory-per-device 80GB --out plan.json --html plan.html
     autoshard plan --model path/to/config.json --cluster a100-80gb:4x8 --global-batch 64 --recipe fsdp
     autoshard plan --model gpt2-1.5b --cluster a100-80gb:4x8 --global-batch 64 --pipeline auto
     autoshard plan --model gpt2-1.5b --cluster a100-80gb:4x8 --global-batch 64 --mesh pp=4,tp=8
@@ -26,6 +26,7 @@ from typing import TextIO
 from autoshard.cluster.presets import get_cluster, known_clusters
 from autoshard.models.zoo import get_model, known_models
 from autoshard.notation import parse_bytes
+from autoshard.plans.html import write_html
 from autoshard.errors import SolverTimeout
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--time-limit", type=float, default=30.0, help="solver time limit per solve, seconds")
     pl.add_argument("--sample-layers", type=int, default=3, help="repeated layers captured (they stand for all)")
     pl.add_argument("--out", default=None, help="write the plan as JSON here")
+    pl.add_argument("--html", default=None, help="write the plan as a self-contained HTML page here (layouts, memory, "
+                    "step time, pipeline schedule, recipes)")
     pl.add_argument("--full", action="store_true", help="print every layer and decision (no folding)")
     pl.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     pl.add_argument("-v", "--verbose", action="store_true", help="log every pass")
@@ -140,6 +143,9 @@ def _plan(a: argparse.Namespace) -> int:
     if a.out:
         Path(a.out).write_text(plan.to_json())
         sys.stderr.write(f"plan written to {a.out}\n")
+    if a.html:
+        write_html(plan, a.html)
+        sys.stderr.write(f"plan page written to {a.html}\n")
     return 0
 
 

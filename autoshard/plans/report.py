@@ -19,6 +19,8 @@ from autoshard.notation import (
     placements_str,
     tensor_str,
 )
+from autoshard.plans.words import plan_in_words
+
 if TYPE_CHECKING:  # plan.py calls this module (Plan.report): the types only, not an import at run time
     from autoshard.plans.plan import MemoryBreakdown, Plan, StagePlan
 
@@ -299,6 +301,7 @@ def report_lines(plan: Plan, *, collapse: bool, max_rows: int) -> list[str]:
         head += f"  pipeline {len(plan.stages)} stages, {plan.schedule or 'no schedule'} × {plan.microbatches} mb"
     sv = plan.solver
     lines = [
+        plan_in_words(plan),
         head,
         _memory_line(plan.peak_memory, "peak memory / device"),
         f"solver {sv.status}  objective {format_seconds(sv.objective_s)}  bound {format_seconds(sv.bound_s)}  "

@@ -1,0 +1,175 @@
+"""The page's charts of a plan: memory per device against the budget, where the step's time goes (per stage and
+per layer), the collectives of one step per mesh axis, and the plan against every recipe that was solved.
+
+Every number drawn is the plan's own (``Plan`` fields, predicted by the cost model), except where a chart says
+measured (``measured_s``, from autotuning on the mesh). Tooltips give each piece's exact value."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from autoshard.ir import layer_key
+from autoshard.notation import fold_layers, format_bytes, format_seconds
+from autoshard.plans.plan import Plan, StagePlan
+from autoshard.plans.svg import Bar, Segment, Svg, colour, esc, legend, stacked_bars
+
+MEMORY = ("parameters", "gradients", "optimizer state", "activations", "temporaries", "host (offloaded)")
+STEP = ("compute", "recompute", "offload copies", "communication (exposed)", "idle (pipeline bubble)",
+        "communication (overlapped)")
+LAYER = ("forward compute", "backward compute", "forward comm", "backward comm", "optimizer comm")
+MAX_LAYERS = 64
+
+
+def _stage_label(plan: Plan, s: StagePlan) -> str:
+    return f"stage {s.index} ({s.mesh})" if len(plan.stages) > 1 else f"per device ({s.mesh})"
+
+
+def memory_view(plan: Plan) -> str:
+    """Stacked bars of each stage's bytes per device at its peak, the budget as a dashed line."""
+    bars = []
+    for s in plan.stages:
+        m = s.memory
+        parts = zip(MEMORY, (m.parameters, m.gradients, m.optimizer, m.activations, m.temporaries))
+        segs = tuple(Segment(v, n, f"{n}: {format_bytes(v)}") for n, v in parts if v > 0)
+        of = f" of {format_bytes(plan.memory_budget_bytes)}" if plan.memory_budget_bytes else ""
+        bars.append(Bar(_stage_label(plan, s), segs, f"{format_bytes(m.total)}{of}"))
+        if m.host:
+            bars.append(Bar("  host memory", (Segment(m.host, MEMORY[-1], f"offloaded: {format_bytes(m.host)}"),),
+                            f"{format_bytes(m.host)} in host memory"))
+    budget = plan.memory_budget_bytes
+    svg = stacked_bars(bars, "memory per device", MEMORY, limit=budget,
+                       limit_tip=f"budget {format_bytes(budget)}" if budget else "")
+    return f'<div class="chart" data-view="memory">{svg}{legend(MEMORY)}</div>'
+
+
+def _idle(plan: Plan, s: StagePlan) -> float:
+    return max(0.0, plan.step_time_s - s.compute_s - s.comm_s) if len(plan.stages) > 1 else 0.0
+
+
+def step_view(plan: Plan) -> str:
+    """Each stage's step split into compute (recomputation and offload's copies apart), exposed communication and
+    pipeline idle time; the communication the cost model overlaps is drawn after it, lighter, not in the step."""
+    bars = []
+    for s in plan.stages:
+        rec = plan.recompute_s if len(plan.stages) == 1 else 0.0
+        pieces = (max(0.0, s.compute_s - s.offload_s - rec), rec, s.offload_s, s.comm_s, _idle(plan, s),
+                  plan.hidden_comm_s if len(plan.stages) == 1 else 0.0)
+        segs = tuple(Segment(v, n, f"{n}: {format_seconds(v)}") for n, v in zip(STEP, pieces) if v > 0)
+        bars.append(Bar(_stage_label(plan, s), segs, f"step {format_seconds(plan.step_time_s)}",
+                        marker=plan.measured_s, marker_tip=f"measured {format_seconds(plan.measured_s)}"))
+    return f'<div class="chart" data-view="step">{stacked_bars(bars, "step time", STEP)}{legend(STEP)}</div>'
+
+
+def _block(module: str) -> str:
+    key = layer_key(module)
+    return f"{key[0]}.{key[1]}" if key else "outside the layers"
+
+
+def _layer_times(s: StagePlan) -> dict[str, list[float]]:
+    """Per block (a repeated layer, or everything outside them): seconds of LAYER's five kinds, as captured."""
+    out: dict[str, list[float]] = defaultdict(lambda: [0.0] * len(LAYER))
+    module_of = {o.node: o.module for o in s.ops}
+    for o in s.ops:
+        out[_block(o.module)][0 if o.phase == "forward" else 1] += o.compute_s
+    for c in s.collectives:
+        block = _block(module_of.get(c.consumer, c.consumer if "." in c.consumer else ""))
+        out[block][{"forward": 2, "backward": 3}.get(c.phase, 4)] += c.time_s
+    return out
+
+
+def layers_view(plan: Plan) -> str:
+    """Per stage, each layer's forward and backward compute and the communication its ops wait for, one bar per
+    captured layer (as planned: a sampled layer stands for its copies)."""
+    out = []
+    for s in plan.stages:
+        times = _layer_times(s)
+        order = sorted(times, key=lambda b: (b != "outside the layers", layer_key(b + ".x") or (b, 0)))
+        # layers with the same times (to 0.1%) folded, as the terminal report folds equal layouts
+        entries = fold_layers([(b + ".x", tuple(round(v, 4 - int(math.floor(math.log10(v)))) if v > 0 else 0.0
+                                                for v in times[b])) for b in order])
+        shown = [order[e] for e in entries if isinstance(e, int)][:MAX_LAYERS]
+        bars = [Bar(b, tuple(Segment(v, n, f"{n}: {format_seconds(v)}") for n, v in zip(LAYER, times[b]) if v > 0),
+                    format_seconds(sum(times[b]))) for b in shown]
+        folds = "".join(f'<div class="fold">{esc(e.replace(".x", ""))}</div>' for e in entries if isinstance(e, str))
+        if bars:
+            title = f"<h4>{esc(_stage_label(plan, s))}</h4>" if len(plan.stages) > 1 else ""
+            out.append(f'{title}<div class="chart" data-view="layers">{stacked_bars(bars, "time per layer", LAYER)}'
+                       f'{folds}{legend(LAYER)}</div>')
+    note = f'<p class="note">{esc(plan.sampled_layers)}.</p>' if plan.sampled_layers else ""
+    return "\n".join(out) + note
+
+
+def _phase_totals(s: StagePlan) -> dict[str, float]:
+    captured = defaultdict(float)
+    for o in s.ops:
+        captured[o.phase] += o.compute_s
+    total = sum(captured.values()) or 1.0
+    return {p: s.compute_s * captured[p] / total for p in ("forward", "backward", "optimizer")}
+
+
+def timeline_view(s: StagePlan, label: str) -> str:
+    """One step of ``s`` as lanes: compute by phase on top, then each mesh axis's collectives in issue order from
+    the start of their phase, widths to scale. Where a lane runs past the compute above it, that communication
+    cannot hide behind compute."""
+    axes = sorted({c.axis for c in s.collectives}, key=lambda a: (a not in s.mesh.names, a))
+    compute = _phase_totals(s)
+    per = {(a, p): [c for c in s.collectives if c.axis == a and c.phase == p] for a in axes for p in compute}
+    span = {p: max([compute[p]] + [sum(c.time_s * c.repeat for c in per[(a, p)]) for a in axes]) for p in compute}
+    total = sum(span.values()) or 1.0
+    lane, left, width = 26, 110, 640
+    svg = Svg(left + width + 20, 20 + lane * (len(axes) + 1) + 10, f"{label} collectives timeline")
+    x0 = 0.0
+    for p in ("forward", "backward", "optimizer"):
+        if span[p] <= 0:
+            continue
+        x = left + width * x0 / total
+        svg.rect(x, 16, width * compute[p] / total, lane - 8, colour(("forward", "backward").index(p) if p != "optimizer" else 2),
+                 f"{p} compute {format_seconds(compute[p])}")
+        svg.text(x + 2, 12, p, size=10, fill="#555")
+        for j, a in enumerate(axes):
+            cx = x
+            for c in per[(a, p)]:
+                w = width * c.time_s * c.repeat / total
+                tip = (f"{c.kind} on {a}: {c.tensor or '(latency)'} for {c.consumer}, {format_bytes(c.nbytes)}, "
+                       f"{format_seconds(c.time_s)} × {c.repeat:g}")
+                svg.rect(cx, 16 + lane * (j + 1), w, lane - 8, colour(4 + ("all_gather", "reduce_scatter", "all_reduce",
+                         "all_to_all", "broadcast", "send_recv").index(c.kind)), tip, stroke="none")
+                cx += w
+        x0 += span[p]
+        svg.line(left + width * x0 / total, 10, left + width * x0 / total, 20 + lane * (len(axes) + 1), "#bbb", "2 2")
+    svg.text(left - 6, 16 + lane / 2, "compute", anchor="end")
+    for j, a in enumerate(axes):
+        svg.text(left - 6, 16 + lane * (j + 1) + lane / 2, f"{a} comm", anchor="end")
+    kinds = legend(("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "send_recv"), 4)
+    return f'<div class="chart" data-view="timeline">{svg}{kinds}</div>'
+
+
+def recipes_view(plan: Plan) -> str:
+    """The plan and every recipe solved for it: predicted step time (measured ticked where autotuned) and peak
+    memory per device against the budget; which fit; each recipe's note."""
+    rows = [r for r in plan.recipes if r.applies]
+    if not rows:
+        return '<p class="note">No recipe was solved alongside this plan (a recipe plan, or --no-recipes).</p>'
+    names = ("the plan", "recipe (fits)", "recipe (over budget)")
+    me = Bar("autoshard plan", (Segment(plan.step_time_s, names[0], format_seconds(plan.step_time_s)),),
+             f"{format_seconds(plan.step_time_s)}  1.00×", plan.measured_s, f"measured {format_seconds(plan.measured_s)}")
+    time_bars, mem_bars = [me], [Bar("autoshard plan", (Segment(plan.peak_memory.total, names[0]),),
+                                     format_bytes(plan.peak_memory.total))]
+    for r in sorted(rows, key=lambda r: r.step_time_s):
+        kind = names[1] if r.fits else names[2]
+        ratio = r.step_time_s / plan.step_time_s if plan.step_time_s else math.inf
+        time_bars.append(Bar(r.name, (Segment(r.step_time_s, kind, f"{r.name}: {format_seconds(r.step_time_s)}"),),
+                             f"{format_seconds(r.step_time_s)}  {ratio:.2f}×", r.measured_s,
+                             f"measured {format_seconds(r.measured_s)}", faded=not r.fits))
+        mem_bars.append(Bar(r.name, (Segment(r.peak_memory_bytes, kind, format_bytes(r.peak_memory_bytes)),),
+                            format_bytes(r.peak_memory_bytes), faded=not r.fits))
+    budget = plan.memory_budget_bytes
+    notes = "".join(f"<tr><td>{esc(r.name)}</td><td>{'yes' if r.fits else 'no'}</td><td>{esc(r.note)}</td></tr>"
+                    for r in rows)
+    return (f'<h4>predicted step time (a black tick: measured)</h4><div class="chart" data-view="recipes-time">'
+            f'{stacked_bars(time_bars, "step time by recipe", names)}{legend(names)}</div>'
+            f'<h4>peak memory per device (dashed: the budget)</h4><div class="chart" data-view="recipes-memory">'
+            f'{stacked_bars(mem_bars, "peak memory by recipe", names, limit=budget, limit_tip="budget")}</div>'
+            f'<table class="kv"><tr><th>recipe</th><th>fits</th><th>note</th></tr>{notes}</table>')
+

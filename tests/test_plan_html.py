@@ -1,0 +1,225 @@
+"""The plan's HTML page (issue 29): every view present and drawn from the plan's own numbers, for a small solved
+plan, an offline plan with pipeline stages and a memory-bound plan; the page rendered in headless Chromium without
+errors; the pieces (tiles, pipeline drawing, the plan in words) checked on their own."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+import autoshard
+from autoshard.cli import main
+from autoshard.cluster.meshes import fake_world
+from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
+from autoshard.notation import format_bytes, format_seconds
+from autoshard.plans.html import VIEWS, render_html, write_html
+from autoshard.plans.html_layouts import tensor_tiles
+from autoshard.plans.html_pipeline import idle_share, simulate
+from autoshard.plans.plan import MeshSpec, Plan
+from autoshard.plans.words import axis_roles, plan_in_words
+from autoshard.solver.inter_op import pipeline_time
+
+CFG = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab=128, seq_len=16, bias=False)
+
+
+class _Page(HTMLParser):
+    """Sections by data-view, with their text and how many rects / svgs each holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sections: dict[str, dict] = {}
+        self.current: str | None = None
+        self.attrs: list[dict] = []
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        a = dict(attrs)
+        self.attrs.append({"tag": tag, **a})
+        if tag == "section":
+            self.current = a["data-view"]
+            self.sections[self.current] = {"text": "", "rect": 0, "svg": 0}
+        elif self.current and tag in ("rect", "svg"):
+            self.sections[self.current][tag] += 1
+
+    def handle_data(self, data: str) -> None:
+        if self.current:
+            self.sections[self.current]["text"] += data + " "
+
+
+def _parse(page: str) -> _Page:
+    p = _Page()
+    p.feed(page)
+    return p
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict[str, Plan]:
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        torch.manual_seed(0)
+        small = autoshard.plan(GPT(CFG), mesh, gpt_example_inputs(CFG, 8), cluster="a100-80gb",
+                               constraints={"inputs": {"dp": torch.distributed.tensor.Shard(0)}})
+    piped = autoshard.plan("gpt2-124m", {"pp": 2, "dp": 4}, cluster="a100-80gb:2x4", global_batch=16, time_limit_s=5)
+    tight = autoshard.plan("gpt2-124m", cluster="a100-80gb:1x2", global_batch=16, memory_budget="5GB", time_limit_s=5)
+    return {"small": small, "pipelined": piped, "memory-bound": tight}
+
+
+def test_every_view_is_drawn_from_the_plans_numbers(plans: dict[str, Plan]) -> None:
+    assert len(plans["pipelined"].stages) == 2 and plans["memory-bound"].recompute_layers  # the cases asked for
+    for name, plan in plans.items():
+        page = _parse(render_html(plan))
+        assert list(page.sections) == list(VIEWS), name
+        for view in ("recipes", "memory", "step", "layouts"):
+            assert page.sections[view]["svg"] >= 1 and page.sections[view]["rect"] >= 2, (name, view)
+        text = {v: re.sub(r"\s+", " ", s["text"]) for v, s in page.sections.items()}
+        assert plan_in_words(plan) in text["header"]
+        assert format_seconds(plan.step_time_s) in text["header"]
+        for stage in plan.stages:  # each stage's memory bar ends with its total (and the budget)
+            assert format_bytes(stage.memory.total) in text["memory"], (name, stage.index)
+        budget = plan.memory_budget_bytes
+        assert (f"of {format_bytes(budget)}" in text["memory"]) == bool(budget)
+        applying = [r for r in plan.recipes if r.applies]
+        for r in applying:  # a bar per recipe, its time and ratio to the plan as the plan has them
+            assert f"{format_seconds(r.step_time_s)} {r.step_time_s / plan.step_time_s:.2f}×" in text["recipes"], r.name
+        # a tile per shard: a parameter sharded over both axes of a (2, 2) mesh is drawn as 4 tiles
+        tiles = sum(1 for a in page.attrs if a.get("class") == "tile")
+        assert tiles >= sum(1 for s in plan.stages for t in s.tensors if t.role == "parameter") // 2
+    piped = _parse(render_html(plans["pipelined"]))
+    drawn = [a for a in piped.attrs if a.get("data-view") == "pipeline" and a["tag"] == "div"]
+    assert drawn and abs(float(drawn[0]["data-drawn-bubble"]) - plans["pipelined"].bubble_fraction) < 0.05
+    tasks = sum(1 for a in piped.attrs if a.get("class") == "task")
+    p = plans["pipelined"]
+    assert tasks == len(p.stages) * p.microbatches * p.chunks * (3 if p.schedule == "InterleavedZeroBubble" else 2)
+    assert "No pipeline stages" in _parse(render_html(plans["small"])).sections["pipeline"]["text"]
+
+
+def test_views_can_be_chosen_and_unknown_ones_are_named(plans: dict[str, Plan], tmp_path: Path) -> None:
+    out = write_html(plans["small"], tmp_path / "p.html", views=("header", "layouts"))
+    assert list(_parse(out.read_text()).sections) == ["header", "layouts"]
+    with pytest.raises(autoshard.InputError, match="'tiles'.*header, recipes"):
+        render_html(plans["small"], views=("tiles",))
+
+
+def test_tiles_show_which_devices_hold_which_shard() -> None:
+    mesh = MeshSpec((2, 2), ("dp", "tp"))
+
+    def labels(placements: tuple[str, ...], shape: tuple[int, ...] = (8, 8)) -> list[str]:
+        svg = str(tensor_tiles("w", shape, placements, mesh))
+        return re.findall(r'class="tile"><title>shard \d+: held by ([^,<]+)', svg)
+
+    assert labels(("S(0)", "S(1)")) == ["dp0·tp0", "dp0·tp1", "dp1·tp0", "dp1·tp1"]  # a 2 x 2 grid
+    assert labels(("S(0)", "S(0)")) == ["dp0·tp0", "dp0·tp1", "dp1·tp0", "dp1·tp1"]  # dim 0 in 4, dp outer
+    assert labels(("R", "S(1)")) == ["tp0", "tp1"]  # replicated over dp: said under the drawing
+    assert "same on every dp" in str(tensor_tiles("w", (8, 8), ("R", "S(1)"), mesh))
+    assert labels(("R", "R"), (8,)) == ["every device"]
+    assert "partial sums over dp" in str(tensor_tiles("y", (8, 8), ("P", "R"), mesh))
+    assert "each device: [4, 4]" in str(tensor_tiles("w", (8, 8), ("S(0)", "S(1)"), mesh))
+
+
+@pytest.mark.parametrize("schedule,chunks", [("GPipe", 1), ("1F1B", 1), ("InterleavedZeroBubble", 2)])
+def test_the_pipeline_drawing_agrees_with_the_cost_model_on_equal_stages(schedule: str, chunks: int) -> None:
+    for stages, mbs in ((4, 8), (2, 4)):
+        tasks = simulate(schedule, [1.0] * stages, mbs, chunks)
+        total, bubble = pipeline_time(schedule, [1.0] * stages, mbs, chunks)
+        assert max(t.end for t in tasks) == pytest.approx(total)
+        assert idle_share(tasks, stages) == pytest.approx(bubble)
+        for r in range(stages):  # a stage runs one task at a time
+            mine = sorted((t.start, t.end) for t in tasks if t.rank == r)
+            assert all(a[1] <= b[0] + 1e-12 for a, b in zip(mine, mine[1:]))
+
+
+def test_the_plan_in_words_names_each_recipe() -> None:
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        words = {}
+        for recipe in ("ddp", "fsdp", "zero2", "tp", "fsdp+tp"):
+            torch.manual_seed(0)
+            plan = autoshard.plan(GPT(CFG), mesh, gpt_example_inputs(CFG, 8), recipe=recipe, solve_recipes=False)
+            words[recipe] = {r.axis: r.kind for r in axis_roles(plan.stages[0])}
+    assert words["ddp"] == {"dp": "dp", "tp": "dp"}  # the batch split over both axes
+    assert words["fsdp"] == {"dp": "fsdp", "tp": "fsdp"}
+    assert words["zero2"] == {"dp": "zero2", "tp": "zero2"}
+    assert words["tp"]["tp"] == "tp" and words["fsdp+tp"] == {"dp": "fsdp", "tp": "tp"}
+
+
+def test_the_terminal_report_starts_with_the_plan_in_words(plans: dict[str, Plan]) -> None:
+    plan = plans["pipelined"]
+    first = plan.report().splitlines()[0]
+    assert first == plan_in_words(plan)
+    assert "2 pipeline stages" in first and f"{plan.microbatches} micro-batches" in first
+
+
+def test_cli_writes_the_page(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "plan.html"
+    assert main(["plan", "--model", "gpt2-124m", "--cluster", "a100-80gb:1x2", "--global-batch", "4", "--seq", "128",
+                 "--no-recipes", "--time-limit", "5", "-q", "--html", str(out), "--out", str(tmp_path / "p.json")]) == 0
+    plan = Plan.from_json((tmp_path / "p.json").read_text())
+    assert list(_parse(out.read_text()).sections) == list(VIEWS)
+    assert plan_in_words(plan) in out.read_text() and capsys.readouterr().out.startswith(plan_in_words(plan))
+
+
+_PROBE = """<script>
+window.__errors = [];
+window.addEventListener('error', e => window.__errors.push(String(e.message)));
+const _ce = console.error; console.error = (...a) => { window.__errors.push(a.join(' ')); _ce(...a); };
+window.addEventListener('load', () => {
+  const views = {};
+  document.querySelectorAll('section[data-view]').forEach(s => {
+    const svgs = [...s.querySelectorAll('svg')].filter(g => g.getBoundingClientRect().width > 0);
+    views[s.dataset.view] = {height: s.getBoundingClientRect().height, svgs: svgs.length,
+                             text: s.innerText.length};
+  });
+  const out = document.createElement('pre'); out.id = '__check';
+  out.textContent = JSON.stringify({errors: window.__errors, views});
+  document.body.appendChild(out);
+});
+</script>"""
+
+
+def test_the_page_renders_in_a_real_browser(plans: dict[str, Plan], tmp_path: Path) -> None:
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("needs Debian's chromium (apt-get install chromium; the README's test command installs it)")
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--virtual-time-budget=3000"]
+    for name, plan in plans.items():
+        page = render_html(plan)
+        probe = tmp_path / f"{name}-probe.html"
+        probe.write_text(page.replace("<head>", "<head>" + _PROBE, 1))
+        dom = subprocess.run([chromium, *flags, "--dump-dom", probe.as_uri()], capture_output=True, text=True,
+                             timeout=120).stdout
+        found = re.search(r'<pre id="__check">(.*?)</pre>', dom, re.S)
+        assert found, f"{name}: the page did not finish loading:\n{dom[-2000:]}"
+        check = json.loads(found.group(1).replace("&quot;", '"').replace("&amp;", "&"))
+        assert check["errors"] == [], (name, check["errors"])
+        assert list(check["views"]) == list(VIEWS)
+        for view, seen in check["views"].items():
+            assert seen["height"] > 20 and seen["text"] > 10, (name, view, seen)
+            drawn = view != "header" and (view != "pipeline" or len(plan.stages) > 1)
+            assert seen["svgs"] >= 1 or not drawn, (name, view, seen)
+        shot = tmp_path / f"{name}.png"
+        plain = tmp_path / f"{name}.html"
+        plain.write_text(page)
+        subprocess.run([chromium, *flags, "--window-size=1150,1600", f"--screenshot={shot}", plain.as_uri()],
+                       capture_output=True, timeout=120, check=True)
+        assert shot.stat().st_size > 20_000  # a page of charts, not a blank one
+
+
+def test_compile_writes_the_page_of_the_plan_it_runs(tmp_path: Path) -> None:
+    from harness import local_ranks
+
+    out = tmp_path / "compiled.html"
+    with local_ranks(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        torch.manual_seed(0)
+        sharded = autoshard.compile(GPT(CFG), mesh, gpt_example_inputs(CFG, 4), backend="eager", recipe="fsdp",
+                                    report=out)
+    page = out.read_text()
+    assert plan_in_words(sharded.plan) in page and "dp=2 FSDP (ZeRO-3)" in page
+    assert list(_parse(page).sections) == list(VIEWS)
