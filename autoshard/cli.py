@@ -6,6 +6,7 @@
     autoshard plan --model gpt2-1.5b --cluster a100-80gb:4x8 --global-batch 64 --pipeline auto
     autoshard plan --model gpt2-1.5b --cluster a100-80gb:4x8 --global-batch 64 --mesh pp=4,tp=8
     autoshard plan --model llama3-70b --cluster a100-80gb:1x8 --seq 2048 --global-batch 8   # offloads: only that fits
+    autoshard explain plan.json fsdp.json [--html why.html]   # why two plans differ, priced
     autoshard models          # the zoo
     autoshard clusters        # the cluster presets
     autoshard calibrate --out my_cpu.json [--ranks 4] [--quick]   # measure this machine -> --cluster my_cpu.json
@@ -27,7 +28,7 @@ from autoshard.cluster.presets import get_cluster, known_clusters
 from autoshard.models.zoo import get_model, known_models
 from autoshard.notation import parse_bytes
 from autoshard.plans.html import write_html
-from autoshard.errors import SolverTimeout
+from autoshard.errors import InputError, SolverTimeout
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,10 @@ def _parser() -> argparse.ArgumentParser:
     ca.add_argument("--name", default="calibrated-cpu", help="profile name")
     ca.add_argument("--quick", action="store_true", help="small sizes, few repetitions (seconds, noisier)")
     ca.add_argument("-v", "--verbose", action="store_true", help="log every measurement")
+    ex = sub.add_parser("explain", help="why two saved plans differ: layouts, and the cost of each difference")
+    ex.add_argument("a", help="a plan JSON (autoshard plan --out)")
+    ex.add_argument("b", help="another plan JSON of the same model (e.g. autoshard plan --recipe fsdp --out)")
+    ex.add_argument("--html", default=None, help="also write B's page with the comparison here")
     sub.add_parser("models", help="list the model zoo")
     sub.add_parser("clusters", help="list the cluster presets")
     return p
@@ -149,6 +154,24 @@ def _plan(a: argparse.Namespace) -> int:
     return 0
 
 
+def _explain(a: argparse.Namespace) -> int:
+    from autoshard.plans.explain import explain_lines
+    from autoshard.plans.plan import Plan
+
+    plans = []
+    for path in (a.a, a.b):
+        try:
+            plans.append(Plan.from_json(Path(path).read_text()))
+        except OSError as e:
+            raise InputError(f"explain: cannot read the plan {path!r}: {e.strerror}") from None
+    names = (Path(a.a).stem, Path(a.b).stem)
+    sys.stdout.write("".join(f"{line}\n" for line in explain_lines(plans[0], plans[1], names)))
+    if a.html:
+        write_html(plans[1], a.html, compare=plans[0], names=names)
+        sys.stderr.write(f"page written to {a.html}\n")
+    return 0
+
+
 def _calibrate(a: argparse.Namespace) -> int:
     from dataclasses import replace
 
@@ -185,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if a.command == "calibrate":
             return _calibrate(a)
+        if a.command == "explain":
+            return _explain(a)
         return _plan(a)
     except (ValueError, SolverTimeout) as e:  # bad input or a time limit: the message says what to change
         sys.stderr.write(f"autoshard: error: {e}\n")

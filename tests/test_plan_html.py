@@ -223,3 +223,34 @@ def test_compile_writes_the_page_of_the_plan_it_runs(tmp_path: Path) -> None:
     page = out.read_text()
     assert plan_in_words(sharded.plan) in page and "dp=2 FSDP (ZeRO-3)" in page
     assert list(_parse(page).sections) == list(VIEWS)
+
+
+def test_explain_prices_every_difference_and_the_terms_add_up(plans: dict[str, Plan], tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture) -> None:
+    from autoshard.plans.explain import explain
+
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        ddp, fsdp = (autoshard.plan(GPT(CFG), mesh, gpt_example_inputs(CFG, 8), recipe=r, solve_recipes=False)
+                     for r in ("ddp", "fsdp"))
+    e = explain(ddp, fsdp)
+    assert sum(c.value for c in e.time) == pytest.approx(fsdp.step_time_s - ddp.step_time_s, rel=1e-9, abs=1e-12)
+    assert sum(c.value for c in e.memory) == e.memory_delta_bytes == fsdp.peak_memory.total - ddp.peak_memory.total
+    whats = {c.what.split(",")[0] for c in e.time}
+    assert any(w.startswith("all_gather on") for w in whats)  # FSDP's gathers, DDP's all-reduce: priced
+    changed = {c.name for c in e.layouts}
+    assert "layers.{i}.attn.wq.weight" in changed and all(c.before == ("R", "R") for c in e.layouts)
+    assert {c.layers for c in e.layouts if c.name.startswith("layers.")} == {"0–1"}  # both layers, folded
+    assert explain(ddp, ddp).time == () and explain(ddp, ddp).layouts == ()
+    piped, flat = plans["pipelined"], plans["memory-bound"]
+    e2 = explain(flat, piped)  # a pipelined plan: the schedule is the rest, still summing to the difference
+    assert sum(c.value for c in e2.time) == pytest.approx(piped.step_time_s - flat.step_time_s, rel=1e-9)
+    a, b = tmp_path / "ddp.json", tmp_path / "fsdp.json"
+    a.write_text(ddp.to_json())
+    b.write_text(fsdp.to_json())
+    assert main(["explain", str(a), str(b), "--html", str(tmp_path / "why.html")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"ddp: {plan_in_words(ddp)}") and "parameter layouts that differ (ddp -> fsdp)" in out
+    assert format_seconds(fsdp.step_time_s - ddp.step_time_s) in out
+    assert "explain" in _parse((tmp_path / "why.html").read_text()).sections
+    assert main(["explain", str(tmp_path / "missing.json"), str(b)]) == 2

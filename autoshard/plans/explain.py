@@ -148,3 +148,31 @@ def explain_lines(a: Plan, b: Plan, names: tuple[str, str] = ("A", "B"), max_row
     lines += ["", f"peak memory per device, {nb} − {na} (sums to {_signed(e.memory_delta_bytes, format_bytes)}):"]
     lines += [f"  {_signed(c.value, format_bytes):>10}  {c.what}" for c in e.memory] or ["  the same"]
     return lines
+
+
+def explain_html(a: Plan, b: Plan, names: tuple[str, str] = ("A", "B")) -> str:
+    """The explanation as an HTML section body: the totals, the layout changes and the signed terms, each with a
+    bar to scale (red adds, green saves)."""
+    from autoshard.plans.svg import esc
+
+    e = explain(a, b)
+    na, nb = names
+    most = max([abs(c.value) for c in e.time] + [1e-30])
+    most_b = max([abs(c.value) for c in e.memory] + [1.0])
+
+    def rows(changes: tuple[CostChange, ...], fmt: object, top: float) -> str:
+        return "".join(
+            f'<tr><td class="num">{esc(_signed(c.value, fmt))}</td><td><span class="delta" style="width:'
+            f'{120 * abs(c.value) / top:.0f}px;background:{"#D55E00" if c.value > 0 else "#009E73"}"></span></td>'
+            f"<td>{esc(c.what)}</td></tr>" for c in changes)
+
+    layouts = "".join(f"<tr><td>{esc(c.name)}</td><td>{esc(c.layers)}</td><td>[{esc(', '.join(c.before))}]</td>"
+                      f"<td>[{esc(', '.join(c.after))}]</td></tr>" for c in e.layouts[:200])
+    return (f'<p class="words">{esc(na)}: {esc(plan_in_words(a))}<br>{esc(nb)}: {esc(plan_in_words(b))}</p>'
+            f"<p>{esc(nb)} − {esc(na)}: step {esc(_signed(e.step_delta_s, format_seconds))}, peak memory per device "
+            f"{esc(_signed(e.memory_delta_bytes, format_bytes))}.</p>"
+            f'<h4>step time terms (they sum to the difference)</h4><table class="kv">'
+            f"{rows(e.time, format_seconds, most)}</table>"
+            f'<h4>peak memory terms</h4><table class="kv">{rows(e.memory, format_bytes, most_b)}</table>'
+            f'<h4>parameter layouts that differ ({len(e.layouts)})</h4><table class="kv"><tr><th>parameter</th>'
+            f"<th>layers</th><th>{esc(na)}</th><th>{esc(nb)}</th></tr>{layouts}</table>")

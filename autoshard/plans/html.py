@@ -24,6 +24,7 @@ from pathlib import Path
 
 from autoshard.errors import InputError
 from autoshard.notation import format_bytes, format_seconds
+from autoshard.plans.explain import explain_html
 from autoshard.plans.html_charts import layers_view, memory_view, recipes_view, step_view, timeline_view
 from autoshard.plans.html_layouts import layouts_view
 from autoshard.plans.html_pipeline import pipeline_view
@@ -45,6 +46,7 @@ text-align: left; vertical-align: top; } table.kv th { color: #555; font-weight:
 .note { font-size: 12px; color: #555; } .chart { margin: 6px 0 10px; overflow-x: auto; }
 .cards { display: flex; flex-wrap: wrap; gap: 6px; align-items: flex-start; } .card { border: 1px solid #e4e4e4; }
 .cardhead, .fold { flex-basis: 100%; font-size: 12px; font-weight: 600; margin-top: 6px; } .fold { color: #777; font-weight: 400; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; } .delta { display: inline-block; height: 10px; }
 .legend { font-size: 11px; } .key { display: inline-block; width: 10px; height: 10px; margin: 0 4px 0 10px; }
 """
 
@@ -100,8 +102,11 @@ def _header(plan: Plan) -> str:
             f"{_kv(rows)}</section>")
 
 
-def render_html(plan: Plan, views: Sequence[str] = VIEWS) -> str:
-    """The page (see the module docstring) as a string, with the sections ``views`` (all by default)."""
+def render_html(plan: Plan, views: Sequence[str] = VIEWS, compare: Plan | None = None,
+                names: tuple[str, str] = ("A", "B")) -> str:
+    """The page (see the module docstring) as a string, with the sections ``views`` (all by default); with
+    ``compare``, an ``explain`` section after the header: why ``plan`` (named ``names[1]``) differs from
+    ``compare`` (``names[0]``), ``plans/explain.py``."""
     if unknown := sorted(set(views) - set(VIEWS)):
         raise InputError(f"views {unknown} are not known; use some of {', '.join(VIEWS)}")
     timelines = "".join(
@@ -122,16 +127,19 @@ def render_html(plan: Plan, views: Sequence[str] = VIEWS) -> str:
         f"the mesh holds; a tile is labelled with the mesh coordinates that hold it. Hover for details.</p>"
         f"{layouts}</section>",
     ]))
+    if compare is not None:
+        sections["header"] += (f'<section data-view="explain"><h2 id="explain">Against {esc(names[0])}</h2>'
+                               f"{explain_html(compare, plan, names)}</section>")
     nav = "".join(f'<a href="#{v}">{v}</a>' for v in VIEWS[1:] if v in views)
     return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{esc(plan_in_words(plan))}</title><style>{_CSS}</style></head><body>{_HATCH}"
             f"<nav>{nav}</nav>" + "\n".join(sections[v] for v in VIEWS if v in views) + "</body></html>\n")
 
 
-def write_html(plan: Plan, path: str | Path, views: Sequence[str] = VIEWS) -> Path:
-    """Write ``plan``'s page to ``path`` (see the module docstring), with the sections ``views``; returns the
-    path."""
+def write_html(plan: Plan, path: str | Path, views: Sequence[str] = VIEWS, compare: Plan | None = None,
+               names: tuple[str, str] = ("A", "B")) -> Path:
+    """Write ``plan``'s page to ``path`` (see ``render_html``); returns the path."""
     out = Path(path)
-    out.write_text(render_html(plan, views), encoding="utf-8")
+    out.write_text(render_html(plan, views, compare, names), encoding="utf-8")
     log.info("plan page written to %s", out)
     return out
