@@ -88,9 +88,13 @@ def test_every_view_is_drawn_from_the_plans_numbers(plans: dict[str, Plan]) -> N
         applying = [r for r in plan.recipes if r.applies]
         for r in applying:  # a bar per recipe, its time and ratio to the plan as the plan has them
             assert f"{format_seconds(r.step_time_s)} {r.step_time_s / plan.step_time_s:.2f}×" in text["recipes"], r.name
+            assert all(d in text["recipes"] for d in r.differences), r.name  # and what makes the difference
         # a tile per shard: a parameter sharded over both axes of a (2, 2) mesh is drawn as 4 tiles
         tiles = sum(1 for a in page.attrs if a.get("class") == "tile")
         assert tiles >= sum(1 for s in plan.stages for t in s.tensors if t.role == "parameter") // 2
+    small = plans["small"]  # each recipe's largest terms against the plan, a layout change among them
+    assert all(r.differences for r in small.recipes if r.applies and r.step_time_s != small.step_time_s)
+    assert any("->" in d for r in small.recipes for d in r.differences)
     piped = _parse(render_html(plans["pipelined"]))
     drawn = [a for a in piped.attrs if a.get("data-view") == "pipeline" and a["tag"] == "div"]
     assert drawn and abs(float(drawn[0]["data-drawn-bubble"]) - plans["pipelined"].bubble_fraction) < 0.05

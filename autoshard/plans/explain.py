@@ -112,6 +112,18 @@ def explain(a: Plan, b: Plan) -> Explanation:
     return Explanation(tuple(layout_changes(a, b)), tuple(time), tuple(memory), delta, mb.total - ma.total)
 
 
+def headline(a: Plan, b: Plan, n: int = 3) -> tuple[str, ...]:
+    """The ``n`` largest step-time terms of B − A and the first layout change, one line each (e.g. "+11.8 ms
+    all_gather on dp (forward), layers.*"): what a recipe's row on the plan's page says."""
+    e = explain(a, b)
+    out = [f"{_signed(c.value, format_seconds)} {c.what}" for c in e.time[:n]]
+    if e.layouts:
+        c = e.layouts[0]
+        more = f" and {len(e.layouts) - 1} more parameter(s)" if len(e.layouts) > 1 else ""
+        out.append(f"{c.name} [{', '.join(c.before)}] -> [{', '.join(c.after)}]{more}")
+    return tuple(out)
+
+
 def _signed(v: float, fmt: object) -> str:
     return ("+" if v >= 0 else "−") + fmt(abs(v))  # type: ignore[operator]
 

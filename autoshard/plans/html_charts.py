@@ -165,11 +165,12 @@ def recipes_view(plan: Plan) -> str:
         mem_bars.append(Bar(r.name, (Segment(r.peak_memory_bytes, kind, format_bytes(r.peak_memory_bytes)),),
                             format_bytes(r.peak_memory_bytes), faded=not r.fits))
     budget = plan.memory_budget_bytes
-    notes = "".join(f"<tr><td>{esc(r.name)}</td><td>{'yes' if r.fits else 'no'}</td><td>{esc(r.note)}</td></tr>"
-                    for r in rows)
+    notes = "".join(f"<tr><td>{esc(r.name)}</td><td>{'yes' if r.fits else 'no'}</td><td>{esc(r.note)}</td>"
+                    f"<td>{'<br>'.join(esc(d) for d in r.differences)}</td></tr>" for r in rows)
     return (f'<h4>predicted step time (a black tick: measured)</h4><div class="chart" data-view="recipes-time">'
             f'{stacked_bars(time_bars, "step time by recipe", names)}{legend(names)}</div>'
             f'<h4>peak memory per device (dashed: the budget)</h4><div class="chart" data-view="recipes-memory">'
             f'{stacked_bars(mem_bars, "peak memory by recipe", names, limit=budget, limit_tip="budget")}</div>'
-            f'<table class="kv"><tr><th>recipe</th><th>fits</th><th>note</th></tr>{notes}</table>')
+            f'<table class="kv"><tr><th>recipe</th><th>fits</th><th>note</th><th>what makes the difference (recipe − '
+            f'plan, the largest terms; <code>autoshard explain</code> has all)</th></tr>{notes}</table>')
 

@@ -239,10 +239,11 @@ class RecipeSummary:
     fits: bool  # within the memory budget
     note: str = ""
     measured_s: float = 0.0  # autotune: its median step measured on the mesh (0: not measured)
+    differences: tuple[str, ...] = ()  # the largest terms of its difference with the plan (plans/explain.py)
 
     def __post_init__(self) -> None:
         _set(self, step_time_s=float(self.step_time_s), peak_memory_bytes=int(self.peak_memory_bytes),
-             measured_s=float(self.measured_s))
+             measured_s=float(self.measured_s), differences=tuple(str(d) for d in self.differences))
 
     @property
     def applies(self) -> bool:

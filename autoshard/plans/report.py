@@ -201,6 +201,7 @@ def _recipe_lines(plan: Plan) -> list[str]:
     if best is not None and (piped or not plan.recipe):
         gain = best.step_time_s / plan.step_time_s if plan.step_time_s > 0 else math.nan
         lines.append(f"best recipe that fits: {best.name}; the plan is {gain:.2f}x as fast")
+        lines += [f"  {best.name} - plan: {d}" for d in best.differences]
     return lines
 
 

@@ -34,6 +34,7 @@ from autoshard.compiler.solve_reuse import program_fingerprint
 from autoshard.config import PlanConfig
 from autoshard.cost.memory import temporaries, transients
 from autoshard.notation import placements_tuple
+from autoshard.plans.explain import headline
 from autoshard.compiler.plan_collectives import plan_collectives, weight_of
 from autoshard.plans.plan import (
     MemoryBreakdown,
@@ -168,8 +169,9 @@ def build_plan(gm: fx.GraphModule, ctx: PassContext, solution: Any = None, recip
     )
 
 
-def recipe_summaries(gm: fx.GraphModule, ctx: PassContext) -> tuple[RecipeSummary, ...]:
-    """Each recipe's Plan-level numbers (same accounting as the plan), computed from ``ctx.recipes``."""
+def recipe_summaries(gm: fx.GraphModule, ctx: PassContext, against: Plan | None = None) -> tuple[RecipeSummary, ...]:
+    """Each recipe's Plan-level numbers (same accounting as the plan), computed from ``ctx.recipes``; with
+    ``against`` (the plan), the largest terms of each recipe's difference with it (``plans/explain.py``)."""
     out = []
     for r in ctx.recipes:
         if r.solution is None:
@@ -177,7 +179,8 @@ def recipe_summaries(gm: fx.GraphModule, ctx: PassContext) -> tuple[RecipeSummar
             continue
         annotate(gm, ctx, r.solution)
         p = build_plan(gm, ctx, r.solution, recipe=r.name)
-        out.append(RecipeSummary(r.name, p.step_time_s, p.peak_memory.total, r.fits, r.note))
+        differences = headline(against, p) if against is not None else ()
+        out.append(RecipeSummary(r.name, p.step_time_s, p.peak_memory.total, r.fits, r.note, differences=differences))
     annotate(gm, ctx)
     return tuple(out)
 
@@ -199,7 +202,8 @@ def _keep_faster_recipe(plan: Plan, gm: fx.GraphModule, ctx: PassContext) -> Pla
     ctx.solution = dataclasses.replace(kept.solution, status=f"{ctx.solution.status}, {best.name} kept",
                                        bound_s=ctx.solution.bound_s)
     annotate(gm, ctx)
-    return dataclasses.replace(build_plan(gm, ctx, recipe=""), recipes=plan.recipes)
+    kept_plan = build_plan(gm, ctx, recipe="")
+    return dataclasses.replace(kept_plan, recipes=recipe_summaries(gm, ctx, against=kept_plan))
 
 
 def plan_once(model: nn.Module, example_inputs: Sequence[Any], mesh: DeviceMesh, cluster: ClusterProfile,
@@ -213,7 +217,7 @@ def plan_once(model: nn.Module, example_inputs: Sequence[Any], mesh: DeviceMesh,
     gm = run_passes(model, ctx, *PLANNING)
     plan = build_plan(gm, ctx, recipe=ctx.config.recipe or "")
     if ctx.recipes:
-        plan = _keep_faster_recipe(dataclasses.replace(plan, recipes=recipe_summaries(gm, ctx)), gm, ctx)
+        plan = _keep_faster_recipe(dataclasses.replace(plan, recipes=recipe_summaries(gm, ctx, against=plan)), gm, ctx)
     ctx.timings["total"] = time.perf_counter() - t0
     log.info("plan: predicted step %.6f s, %s", plan.step_time_s, ", ".join(f"{k} {v:.2f}s" for k, v in ctx.timings.items()))
     return Planned(plan, gm, ctx)
