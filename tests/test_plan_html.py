@@ -258,3 +258,23 @@ def test_explain_prices_every_difference_and_the_terms_add_up(plans: dict[str, P
     assert format_seconds(fsdp.step_time_s - ddp.step_time_s) in out
     assert "explain" in _parse((tmp_path / "why.html").read_text()).sections
     assert main(["explain", str(tmp_path / "missing.json"), str(b)]) == 2
+
+
+def test_measured_numbers_are_drawn_next_to_the_predictions(plans: dict[str, Plan]) -> None:
+    import dataclasses
+
+    plan = plans["small"]
+    recipes = tuple(dataclasses.replace(r, measured_s=r.step_time_s * 1.1, measured_peak_bytes=r.peak_memory_bytes + 1)
+                    for r in plan.recipes)
+    timed = dataclasses.replace(plan, recipes=recipes, measured_s=plan.step_time_s * 0.9,
+                                measured_peak_bytes=int(plan.peak_memory.total * 1.05))
+    assert Plan.from_json(timed.to_json()) == timed
+    page = render_html(timed)
+    text = re.sub(r"\s+", " ", _parse(page).sections["memory"]["text"])
+    assert f"measured {format_bytes(timed.measured_peak_bytes)}" in text
+    ticks = re.findall(r"<line [^>]*><title>measured ([^<]+)</title>", page)
+    applying = sum(1 for r in plan.recipes if r.applies)
+    # the plan's and every recipe's step and peak (recipes view), the memory and step views' stage bars
+    assert len(ticks) == 2 * (1 + applying) + 2, ticks
+    assert format_seconds(timed.measured_s) in ticks and "measured step" in _parse(page).sections["header"]["text"]
+    assert "measured" not in " ".join(re.findall(r"<title>(measured[^<]*)</title>", render_html(plan)))

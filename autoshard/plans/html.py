@@ -74,6 +74,8 @@ def _header(plan: Plan) -> str:
              + (f" of {format_bytes(plan.memory_budget_bytes)} budget" if plan.memory_budget_bytes else ""))]
     if plan.measured_s:
         rows.append(("measured step", format_seconds(plan.measured_s)))
+    if plan.measured_peak_bytes:
+        rows.append(("measured peak memory", f"{format_bytes(plan.measured_peak_bytes)} (the largest rank's)"))
     if plan.tokens_per_step:
         rows.append(("throughput", f"{plan.tokens_per_s:,.0f} tokens/s" + (f", MFU {plan.mfu:.1%}" if plan.mfu else "")))
     if plan.recipe:
@@ -117,7 +119,8 @@ def render_html(plan: Plan, views: Sequence[str] = VIEWS, compare: Plan | None =
     sections = dict(zip(VIEWS, [
         _header(plan),
         f'<section data-view="recipes"><h2 id="recipes">Against the recipes</h2>{recipes_view(plan)}</section>',
-        f'<section data-view="memory"><h2 id="memory">Memory per device (predicted)</h2>{memory_view(plan)}</section>',
+        f'<section data-view="memory"><h2 id="memory">Memory per device (predicted; a black tick: measured)</h2>'
+        f"{memory_view(plan)}</section>",
         f'<section data-view="step"><h2 id="step">Step time (predicted)</h2>{step_view(plan)}<h3>Per layer</h3>'
         f'{layers_view(plan)}<h3>One step\'s collectives per mesh axis</h3><p class="note">In issue order from the '
         f"start of their phase, widths to scale; where a lane runs past the compute above it, that communication "

@@ -33,7 +33,10 @@ def memory_view(plan: Plan) -> str:
         parts = zip(MEMORY, (m.parameters, m.gradients, m.optimizer, m.activations, m.temporaries))
         segs = tuple(Segment(v, n, f"{n}: {format_bytes(v)}") for n, v in parts if v > 0)
         of = f" of {format_bytes(plan.memory_budget_bytes)}" if plan.memory_budget_bytes else ""
-        bars.append(Bar(_stage_label(plan, s), segs, f"{format_bytes(m.total)}{of}"))
+        measured = plan.measured_peak_bytes if len(plan.stages) == 1 else 0
+        got = f", measured {format_bytes(measured)}" if measured else ""
+        bars.append(Bar(_stage_label(plan, s), segs, f"{format_bytes(m.total)}{of}{got}", measured,
+                        f"measured peak {format_bytes(measured)} (autotune)"))
         if m.host:
             bars.append(Bar("  host memory", (Segment(m.host, MEMORY[-1], f"offloaded: {format_bytes(m.host)}"),),
                             f"{format_bytes(m.host)} in host memory"))
@@ -155,7 +158,8 @@ def recipes_view(plan: Plan) -> str:
     me = Bar("autoshard plan", (Segment(plan.step_time_s, names[0], format_seconds(plan.step_time_s)),),
              f"{format_seconds(plan.step_time_s)}  1.00×", plan.measured_s, f"measured {format_seconds(plan.measured_s)}")
     time_bars, mem_bars = [me], [Bar("autoshard plan", (Segment(plan.peak_memory.total, names[0]),),
-                                     format_bytes(plan.peak_memory.total))]
+                                     format_bytes(plan.peak_memory.total), plan.measured_peak_bytes,
+                                     f"measured {format_bytes(plan.measured_peak_bytes)}")]
     for r in sorted(rows, key=lambda r: r.step_time_s):
         kind = names[1] if r.fits else names[2]
         ratio = r.step_time_s / plan.step_time_s if plan.step_time_s else math.inf
@@ -163,13 +167,14 @@ def recipes_view(plan: Plan) -> str:
                              f"{format_seconds(r.step_time_s)}  {ratio:.2f}×", r.measured_s,
                              f"measured {format_seconds(r.measured_s)}", faded=not r.fits))
         mem_bars.append(Bar(r.name, (Segment(r.peak_memory_bytes, kind, format_bytes(r.peak_memory_bytes)),),
-                            format_bytes(r.peak_memory_bytes), faded=not r.fits))
+                            format_bytes(r.peak_memory_bytes), r.measured_peak_bytes,
+                            f"measured {format_bytes(r.measured_peak_bytes)}", faded=not r.fits))
     budget = plan.memory_budget_bytes
     notes = "".join(f"<tr><td>{esc(r.name)}</td><td>{'yes' if r.fits else 'no'}</td><td>{esc(r.note)}</td>"
                     f"<td>{'<br>'.join(esc(d) for d in r.differences)}</td></tr>" for r in rows)
     return (f'<h4>predicted step time (a black tick: measured)</h4><div class="chart" data-view="recipes-time">'
             f'{stacked_bars(time_bars, "step time by recipe", names)}{legend(names)}</div>'
-            f'<h4>peak memory per device (dashed: the budget)</h4><div class="chart" data-view="recipes-memory">'
+            f'<h4>peak memory per device (dashed: the budget; a black tick: measured)</h4><div class="chart" data-view="recipes-memory">'
             f'{stacked_bars(mem_bars, "peak memory by recipe", names, limit=budget, limit_tip="budget")}</div>'
             f'<table class="kv"><tr><th>recipe</th><th>fits</th><th>note</th><th>what makes the difference (recipe − '
             f'plan, the largest terms; <code>autoshard explain</code> has all)</th></tr>{notes}</table>')

@@ -240,10 +240,12 @@ class RecipeSummary:
     note: str = ""
     measured_s: float = 0.0  # autotune: its median step measured on the mesh (0: not measured)
     differences: tuple[str, ...] = ()  # the largest terms of its difference with the plan (plans/explain.py)
+    measured_peak_bytes: int = 0  # autotune on CUDA: the largest rank's peak device memory (0: not measured)
 
     def __post_init__(self) -> None:
         _set(self, step_time_s=float(self.step_time_s), peak_memory_bytes=int(self.peak_memory_bytes),
-             measured_s=float(self.measured_s), differences=tuple(str(d) for d in self.differences))
+             measured_s=float(self.measured_s), differences=tuple(str(d) for d in self.differences),
+             measured_peak_bytes=int(self.measured_peak_bytes))
 
     @property
     def applies(self) -> bool:
@@ -280,13 +282,15 @@ class Plan:
     recompute_s: float = 0.0  # predicted time the replays add to the step (in step_time_s)
     fingerprint: tuple[tuple[str, str], ...] = ()  # what the plan was made for (autoshard/plans/fingerprint.py)
     measured_s: float = 0.0  # autotune: this plan's median step measured on the mesh; recipes hold the others'
+    measured_peak_bytes: int = 0  # autotune on CUDA: the largest rank's peak device memory (0: not measured)
 
     def __post_init__(self) -> None:
         _set(self, stages=tuple(self.stages), step_time_s=float(self.step_time_s), microbatches=int(self.microbatches))
         _set(self, recipes=tuple(self.recipes), tokens_per_step=int(self.tokens_per_step))
         _set(self, chunks=int(self.chunks), bubble_fraction=float(self.bubble_fraction), recompute=bool(self.recompute))
         _set(self, recompute_layers=tuple(self.recompute_layers), recompute_s=float(self.recompute_s),
-             fingerprint=tuple((str(k), str(v)) for k, v in self.fingerprint))
+             fingerprint=tuple((str(k), str(v)) for k, v in self.fingerprint),
+             measured_peak_bytes=int(self.measured_peak_bytes))
         if self.microbatches < 1 or self.chunks < 1 or not 0.0 <= self.bubble_fraction < 1.0:
             raise InputError(f"plan: microbatches {self.microbatches} and chunks {self.chunks} must be >= 1 and "
                              f"bubble_fraction {self.bubble_fraction} in [0, 1)")

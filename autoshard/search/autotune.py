@@ -95,8 +95,15 @@ def _call(sharded: Any, inputs: Any) -> torch.Tensor:
     return sharded.step(*inputs)
 
 
-def time_plan(build: Callable[[], Any], inputs: Any, real_group: bool) -> float:
-    """Median seconds per training step of ``build()``'s module (the slowest rank's on a process group)."""
+def time_plan(build: Callable[[], Any], inputs: Any, real_group: bool) -> tuple[float, int]:
+    """Median seconds per training step of ``build()``'s module (the slowest rank's on a process group), and on
+    CUDA the peak device bytes from building it to the last step, above what was allocated before (the largest
+    rank's; 0 elsewhere: CPU peaks need the profiler, ``autoshard/testing/memory_probe.py``)."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else 0
     sharded = build()
     opt = torch.optim.AdamW(sharded.parameters(), lr=0.0, foreach=True)
     times = []
@@ -109,10 +116,11 @@ def time_plan(build: Callable[[], Any], inputs: Any, real_group: bool) -> float:
         opt.zero_grad(set_to_none=True)
         if i >= WARMUP:
             times.append(time.perf_counter() - t0)
-    median = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    peak = torch.cuda.max_memory_allocated() - base if cuda else 0
+    worst = torch.tensor([statistics.median(times), float(peak)], dtype=torch.float64)
     if real_group:
-        dist.all_reduce(median, op=dist.ReduceOp.MAX)
-    return float(median)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return float(worst[0]), int(worst[1])
 
 
 def _from_rank0(real_group: bool, value: Any) -> Any:
@@ -148,15 +156,16 @@ def autotune(model: torch.nn.Module, inputs: Any, k: int, backend: str, real_gro
     found = candidates(gm, ctx, plan, k) if not real_group or dist.get_rank() == 0 else None
     found = [(n, Plan.from_json(p)) for n, p in _from_rank0(real_group, found and [(n, c.to_json()) for n, c in found])]
     for name, cand in found:
-        measured = time_plan(lambda c=cand: compile_plan(copy.deepcopy(pristine), c), inputs, real_group)
+        measured, peak = time_plan(lambda c=cand: compile_plan(copy.deepcopy(pristine), c), inputs, real_group)
         log.info("autotune: %s predicted %.3f ms, measured %.3f ms", name, cand.step_time_s * 1e3, measured * 1e3)
-        trials.append((name, cand, measured))
-    name, best, measured = min(trials, key=lambda t: t[2])
+        trials.append((name, cand, measured, peak))
+    name, best, measured, peak = min(trials, key=lambda t: t[2])
     others = {b.name: b for b in best.recipes or plan.recipes}
-    summary = tuple(dataclasses.replace(others[n], measured_s=m) if n in others else
-                    RecipeSummary(n, c.step_time_s, c.peak_memory.total, True, "autotune candidate", m)
-                    for n, c, m in trials if n != name)
-    chosen = dataclasses.replace(best, recipes=summary, measured_s=measured)
+    summary = tuple(dataclasses.replace(others[n], measured_s=m, measured_peak_bytes=pk) if n in others else
+                    RecipeSummary(n, c.step_time_s, c.peak_memory.total, True, "autotune candidate", m,
+                                  measured_peak_bytes=pk)
+                    for n, c, m, pk in trials if n != name)
+    chosen = dataclasses.replace(best, recipes=summary, measured_s=measured, measured_peak_bytes=peak)
     log.info("autotune: %s is the fastest of %d candidates (%.3f ms per step measured); %.1f s of autotuning",
              name, len(trials), measured * 1e3, time.perf_counter() - t0)
     if not real_group or dist.get_rank() == 0:
@@ -168,7 +177,7 @@ def autotune(model: torch.nn.Module, inputs: Any, k: int, backend: str, real_gro
 def _with_trials(sharded: Any, chosen: Plan) -> Any:
     """The compiled module's plan (rebuilt from ``chosen``'s choices) with ``chosen``'s measurements."""
     sharded.plan = dataclasses.replace(sharded.plan, recipes=chosen.recipes, measured_s=chosen.measured_s,
-                                       recipe=chosen.recipe)
+                                       recipe=chosen.recipe, measured_peak_bytes=chosen.measured_peak_bytes)
     return sharded
 
 
