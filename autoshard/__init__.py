@@ -11,7 +11,7 @@
 from autoshard.api import compile, plan, recipe
 from autoshard.config import PlanConfig
 from autoshard.errors import AutoshardError, CallError, DataDependentError, InfeasibleBudget, InputError, LaunchError, SolverTimeout
-from autoshard.plans.html import write_html
+from autoshard.plans.html.page import write_html
 from autoshard.plans.plan import Plan
 from autoshard.runtime.sharded_module import ShardedModule, as_dtensor, clip_grad_norm_
 from autoshard.weights.deferred import init_weights, load_pretrained, save_pretrained

@@ -20,7 +20,7 @@ from autoshard.compiler.runner import check_disabled, rank_program
 from autoshard.config import PlanConfig
 from autoshard.errors import InputError
 from autoshard.inputs import Call, example_call
-from autoshard.plans.html import write_html
+from autoshard.plans.html.page import write_html
 from autoshard.plans.plan import Plan
 from autoshard.runtime.lazy import LazyShardedModule, batch_constraint
 from autoshard.runtime.pipelined import PipelinedModule
@@ -194,7 +194,7 @@ def compile(  # noqa: A001 - the one-line API the project promises
     refused naming what differs (``autoshard/compiler/solve_reuse.py``). ``autotune=k``: the solver's k best distinct plans and
     the recipes that fit are timed on the mesh and the fastest kept, cached on disk (``autoshard/search/autotune.py``).
 
-    ``report="plan.html"`` writes the plan's page (``autoshard/plans/html.py``) from rank 0 once it is planned
+    ``report="plan.html"`` writes the plan's page (``autoshard/plans/html/page.py``) from rank 0 once it is planned
     (without ``example_inputs``: at the first call).
     """
     if report is not None and example_inputs is not None:

@@ -27,7 +27,7 @@ from typing import TextIO
 from autoshard.cluster.presets import get_cluster, known_clusters
 from autoshard.models.zoo import get_model, known_models
 from autoshard.notation import parse_bytes
-from autoshard.plans.html import write_html
+from autoshard.plans.html.page import write_html
 from autoshard.errors import InputError, SolverTimeout
 
 log = logging.getLogger(__name__)

@@ -20,9 +20,9 @@ from autoshard.cli import main
 from autoshard.cluster.meshes import fake_world
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.notation import format_bytes, format_seconds
-from autoshard.plans.html import VIEWS, render_html, write_html
-from autoshard.plans.html_layouts import tensor_tiles
-from autoshard.plans.html_pipeline import idle_share, simulate
+from autoshard.plans.html.page import VIEWS, render_html, write_html
+from autoshard.plans.html.layouts import tensor_tiles
+from autoshard.plans.html.schedule import idle_share, simulate
 from autoshard.plans.plan import MeshSpec, Plan
 from autoshard.plans.words import axis_roles, plan_in_words
 from autoshard.solver.inter_op import pipeline_time

@@ -1,7 +1,8 @@
 """Why two plans differ: the layouts that differ (repeated layers folded) and the cost each kind of difference adds
 or saves, summing to the difference in predicted step time and in peak memory per device.
 
-``autoshard explain A.json B.json`` prints it; ``write_html(b, path, compare=a)`` draws it on B's page. Costs are
+``autoshard explain A.json B.json`` prints it; ``write_html(b, path, compare=a)`` draws it on B's page
+(``html/charts.py: explain_view``). Costs are
 split the way the cost model adds them up: compute, each collective kind on each mesh axis and phase (attributed
 to the layer block whose op waits for it), the overlap credit, and, for pipelined or accumulated plans, what the
 schedule adds (bubble, micro-batches) as the remainder; memory by kind (parameters, gradients, optimizer state,
@@ -10,6 +11,7 @@ activations, temporaries) at the peak stage."""
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from autoshard.ir import layer_parts
@@ -116,7 +118,7 @@ def headline(a: Plan, b: Plan, n: int = 3) -> tuple[str, ...]:
     """The ``n`` largest step-time terms of B − A and the first layout change, one line each (e.g. "+11.8 ms
     all_gather on dp (forward), layers.*"): what a recipe's row on the plan's page says."""
     e = explain(a, b)
-    out = [f"{_signed(c.value, format_seconds)} {c.what}" for c in e.time[:n]]
+    out = [f"{signed(c.value, format_seconds)} {c.what}" for c in e.time[:n]]
     if e.layouts:
         c = e.layouts[0]
         more = f" and {len(e.layouts) - 1} more parameter(s)" if len(e.layouts) > 1 else ""
@@ -124,8 +126,9 @@ def headline(a: Plan, b: Plan, n: int = 3) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _signed(v: float, fmt: object) -> str:
-    return ("+" if v >= 0 else "−") + fmt(abs(v))  # type: ignore[operator]
+def signed(v: float, fmt: Callable[[float], str]) -> str:
+    """``+1.20 ms`` / ``−3.0 GiB``: ``fmt`` of the magnitude with its sign (bytes are whole numbers)."""
+    return ("+" if v >= 0 else "−") + fmt(abs(v) if fmt is not format_bytes else int(abs(v)))
 
 
 def explain_lines(a: Plan, b: Plan, names: tuple[str, str] = ("A", "B"), max_rows: int = 30) -> list[str]:
@@ -135,9 +138,9 @@ def explain_lines(a: Plan, b: Plan, names: tuple[str, str] = ("A", "B"), max_row
     ratio = b.step_time_s / a.step_time_s if a.step_time_s else float("inf")
     lines = [f"{na}: {plan_in_words(a)}", f"{nb}: {plan_in_words(b)}", "",
              f"step: {na} {format_seconds(a.step_time_s)}, {nb} {format_seconds(b.step_time_s)} "
-             f"({nb} {_signed(e.step_delta_s, format_seconds)}, {ratio:.2f}×); peak memory per device: {na} "
+             f"({nb} {signed(e.step_delta_s, format_seconds)}, {ratio:.2f}×); peak memory per device: {na} "
              f"{format_bytes(a.peak_memory.total)}, {nb} {format_bytes(b.peak_memory.total)} "
-             f"({nb} {_signed(e.memory_delta_bytes, format_bytes)})", ""]
+             f"({nb} {signed(e.memory_delta_bytes, format_bytes)})", ""]
     if e.layouts:
         lines.append(f"parameter layouts that differ ({na} -> {nb}), by change:")
         groups: dict[tuple, list[str]] = defaultdict(list)
@@ -152,39 +155,11 @@ def explain_lines(a: Plan, b: Plan, names: tuple[str, str] = ("A", "B"), max_row
             lines.append(f"  ... {len(groups) - max_rows} more kinds of change")
     else:
         lines.append("parameter layouts: the same")
-    lines += ["", f"step time, {nb} − {na} (the terms sum to {_signed(e.step_delta_s, format_seconds)}):"]
-    lines += [f"  {_signed(c.value, format_seconds):>10}  {c.what}" for c in e.time[:max_rows]]
+    lines += ["", f"step time, {nb} − {na} (the terms sum to {signed(e.step_delta_s, format_seconds)}):"]
+    lines += [f"  {signed(c.value, format_seconds):>10}  {c.what}" for c in e.time[:max_rows]]
     if len(e.time) > max_rows:
         rest = sum(c.value for c in e.time[max_rows:])
-        lines.append(f"  {_signed(rest, format_seconds):>10}  {len(e.time) - max_rows} smaller terms")
-    lines += ["", f"peak memory per device, {nb} − {na} (sums to {_signed(e.memory_delta_bytes, format_bytes)}):"]
-    lines += [f"  {_signed(c.value, format_bytes):>10}  {c.what}" for c in e.memory] or ["  the same"]
+        lines.append(f"  {signed(rest, format_seconds):>10}  {len(e.time) - max_rows} smaller terms")
+    lines += ["", f"peak memory per device, {nb} − {na} (sums to {signed(e.memory_delta_bytes, format_bytes)}):"]
+    lines += [f"  {signed(c.value, format_bytes):>10}  {c.what}" for c in e.memory] or ["  the same"]
     return lines
-
-
-def explain_html(a: Plan, b: Plan, names: tuple[str, str] = ("A", "B")) -> str:
-    """The explanation as an HTML section body: the totals, the layout changes and the signed terms, each with a
-    bar to scale (red adds, green saves)."""
-    from autoshard.plans.svg import esc
-
-    e = explain(a, b)
-    na, nb = names
-    most = max([abs(c.value) for c in e.time] + [1e-30])
-    most_b = max([abs(c.value) for c in e.memory] + [1.0])
-
-    def rows(changes: tuple[CostChange, ...], fmt: object, top: float) -> str:
-        return "".join(
-            f'<tr><td class="num">{esc(_signed(c.value, fmt))}</td><td><span class="delta" style="width:'
-            f'{120 * abs(c.value) / top:.0f}px;background:{"#D55E00" if c.value > 0 else "#009E73"}"></span></td>'
-            f"<td>{esc(c.what)}</td></tr>" for c in changes)
-
-    layouts = "".join(f"<tr><td>{esc(c.name)}</td><td>{esc(c.layers)}</td><td>[{esc(', '.join(c.before))}]</td>"
-                      f"<td>[{esc(', '.join(c.after))}]</td></tr>" for c in e.layouts[:200])
-    return (f'<p class="words">{esc(na)}: {esc(plan_in_words(a))}<br>{esc(nb)}: {esc(plan_in_words(b))}</p>'
-            f"<p>{esc(nb)} − {esc(na)}: step {esc(_signed(e.step_delta_s, format_seconds))}, peak memory per device "
-            f"{esc(_signed(e.memory_delta_bytes, format_bytes))}.</p>"
-            f'<h4>step time terms (they sum to the difference)</h4><table class="kv">'
-            f"{rows(e.time, format_seconds, most)}</table>"
-            f'<h4>peak memory terms</h4><table class="kv">{rows(e.memory, format_bytes, most_b)}</table>'
-            f'<h4>parameter layouts that differ ({len(e.layouts)})</h4><table class="kv"><tr><th>parameter</th>'
-            f"<th>layers</th><th>{esc(na)}</th><th>{esc(nb)}</th></tr>{layouts}</table>")

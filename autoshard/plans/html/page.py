@@ -10,9 +10,9 @@ order (each a ``<section data-view=...>``):
 - **memory** (``memory``): bytes per device at the peak, by kind, per stage, against the budget;
 - **step time** (``step``): each stage's step split into compute, recomputation, offload, exposed and
   overlapped communication and pipeline idle time; then per layer; then one step's collectives per mesh axis;
-- **pipeline** (``pipeline``): the schedule of micro-batches over stages (``plans/html_pipeline.py``);
+- **pipeline** (``pipeline``): the schedule of micro-batches over stages (``plans/html/schedule.py``);
 - **layouts** (``layouts``): every parameter and forward activation cut into its tiles over the mesh, repeated
-  layers folded (``plans/html_layouts.py``).
+  layers folded (``plans/html/layouts.py``).
 """
 
 from __future__ import annotations
@@ -24,12 +24,11 @@ from pathlib import Path
 
 from autoshard.errors import InputError
 from autoshard.notation import format_bytes, format_seconds
-from autoshard.plans.explain import explain_html
-from autoshard.plans.html_charts import layers_view, memory_view, recipes_view, step_view, timeline_view
-from autoshard.plans.html_layouts import layouts_view
-from autoshard.plans.html_pipeline import pipeline_view
+from autoshard.plans.html.charts import explain_view, layers_view, memory_view, recipes_view, step_view, timeline_view
+from autoshard.plans.html.layouts import layouts_view
+from autoshard.plans.html.schedule import pipeline_view
 from autoshard.plans.plan import Plan
-from autoshard.plans.svg import esc
+from autoshard.plans.html.svg import esc
 from autoshard.plans.words import axis_roles, plan_in_words
 
 log = logging.getLogger(__name__)
@@ -132,7 +131,7 @@ def render_html(plan: Plan, views: Sequence[str] = VIEWS, compare: Plan | None =
     ]))
     if compare is not None:
         sections["header"] += (f'<section data-view="explain"><h2 id="explain">Against {esc(names[0])}</h2>'
-                               f"{explain_html(compare, plan, names)}</section>")
+                               f"{explain_view(compare, plan, names)}</section>")
     nav = "".join(f'<a href="#{v}">{v}</a>' for v in VIEWS[1:] if v in views)
     return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{esc(plan_in_words(plan))}</title><style>{_CSS}</style></head><body>{_HATCH}"

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 from autoshard.notation import fold_layers, local_shape
 from autoshard.plans.plan import MeshSpec, StagePlan
-from autoshard.plans.svg import Svg, colour, esc
+from autoshard.plans.html.svg import Svg, colour, esc
 
 MAX_SIDE = 8  # tiles drawn per side; more are summarized ("…64 row shards")
 MAX_CARDS = 80  # drawings per section of a stage

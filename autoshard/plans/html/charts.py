@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable
 
 from autoshard.ir import layer_key
 from autoshard.notation import fold_layers, format_bytes, format_seconds
+from autoshard.plans.explain import CostChange, explain, signed
 from autoshard.plans.plan import Plan, StagePlan
-from autoshard.plans.svg import Bar, Segment, Svg, colour, esc, legend, stacked_bars
+from autoshard.plans.words import plan_in_words
+from autoshard.plans.html.svg import Bar, Segment, Svg, colour, esc, legend, stacked_bars
 
 MEMORY = ("parameters", "gradients", "optimizer state", "activations", "temporaries", "host (offloaded)")
 STEP = ("compute", "recompute", "offload copies", "communication (exposed)", "idle (pipeline bubble)",
@@ -179,3 +182,28 @@ def recipes_view(plan: Plan) -> str:
             f'<table class="kv"><tr><th>recipe</th><th>fits</th><th>note</th><th>what makes the difference (recipe − '
             f'plan, the largest terms; <code>autoshard explain</code> has all)</th></tr>{notes}</table>')
 
+
+def explain_view(a: Plan, b: Plan, names: tuple[str, str] = ("A", "B")) -> str:
+    """The explanation as an HTML section body: the totals, the layout changes and the signed terms, each with a
+    bar to scale (red adds, green saves)."""
+    e = explain(a, b)
+    na, nb = names
+    most = max([abs(c.value) for c in e.time] + [1e-30])
+    most_b = max([abs(c.value) for c in e.memory] + [1.0])
+
+    def rows(changes: tuple[CostChange, ...], fmt: Callable[[float], str], top: float) -> str:
+        return "".join(
+            f'<tr><td class="num">{esc(signed(c.value, fmt))}</td><td><span class="delta" style="width:'
+            f'{120 * abs(c.value) / top:.0f}px;background:{"#D55E00" if c.value > 0 else "#009E73"}"></span></td>'
+            f"<td>{esc(c.what)}</td></tr>" for c in changes)
+
+    layouts = "".join(f"<tr><td>{esc(c.name)}</td><td>{esc(c.layers)}</td><td>[{esc(', '.join(c.before))}]</td>"
+                      f"<td>[{esc(', '.join(c.after))}]</td></tr>" for c in e.layouts[:200])
+    return (f'<p class="words">{esc(na)}: {esc(plan_in_words(a))}<br>{esc(nb)}: {esc(plan_in_words(b))}</p>'
+            f"<p>{esc(nb)} − {esc(na)}: step {esc(signed(e.step_delta_s, format_seconds))}, peak memory per device "
+            f"{esc(signed(e.memory_delta_bytes, format_bytes))}.</p>"
+            f'<h4>step time terms (they sum to the difference)</h4><table class="kv">'
+            f"{rows(e.time, format_seconds, most)}</table>"
+            f'<h4>peak memory terms</h4><table class="kv">{rows(e.memory, format_bytes, most_b)}</table>'
+            f'<h4>parameter layouts that differ ({len(e.layouts)})</h4><table class="kv"><tr><th>parameter</th>'
+            f"<th>layers</th><th>{esc(na)}</th><th>{esc(nb)}</th></tr>{layouts}</table>")

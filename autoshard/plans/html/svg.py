@@ -1,4 +1,4 @@
-"""Inline SVG for the plan's HTML page (``autoshard/plans/html.py``): a small builder of rectangles, lines and
+"""Inline SVG for the plan's HTML page (``autoshard/plans/html/page.py``): a small builder of rectangles, lines and
 text with native tooltips (``<title>``), a colour palette, and the horizontal stacked bar every chart of the page
 is made of. No script, no external file: the page opens offline in any browser."""
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from autoshard.notation import format_seconds
 from autoshard.plans.plan import Plan
-from autoshard.plans.svg import Svg, colour, esc
+from autoshard.plans.html.svg import Svg, colour, esc
 from autoshard.solver.inter_op import SPLIT_BACKWARD, in_flight, pipeline_time
 
 
