@@ -343,7 +343,7 @@ class StageSolves:
         gm = run_passes(gm, ctx, "coarsen", "solve")
         plan = build_plan(gm, ctx, recipe=ctx.config.recipe or "")
         if ctx.recipes:
-            plan = dataclasses.replace(plan, recipes=recipe_summaries(gm, ctx))
+            plan = dataclasses.replace(plan, recipes=recipe_summaries(gm, ctx, against=plan))
         self._on_graph.pop(1, None)
         log.info("plan: predicted step %.6f s (capture kept from the stage search)", plan.step_time_s)
         return plan
