@@ -39,6 +39,7 @@ from autoshard import _torch_compat as tc
 from autoshard.inputs import Call, signature_of
 from autoshard.runtime.lazy import batch_constraint, global_example
 from autoshard.errors import InputError
+from autoshard.messages import warn
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, opti
         raise InputError("torch.compile(model, backend='autoshard', options={'mesh': mesh}) needs the DeviceMesh "
                          f"to shard over in options['mesh'] (got {type(mesh).__name__})")
     if mode not in (None, "default"):
-        log.warning("autoshard backend: mode=%r is ignored (the plan chooses what to run)", mode)
+        warn(log, "autoshard backend: mode=%r is ignored (the plan chooses what to run)", mode)
     if any(isinstance(x, DTensor) for x in example_inputs):
         raise RuntimeError(
             "autoshard backend: this graph reads parameters that autoshard already sharded for another graph. "
@@ -137,7 +138,7 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, opti
         loss = sharded(*call_args, **call_kwargs)
         if extra and not warned:
             warned.append(True)
-            log.warning("autoshard backend: the compiled graph returns %d outputs besides the loss (logits, cache); "
+            warn(log, "autoshard backend: the compiled graph returns %d outputs besides the loss (logits, cache); "
                         "autoshard computes only the loss and returns None for them", extra)
         result: list[Any] = [None] * len(outs)
         result[at] = loss

@@ -113,3 +113,26 @@ def test_op_without_a_rule_runs_replicated_with_one_warning(caplog: pytest.LogCa
     assert torch.allclose(loss._local_tensors[0], loss_ref.detach(), atol=1e-6)
     for n, p in ref.named_parameters():
         assert torch.allclose(grads[n]._local_tensors[0], p.grad, atol=1e-6), n
+
+
+
+def _warnings_of_one_rank(rank: int, world: int, arg: None) -> list[str]:
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("autoshard").addHandler(handler)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    autoshard.compile(_TwoCustom(), mesh, (x, y), constraints={"inputs": {"dp": Shard(0)}}, backend="eager")
+    return [r.getMessage() for r in records]
+
+
+def test_a_warning_about_the_plan_is_said_by_rank_0_only() -> None:
+    """Every rank plans the same program: the warning about an op without a sharding rule comes once, from rank
+    0, not once per rank."""
+    from autoshard.testing.launch import launch
+
+    first, second = launch(2, _warnings_of_one_rank)
+    assert sum("no sharding strategy" in m for m in first) == 1, first
+    assert second == [], second

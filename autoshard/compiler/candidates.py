@@ -25,6 +25,7 @@ from autoshard import rules as op_rules
 from autoshard.ir import Placements, output_vals
 from autoshard.ir import tensor_args
 from autoshard.compiler.context import PassContext
+from autoshard.messages import warn
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -215,7 +216,7 @@ class CandidateEnumerator:
             if str(op) not in self.warned:
                 self.warned.add(str(op))
                 why = errors[0] if errors else "DTensor has no sharding rule for it"
-                log.warning(
+                warn(log, 
                     "autoshard: no sharding strategy for %s (%s); it runs replicated (every input gathered to "
                     "[R, ...]). Register a rule with torch.distributed.tensor.experimental.register_sharding to "
                     "shard it.",

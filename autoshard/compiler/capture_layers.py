@@ -21,6 +21,7 @@ from autoshard.ir import repeated_layers
 from autoshard.compiler.capture import capture
 from autoshard.compiler.context import PassContext
 from autoshard.compiler.capture_recompute import sampled_specs, tag_recompute
+from autoshard.messages import warn
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ def _capture_some(model: nn.Module, ctx: PassContext) -> fx.GraphModule:
             log.info("capture: %d of the %d identical layers in %s captured; they stand for all", k, total, path)
             return gm
         except Exception as e:  # a forward that needs all its layers (indexes them, checks the count ...)
-            log.warning("capture: could not trace %s with %d of its %d layers (%s: %s); capturing every layer",
+            warn(log, "capture: could not trace %s with %d of its %d layers (%s: %s); capturing every layer",
                         path, k, total, type(e).__name__, str(e)[:200])
             ctx.sampled_layers = None
     ctx.param_modules = _param_modules(model)

@@ -41,6 +41,7 @@ from autoshard.compiler.lower_buckets import by_size, reduce_together, scatter_t
 from autoshard.config import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from autoshard.ir import layer_key, sums, tensor_args
 from autoshard.compiler.context import PassContext
+from autoshard.messages import warn
 
 log = logging.getLogger(__name__)
 _VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
@@ -341,7 +342,7 @@ def trace_rank_program(
     )
     dropped = _drop_unused_collectives(traced)
     if interp.mismatches:
-        log.warning("lower: %d op outputs needed an extra redistribution to match the plan", interp.mismatches)
+        warn(log, "lower: %d op outputs needed an extra redistribution to match the plan", interp.mismatches)
     ctx.stats["lower_mismatches"] = interp.mismatches
     ctx.stats["lower_dropped_collectives"] = dropped
     return traced

@@ -22,6 +22,7 @@ from autoshard.compiler.solve_recipes import best_recipe, recipe_pins, solve_rec
 from autoshard.compiler.solve_reuse import reused_solution
 from autoshard.solver.intra_op import IntraOpProblem, Solution
 from autoshard.errors import InfeasibleBudget
+from autoshard.messages import warn
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
     if ctx.config.recipe is not None:
         pins, notes = recipe_pins(ctx.config.recipe, gm, ctx)
         for note in notes:
-            log.warning("recipe %s: %s", ctx.config.recipe, note)
+            warn(log, "recipe %s: %s", ctx.config.recipe, note)
 
     def own() -> Solution:
         return solve_within(

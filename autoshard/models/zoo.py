@@ -39,6 +39,7 @@ from autoshard.models.llama import Llama, LlamaConfig, llama_example_inputs
 from autoshard.models.moe import MoEConfig, MoEDecoder, moe_example_inputs
 from autoshard.models.vit import ViT, ViTConfig, vit_example_inputs
 from autoshard.errors import InputError
+from autoshard.messages import warn
 
 __all__ = ["ZooModel", "get_model", "known_models"]
 
@@ -265,7 +266,7 @@ def _hf_llama(j: Mapping[str, Any]) -> tuple[str, Any]:
     d, heads = _get(j, "hidden_size"), _get(j, "num_attention_heads")
     _check_head_dim(j, d, heads)
     if j.get("tie_word_embeddings"):
-        log.warning("tie_word_embeddings=true: autoshard's Llama has an untied output head (vocab x d more params)")
+        warn(log, "tie_word_embeddings=true: autoshard's Llama has an untied output head (vocab x d more params)")
     if j.get("sliding_window"):
         log.info("sliding_window=%s ignored: full causal attention", j["sliding_window"])
     return "llama", LlamaConfig(

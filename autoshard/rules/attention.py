@@ -42,6 +42,7 @@ import autoshard.rules.causal_chunks as causal_chunks
 import autoshard.rules.ring_attention as ring_attention
 from autoshard.rules.base import OpRule
 from autoshard.errors import InputError
+from autoshard.messages import warn
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ def local_call(node: fx.Node, sharding: NodeSharding) -> Callable[[tuple, dict, 
             return causal_chunks.forward(node.target, *local[:3], mesh, axes[0], rest)
         if not warned:
             warned.append(True)
-            logger.warning("%s: causal attention on a sequence shard runs unbalanced (a full chunk of work on every "
+            warn(logger, "%s: causal attention on a sequence shard runs unbalanced (a full chunk of work on every "
                            "rank, twice the planned): %s", node.name,
                            "a mask is given" if given is not None else "dropout" if dropout else
                            f"{q_len} local queries on mesh axes {axes} (one axis and an even chunk balance)")
