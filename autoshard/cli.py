@@ -28,6 +28,7 @@ from autoshard.cluster.presets import get_cluster, known_clusters
 from autoshard.models.zoo import get_model, known_models
 from autoshard.notation import parse_bytes
 from autoshard.plans.html.page import write_html
+from autoshard.plans.report import report
 from autoshard.errors import InputError, SolverTimeout
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,7 @@ def _plan(a: argparse.Namespace) -> int:
         mixed_precision=None if a.mixed_precision == "none" else a.mixed_precision,
         reduce_dtype=a.reduce_dtype,
     )
-    sys.stdout.write(plan.report(collapse=not a.full))
+    sys.stdout.write(report(plan, collapse=not a.full))
     if a.out:
         Path(a.out).write_text(plan.to_json())
         sys.stderr.write(f"plan written to {a.out}\n")

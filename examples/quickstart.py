@@ -52,7 +52,7 @@ def worker(rank: int, world: int, store_path: str, steps: int, lr: float, backen
         make_model(), mesh, example_inputs=(tokens, targets), constraints={"inputs": {"dp": Shard(0)}}, backend=backend
     )
     if rank == 0:
-        print(sharded.plan.report(), flush=True)
+        print(autoshard.report(sharded.plan), flush=True)
         reference = single_device_losses(steps, lr)
     opt = torch.optim.AdamW(sharded.parameters(), lr=lr)
     for step in range(steps):

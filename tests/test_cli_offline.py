@@ -11,6 +11,7 @@ import autoshard
 from autoshard.cli import main
 from autoshard.plans.plan import Plan
 from autoshard.errors import InfeasibleBudget
+from autoshard.plans.report import report
 from harness import case_result, run_two_at_a_time
 
 SMALL = ["--model", "gpt2-124m", "--cluster", "h100-sxm:1x8", "--seq", "128", "--global-batch", "16"]
@@ -134,7 +135,7 @@ def test_cli_mixed_precision_plans_fp32_masters_and_bf16_matmuls(cli_runs):
     mixed = Plan.from_json(text)
     assert (mixed.mixed_precision, mixed.reduce_dtype) == ("bfloat16", "bfloat16")
     pure = autoshard.plan("gpt2-124m", cluster="h100-sxm:1x8", seq=128, global_batch=16, recipe="ddp")
-    assert "mixed precision" not in pure.report() and not pure.mixed_precision
+    assert "mixed precision" not in report(pure) and not pure.mixed_precision
     dtypes = {t.dtype for t in mixed.stages[0].tensors if t.role == "parameter"}
     assert dtypes == {"float32"} and {t.dtype for t in pure.stages[0].tensors if t.role == "parameter"} == {"bfloat16"}
     assert mixed.peak_flops_per_device == pure.peak_flops_per_device  # the bf16 peak, not fp32's

@@ -17,6 +17,7 @@ from torch.distributed.tensor import Shard
 import autoshard
 from autoshard.plans.plan import Plan
 from autoshard.errors import InfeasibleBudget
+from autoshard.plans.report import report
 
 from harness import (assert_close_to_reference, case_result, local_ranks, run_two_at_a_time,
                      single_device_reference)
@@ -80,7 +81,7 @@ def test_mlp_microbatches_equal_the_whole_batch(k: int, kw: dict, runs: dict) ->
     assert plan.step_time_s == pytest.approx(k * plan.stages[0].microbatch_time_s, rel=0.5)
     x = next(t for t in plan.stages[0].tensors if t.name == "input[0]")
     assert x.shape[0] == 16 // k  # planned on one micro-batch
-    assert f"gradient accumulation over {k} micro-batches" in plan.report()
+    assert f"gradient accumulation over {k} micro-batches" in report(plan)
 
 
 def test_hf_gpt2_padded_labels_called_with_keywords(runs: dict) -> None:

@@ -23,6 +23,7 @@ from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.compiler.lower import trace_rank_program
 from autoshard.plans.plan import Plan
 from autoshard.search.recompute import plan_graph
+from autoshard.plans.report import report
 
 from harness import assert_close_to_reference, single_device_reference
 from numerics_utils import LR, MODELS, train_sharded
@@ -63,8 +64,8 @@ def test_fsdp_gathers_bf16_weights_and_reduces_fp32_gradients() -> None:
     assert low.step_time_s < mixed.step_time_s
     assert (mixed.mixed_precision, mixed.reduce_dtype, low.reduce_dtype) == ("bfloat16", "float32", "bfloat16")
     assert Plan.from_json(mixed.to_json()) == mixed
-    assert "mixed precision: autocast to bfloat16" in mixed.report() and "reduced in float32" in mixed.report()
-    assert "mixed precision" not in fp32[0].report()
+    assert "mixed precision: autocast to bfloat16" in report(mixed) and "reduced in float32" in report(mixed)
+    assert "mixed precision" not in report(fp32[0])
 
 
 def test_bf16_matmuls_are_costed_at_the_bf16_rate() -> None:

@@ -33,6 +33,7 @@ from autoshard.plans.plan import (
     StagePlan,
     TensorLayout,
 )
+from autoshard.plans.report import report
 
 MESH = MeshSpec((2, 2), ("dp", "tp"))
 
@@ -140,7 +141,7 @@ def test_accessors_over_all_stages() -> None:
 
 
 def test_report_layout() -> None:
-    r = _plan([_stage(0, range(2))]).report()
+    r = report(_plan([_stage(0, range(2))]))
     assert "mesh dp=2 × tp=2" in r
     assert "cluster cpu" in r and "predicted step 12.3 ms" in r and "OPTIMAL" in r
     assert "[S(0), R]" in r and "f32[512, 256]" in r  # embed.weight local shape under [S(0), R]
@@ -156,15 +157,15 @@ def test_report_layout() -> None:
 
 
 def test_report_collapses_identical_layers() -> None:
-    r = _plan([_stage(0, range(4))]).report()
+    r = report(_plan([_stage(0, range(4))]))
     assert "layers.1–3: same as layers.0" in r
     assert "layers.2.attn" not in r and "layers.0.attn" in r
-    full = _plan([_stage(0, range(4))]).report(collapse=False)
+    full = report(_plan([_stage(0, range(4))]), collapse=False)
     assert "same as" not in full and "layers.3.attn" in full
 
 
 def test_report_does_not_collapse_a_differing_layer() -> None:
-    r = _plan([_stage(0, range(4), differ=2)]).report()
+    r = report(_plan([_stage(0, range(4), differ=2)]))
     assert "layers.1–3: same as layers.0" not in r
     lines = r.splitlines()
     # the layers that match still fold; the one that differs prints in full, in parameters and decisions alike
@@ -176,7 +177,7 @@ def test_report_does_not_collapse_a_differing_layer() -> None:
 
 def test_report_pipeline_stages() -> None:
     sub = MeshSpec((1, 2), ("dp", "tp"))
-    r = _plan([_stage(0, range(0, 2), sub), _stage(1, range(2, 4), sub)], schedule="1F1B", microbatches=8).report()
+    r = report(_plan([_stage(0, range(0, 2), sub), _stage(1, range(2, 4), sub)], schedule="1F1B", microbatches=8))
     assert "== stage 0  mesh dp=1 × tp=2  ranks 0–1" in r and "== stage 1" in r and "1F1B × 8" in r
 
 
@@ -295,8 +296,8 @@ def test_report_says_when_memory_holds_a_stage_back() -> None:
     fast = replace(fast, memory=MemoryBreakdown(10**9, 10**9, 2 * 10**9, 15 * 10**8), microbatch_time_s=1.0)
     slow = replace(slow, memory=MemoryBreakdown(10**9, 10**9, 2 * 10**9, 10**8), microbatch_time_s=1.5)
     near = _plan([fast, slow], schedule="1F1B", microbatches=8, memory_budget_bytes=5_600_000_000)
-    assert "stage 0 is memory-bound: 5.12 GiB of 5.22 GiB" in near.report()
+    assert "stage 0 is memory-bound: 5.12 GiB of 5.22 GiB" in report(near)
     # with room for another layer (a layer averages 5.5 GB / 2 here) the imbalance is not memory's doing
     roomy = replace(near, memory_budget_bytes=9 * 10**9)
-    assert "stage balance: slowest / fastest stage = 1.50" in roomy.report()
-    assert "memory-bound" not in roomy.report()
+    assert "stage balance: slowest / fastest stage = 1.50" in report(roomy)
+    assert "memory-bound" not in report(roomy)

@@ -21,6 +21,7 @@ from autoshard.models.moe import MoEConfig, MoEDecoder, moe_example_inputs
 from autoshard.compiler.lower import collective_counts, lower
 from autoshard.search.recompute import plan_graph
 from autoshard.errors import InfeasibleBudget
+from autoshard.plans.report import report
 
 BATCH_ON_DP = {"inputs": {"dp": Shard(0)}}
 
@@ -131,7 +132,7 @@ def test_plan_report_and_json_round_trip():
     with fake_world(4):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         plan = autoshard.plan(_mlp(), mesh, _mlp_inputs(), constraints=BATCH_ON_DP)
-    text = plan.report()
+    text = report(plan)
     assert "dp=2 × tp=2" in text and "fc1.weight" in text
     assert Plan.from_json(plan.to_json()) == plan
 

@@ -26,6 +26,7 @@ from autoshard.plans.html.schedule import idle_share, simulate
 from autoshard.plans.plan import MeshSpec, Plan
 from autoshard.plans.words import axis_roles, plan_in_words
 from autoshard.solver.inter_op import pipeline_time
+from autoshard.plans.report import report
 
 CFG = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab=128, seq_len=16, bias=False)
 
@@ -155,7 +156,7 @@ def test_the_plan_in_words_names_each_recipe() -> None:
 
 def test_the_terminal_report_starts_with_the_plan_in_words(plans: dict[str, Plan]) -> None:
     plan = plans["pipelined"]
-    first = plan.report().splitlines()[0]
+    first = report(plan).splitlines()[0]
     assert first == plan_in_words(plan)
     assert "2 pipeline stages" in first and f"{plan.microbatches} micro-batches" in first
 

@@ -21,6 +21,7 @@ from autoshard.ir import repeated_layers
 pytest.importorskip("transformers")
 
 from autoshard.models import hf  # noqa: E402
+from autoshard.plans.report import report
 
 LAYERS = 6
 # small sizes and the planner's fast settings: this file times in seconds, not minutes
@@ -67,7 +68,7 @@ def test_plan_samples_stock_llama_layers_and_matches_full_capture() -> None:
     sampled, full = (autoshard.Plan.from_json(r["plan"]) for r in results)
     results_layers = [(r["layers"], r["configured"]) for r in results]
     assert sampled.sampled_layers.startswith(f"model.layers: 3 of {LAYERS} identical layers captured")
-    assert "repeated layers: model.layers: 3 of 6" in sampled.report()
+    assert "repeated layers: model.layers: 3 of 6" in report(sampled)
     assert full.sampled_layers == ""
     assert sampled.solver.status == full.solver.status == "OPTIMAL"
     assert sampled.step_time_s == pytest.approx(full.step_time_s, rel=0.01)

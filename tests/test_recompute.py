@@ -15,6 +15,7 @@ import autoshard
 from autoshard.testing.launch import launch
 from autoshard.compiler.capture_recompute import LayerReplay, layer_modes, mix_specs, sampled_specs
 from autoshard.search.recompute import best_mix
+from autoshard.plans.report import report
 from harness import assert_close_to_reference, single_device_reference
 from numerics_utils import LR, MODELS, PARAM_ATOL, train_sharded
 
@@ -48,7 +49,7 @@ def test_recomputed_layers_save_less_and_train_like_one_device():
     assert r.peak_memory.activations < p.peak_memory.activations / 2
     assert r.step_time_s > s.step_time_s > p.step_time_s
     assert 0 < s.recompute_s < r.recompute_s and s.recompute_layers == ("layers.0:selective",)
-    assert "layers.0 selective" in s.report() and r.recompute_layers == ("layers",)
+    assert "layers.0 selective" in report(s) and r.recompute_layers == ("layers",)
 
 
 def test_compile_recomputes_where_only_recomputation_fits():
@@ -65,7 +66,7 @@ def test_compile_recomputes_where_only_recomputation_fits():
     assert_close_to_reference(ref, got["losses"], got["grads"], got["params"], param_atol=PARAM_ATOL)
     plan = autoshard.Plan.from_json(got["plan"])
     assert plan.recompute and plan.microbatches == 1 and plan.peak_memory.total <= 1_600_000
-    assert "activation recomputation" in plan.report()
+    assert "activation recomputation" in report(plan)
     assert not autoshard.Plan.from_json(free["plan"]).recompute  # a budget that does not bind: no recomputation
 
 

@@ -340,12 +340,6 @@ class Plan:
         """Collectives per step over all stages by (kind, axis), most expensive first."""
         return summarize_collectives(c for s in self.stages for c in s.collectives)
 
-    def report(self, *, collapse: bool = True, max_rows: int = 400) -> str:
-        """A plain-text table of the plan; ``collapse`` folds repeated layers with identical placements."""
-        from autoshard.plans.report import report_lines
-
-        return "\n".join(report_lines(self, collapse=collapse, max_rows=max_rows)) + "\n"
-
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
 

@@ -1,4 +1,4 @@
-"""The plain-text report of a :class:`~autoshard.plans.plan.Plan` (``Plan.report()``): header, recipe comparison,
+"""The plain-text report of a :class:`~autoshard.plans.plan.Plan` (``autoshard.report(plan)``): header, recipe comparison,
 then per stage the placements per module with repeated layers folded, the decisions and the collectives."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from autoshard.ir import layer_parts
 from autoshard.solver.inter_op import SPLIT_BACKWARD
@@ -19,10 +19,9 @@ from autoshard.notation import (
     placements_str,
     tensor_str,
 )
+from autoshard.plans.plan import MemoryBreakdown, Plan, StagePlan
 from autoshard.plans.words import plan_in_words
 
-if TYPE_CHECKING:  # plan.py calls this module (Plan.report): the types only, not an import at run time
-    from autoshard.plans.plan import MemoryBreakdown, Plan, StagePlan
 
 # ---------------------------------------------------------------------------------------------------------------
 # report
@@ -288,7 +287,13 @@ def _why_unbalanced(plan: Plan) -> str:
             "device; a layer more does not fit)")
 
 
-def report_lines(plan: Plan, *, collapse: bool, max_rows: int) -> list[str]:
+def report(plan: Plan, *, collapse: bool = True, max_rows: int = 400) -> str:
+    """The plan as a plain-text table (``autoshard.report(plan)``, the CLI's output); ``collapse`` folds repeated
+    layers with identical placements, ``max_rows`` caps the decision rows."""
+    return "\n".join(_report_lines(plan, collapse=collapse, max_rows=max_rows)) + "\n"
+
+
+def _report_lines(plan: Plan, *, collapse: bool, max_rows: int) -> list[str]:
     # a pipelined step is bounded by its busiest stage: show that stage's split, not the sum over stages
     busiest = max(plan.stages, key=lambda s: s.compute_s + s.comm_s) if plan.stages else None
     compute = sum(s.compute_s for s in plan.stages) if len(plan.stages) < 2 else busiest.compute_s

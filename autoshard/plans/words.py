@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from autoshard.notation import format_bytes, format_seconds
-
-if TYPE_CHECKING:  # the terminal report (which Plan.report calls) says the plan in words: the types only
-    from autoshard.plans.plan import Plan, StagePlan, TensorLayout
+from autoshard.plans.plan import Plan, StagePlan, TensorLayout
 
 _NORMS = ("native_layer_norm", "rms_norm", "_fused_rms_norm")
 
