@@ -28,6 +28,7 @@ from autoshard.runtime.sharded_module import ShardedModule
 from autoshard.search.accumulate import plan_accumulated
 from autoshard.search.autotune import autotune as _autotune
 from autoshard.search.recompute import plan_graph
+from autoshard.weights.shards import restore_meta
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ def plan(
     sub-meshes and returns a plan with several ``stages`` when that is faster; a ``mesh`` given as
     ``{"pp": 4, "tp": 8}`` fixes 4 stages. The default ``"none"`` plans no stages.
     """
+    if isinstance(model, nn.Module):
+        restore_meta(model)  # init_weights / load_pretrained on a meta model left stand-ins (weights/shards.py)
     if isinstance(mesh, DeviceMesh) and isinstance(model, nn.Module) and global_batch is None:
         if pipeline != "none":
             raise InputError("pipeline planning runs on the offline path: call autoshard.plan(model, "
@@ -197,6 +200,8 @@ def compile(  # noqa: A001 - the one-line API the project promises
     ``report="plan.html"`` writes the plan's page (``autoshard/plans/html/page.py``) from rank 0 once it is planned
     (without ``example_inputs``: at the first call).
     """
+    if parameters != "local":  # (the local path keeps the objects dynamo traced: it shards the stand-ins in place)
+        restore_meta(model)  # init_weights / load_pretrained on a meta model left stand-ins (weights/shards.py)
     if report is not None and example_inputs is not None:
         out = compile(model, mesh, example_inputs, cluster=cluster, memory_budget=memory_budget,
                       constraints=constraints, backend=backend, pipeline=pipeline, microbatches=microbatches,

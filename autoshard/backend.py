@@ -11,17 +11,21 @@ The loop is the ordinary one, with data parallelism's input convention::
     for x, y in batches:                                        # each rank passes its own batch shard
         loss = compiled(x, y); loss.backward(); opt.step(); opt.zero_grad()
 
-Dynamo hands the backend one graph of the forward, specialized to this rank's shapes. The backend plans the
-module itself instead, called as dynamo saw it called but at global shapes (the ranks' shards stacked on dim 0
-over the data-parallel axes, ``runtime/lazy.py``), compiles it with ``autoshard.compile`` and makes each of the
-module's parameter objects hold this rank's shard (``parameters="local"``), and drops dynamo's guards on them
-(their shapes were recorded while tracing; the program reads the parameters by name and never runs dynamo's
-graph), so later calls do not recompile. Dynamo's graph only says which of its inputs are the call's tensors. An
-optimizer built before the first call steps the same objects: elementwise optimizers (SGD, Adam, AdamW, ...) are
-exact on shards; a global gradient norm over ``model.parameters()`` would be this rank's part only. The loss is the
-graph's first scalar floating-point output; other outputs (a model output's logits and cache) are not computed: they come
-back as ``None``, with one warning. A graph break (dynamo hands over the forward in pieces) is an error that
-names the break: planning one piece as if it were the whole forward would train the wrong thing.
+Dynamo hands the backend one graph of the forward, specialized to this rank's shapes. The backend plans the module
+itself instead, called as dynamo saw it called but at global shapes (the ranks' shards stacked on dim 0 over the
+data-parallel axes, ``runtime/lazy.py``), compiles it with ``autoshard.compile`` and makes each of the module's
+parameter objects hold this rank's shard (``parameters="local"``), and drops dynamo's guards on them (their shapes
+were recorded while tracing; the program reads the parameters by name and never runs dynamo's graph), so later calls
+do not recompile. A model built on the meta device works too: ``autoshard.init_weights(model, seed)`` or
+``autoshard.load_pretrained(model, path)`` before the first call records the call and gives each meta tensor a
+one-element stand-in on the process group's device for dynamo to trace (``weights/shards.py``); the backend then
+allocates only this rank's shards and runs the recorded call on them. Dynamo's graph only says which of its inputs are
+the call's tensors. An optimizer built before the first call steps the same objects: elementwise optimizers (SGD,
+Adam, AdamW, ...) are exact on shards; a global gradient norm over ``model.parameters()`` would be this rank's part
+only. The loss is the graph's first scalar floating-point output; other outputs (a model output's logits and cache)
+are not computed: they come back as ``None``, with one warning. A graph break (dynamo hands over the forward in
+pieces) is an error that names the break: planning one piece as if it were the whole forward would train the wrong
+thing.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from autoshard.inputs import Call, signature_of
 from autoshard.runtime.lazy import batch_constraint, global_example
 from autoshard.errors import InputError
 from autoshard.messages import warn
+from autoshard.weights.shards import is_unfilled
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +111,11 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, opti
             "reports every one), or use autoshard.compile(model, mesh), which traces without dynamo"
         )
     if meta := [n for n, p in root.named_parameters() if p.device.type == "meta"]:
-        raise NotImplementedError(
-            f"autoshard backend: {type(root).__name__} is on the meta device ({meta[0]} and {len(meta) - 1} more), and "
-            "the torch.compile backend keeps the parameter objects dynamo traced, which cannot take real shards. "
-            "Use sharded = autoshard.compile(model, mesh) for a meta-built model (then sharded.init_weights(seed) or "
-            "sharded.load_pretrained(path)), or build the model on a real device for torch.compile"
+        raise InputError(
+            f"autoshard backend: {type(root).__name__} is on the meta device ({meta[0]} and {len(meta) - 1} more) "
+            "with nothing to give it values. Before the first call, call autoshard.init_weights(model, seed) or "
+            "autoshard.load_pretrained(model, path) on it (they run on this rank's shards once the backend has "
+            "planned), with the process group already initialized"
         )
     signature, tensors = signature_of(Call(args, kwargs))
     sources = _leaf_sources(example_inputs, tensors)
@@ -121,10 +126,13 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, opti
     # masters sharded further than that (see runtime/param_state.py)
     opts.setdefault("shard_state", False)
     opts.setdefault("offload", "none")  # nor masters in host memory
+    # a meta-built model's buffers stand in until compile gives them storage (new objects: their guards go too)
+    relaid = [*root.parameters(), *(b for b in root.buffers() if is_unfilled(b))]
     with tc.outside_dynamo():
         sharded = autoshard_compile(root, mesh, example, constraints=constraints, parameters="local", **opts)
-    freed = tc.forget_guards_on(gm, list(root.parameters()))
-    log.info("autoshard backend: %d parameters re-laid out in place; dynamo's guards on them dropped", freed)
+    freed = tc.forget_guards_on(gm, relaid)
+    log.info("autoshard backend: %d parameters (and buffers) re-laid out in place; dynamo's guards on them dropped",
+             freed)
     log.info("autoshard backend: planned %s on mesh %s: predicted step %.3g s", type(root).__name__,
              dict(zip(mesh.mesh_dim_names or (), mesh.shape)), sharded.plan.step_time_s)
     out = gm.graph.find_nodes(op="output")[0].args[0]

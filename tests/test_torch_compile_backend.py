@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -101,3 +102,59 @@ def test_a_graph_break_is_a_clear_error_naming_it() -> None:
     msg = launch(2, _graph_break, None)[0]
     assert "graph break" in msg and "reads 2 of its 4 parameters" in msg, msg
     assert "fullgraph=True" in msg and "test_torch_compile_backend.py" in msg, msg
+
+
+def _meta_built(rank: int, world: int, ckpt: str) -> dict:
+    """The torch.compile backend on models built on the meta device: values from autoshard.init_weights (our
+    GPT) and from a save_pretrained directory (a stock HF Llama), given before the first call."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    out: dict = {}
+    make, inputs_fn = MODELS["gpt"]
+    x, y = inputs_fn()
+    with torch.device("meta"):
+        gpt = make()
+    autoshard.init_weights(gpt, seed=5)  # recorded; runs on this rank's shards once the backend has planned
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(gpt, backend="autoshard", options={"mesh": mesh, "backend": "eager", "recipe": "fsdp"})
+    opt = torch.optim.AdamW(gpt.parameters(), lr=LR)
+    out["gpt"] = []
+    for _ in range(3):
+        loss = compiled(x.chunk(2)[rank], y.chunk(2)[rank])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out["gpt"].append(float(loss))
+    out["frames"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    out["local"] = {n: tuple(p.shape) for n, p in gpt.named_parameters()}
+    with torch.device("meta"):
+        llama = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ckpt))
+    autoshard.load_pretrained(llama, ckpt)
+    compiled = torch.compile(llama, backend="autoshard", options={"mesh": mesh, "backend": "eager", "recipe": "fsdp"})
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    out["llama"] = float(compiled(input_ids=ids.chunk(2)[rank], labels=ids.chunk(2)[rank]).loss)
+    return out
+
+
+def test_a_meta_built_model_gets_values_and_trains_through_the_backend(tmp_path) -> None:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    ckpt = str(tmp_path / "hf")
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(ckpt)
+    results = launch(2, _meta_built, ckpt, timeout=400)
+    make, inputs_fn = MODELS["gpt"]
+    ref = make()
+    autoshard.init_weights(ref, seed=5)
+    whole = {n: tuple(p.shape) for n, p in ref.named_parameters()}
+    losses = single_device_reference(lambda: ref, inputs_fn(), steps=3, lr=LR).losses
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    llama = float(AutoModelForCausalLM.from_pretrained(ckpt)(input_ids=ids, labels=ids).loss)
+    for got in results:
+        assert got["gpt"] == pytest.approx(losses, rel=1e-5), (got["gpt"], losses)
+        assert got["frames"] == 1, "dynamo recompiled after the stand-ins became shards"
+        assert got["local"]["wte.weight"][0] == whole["wte.weight"][0] // 2  # each rank holds half (fsdp)
+        assert got["llama"] == pytest.approx(llama, rel=1e-5), (got["llama"], llama)

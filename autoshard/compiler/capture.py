@@ -43,6 +43,7 @@ from autoshard.compiler.capture_cleanup import (
 )
 from autoshard.compiler.context import PassContext
 from autoshard.errors import CallError, DataDependentError, InputError
+from autoshard.weights.shards import is_unfilled
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +93,12 @@ def _annotate_modules(model: nn.Module):
 
 
 def _is_plain(t: torch.Tensor) -> bool:
-    return type(t) in (torch.Tensor, nn.Parameter) and t.device.type != "meta"
+    return type(t) in (torch.Tensor, nn.Parameter) and not is_unfilled(t)
 
 
 def _traceable(model: nn.Module, fake_mode: Any, device: torch.device) -> nn.Module:
-    """The model itself, or, when some parameters/buffers cannot be traced as they are (meta device, or tensor
+    """The model itself, or, when some parameters/buffers cannot be traced as they are (meta device or a stand-in
+    for it, ``weights/shards.py``, or tensor
     subclasses such as LocalTensorMode's), a structural copy holding fake stand-ins for them: same shape,
     dtype and requires_grad, no memory. Tied tensors stay tied (the deepcopy memo maps each once)."""
     tensors = list(model.parameters()) + list(model.buffers())
@@ -106,7 +108,7 @@ def _traceable(model: nn.Module, fake_mode: Any, device: torch.device) -> nn.Mod
     for t in tensors:
         if id(t) in memo:
             continue
-        dev = device if t.device.type == "meta" or type(t) not in (torch.Tensor, nn.Parameter) else t.device
+        dev = device if is_unfilled(t) or type(t) not in (torch.Tensor, nn.Parameter) else t.device
         with fake_mode:
             f = torch.empty(tuple(t.shape), dtype=t.dtype, device=dev)
         memo[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f

@@ -9,6 +9,7 @@ backward when autograd reaches the loss.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
@@ -29,7 +30,7 @@ from autoshard.runtime.rebind import rebind_optimizers, retire
 from autoshard.weights.deferred import take_deferred
 from autoshard.weights.init import init_weights
 from autoshard.weights.pretrained import fqn_modifiers, load_pretrained, save_pretrained
-from autoshard.weights.shards import Unfilled, empty_shard, materialize_buffers
+from autoshard.weights.shards import Unfilled, drop_stand_in, empty_shard, is_unfilled, materialize_buffers
 from autoshard.errors import CallError, InputError
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ def shard_parameters_in_place(module: nn.Module, mesh: DeviceMesh, placements: M
         if id(p) in seen or name not in placements:
             continue
         seen.add(id(p))
-        if p.device.type == "meta":
+        if is_unfilled(p):  # built on meta (or its stand-in, traced by dynamo): this rank's shard only
             dt = empty_shard(p.shape, p.dtype, mesh, placements[name])
         else:
             dt = distribute_tensor(p.detach().to(mesh.device_type), mesh, placements[name])
@@ -109,6 +110,7 @@ def shard_parameters_in_place(module: nn.Module, mesh: DeviceMesh, placements: M
                 torch.utils.swap_tensors(p, nn.Parameter(tc.per_rank_copies(dt.to_local()), p.requires_grad))
             else:
                 p.data = tc.per_rank_copies(dt.to_local())
+                drop_stand_in(p)
         p._autoshard_layout = (mesh, tuple(dt.placements), dt.shape)  # type: ignore[attr-defined]
 
 
@@ -203,7 +205,7 @@ class ShardedModule(nn.Module):
             local = whole and not self._states.sharded_masters() and not tc.in_local_tensor_mode()
             parameters = "local" if local else "dtensor"
         self._local_params = parameters == "local"
-        meta = [n for n, q in model.named_parameters() if q.device.type == "meta"]
+        meta = [n for n, q in model.named_parameters() if is_unfilled(q)]
         self._unfilled = Unfilled()  # what was built on meta and awaits values (init_weights, a checkpoint)
         self._unfilled.watch((n, b) for n, b in _named_buffers(model, materialize_buffers(model, mesh.device_type)))
         if self._local_params:
@@ -376,8 +378,21 @@ class ShardedModule(nn.Module):
         """Initialize every parameter and buffer as the model's own code does (``reset_parameters``, Hugging
         Face's ``_init_weights``, a model's ``init_weights()``), one whole tensor at a time cut to this rank's
         shards; the same ``seed`` gives the same model on any mesh and plan (``autoshard/weights/init.py``)."""
-        init_weights(self.module, seed)
+        written = init_weights(self._global_view(), seed)
+        if self._local_params:  # written through DTensors over the shards, whose version counters are their own
+            self._unfilled.mark_filled(written)
         self._unfilled.check_after("init_weights", type(self.module).__name__)
+
+    def _global_view(self) -> nn.Module:
+        """The model as init code must see it: every parameter at its global shape. Parameters held as local
+        shards (``parameters="local"``) look local to code that reads ``p.shape``; this is then a structural copy
+        of the model whose parameters are DTensors over those very shards (writes land in them)."""
+        if not self._local_params:
+            return self.module
+        memo: dict[int, Any] = {id(b): b for b in self.module.buffers()}
+        for p in self.module.parameters():
+            memo[id(p)] = nn.Parameter(as_dtensor(p), requires_grad=p.requires_grad)
+        return copy.deepcopy(self.module, memo)
 
     def load_pretrained(self, path: str, *, strict: bool = True) -> None:
         """Load a ``save_pretrained`` directory (safetensors) into the shards, each rank reading only its slices

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 from autoshard.errors import InputError
+from autoshard.weights.shards import is_unfilled, stand_in_device, stand_in_for_meta
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ _ATTR = "_autoshard_deferred"
 
 
 def _has_meta(model: nn.Module) -> bool:
-    return any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
+    return any(is_unfilled(t) for t in [*model.parameters(), *model.buffers()])
 
 
 def _wrapper(model: nn.Module) -> Any:
@@ -37,8 +38,13 @@ def _wrapper(model: nn.Module) -> Any:
 
 def _defer(model: nn.Module, action: tuple[str, Any]) -> None:
     target = getattr(model, "module", model) if hasattr(model, "_build") else model  # the lazy module's model
+    target = getattr(target, "_orig_mod", target)  # torch.compile's wrapper: the model it compiles
     target.__dict__.setdefault(_ATTR, []).append(action)
     log.info("autoshard: %s(%r) will run once compile has allocated this rank's shards", *action)
+    device = stand_in_device()
+    if device is not None:  # torch.compile's backend: dynamo traces the model on the inputs' device first
+        made = stand_in_for_meta(target, device)
+        log.debug("autoshard: %d meta tensors stand in as one element expanded on %s until compile", made, device)
 
 
 def take_deferred(model: nn.Module) -> list[tuple[str, Any]]:

@@ -81,19 +81,88 @@ def write_full(target: torch.Tensor, full: torch.Tensor) -> None:
 
 
 def materialize_buffers(module: nn.Module, device: str | torch.device) -> list[str]:
-    """Give every buffer on the meta device real (uninitialized) storage on ``device``, aliases kept; returns
-    their names."""
+    """Give every buffer on the meta device (or standing in for one) real (uninitialized) storage on ``device``,
+    aliases kept; returns their names."""
     made: dict[int, torch.Tensor] = {}
     names = []
     for owner_name, owner in module.named_modules(remove_duplicate=False):
         for leaf, b in list(owner._buffers.items()):
-            if b is None or b.device.type != "meta":
+            if b is None or not is_unfilled(b):
                 continue
             if id(b) not in made:
                 made[id(b)] = torch.empty(b.shape, dtype=b.dtype, device=device)
                 names.append(f"{owner_name}.{leaf}" if owner_name else leaf)
             owner._buffers[leaf] = made[id(b)]
     return names
+
+
+_STAND_IN = "_autoshard_stand_in"
+
+
+def stand_in_device() -> torch.device | None:
+    """Where a meta model's stand-ins go: the default process group's device (CUDA under NCCL), None without one."""
+    if not torch.distributed.is_initialized():
+        return None
+    if "nccl" in str(torch.distributed.get_backend()) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def is_unfilled(t: torch.Tensor) -> bool:
+    """Built on the meta device and not given storage yet (a meta tensor, or a stand-in for one)."""
+    return t.device.type == "meta" or getattr(t, _STAND_IN, False)
+
+
+def stand_in_for_meta(module: nn.Module, device: torch.device) -> int:
+    """Make every meta parameter and buffer of ``module`` a one-element tensor expanded to its shape on ``device``
+    (same object, same shape and dtype; a few bytes each): what dynamo needs to trace the model on the inputs'
+    device before ``torch.compile(model, backend="autoshard")`` plans it. :func:`restore_meta` undoes it; the
+    number made is returned."""
+    made: dict[int, torch.Tensor] = {}
+    for p in module.parameters():
+        if p.device.type == "meta" and id(p) not in made:
+            made[id(p)] = p
+            with torch.no_grad():
+                torch.utils.swap_tensors(p, nn.Parameter(_stand_in(p, device), p.requires_grad))
+            setattr(p, _STAND_IN, True)
+    for owner in module.modules():
+        for leaf, b in list(owner._buffers.items()):
+            if b is not None and b.device.type == "meta":
+                if id(b) not in made:
+                    made[id(b)] = _stand_in(b, device)
+                    setattr(made[id(b)], _STAND_IN, True)
+                owner._buffers[leaf] = made[id(b)]
+    return len(made)
+
+
+def restore_meta(module: nn.Module) -> int:
+    """Put the meta tensors back where :func:`stand_in_for_meta` left stand-ins (parameter objects kept); returns
+    how many."""
+    done: dict[int, torch.Tensor] = {}
+    for p in module.parameters():
+        if getattr(p, _STAND_IN, False) and id(p) not in done:
+            done[id(p)] = p
+            with torch.no_grad():
+                # (swap_tensors swaps the attribute dicts too: the marker leaves with the stand-in)
+                torch.utils.swap_tensors(p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                                         p.requires_grad))
+    for owner in module.modules():
+        for leaf, b in list(owner._buffers.items()):
+            if b is not None and getattr(b, _STAND_IN, False):
+                if id(b) not in done:
+                    done[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+                owner._buffers[leaf] = done[id(b)]
+    return len(done)
+
+
+def drop_stand_in(t: torch.Tensor) -> None:
+    """``t`` (a stand-in's object) holds real storage now."""
+    if getattr(t, _STAND_IN, False):
+        delattr(t, _STAND_IN)
+
+
+def _stand_in(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.zeros((), dtype=t.dtype, device=device).expand(t.shape)
 
 
 @dataclass(frozen=True)
@@ -122,6 +191,11 @@ class Unfilled:
 
     def watch(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         self._watched += [_Watched(n, weakref.ref(t), _versions(t)) for n, t in named]
+
+    def mark_filled(self, names: Iterable[str]) -> None:
+        """These were written in a way their version counters do not show (through a DTensor view of a shard)."""
+        done = set(names)
+        self._watched = [w for w in self._watched if w.name not in done]
 
     def missing(self) -> list[str]:
         self._watched = [w for w in self._watched if w.tensor is not None and _versions(w.tensor) == w.versions]
