@@ -136,3 +136,20 @@ def test_a_warning_about_the_plan_is_said_by_rank_0_only() -> None:
     first, second = launch(2, _warnings_of_one_rank)
     assert sum("no sharding strategy" in m for m in first) == 1, first
     assert second == [], second
+
+
+class _WritesItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x.mul_(2.0)  # in place into the caller's tensor: not a buffer
+        return self.fc(x).pow(2).mean()
+
+
+def test_a_forward_writing_into_its_input_is_refused_naming_what_to_do() -> None:
+    with local_ranks(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        with pytest.raises(autoshard.InputError, match=r"writes in place into .*Return the new value instead"):
+            autoshard.compile(_WritesItsInput(), mesh, example_inputs=(torch.randn(4, 8),), backend="eager")

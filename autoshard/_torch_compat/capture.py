@@ -13,6 +13,8 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from autoshard.errors import InputError
+
 
 # ----------------------------------------------------------------------------------------------- capture
 
@@ -28,8 +30,10 @@ class InputRole:
 
 @dataclass(frozen=True)
 class OutputRole:
-    kind: str  # "loss" | "output" | "grad" | "input_grad" | "none"
-    name: str  # "output[i]", the parameter FQN whose gradient this is, or "input[i]" for an input's gradient
+    kind: str  # "loss" | "output" | "buffer" | "grad" | "input_grad" | "none"
+    # "output[i]", the buffer FQN the forward updates, the parameter FQN whose gradient this is, or "input[i]" for an
+    # input's gradient
+    name: str
 
 
 def new_fake_mode() -> FakeTensorMode:
@@ -127,6 +131,14 @@ def output_roles(output_node: fx.Node) -> list[OutputRole]:
                 roles.append(OutputRole("grad", target))
         elif d is None:
             roles.append(OutputRole("none", f"none[{i}]"))
+        elif cls == "InputMutationAOTOutput" and type(d.mutated_input).__name__ == "BufferAOTInput":
+            roles.append(OutputRole("buffer", d.mutated_input.target))  # the buffer's value after the forward
+        elif cls == "InputMutationAOTOutput":
+            raise InputError(
+                f"the forward writes in place into {d.mutated_input!r} (e.g. an input tensor or a parameter "
+                "updated with copy_ / add_); autoshard plans programs that update only buffers (BatchNorm's running "
+                "statistics, register_buffer state). Return the new value instead of writing into the input"
+            )
         else:
             raise NotImplementedError(f"autoshard does not support graph output descriptor {d!r}")
     return roles
@@ -301,8 +313,42 @@ def planning_decompositions() -> dict:
 
     aten = torch.ops.aten
     table = get_decompositions([aten.mse_loss, aten.mse_loss_backward])
+    # batch norm in training: its statistics as sums over batch and space, so that a batch-sharded input adds
+    # them up across the data-parallel ranks (SyncBatchNorm's global statistics) instead of gathering the batch
+    table[aten._native_batch_norm_legit_functional.default] = _batch_norm_by_sums
+    table.update(get_decompositions([aten.native_batch_norm_backward]))
     table[aten.nll_loss_forward.default] = _nll_loss_mean_as_sum
     return table
+
+
+def _batch_norm_by_sums(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, running_mean: torch.Tensor,
+    running_var: torch.Tensor, training: bool, momentum: float, eps: float,
+) -> Any:
+    """Training batch norm with its mean and (biased) variance as two sums over every dim but the channels (two
+    passes, as ATen's own), each a linear reduction that DTensor sums across a sharded batch; returns what the
+    ATen op does: output, saved mean and 1/std per channel, the updated running mean and variance."""
+    if not training:
+        return NotImplemented
+    dims = [0, *range(2, x.ndim)]
+    acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    xs = x.to(acc)
+    n = x.numel() // x.shape[1]
+    mean = xs.sum(dims, keepdim=True) / n
+    centred = xs - mean
+    var = (centred * centred).sum(dims, keepdim=True) / n
+    rstd = torch.rsqrt(var + eps)
+    out = centred * rstd
+    per_channel = [1, -1] + [1] * (x.ndim - 2)
+    if weight is not None:
+        out = out * weight.reshape(per_channel)
+    if bias is not None:
+        out = out + bias.reshape(per_channel)
+    mean, var, rstd = mean.flatten(), var.flatten(), rstd.flatten()
+    new_mean = running_mean * (1 - momentum) + mean.to(running_mean.dtype) * momentum
+    unbiased = var * (n / (n - 1)) if n > 1 else var
+    new_var = running_var * (1 - momentum) + unbiased.to(running_var.dtype) * momentum
+    return out.to(x.dtype), mean, rstd, new_mean, new_var
 
 
 def _nll_loss_mean_as_sum(

@@ -115,6 +115,30 @@ def _traceable(model: nn.Module, fake_mode: Any, device: torch.device) -> nn.Mod
     return copy.deepcopy(model, memo)
 
 
+def _buffers_after_outputs(out_node: fx.Node, roles: list, model: str, stage: bool) -> list:
+    """The joint graph returns the buffers the forward updates first (BatchNorm's running statistics); the
+    program returns the loss first: move them after the forward's outputs, before the gradients, in place."""
+    outs = list(out_node.args[0])
+    updates = [i for i, r in enumerate(roles) if r.kind == "buffer"]
+    if not updates:
+        return roles
+    if stage:
+        names = ", ".join(roles[i].name.removeprefix("inner.") for i in updates[:3])
+        raise InputError(
+            f"{model}: the forward updates buffers ({names}) and pipeline stages do not carry buffer updates yet; "
+            "plan without a 'pp' axis (data, tensor and the other parallelisms update them), or freeze them "
+            "(BatchNorm: track_running_stats=False, or eval() on the norm layers)"
+        )
+    rest = [i for i in range(len(outs)) if roles[i].kind not in ("grad", "input_grad", "none", "buffer")]
+    tail = [i for i in range(len(outs)) if i not in set(rest) | set(updates)]
+    order = rest + updates + tail
+    out_node.args = (type(out_node.args[0])(outs[i] for i in order), *out_node.args[1:])
+    descs = out_node.meta.get("desc")
+    if descs is not None and len(descs) == len(outs):
+        out_node.meta["desc"] = [descs[i] for i in order]
+    return [roles[i] for i in order]
+
+
 class _Outputs(nn.Module):
     """A pipeline stage: keeps every tensor the module returns (activations for the next stage, or the loss)."""
 
@@ -265,7 +289,7 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], ctx: PassContext) -
     drop_empty_concat_inputs(gm)
     merge_tied_parameters(gm, traced)
     out_node = gm.graph.find_nodes(op="output")[0]
-    roles = tc.output_roles(out_node)
+    roles = _buffers_after_outputs(out_node, tc.output_roles(out_node), type(model).__name__, ctx.stage)
     loss_val = out_node.args[0][0].meta.get("val") if out_node.args[0] else None
     if ctx.stage:
         pass
@@ -297,8 +321,8 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], ctx: PassContext) -
             node.meta["autoshard_phase"] = "backward" if tag == "is_backward" else "forward"
     _inherit_modules(gm)
     ctx.output_roles = [
-        tc.OutputRole(r.kind, r.name[len("inner.") :]) if r.kind == "grad" and r.name.startswith("inner.") else r
-        for r in ctx.output_roles
+        tc.OutputRole(r.kind, r.name[len("inner.") :]) if r.kind in ("grad", "buffer") and r.name.startswith("inner.")
+        else r for r in ctx.output_roles
     ]
     ctx.stats["nodes_captured"] = sum(1 for n in gm.graph.nodes if n.op == "call_function")
     log.info("capture: %d ops, %d placeholders", ctx.stats["nodes_captured"], sum(counts.values()))

@@ -8,7 +8,7 @@ Guarantees on exit: ``ctx.program`` runs this rank's step, and its ``layouts`` g
 parameters and inputs by name (``input[i]`` for the call's tensors), as ``Placement`` objects, ``grad_layouts``
 those its gradients come back in and ``state_layouts`` those the optimizer steps (they differ for ZeRO-1/2
 parameters), ``offload`` the parameters whose masters live in host memory (``runtime/offload.py``): the runtime distributes parameters and cuts inputs with them (the Plan's strings are for reports and JSON). ``forward(flat local inputs)`` returns (the loss,
-what backward needs) and ``backward(saved, grad_loss)`` the local gradients (parameters, then inputs that
+what backward needs, the new values of the buffers it updates) and ``backward(saved, grad_loss)`` the local gradients (parameters, then inputs that
 require grad); a pipeline stage's ``forward_many`` / ``backward_many`` take and return every output. Backends:
 
 - ``"inductor"``: each graph compiled by Inductor (C++ on CPU, Triton on GPU), at its first call with the real
@@ -31,7 +31,7 @@ from torch.distributed.tensor import Replicate
 
 from autoshard import _torch_compat as tc
 from autoshard.ir import param_offload_of
-from autoshard.compiler.context import PassContext
+from autoshard.compiler.context import FORWARD_KINDS, PassContext
 from autoshard.compiler.lower import PlanInterpreter, param_placements_of
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,8 @@ class CompiledProgram:
         self._fw: Callable[[list[torch.Tensor]], Any] | None = None
         self._bw: Callable[[list[torch.Tensor]], Any] | None = None
         self._ctx = ctx
+        forward_roles = [r for r in ctx.output_roles if r.kind in FORWARD_KINDS]
+        self.updates = [(i, r.name) for i, r in enumerate(forward_roles) if r.kind == "buffer"]  # (output, buffer)
         planned = ctx.planned
         self.layouts = param_placements_of(planned) if planned is not None else {}
         self.state_layouts = param_placements_of(planned, "state") if planned is not None else {}
@@ -84,9 +86,9 @@ class CompiledProgram:
             self._bw = self._compile(self.bw_gm, args)
         return list(self._bw(args))
 
-    def forward(self, flat: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(self, flat: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
         outs, saved = self.forward_many(flat)
-        return outs[0], saved
+        return outs[0], saved, {name: outs[i] for i, name in self.updates}
 
     def backward(self, saved: list[torch.Tensor], grad_loss: torch.Tensor) -> list[torch.Tensor]:
         return self.backward_many(saved, [grad_loss.reshape(())])
@@ -108,18 +110,21 @@ class InterpretedProgram:
         self.fw_nodes = self.interp.phase_nodes("forward")
         self.bw_nodes = self.interp.phase_nodes("backward")
 
-    def forward(self, flat: Sequence[torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+    def forward(self, flat: Sequence[torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any], dict[str, torch.Tensor]]:
         env: dict[str, Any] = {}
         self.interp.bind(env, self.primals, flat)
         self.interp.run(env, self.fw_nodes)
-        loss_node = self.interp.output.args[0][0]
-        loss = env[loss_node.name].redistribute(self.interp.mesh, [Replicate()] * self.interp.mesh.ndim).to_local()
-        return loss, env
+        rep = [Replicate()] * self.interp.mesh.ndim
+        whole = {r.kind if r.kind == "loss" else r.name: env[src.name].redistribute(self.interp.mesh, rep).to_local()
+                 for src, r in zip(self.interp.output.args[0], self.roles) if r.kind in ("loss", "buffer")}
+        loss = whole.pop("loss")
+        return loss, env, whole
 
     def backward(self, env: dict[str, Any], grad_loss: torch.Tensor) -> list[torch.Tensor]:
         self.interp.bind(env, self.tangents, [grad_loss.reshape(())])
         self.interp.run(env, self.bw_nodes)
-        return self.interp.outputs(env, self.roles, self.grad_layouts)[1:]
+        grads = [r if r.kind in ("grad", "input_grad") else tc.OutputRole("none", r.name) for r in self.roles]
+        return self.interp.outputs(env, grads, self.grad_layouts)
 
 
 def compile_program(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

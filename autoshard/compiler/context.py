@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 # context's backend may also be "interpret": under LocalTensorMode (every rank in one process, no rank graph)
 # the plan is run on DTensors by the lowering's interpreter.
 BACKENDS = ("inductor", "eager")
+# the outputs the forward returns, in this order (capture puts them so): the loss (or a stage's activations), the
+# model's other outputs, the buffers it updates (BatchNorm's running statistics); then come the gradients
+FORWARD_KINDS = ("loss", "output", "buffer")
 
 Progress = Callable[[str, float, str], None]  # (pass, fraction done, message), for a CLI's progress display
 
@@ -50,7 +53,9 @@ class RankProgram(Protocol):
     grad_layouts: dict[str, tuple[Placement, ...]]
     state_layouts: dict[str, tuple[Placement, ...]]
 
-    def forward(self, flat: Sequence[torch.Tensor]) -> tuple[torch.Tensor, Any]: ...
+    def forward(self, flat: Sequence[torch.Tensor]) -> tuple[torch.Tensor, Any, dict[str, torch.Tensor]]:
+        """(the loss, what backward needs, the new value of each buffer the forward updates, by name)."""
+        ...
 
     def backward(self, saved: Any, grad_loss: torch.Tensor) -> list[torch.Tensor]: ...
 
@@ -104,8 +109,9 @@ class PassContext:
 
     @property
     def forward_outputs(self) -> int:
-        """How many outputs the forward returns (the loss, or a pipeline stage's activations)."""
-        return sum(1 for r in self.output_roles if r.kind in ("loss", "output"))
+        """How many outputs the forward returns (the loss, or a pipeline stage's activations, and the buffers it
+        updates)."""
+        return sum(1 for r in self.output_roles if r.kind in FORWARD_KINDS)
 
     def report(self, stage: str, fraction: float, message: str = "") -> None:
         if self.progress is not None:

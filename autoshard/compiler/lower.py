@@ -197,7 +197,7 @@ class PlanInterpreter:
 
     def outputs(self, env: dict[str, Any], output_roles: Sequence, param_placements: dict[str, tuple],
                 reduce_dtype: torch.dtype | None = None) -> list[Any]:
-        """Loss and outputs made Replicate, gradients moved to their parameter's (or input's) gradient placement
+        """Loss, outputs and updated buffers made Replicate, gradients moved to their parameter's (or input's) gradient placement
         (``param_placements``), all as local tensors. ``reduce_dtype``: floating gradients that a move sums
         (Partial) are cast to it for the collective and back after (mixed precision's bf16 reduction)."""
         result: list[Any] = []
@@ -209,7 +209,7 @@ class PlanInterpreter:
             if role.kind in ("none",) or src is None:
                 continue
             val = env[src.name]
-            if role.kind in ("loss", "output"):
+            if role.kind in ("loss", "output", "buffer"):
                 val = tc.redistribute(val, self.mesh, [Replicate()] * self.mesh.ndim)
             elif role.kind in ("grad", "input_grad"):
                 want = tuple(param_placements[role.name])

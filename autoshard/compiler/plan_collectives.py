@@ -138,8 +138,8 @@ def plan_collectives(gm: fx.GraphModule, ctx: PassContext, per_edge: bool = Fals
             continue
         have = src.meta["autoshard"].outputs[0]
         w = weight_of(nodes, src.name, ctx)
-        if role.kind in ("loss", "output"):
-            add(src, have, rep, "output", "forward", w)
+        if role.kind in ("loss", "output", "buffer"):
+            add(src, have, rep, "output" if role.kind != "buffer" else role.name, "forward", w)
         elif role.kind in ("grad", "input_grad"):
             add(src, have, params[role.name].meta["autoshard"].grad_layout, role.name, "backward", w,
                 ctx.config.reduce_itemsize, sink=True)

@@ -38,8 +38,11 @@ log = logging.getLogger(__name__)
 
 class _RunProgram(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, program: Any, grad_slots: tuple[int, ...], states: ParamStates, *flat: torch.Tensor) -> torch.Tensor:
-        loss, saved = program.forward(states.local_inputs(flat))
+    def forward(ctx: Any, program: Any, grad_slots: tuple[int, ...], states: ParamStates,
+                buffers: Mapping[str, torch.Tensor], *flat: torch.Tensor) -> torch.Tensor:
+        loss, saved, updated = program.forward(states.local_inputs(flat))
+        for name, value in updated.items():  # BatchNorm's running statistics, computed on the global batch
+            buffers[name].copy_(value)
         ctx.program = program
         ctx.saved = saved
         ctx.grad_slots = grad_slots
@@ -51,7 +54,7 @@ class _RunProgram(torch.autograd.Function):
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple:
         grads = ctx.program.backward(ctx.saved, grad_loss)
         ctx.saved = None
-        return (None, None, None, *scatter_grads(grads, ctx.grad_slots, ctx.like, ctx.states))
+        return (None, None, None, None, *scatter_grads(grads, ctx.grad_slots, ctx.like, ctx.states))
 
 
 def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -299,7 +302,8 @@ class ShardedModule(nn.Module):
             self._unfilled.check()
         params = self._flat_params()
         flat = params + self._buffers_local() + list(tensors)
-        return _RunProgram.apply(self._program, self._grad_slots, self._states, *flat)
+        buffers = dict(self.module.named_buffers())
+        return _RunProgram.apply(self._program, self._grad_slots, self._states, buffers, *flat)
 
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """One training step's forward and backward on a global-shaped call (as ``PipelinedModule.step``):

@@ -92,7 +92,7 @@ def collect_edges(gm: fx.GraphModule, groups: Sequence[Group], output_roles: Seq
     for src, role in zip(out.args[0], output_roles):
         if not isinstance(src, fx.Node):
             continue
-        if role.kind in ("loss", "output"):
+        if role.kind in ("loss", "output", "buffer"):  # replicated, as the runtime holds buffers
             sinks.append((src.name, None))
         elif role.kind in ("grad", "input_grad"):
             sinks.append((src.name, params[role.name].name))
