@@ -22,6 +22,7 @@ from autoshard.errors import InputError
 from autoshard.inputs import Call, example_call
 from autoshard.plans.html.page import write_html
 from autoshard.plans.plan import Plan
+from autoshard.runtime.evaluate import PlanEval
 from autoshard.runtime.lazy import LazyShardedModule, batch_constraint
 from autoshard.runtime.pipelined import PipelinedModule
 from autoshard.runtime.sharded_module import ShardedModule
@@ -252,9 +253,25 @@ def compile(  # noqa: A001 - the one-line API the project promises
     p, ctx = planned.plan, planned.ctx
     program = rank_program(planned.graph, ctx, backend)
     grad_names = [r.name for r in ctx.output_roles if r.kind == "grad"]
-    sharded = ShardedModule(model, mesh, p, program, grad_names, ctx.signature, parameters, accumulation)
+    sharded = ShardedModule(model, mesh, p, program, grad_names, ctx.signature, parameters, accumulation,
+                            plan_eval=_eval_planner(mesh, get_cluster(cluster), config, backend, real_group))
     sharded.timings = dict(ctx.timings)
     return sharded
+
+
+def _eval_planner(mesh: DeviceMesh, cluster: ClusterProfile, config: PlanConfig, backend: str,
+                  real_group: bool) -> PlanEval:
+    """How a compiled module plans its evaluation programs (``runtime/evaluate.py``): the forward with every
+    output kept, under the training plan's options, with the given constraints (parameters pinned to their
+    compute layouts), no recipes, no budget and no recomputation (nothing is saved for a backward)."""
+
+    def plan_eval(model: nn.Module, example: Call, constraints: Mapping[str, Any]) -> tuple[Plan, Any]:
+        cfg = dataclasses.replace(config, constraints=dict(constraints), solve_recipes=False, recipe=None,
+                                  memory_budget=None, recompute=(), shard_state=False, reuse=None, offload="none")
+        planned = plan_graph(model, example, mesh, cluster, cfg, broadcast_solution=real_group, stage=True)
+        return planned.plan, rank_program(planned.graph, planned.ctx, backend)
+
+    return plan_eval
 
 
 def _compile_on_first_call(model: nn.Module, mesh: DeviceMesh, constraints: Mapping[str, Any] | None,

@@ -120,6 +120,15 @@ class InterpretedProgram:
         loss = whole.pop("loss")
         return loss, env, whole
 
+    def forward_many(self, flat: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        """Every forward output, whole on every rank (an evaluation program's)."""
+        env: dict[str, Any] = {}
+        self.interp.bind(env, self.primals, flat)
+        self.interp.run(env, self.fw_nodes)
+        rep = [Replicate()] * self.interp.mesh.ndim
+        return [env[src.name].redistribute(self.interp.mesh, rep).to_local()
+                for src, r in zip(self.interp.output.args[0], self.roles) if r.kind in FORWARD_KINDS], env
+
     def backward(self, env: dict[str, Any], grad_loss: torch.Tensor) -> list[torch.Tensor]:
         self.interp.bind(env, self.tangents, [grad_loss.reshape(())])
         self.interp.run(env, self.bw_nodes)

@@ -21,10 +21,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import Placement
 
 from autoshard import _torch_compat as tc
-from autoshard.inputs import CallSignature
+from autoshard.inputs import Call, CallSignature, signature_of
 from autoshard.notation import local_shape, placements_str, tensor_str
 from autoshard.plans.plan import Plan
 from autoshard.runtime.accumulate import Accumulation
+from autoshard.runtime.evaluate import Evaluator, PlanEval
+from autoshard.runtime.lazy import data_parallel_axes
 from autoshard.runtime.param_state import ParamStates, scatter_grads
 from autoshard.runtime.rebind import rebind_optimizers, retire
 from autoshard.weights.deferred import take_deferred
@@ -185,8 +187,8 @@ class ShardedModule(nn.Module):
     """A model sharded by a Plan. ``forward(*local_inputs)`` returns the loss, equal on every rank."""
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, plan: Plan, program: Any, grad_names: Sequence[str],
-                 signature: CallSignature, parameters: str = "dtensor", accumulation: Accumulation | None = None
-                 ) -> None:
+                 signature: CallSignature, parameters: str = "dtensor", accumulation: Accumulation | None = None,
+                 plan_eval: PlanEval | None = None) -> None:
         super().__init__()
         self.plan = plan
         self._accumulation = accumulation  # microbatches > 1: step runs the global batch as micro-batches
@@ -222,6 +224,10 @@ class ShardedModule(nn.Module):
         else:
             rebind_optimizers(self, distribute_parameters(model, mesh, placements, host=self._states.offloaded()))
         self._unfilled.watch((n, q) for n, q in model.named_parameters() if n in set(meta))
+        compute = {n: self._layouts[n] for n in self._param_names}
+        self._evaluator = None if plan_eval is None else Evaluator(
+            model, mesh, compute, self._states.master_placements(), dict(zip(self._param_names, self._states.offload)),
+            plan_eval)
         for call, arg in take_deferred(model):  # init_weights / load_pretrained called on the meta model
             getattr(self, call)(arg)
         if meta:
@@ -242,10 +248,21 @@ class ShardedModule(nn.Module):
     def shard_inputs(self, *args: Any, **kwargs: Any) -> Any:
         """This rank's pieces of a global-shaped call, as the plan's input placements say, shaped like the call:
         a tuple for positional tensors (``sharded(*pieces)``), a dict for keyword arguments
-        (``sharded(**pieces)``), or ``(args, kwargs)`` for both."""
+        (``sharded(**pieces)``), or ``(args, kwargs)`` for both. In ``eval()`` mode: any call, each tensor split
+        on dim 0 over the data-parallel axes (what ``evaluate`` takes)."""
+        rep = [Replicate()] * self.mesh.ndim
+        if not self.training:
+            dp = data_parallel_axes(self.mesh)
+            batch = [Shard(0) if a in dp else Replicate() for a in range(self.mesh.ndim)]
+            signature, tensors = signature_of(Call(args, kwargs))
+            cut = [(_my_piece(t.to(self.mesh.device_type), self.mesh, batch) if t.ndim else None) for t in tensors]
+            out = [c if c is not None else DTensor.from_local(t.to(self.mesh.device_type), self.mesh, rep,
+                                                               run_check=False).redistribute(self.mesh, batch).to_local()
+                   for c, t in zip(cut, tensors)]
+            local_args, local_kwargs = signature.unflatten(out)
+            return local_kwargs if not local_args else local_args if not local_kwargs else (local_args, local_kwargs)
         tensors = self.signature.flatten(args, kwargs)
         out = []
-        rep = [Replicate()] * self.mesh.ndim
         for t, layout in zip(tensors, self._inputs):
             if tuple(t.shape) != tuple(layout.shape):
                 raise InputError(
@@ -293,8 +310,11 @@ class ShardedModule(nn.Module):
                     "returns the right pieces."
                 )
 
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """This rank's pieces of the call (``shard_inputs``), called as the model is; returns the loss."""
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """This rank's pieces of the call (``shard_inputs``), called as the model is; returns the loss. In
+        ``eval()`` mode: the model's whole output, from a forward-only program (``runtime/evaluate.py``)."""
+        if not self.training:
+            return self.evaluate(*args, **kwargs)
         tensors = self.signature.flatten(args, kwargs)
         self._check_inputs(tensors)
         if self._unfilled.missing():  # built on meta: derived buffers (no checkpoint holds them) are computed now
@@ -304,6 +324,18 @@ class ShardedModule(nn.Module):
         flat = params + self._buffers_local() + list(tensors)
         buffers = dict(self.module.named_buffers())
         return _RunProgram.apply(self._program, self._grad_slots, self._states, buffers, *flat)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's output (a ``ModelOutput``, tuple or tensor, every tensor whole on every rank) for this
+        rank's pieces of a call (dim 0 split over the data-parallel axes: ``shard_inputs`` in eval mode), from a
+        forward-only program planned on the parameters' shards; the model runs in its current mode (call
+        ``eval()`` first for dropout off and BatchNorm's running statistics)."""
+        if self._evaluator is None:
+            raise CallError("this module was built without an evaluation planner (autoshard.compile builds one)")
+        if self._unfilled.missing():
+            self._recompute_unsaved()
+            self._unfilled.check()
+        return self._evaluator(args, kwargs)
 
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """One training step's forward and backward on a global-shaped call (as ``PipelinedModule.step``):
