@@ -25,6 +25,7 @@ from autoshard.plans.plan import Plan
 from autoshard.runtime.evaluate import PlanEval
 from autoshard.runtime.lazy import LazyShardedModule, batch_constraint
 from autoshard.runtime.pipelined import PipelinedModule
+from autoshard.runtime.shapes import PlanShapes
 from autoshard.runtime.sharded_module import ShardedModule
 from autoshard.search.accumulate import plan_accumulated
 from autoshard.search.autotune import autotune as _autotune
@@ -254,7 +255,8 @@ def compile(  # noqa: A001 - the one-line API the project promises
     program = rank_program(planned.graph, ctx, backend)
     grad_names = [r.name for r in ctx.output_roles if r.kind == "grad"]
     sharded = ShardedModule(model, mesh, p, program, grad_names, ctx.signature, parameters, accumulation,
-                            plan_eval=_eval_planner(mesh, get_cluster(cluster), config, backend, real_group))
+                            plan_eval=_eval_planner(mesh, get_cluster(cluster), config, backend, real_group),
+                            plan_shapes=_shape_planner(p, mesh, get_cluster(cluster), config, backend, real_group))
     sharded.timings = dict(ctx.timings)
     return sharded
 
@@ -272,6 +274,31 @@ def _eval_planner(mesh: DeviceMesh, cluster: ClusterProfile, config: PlanConfig,
         return planned.plan, rank_program(planned.graph, planned.ctx, backend)
 
     return plan_eval
+
+
+def _shape_planner(first: Plan, mesh: DeviceMesh, cluster: ClusterProfile, config: PlanConfig, backend: str,
+                   real_group: bool) -> PlanShapes:
+    """How a compiled module plans a call of other input shapes (``ShardedModule._switch_shapes``): the first
+    plan's choices replayed on the new program (``compiler/solve_reuse.py``; no solve), or, where one of them does
+    not hold at these shapes (an axis that no longer divides a dimension), a solve with the parameters and inputs
+    pinned to their layouts. No recipes are compared and no budget is re-searched: the module keeps its layouts."""
+    base = dataclasses.replace(config, solve_recipes=False, memory_budget=None, recipe=None,
+                               recompute=tuple(first.recompute_layers) or config.recompute)
+
+    def plan_shapes(model: nn.Module, example: Call, pins: Mapping[str, Any]) -> tuple[Plan, Any, str]:
+        try:
+            cfg = dataclasses.replace(base, reuse=dataclasses.replace(first, fingerprint=()))
+            planned, how = plan_graph(model, example, mesh, cluster, cfg, broadcast_solution=real_group), "layouts reused"
+        except InputError as e:
+            log.info("compile: the first plan's layouts do not all hold at the new shapes (%s); solving with the "
+                     "parameters and inputs pinned", e)
+            cfg = dataclasses.replace(base, reuse=None, constraints={**config.constraints, **pins})
+            planned, how = plan_graph(model, example, mesh, cluster, cfg, broadcast_solution=real_group), "re-solved"
+        program = rank_program(planned.graph, planned.ctx, backend)
+        spent = sorted(planned.ctx.timings.items(), key=lambda kv: -kv[1])[:4]
+        return planned.plan, program, how + ": " + ", ".join(f"{k} {v:.1f} s" for k, v in spent)
+
+    return plan_shapes
 
 
 def _compile_on_first_call(model: nn.Module, mesh: DeviceMesh, constraints: Mapping[str, Any] | None,

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from autoshard import _torch_compat as tc
@@ -47,6 +48,8 @@ from autoshard.messages import warn
 from autoshard.weights.shards import is_unfilled
 
 log = logging.getLogger(__name__)
+
+_SHARDED = "_autoshard_sharded"  # on the model: the ShardedModule its first graph planned, for the graphs after
 
 
 def _leaf_sources(example_inputs: Sequence[Any], leaves: Sequence[Any]) -> list[int]:
@@ -76,8 +79,6 @@ def _loss_position(outs: Sequence[Any]) -> int:
 def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict[str, Any] | None = None,
                       mode: str | None = None) -> Callable[..., Any]:
     """The ``torch.compile`` backend (see the module docstring)."""
-    from autoshard.api import compile as autoshard_compile
-
     opts = dict(options or {})
     mesh = opts.pop("mesh", None)
     if not isinstance(mesh, DeviceMesh):
@@ -92,14 +93,19 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, opti
             "names where), or the input shapes changed and dynamo recompiled (autoshard plans static shapes: keep "
             "every batch the same shape, e.g. drop_last=True)"
         )
-    if any(isinstance(s, torch.SymInt) for x in example_inputs if isinstance(x, torch.Tensor) for s in x.shape):
-        raise RuntimeError("autoshard backend: dynamic shapes are not planned; compile with dynamic=False and keep "
-                           "every batch the same shape")
     found = tc.compiling_call(example_inputs)
     if found is None:
         raise RuntimeError("autoshard backend: torch.compile must be given an nn.Module (its parameters are what "
                            "autoshard shards); it was given a function whose graph takes no module's parameters")
     root, args, kwargs = found
+    dynamic = any(isinstance(s, torch.SymInt) for x in example_inputs if isinstance(x, torch.Tensor) for s in x.shape)
+    sharded = root.__dict__.get(_SHARDED)
+    if sharded is not None and sharded.mesh is not mesh:
+        raise InputError(f"autoshard backend: {type(root).__name__} was already sharded over another mesh "
+                         f"({sharded.mesh}); compile a fresh model for {mesh}")
+    if sharded is None and dynamic:
+        raise RuntimeError("autoshard backend: the first call was traced with dynamic shapes; autoshard plans "
+                           "concrete ones (and re-plans each new batch shape itself): compile with dynamic=False")
     broke = tc.graph_break_reason()
     if broke is not None:
         held = {id(x) for x in example_inputs}
@@ -110,31 +116,18 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, opti
             "autoshard plans the whole forward as one program: remove the break (torch.compile(..., fullgraph=True) "
             "reports every one), or use autoshard.compile(model, mesh), which traces without dynamo"
         )
-    if meta := [n for n, p in root.named_parameters() if p.device.type == "meta"]:
-        raise InputError(
-            f"autoshard backend: {type(root).__name__} is on the meta device ({meta[0]} and {len(meta) - 1} more) "
-            "with nothing to give it values. Before the first call, call autoshard.init_weights(model, seed) or "
-            "autoshard.load_pretrained(model, path) on it (they run on this rank's shards once the backend has "
-            "planned), with the process group already initialized"
-        )
+    if sharded is None:
+        sharded = _plan(root, gm, mesh, opts, args, kwargs)
+        root.__dict__[_SHARDED] = sharded  # (not a submodule: the model does not own its sharded wrapper)
+    else:  # dynamo traced the model again (a new batch shape): the sharded module plans that shape at its call
+        tc.forget_guards_on(gm, list(root.parameters()))
+        log.info("autoshard backend: %s traced again (new shapes%s); its sharded module re-plans them when called",
+                 type(root).__name__, ", dynamic" if dynamic else "")
     signature, tensors = signature_of(Call(args, kwargs))
     sources = _leaf_sources(example_inputs, tensors)
-    constraints = {**batch_constraint(mesh), **dict(opts.pop("constraints", None) or {})}
-    example = global_example(args, kwargs, mesh)
-    # the module itself is planned at global shapes (dynamo's graph is specialized to this rank's shapes)
-    # the parameter objects dynamo traced hold their compute shard, which the user's optimizer steps: no ZeRO-1/2
-    # masters sharded further than that (see runtime/param_state.py)
-    opts.setdefault("shard_state", False)
-    opts.setdefault("offload", "none")  # nor masters in host memory
-    # a meta-built model's buffers stand in until compile gives them storage (new objects: their guards go too)
-    relaid = [*root.parameters(), *(b for b in root.buffers() if is_unfilled(b))]
-    with tc.outside_dynamo():
-        sharded = autoshard_compile(root, mesh, example, constraints=constraints, parameters="local", **opts)
-    freed = tc.forget_guards_on(gm, relaid)
-    log.info("autoshard backend: %d parameters (and buffers) re-laid out in place; dynamo's guards on them dropped",
-             freed)
-    log.info("autoshard backend: planned %s on mesh %s: predicted step %.3g s", type(root).__name__,
-             dict(zip(mesh.mesh_dim_names or (), mesh.shape)), sharded.plan.step_time_s)
+    # nor on the call's tensors: a batch of another shape reaches ``run`` as it is, and the sharded module plans
+    # it (``ShardedModule._switch_shapes``); a re-trace would run the model on parameters that now hold shards
+    tc.forget_guards_on(gm, list(tensors))
     out = gm.graph.find_nodes(op="output")[0].args[0]
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
     extra = len(outs) - 1
@@ -154,3 +147,36 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, opti
 
     run.sharded = sharded  # type: ignore[attr-defined]  # the ShardedModule (its plan, report)
     return run
+
+
+def _plan(root: nn.Module, gm: fx.GraphModule, mesh: DeviceMesh, opts: dict[str, Any], args: tuple,
+          kwargs: dict[str, Any]) -> Any:
+    """Plan and compile ``root`` itself at the global shapes of this call, its parameter objects made to hold
+    this rank's shards in place; dynamo's guards on them dropped."""
+    from autoshard.api import compile as autoshard_compile
+
+    if meta := [n for n, p in root.named_parameters() if p.device.type == "meta"]:
+        raise InputError(
+            f"autoshard backend: {type(root).__name__} is on the meta device ({meta[0]} and {len(meta) - 1} more) "
+            "with nothing to give it values. Before the first call, call autoshard.init_weights(model, seed) or "
+            "autoshard.load_pretrained(model, path) on it (they run on this rank's shards once the backend has "
+            "planned), with the process group already initialized"
+        )
+    constraints = {**batch_constraint(mesh), **dict(opts.pop("constraints", None) or {})}
+    example = global_example(args, kwargs, mesh)
+    # the module itself is planned at global shapes (dynamo's graph is specialized to this rank's shapes)
+    # the parameter objects dynamo traced hold their compute shard, which the user's optimizer steps: no ZeRO-1/2
+    # masters sharded further than that (see runtime/param_state.py)
+    opts.setdefault("shard_state", False)
+    opts.setdefault("offload", "none")  # nor masters in host memory
+    # a meta-built model's buffers stand in until compile gives them storage (new objects: their guards go too)
+    relaid = [*root.parameters(), *(b for b in root.buffers() if is_unfilled(b))]
+    with tc.outside_dynamo():
+        sharded = autoshard_compile(root, mesh, example, constraints=constraints, parameters="local", **opts)
+    freed = tc.forget_guards_on(gm, relaid)
+    log.info("autoshard backend: %d parameters (and buffers) re-laid out in place; dynamo's guards on them dropped",
+             freed)
+    log.info("autoshard backend: planned %s on mesh %s: predicted step %.3g s", type(root).__name__,
+             dict(zip(mesh.mesh_dim_names or (), mesh.shape)), sharded.plan.step_time_s)
+    return sharded
+

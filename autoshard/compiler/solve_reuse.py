@@ -31,6 +31,15 @@ def _op_key(s: GroupStrategy) -> tuple:
     return placements_tuple(s.outputs[0][0]), tuple(placements_tuple(p) for p in s.inputs[0])
 
 
+def _key_or_none(key: object, s: GroupStrategy) -> tuple | None:
+    """A candidate's key, or None for one with a placement the plan notation cannot name (DTensor's
+    ``_StridedShard``, which torch 2.13 offers for some views): no plan names it, so it never matches."""
+    try:
+        return key(s)  # type: ignore[operator]
+    except InputError:
+        return None
+
+
 def program_fingerprint(gm: fx.GraphModule, ctx: PassContext) -> tuple[tuple[str, str], ...]:
     names = ctx.signature.names if ctx.signature is not None else ()
     return fingerprint(gm, ctx.mesh_shape, ctx.mesh_names, ctx.cluster, ctx.config, names)
@@ -66,7 +75,7 @@ def reused_solution(gm: fx.GraphModule, ctx: PassContext, plan: object) -> Solut
         else:
             raise InputError(f"plan= names no layout for {group.anchor} ({anchor.target}); the plan does not match "
                              "this program: re-plan it")
-        hit = next((i for i, s in enumerate(cands) if key(s) == want), None)
+        hit = next((i for i, s in enumerate(cands) if _key_or_none(key, s) == want), None)
         if hit is None:
             raise InputError(f"plan= asks {group.anchor} ({anchor.target}) for {want}, which is not one of its "
                              f"{len(cands)} candidates here; re-plan it for this program")

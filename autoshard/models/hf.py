@@ -4,7 +4,8 @@ downloaded): the architectures ``benchmarks/hf_compat.py`` reports on and the te
 Each entry builds the stock ``transformers`` class from its config class with small sizes and otherwise the
 config's defaults (default attention implementation, ``use_cache``, tied embeddings), and a batch of keyword
 arguments the way the model is called in training: ``input_ids``, an ``attention_mask`` with real left
-padding and ``labels`` (-100 on the padding) for language models, ``pixel_values`` and ``labels`` for ViT.
+padding and ``labels`` (-100 on the padding) for language models, ``pixel_values`` and ``labels`` for the
+vision models (ViT, ResNet, ConvNeXt, EfficientNet, Swin).
 
 ``dropout=False`` sets the configs' dropout probabilities to 0: a sharded run draws other random masks than a
 single device does, so comparisons with one device turn dropout off (``transformers`` is imported lazily; it
@@ -110,6 +111,20 @@ TINY: dict[str, TinyModel] = {
                   lambda tf: tf.ViTConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128,
                                           num_hidden_layers=2, image_size=32, patch_size=8, num_labels=10),
                   image_batch),
+        # convolutional vision models (BatchNorm's running statistics updated in training: ResNet, EfficientNet)
+        TinyModel("resnet", "ResNetForImageClassification", "image classification (BatchNorm)",
+                  lambda tf: tf.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10,
+                                             layer_type="basic"), image_batch),
+        TinyModel("convnext", "ConvNextForImageClassification", "image classification (LayerNorm)",
+                  lambda tf: tf.ConvNextConfig(num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10,
+                                               image_size=32),
+                  image_batch),
+        TinyModel("efficientnet", "EfficientNetForImageClassification", "image classification (BatchNorm)",
+                  lambda tf: tf.EfficientNetConfig(image_size=32, width_coefficient=0.25, depth_coefficient=0.25,
+                                                   hidden_dim=320, num_labels=10), image_batch),
+        TinyModel("swin", "SwinForImageClassification", "image classification (windows)",
+                  lambda tf: tf.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 4],
+                                           window_size=4, num_labels=10), image_batch),
     )
 }
 

@@ -17,7 +17,7 @@ tuple or tensor); values that are not tensors (a KV cache object) come back as `
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,8 +82,10 @@ class Evaluator:
     """The evaluation programs of one compiled model, by call shape."""
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, compute: Mapping[str, tuple[Placement, ...]],
-                 masters: Mapping[str, tuple[Placement, ...]], offload: Mapping[str, str], plan_eval: PlanEval) -> None:
+                 masters: Mapping[str, tuple[Placement, ...]], offload: Mapping[str, str], plan_eval: PlanEval,
+                 view: Callable[[], nn.Module]) -> None:
         self.model = model
+        self._view = view  # the model with every parameter at its global shape (held as local shards or not)
         self.mesh = mesh
         self._compute = dict(compute)
         self._masters = dict(masters)
@@ -114,7 +116,7 @@ class Evaluator:
         def record(spec: Any, keep: list[int]) -> None:
             seen["spec"], seen["keep"] = spec, keep
 
-        wrapper = _FlatOutputs(self.model, record)
+        wrapper = _FlatOutputs(self._view(), record)
         example = global_example(args, kwargs, self.mesh)
         pins: dict[str, Any] = {**batch_constraint(self.mesh)}
         pins.update({f"model.{n}": p for n, p in self._compute.items()})

@@ -29,6 +29,7 @@ from autoshard.runtime.evaluate import Evaluator, PlanEval
 from autoshard.runtime.lazy import data_parallel_axes
 from autoshard.runtime.param_state import ParamStates, scatter_grads
 from autoshard.runtime.rebind import rebind_optimizers, retire
+from autoshard.runtime.shapes import PlanShapes, ShapePrograms
 from autoshard.weights.deferred import take_deferred
 from autoshard.weights.init import init_weights
 from autoshard.weights.pretrained import fqn_modifiers, load_pretrained, save_pretrained
@@ -36,6 +37,7 @@ from autoshard.weights.shards import Unfilled, drop_stand_in, empty_shard, is_un
 from autoshard.errors import CallError, InputError
 
 log = logging.getLogger(__name__)
+
 
 
 class _RunProgram(torch.autograd.Function):
@@ -188,7 +190,7 @@ class ShardedModule(nn.Module):
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, plan: Plan, program: Any, grad_names: Sequence[str],
                  signature: CallSignature, parameters: str = "dtensor", accumulation: Accumulation | None = None,
-                 plan_eval: PlanEval | None = None) -> None:
+                 plan_eval: PlanEval | None = None, plan_shapes: PlanShapes | None = None) -> None:
         super().__init__()
         self.plan = plan
         self._accumulation = accumulation  # microbatches > 1: step runs the global batch as micro-batches
@@ -205,6 +207,9 @@ class ShardedModule(nn.Module):
         self._buffer_names = [t.name for t in plan.stages[0].tensors if t.role == "buffer"]
         self._inputs = [t for t in plan.stages[0].tensors if t.role == "input"]
         self._inputs.sort(key=lambda t: int(t.name[len("input[") : -1]))
+        self._shapes = None if plan_shapes is None else ShapePrograms(
+            mesh, plan, program, self._inputs, self._layouts, self._param_names, signature, plan_shapes,
+            self._global_view, self._label)
         if parameters == "auto":  # plain tensors where every rank holds the whole parameter and state (DDP's)
             whole = all(isinstance(q, Replicate) for pl in placements.values() for q in pl)
             local = whole and not self._states.sharded_masters() and not tc.in_local_tensor_mode()
@@ -224,10 +229,9 @@ class ShardedModule(nn.Module):
         else:
             rebind_optimizers(self, distribute_parameters(model, mesh, placements, host=self._states.offloaded()))
         self._unfilled.watch((n, q) for n, q in model.named_parameters() if n in set(meta))
-        compute = {n: self._layouts[n] for n in self._param_names}
         self._evaluator = None if plan_eval is None else Evaluator(
-            model, mesh, compute, self._states.master_placements(), dict(zip(self._param_names, self._states.offload)),
-            plan_eval)
+            model, mesh, {n: self._layouts[n] for n in self._param_names}, self._states.master_placements(),
+            dict(zip(self._param_names, self._states.offload)), plan_eval, self._global_view)
         for call, arg in take_deferred(model):  # init_weights / load_pretrained called on the meta model
             getattr(self, call)(arg)
         if meta:
@@ -264,7 +268,7 @@ class ShardedModule(nn.Module):
         tensors = self.signature.flatten(args, kwargs)
         out = []
         for t, layout in zip(tensors, self._inputs):
-            if tuple(t.shape) != tuple(layout.shape):
+            if t.ndim != len(layout.shape) or (self._shapes is None and tuple(t.shape) != tuple(layout.shape)):
                 raise InputError(
                     f"{self._label(layout.name)}: expected global shape {tensor_str(layout.dtype, layout.shape)}, got {tuple(t.shape)}"
                 )
@@ -275,6 +279,13 @@ class ShardedModule(nn.Module):
                     f"{bad} hold different values than rank 0 (a tensor drawn from a random generator inside "
                     "LocalTensorMode differs per rank). Make the global inputs before entering LocalTensorMode."
                 )
+            for axis, p in enumerate(self._layouts[layout.name]):
+                if isinstance(p, Shard) and t.shape[p.dim] % self.mesh.size(axis):
+                    raise InputError(
+                        f"{self._label(layout.name)}: dim {p.dim} of {tuple(t.shape)} does not split evenly over the "
+                        f"{self.mesh.size(axis)} ranks of mesh axis {axis} ({self.plan.mesh}), e.g. a last batch "
+                        "smaller than the others. Keep every batch divisible (DataLoader(drop_last=True), or pad "
+                        "the last batch)")
             piece = _my_piece(t.to(self.mesh.device_type), self.mesh, self._layouts[layout.name])
             if piece is None:  # simulated ranks, or an uneven split: DTensor cuts it
                 d = DTensor.from_local(t.to(self.mesh.device_type), self.mesh, rep, run_check=False)
@@ -316,6 +327,7 @@ class ShardedModule(nn.Module):
         if not self.training:
             return self.evaluate(*args, **kwargs)
         tensors = self.signature.flatten(args, kwargs)
+        self._switch_shapes(tensors)
         self._check_inputs(tensors)
         if self._unfilled.missing():  # built on meta: derived buffers (no checkpoint holds them) are computed now
             self._recompute_unsaved()
@@ -324,6 +336,13 @@ class ShardedModule(nn.Module):
         flat = params + self._buffers_local() + list(tensors)
         buffers = dict(self.module.named_buffers())
         return _RunProgram.apply(self._program, self._grad_slots, self._states, buffers, *flat)
+
+    def _switch_shapes(self, tensors: Sequence[Any]) -> None:
+        """Run the program planned for these local input shapes (``runtime/shapes.py``)."""
+        if self._shapes is not None and len(tensors) == len(self._inputs) and not tc.in_local_tensor_mode():
+            found = self._shapes.program_for(tensors, self.expected_local_shapes())
+            if found is not None:
+                self._program, self._inputs = found
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         """The model's output (a ``ModelOutput``, tuple or tensor, every tensor whole on every rank) for this
@@ -420,9 +439,9 @@ class ShardedModule(nn.Module):
         self._unfilled.check_after("init_weights", type(self.module).__name__)
 
     def _global_view(self) -> nn.Module:
-        """The model as init code must see it: every parameter at its global shape. Parameters held as local
-        shards (``parameters="local"``) look local to code that reads ``p.shape``; this is then a structural copy
-        of the model whose parameters are DTensors over those very shards (writes land in them)."""
+        """The model as init code and planning must see it: every parameter at its global shape. Parameters held
+        as local shards (``parameters="local"``) look local to code that reads ``p.shape``; this is then a
+        structural copy of the model whose parameters are DTensors over those very shards (writes land in them)."""
         if not self._local_params:
             return self.module
         memo: dict[int, Any] = {id(b): b for b in self.module.buffers()}
