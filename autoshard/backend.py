@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 
 from autoshard import _torch_compat as tc
 from autoshard.inputs import Call, signature_of
-from autoshard.runtime.lazy import batch_constraint, global_example
+from autoshard.runtime.lazy import batch_constraint, data_parallel_axes, global_example
 from autoshard.errors import InputError
 from autoshard.messages import warn
 from autoshard.weights.shards import is_unfilled
@@ -125,9 +125,11 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, opti
                  type(root).__name__, ", dynamic" if dynamic else "")
     signature, tensors = signature_of(Call(args, kwargs))
     sources = _leaf_sources(example_inputs, tensors)
-    # nor on the call's tensors: a batch of another shape reaches ``run`` as it is, and the sharded module plans
-    # it (``ShardedModule._switch_shapes``); a re-trace would run the model on parameters that now hold shards
+    # nor on the call's tensors and the module (its mode, its attributes): a batch of another shape, or a call in
+    # eval() mode, reaches ``run`` as it is, and the sharded module plans it (``ShardedModule._switch_shapes``, its
+    # evaluation programs); a re-trace would run the model on parameters that now hold shards
     tc.forget_guards_on(gm, list(tensors))
+    tc.forget_guards_on_module(gm, list(root.parameters()))
     out = gm.graph.find_nodes(op="output")[0].args[0]
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
     extra = len(outs) - 1
@@ -136,6 +138,10 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, opti
 
     def run(*flat: Any) -> tuple:
         call_args, call_kwargs = signature.unflatten([flat[k] for k in sources])
+        if sharded.training != root.training:
+            sharded.train(root.training)
+        if not root.training:  # the model's outputs, this rank's rows of them, where dynamo's graph returns them
+            return _place_outputs(sharded.evaluate(*call_args, **call_kwargs), outs, mesh)
         loss = sharded(*call_args, **call_kwargs)
         if extra and not warned:
             warned.append(True)
@@ -147,6 +153,33 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, opti
 
     run.sharded = sharded  # type: ignore[attr-defined]  # the ShardedModule (its plan, report)
     return run
+
+
+def _place_outputs(output: Any, outs: Sequence[Any], mesh: DeviceMesh) -> tuple:
+    """An evaluation's output (whole tensors) as dynamo's graph returns it on this rank: each of its tensors cut
+    to this rank's rows (the call was this rank's batch shard), placed at the graph output of that shape and dtype
+    (in order)."""
+    leaves, _ = tc.tree_flatten(output)
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    dp = data_parallel_axes(mesh)
+    coord = mesh.get_coordinate() or [0] * mesh.ndim
+    size, index = 1, 0
+    for a in dp:
+        index = index * mesh.size(a) + coord[a]
+        size *= mesh.size(a)
+    result: list[Any] = [None] * len(outs)
+    taken: set[int] = set()
+    for i, o in enumerate(outs):
+        v = o.meta.get("val", o.meta.get("example_value")) if isinstance(o, fx.Node) else None
+        if not isinstance(v, torch.Tensor):
+            continue
+        for j, t in enumerate(tensors):
+            piece = t.chunk(size)[index] if t.ndim and size > 1 and t.shape[0] == v.shape[0] * size else t
+            if j not in taken and tuple(piece.shape) == tuple(v.shape) and piece.dtype == v.dtype:
+                result[i] = piece
+                taken.add(j)
+                break
+    return tuple(result)
 
 
 def _plan(root: nn.Module, gm: fx.GraphModule, mesh: DeviceMesh, opts: dict[str, Any], args: tuple,

@@ -114,6 +114,11 @@ def _full(t: torch.Tensor | None) -> torch.Tensor | None:
     return full.detach().clone()
 
 
+def _loss(out: Any) -> torch.Tensor:
+    """The loss in a model's output: a ModelOutput's ``loss``, or the tensor a training-step module returns."""
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
 def _backward(loss: torch.Tensor) -> torch.Tensor:
     loss.backward()
     return loss
@@ -162,7 +167,7 @@ def _train_case(rank: int, world: int, arg: tuple[str, int, int, str, int]) -> d
     if rank != 0 and not piped:
         return {"losses": losses}
     ref_model, _ = build(name, batch=batch, seq=seq, seed=seed, dropout=False)  # after the fork
-    ref_losses, ref_grads, ref_params = _steps(lambda: _backward(ref_model(**inputs).loss), ref_model.named_parameters,
+    ref_losses, ref_grads, ref_params = _steps(lambda: _backward(_loss(ref_model(**inputs))), ref_model.named_parameters,
                                                torch.optim.AdamW(ref_model.parameters(), lr=LR))
     everything = sorted(ref_params)
     if piped:  # each rank holds its stage's parameters

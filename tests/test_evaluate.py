@@ -102,3 +102,29 @@ def test_eval_returns_the_models_outputs_equal_to_one_device() -> None:
         assert torch.equal(got["llama"]["greedy"], want["greedy"]), (got["llama"]["greedy"], want["greedy"])
         assert got["train_after"] == pytest.approx(train_after, rel=1e-5)  # train() switched back: the loss again
         torch.testing.assert_close(got["resnet"]["logits"], want_resnet["logits"], rtol=1e-4, atol=1e-5)
+
+
+def _backend_worker(rank: int, world: int, arg: None) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    b = _batches()
+    model = _llama()
+    compiled = torch.compile(model, backend="autoshard", options={"mesh": mesh, "backend": "eager", "recipe": "fsdp"})
+    piece = b["ids"].chunk(2)[rank]  # DDP's convention: each rank its rows
+    out = _run(model, lambda: compiled(input_ids=piece, labels=piece).loss,
+               lambda: {"logits": compiled(input_ids=piece, labels=piece).logits.clone()}, b, None)
+    out["train_after"] = float(compiled(input_ids=piece, labels=piece).loss)
+    return out
+
+
+def test_eval_through_the_torch_compile_backend() -> None:
+    """model.eval() on the compiled model, called as in training (a validation loss loop): this rank's rows of the
+    logits, equal to one device's; train() switches back."""
+    results = launch(2, _backend_worker, None, timeout=400)
+    b = _batches()
+    llama = _llama()
+    want = _run(llama, lambda: llama(input_ids=b["ids"], labels=b["ids"]).loss,
+                lambda: {"logits": llama(input_ids=b["ids"]).logits}, b, None)
+    train_after = float(llama(input_ids=b["ids"], labels=b["ids"]).loss)
+    for rank, got in enumerate(results):
+        torch.testing.assert_close(got["logits"], want["logits"].chunk(2)[rank], rtol=1e-4, atol=1e-5)
+        assert got["train_after"] == pytest.approx(train_after, rel=1e-5)

@@ -88,3 +88,48 @@ def outside_dynamo() -> Any:
     stack = contextlib.ExitStack()
     stack.enter_context(torch._guards.tracing(None))
     return stack
+
+
+def forget_guards_on_module(gm: Any, tensors: Sequence[Any]) -> str | None:
+    """Drop every guard dynamo recorded on the module that holds ``tensors`` (its parameters): their shapes, its
+    ``training`` flag, its attributes, and the global state (grad mode). For a backend whose program reads the
+    module live (parameters by name, the mode at each call) and never runs dynamo's graph: a change of mode or of
+    parameter layout must reach that program, not make dynamo trace the module again (on parameters that now hold
+    shards). The module is the
+    deepest source every one of ``tensors`` is reached from; returns its name (None if there is none)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx = InstructionTranslator.current_tx()
+    if tx is None:
+        return None
+    ids = {id(t) for t in tensors}
+    chains = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        arg = node.meta.get("grapharg")
+        if arg is not None and id(arg.example) in ids:
+            chain, src = [], arg.source
+            while src is not None:
+                chain.append(src)
+                src = getattr(src, "base", None)
+            chains.append(list(reversed(chain)))  # outermost first
+    if not chains:
+        return None
+    common = None
+    for depth in range(min(len(c) for c in chains)):
+        names = {c[depth].name() if callable(getattr(c[depth], "name", None)) else str(c[depth]) for c in chains}
+        if len(names) != 1:
+            break
+        common = chains[0][depth]
+    if common is None:
+        return None
+    # the module itself, not its ``_modules`` / ``_parameters`` dict: guards on its attributes hang off it
+    name = common.name() if callable(getattr(common, "name", None)) else str(common)
+    while name.endswith(("._modules", "._parameters")) and getattr(common, "base", None) is not None:
+        common = common.base
+        name = common.name() if callable(getattr(common, "name", None)) else str(common)
+    tx.output.guards.remove_guards_with_source(common)
+    # and the global state (grad mode, autocast): the program's precision is planned, and evaluation runs its own
+    from torch._dynamo.source import GlobalStateSource
+
+    tx.output.guards.remove_guards_with_source(GlobalStateSource())
+    return name

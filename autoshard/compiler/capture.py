@@ -125,9 +125,10 @@ def _buffers_after_outputs(out_node: fx.Node, roles: list, model: str, stage: bo
     if stage:
         names = ", ".join(roles[i].name.removeprefix("inner.") for i in updates[:3])
         raise InputError(
-            f"{model}: the forward updates buffers ({names}) and pipeline stages do not carry buffer updates yet; "
-            "plan without a 'pp' axis (data, tensor and the other parallelisms update them), or freeze them "
-            "(BatchNorm: track_running_stats=False, or eval() on the norm layers)"
+            f"{model}: the forward updates buffers ({names}); a pipeline runs the batch as micro-batches, and "
+            "statistics over a micro-batch (BatchNorm's) are not the batch's, so pipeline stages do not take "
+            "them. Plan without a 'pp' axis (data, tensor and the other parallelisms keep the batch's statistics), "
+            "or freeze the buffers (BatchNorm: track_running_stats=False, or eval() on the norm layers)"
         )
     rest = [i for i in range(len(outs)) if roles[i].kind not in ("grad", "input_grad", "none", "buffer")]
     tail = [i for i in range(len(outs)) if i not in set(rest) | set(updates)]

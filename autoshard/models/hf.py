@@ -14,6 +14,7 @@ is in the ``test`` extra).
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,14 +37,33 @@ class TinyModel:
     task: str
     make_config: Callable[[Any], Any]  # transformers module -> config
     make_batch: Callable[[int, int, int], dict[str, torch.Tensor]]  # (batch, seq, seed) -> keyword arguments
+    library: str = "transformers"  # the package the class comes from ("diffusers": its config is keyword arguments)
+    wrap: Callable[[nn.Module], nn.Module] | None = None  # the training step users write around it (a loss)
 
 
-def _import_transformers() -> Any:
+def _import(library: str = "transformers") -> Any:
     try:
-        import transformers
+        return importlib.import_module(library)
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("autoshard.models.hf needs 'transformers': pip install 'autoshard[test]'") from e
-    return transformers
+        raise ImportError(f"autoshard.models.hf needs {library!r}: pip install 'autoshard[test]'") from e
+
+
+class DenoisingLoss(nn.Module):
+    """A diffusion model's training step as users write it (DDPM's): the noise added to an image at a timestep,
+    predicted by the UNet, scored by the mean squared error."""
+
+    def __init__(self, unet: nn.Module) -> None:
+        super().__init__()
+        self.unet = unet
+
+    def forward(self, noisy: torch.Tensor, timesteps: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.unet(noisy, timesteps).sample, noise)
+
+
+def denoising_batch(batch: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"noisy": torch.randn(batch, 3, 16, 16, generator=g),
+            "timesteps": torch.randint(0, 1000, (batch,), generator=g), "noise": torch.randn(batch, 3, 16, 16, generator=g)}
 
 
 def _padded(batch: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,13 +145,18 @@ TINY: dict[str, TinyModel] = {
         TinyModel("swin", "SwinForImageClassification", "image classification (windows)",
                   lambda tf: tf.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 4],
                                            window_size=4, num_labels=10), image_batch),
+        TinyModel("unet2d", "UNet2DModel", "diffusion (denoising loss)",
+                  lambda lib: dict(sample_size=16, in_channels=3, out_channels=3, layers_per_block=1,
+                                   block_out_channels=(16, 32), down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+                                   up_block_types=("AttnUpBlock2D", "UpBlock2D"), norm_num_groups=8),
+                  denoising_batch, library="diffusers", wrap=DenoisingLoss),
     )
 }
 
 
 def _no_dropout(config: Any) -> Any:
     for key, value in list(vars(config).items()):
-        if isinstance(value, float) and ("dropout" in key or "pdrop" in key or key.endswith("_dropout_prob")):
+        if isinstance(value, float) and any(w in key for w in ("dropout", "pdrop", "drop_path", "drop_connect")):
             setattr(config, key, 0.0)
     return config
 
@@ -142,21 +167,26 @@ def build(name: str, *, batch: int = 4, seq: int = 16, seed: int = 0, dropout: b
     ``layers`` overrides the number of blocks (2 by default)."""
     if name not in TINY:
         raise KeyError(f"no tiny Hugging Face model {name!r}; known: {sorted(TINY)}")
-    tf = _import_transformers()
     spec = TINY[name]
-    config = spec.make_config(tf)
-    if not dropout:
+    lib = _import(spec.library)
+    config = spec.make_config(lib)
+    if not dropout and not isinstance(config, dict):  # (the diffusion UNet's default dropout is 0)
         config = _no_dropout(config)
-    if layers is not None:
+    if layers is not None and not isinstance(config, dict):
         for key in ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers"):
             if hasattr(config, key):
                 setattr(config, key, layers)
+
+    def make() -> nn.Module:
+        model = getattr(lib, spec.cls)(**config) if isinstance(config, dict) else getattr(lib, spec.cls)(config)
+        return spec.wrap(model) if spec.wrap is not None else model
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if device is not None:
             with torch.device(device):
-                model = getattr(tf, spec.cls)(config)
+                model = make()
         else:
-            model = getattr(tf, spec.cls)(config)
+            model = make()
     model.train()
     return model, spec.make_batch(batch, seq, seed + 1)
