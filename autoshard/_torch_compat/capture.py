@@ -317,6 +317,9 @@ def planning_decompositions() -> dict:
     # them up across the data-parallel ranks (SyncBatchNorm's global statistics) instead of gathering the batch
     table[aten._native_batch_norm_legit_functional.default] = _batch_norm_by_sums
     table.update(get_decompositions([aten.native_batch_norm_backward]))
+    # group norm's backward as reductions: DTensor has no rule for the fused op (it ran replicated), and its CPU
+    # kernel reads a contiguous gradient with a channels-last input wrongly (the gradient a gather returns)
+    table.update(get_decompositions([aten.native_group_norm_backward]))
     table[aten.nll_loss_forward.default] = _nll_loss_mean_as_sum
     return table
 
