@@ -97,8 +97,8 @@ def test_call_must_match_the_traced_call() -> None:
         assert isinstance(pieces, dict) and set(pieces) == set(batch)
         with pytest.raises(TypeError, match=r"not shaped like the traced call.*input_ids"):
             sharded(pieces["input_ids"], pieces["attention_mask"], pieces["labels"])
-        with pytest.raises(ValueError, match=r"labels \(input\[2\]\): expected global shape"):
-            sharded.shard_inputs(**{**batch, "labels": batch["labels"][:, :4]})
+        with pytest.raises(ValueError, match=r"labels \(input\[2\]\): expected this rank's local piece"):
+            sharded(**sharded.shard_inputs(**{**batch, "labels": batch["labels"][:, :4]}))
 
 
 class _Branchy(nn.Module):

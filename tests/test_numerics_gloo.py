@@ -115,7 +115,7 @@ def _bad_input_worker(rank: int, world: int, arg: None) -> str:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     sharded = autoshard.compile(make_mlp(), mesh, (x, y), constraints=BATCH, backend="eager")
     try:
-        sharded(x, y)  # global tensors instead of this rank's pieces
+        sharded(x[0], y[0])  # a sample instead of this rank's pieces (another batch size is a new shape, planned)
     except ValueError as e:
         return str(e)
     return "no error"
