@@ -120,7 +120,6 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, opti
         sharded = _plan(root, gm, mesh, opts, args, kwargs)
         root.__dict__[_SHARDED] = sharded  # (not a submodule: the model does not own its sharded wrapper)
     else:  # dynamo traced the model again (a new batch shape): the sharded module plans that shape at its call
-        tc.forget_guards_on(gm, list(root.parameters()))
         log.info("autoshard backend: %s traced again (new shapes%s); its sharded module re-plans them when called",
                  type(root).__name__, ", dynamic" if dynamic else "")
     signature, tensors = signature_of(Call(args, kwargs))

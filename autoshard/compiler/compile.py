@@ -111,23 +111,24 @@ class InterpretedProgram:
         self.bw_nodes = self.interp.phase_nodes("backward")
 
     def forward(self, flat: Sequence[torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any], dict[str, torch.Tensor]]:
-        env: dict[str, Any] = {}
-        self.interp.bind(env, self.primals, flat)
-        self.interp.run(env, self.fw_nodes)
-        rep = [Replicate()] * self.interp.mesh.ndim
-        whole = {r.kind if r.kind == "loss" else r.name: env[src.name].redistribute(self.interp.mesh, rep).to_local()
-                 for src, r in zip(self.interp.output.args[0], self.roles) if r.kind in ("loss", "buffer")}
-        loss = whole.pop("loss")
-        return loss, env, whole
+        outs, env = self._forward(flat, ("loss", "buffer"))
+        loss = next(v for r, v in outs if r.kind == "loss")
+        return loss, env, {r.name: v for r, v in outs if r.kind == "buffer"}
 
     def forward_many(self, flat: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], dict[str, Any]]:
         """Every forward output, whole on every rank (an evaluation program's)."""
+        outs, env = self._forward(flat, FORWARD_KINDS)
+        return [v for _, v in outs], env
+
+    def _forward(self, flat: Sequence[torch.Tensor], kinds: Sequence[str]) -> tuple[list[tuple[Any, Any]], dict]:
+        """Run the forward nodes; (role, local value made Replicate) of the outputs of ``kinds``, and the env."""
         env: dict[str, Any] = {}
         self.interp.bind(env, self.primals, flat)
         self.interp.run(env, self.fw_nodes)
         rep = [Replicate()] * self.interp.mesh.ndim
-        return [env[src.name].redistribute(self.interp.mesh, rep).to_local()
-                for src, r in zip(self.interp.output.args[0], self.roles) if r.kind in FORWARD_KINDS], env
+        outs = [(r, env[src.name].redistribute(self.interp.mesh, rep).to_local())
+                for src, r in zip(self.interp.output.args[0], self.roles) if r.kind in kinds]
+        return outs, env
 
     def backward(self, env: dict[str, Any], grad_loss: torch.Tensor) -> list[torch.Tensor]:
         self.interp.bind(env, self.tangents, [grad_loss.reshape(())])

@@ -39,7 +39,6 @@ from autoshard.errors import CallError, InputError
 log = logging.getLogger(__name__)
 
 
-
 class _RunProgram(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, program: Any, grad_slots: tuple[int, ...], states: ParamStates,
@@ -172,6 +171,13 @@ def _my_piece(t: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]
     return piece.contiguous()
 
 
+def _shaped(args: tuple, kwargs: dict[str, Any]) -> Any:
+    """A call's pieces as ``shard_inputs`` returns them: a tuple, a dict, or ``(args, kwargs)`` for both."""
+    if not kwargs:
+        return args
+    return kwargs if not args else (args, kwargs)
+
+
 def _named_buffers(module: nn.Module, names: Sequence[str]) -> list[tuple[str, torch.Tensor]]:
     bufs = dict(module.named_buffers(remove_duplicate=False))
     return [(n, bufs[n]) for n in names]
@@ -242,10 +248,6 @@ class ShardedModule(nn.Module):
         params = dict(self.module.named_parameters(remove_duplicate=False))
         return [params[name] for name in self._param_names]  # DTensors: _RunProgram takes their local shards
 
-    def _buffers_local(self) -> list[torch.Tensor]:
-        bufs = dict(self.module.named_buffers())
-        return [bufs[n] for n in self._buffer_names]
-
     def expected_local_shapes(self) -> list[tuple[int, ...]]:
         return [local_shape(t.shape, t.placements, self.plan.mesh.shape) for t in self._inputs]
 
@@ -254,17 +256,11 @@ class ShardedModule(nn.Module):
         a tuple for positional tensors (``sharded(*pieces)``), a dict for keyword arguments
         (``sharded(**pieces)``), or ``(args, kwargs)`` for both. In ``eval()`` mode: any call, each tensor split
         on dim 0 over the data-parallel axes (what ``evaluate`` takes)."""
-        rep = [Replicate()] * self.mesh.ndim
         if not self.training:
             dp = data_parallel_axes(self.mesh)
             batch = [Shard(0) if a in dp else Replicate() for a in range(self.mesh.ndim)]
             signature, tensors = signature_of(Call(args, kwargs))
-            cut = [(_my_piece(t.to(self.mesh.device_type), self.mesh, batch) if t.ndim else None) for t in tensors]
-            out = [c if c is not None else DTensor.from_local(t.to(self.mesh.device_type), self.mesh, rep,
-                                                               run_check=False).redistribute(self.mesh, batch).to_local()
-                   for c, t in zip(cut, tensors)]
-            local_args, local_kwargs = signature.unflatten(out)
-            return local_kwargs if not local_args else local_args if not local_kwargs else (local_args, local_kwargs)
+            return _shaped(*signature.unflatten([self._cut(t, batch) for t in tensors]))
         tensors = self.signature.flatten(args, kwargs)
         out = []
         for t, layout in zip(tensors, self._inputs):
@@ -286,15 +282,17 @@ class ShardedModule(nn.Module):
                         f"{self.mesh.size(axis)} ranks of mesh axis {axis} ({self.plan.mesh}), e.g. a last batch "
                         "smaller than the others. Keep every batch divisible (DataLoader(drop_last=True), or pad "
                         "the last batch)")
-            piece = _my_piece(t.to(self.mesh.device_type), self.mesh, self._layouts[layout.name])
-            if piece is None:  # simulated ranks, or an uneven split: DTensor cuts it
-                d = DTensor.from_local(t.to(self.mesh.device_type), self.mesh, rep, run_check=False)
-                piece = d.redistribute(self.mesh, self._layouts[layout.name]).to_local()
-            out.append(piece)
-        local_args, local_kwargs = self.signature.unflatten(out)
-        if not local_kwargs:
-            return local_args
-        return local_kwargs if not local_args else (local_args, local_kwargs)
+            out.append(self._cut(t, self._layouts[layout.name]))
+        return _shaped(*self.signature.unflatten(out))
+
+    def _cut(self, t: torch.Tensor, placements: Sequence[Placement]) -> torch.Tensor:
+        """This rank's piece of the global ``t`` under ``placements``."""
+        t = t.to(self.mesh.device_type)
+        piece = _my_piece(t, self.mesh, placements)
+        if piece is None:  # simulated ranks, or an uneven split: DTensor cuts it
+            whole = DTensor.from_local(t, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
+            piece = whole.redistribute(self.mesh, placements).to_local()
+        return piece
 
     def _label(self, name: str) -> str:
         """``attention_mask (input[1])``: the argument's place in the call and its name in the plan."""
@@ -332,9 +330,8 @@ class ShardedModule(nn.Module):
         if self._unfilled.missing():  # built on meta: derived buffers (no checkpoint holds them) are computed now
             self._recompute_unsaved()
             self._unfilled.check()
-        params = self._flat_params()
-        flat = params + self._buffers_local() + list(tensors)
-        buffers = dict(self.module.named_buffers())
+        buffers = dict(self.module.named_buffers())  # read by the program; those it updates are written back
+        flat = self._flat_params() + [buffers[n] for n in self._buffer_names] + list(tensors)
         return _RunProgram.apply(self._program, self._grad_slots, self._states, buffers, *flat)
 
     def _switch_shapes(self, tensors: Sequence[Any]) -> None:
