@@ -3,6 +3,8 @@ repeated layer, and the tensor arguments of a graph node."""
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -121,6 +123,7 @@ def is_saved(node: fx.Node) -> bool:
         u.meta.get("autoshard_phase") == "backward" for u in node.users)
 
 
+@functools.lru_cache(maxsize=None)
 def is_view(target: object) -> bool:
     if target is torch.ops.aten._unsafe_view.default:
         return True

@@ -46,7 +46,18 @@ def _per_layer(plan: autoshard.Plan) -> dict[int, tuple]:
         if m:
             rel = o.module[m.end(1):]
             out.setdefault(int(m.group(1)), []).append((rel, o.op, o.phase, o.shape, o.output, o.inputs))
-    return {i: tuple(v) for i, v in out.items()}
+    return {i: _up_to_axis_swap(tuple(v)) for i, v in out.items()}
+
+
+def _up_to_axis_swap(decisions: tuple) -> tuple:
+    """One layer's decisions with the two axes of the (2, 2) mesh possibly swapped, in one canonical order: both
+    axes are alike on this cluster, so a layer that splits on one or on the other costs the same to the
+    nanosecond, and which of the two the solver returns is not a property of sampling."""
+    def swap(x):
+        if isinstance(x, tuple) and len(x) == 2 and all(isinstance(p, str) for p in x):
+            return (x[1], x[0])
+        return tuple(swap(y) for y in x) if isinstance(x, tuple) else x
+    return min(decisions, tuple(swap(d) for d in decisions))
 
 
 def _plan_both(rank: int, world: int, arg: tuple) -> dict:

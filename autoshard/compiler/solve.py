@@ -79,13 +79,14 @@ def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
     if ctx.config.recipe is not None or not ctx.config.solve_recipes:
         return own()
     # the plan is solved alongside the manual recipes; a recipe is the same program with layouts pinned, so an
-    # optimal plan is never slower than any of them, and one cut short by the time limit is replaced by the
-    # fastest recipe that fits if that is faster
+    # optimal plan is never slower than any of them; one cut short by the time limit, or stopped within the
+    # solver's relative gap (intra_op.RELATIVE_GAP) of its bound, is replaced by the fastest recipe that fits
+    # if that is faster
     _, sol = solve_recipes(gm, ctx, alongside=own)
     best = best_recipe(ctx)
-    if best is not None and sol.status != "OPTIMAL" and best.objective_s < sol.objective_s * (1 - 1e-9):
-        log.info("solve: the %s recipe (%.6f s) beats the time-limited search (%.6f s); keeping it", best.name,
-                 best.objective_s, sol.objective_s)
+    if best is not None and best.objective_s < sol.objective_s * (1 - 1e-12):
+        log.info("solve: the %s recipe (%.6f s) beats the searched plan (%.6f s, %s); keeping it", best.name,
+                 best.objective_s, sol.objective_s, sol.status)
         sol = dataclasses.replace(best.solution, status=f"{sol.status}, {best.name} kept", bound_s=sol.bound_s)
     return sol
 

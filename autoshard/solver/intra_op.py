@@ -30,6 +30,7 @@ import logging
 import math
 import operator
 import os
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -56,6 +57,7 @@ NS = 1e9
 # it, equal-volume alternatives (all-reduce the weight gradient vs gather activations and gather the
 # result) tie and the choice is arbitrary; with it, the plan reduces gradients as every practical recipe does.
 GRAD_SINK_CREDIT = 0.3
+RELATIVE_GAP = 1e-6  # a solve stops within this fraction of its proven bound
 
 
 @dataclass(frozen=True)
@@ -141,20 +143,31 @@ class IntraOpProblem:
 
         in_bucket = cluster.bundled()
 
+        info: dict[str, tuple[tuple[int, ...], int, bool]] = {}
+        layouts: dict[Placements, int] = {}  # each distinct layout numbered once: hashing placements is slow
+        memo: dict[tuple, float] = {}
+
         def rcost(node_name: str, a: Placements, b: Placements, itemsize: int | None = None, sink: bool = False
                   ) -> float:
             """A move's seconds; a gradient's all-reduce to its layout (``sink``), which the lowering flattens
             into DDP's buckets with the others (``autoshard/buckets.py``), pays bytes only: its bucket's latency
             is shared. (A reduce-scatter is bundled per layer too, but keeps its latency here: the whole gradient
             waits for it, a temporary the solver's memory sum does not see, so it is not made to look cheaper.)"""
-            v = nodes[node_name].meta["val"]
-            size = min(v.element_size(), itemsize or v.element_size())
-            shape = tuple(v.shape)
-            link = in_bucket if sink and bucketable(tuple(a), tuple(b)) else cluster
-            # compute waits on it (Link.sync), unless the lowering gathers it ahead with its layer's parameters
-            waits = not sink and (not is_state(nodes[node_name]) or gather_axes(tuple(a), tuple(b), shape, mesh_shape)
-                                  is None)
-            return redistribute_time(a, b, shape, size, mesh_shape, link, waits=waits)
+            ia, ib = layouts.setdefault(a, len(layouts)), layouts.setdefault(b, len(layouts))
+            if ia == ib:
+                return 0.0
+            if node_name not in info:
+                v = nodes[node_name].meta["val"]
+                info[node_name] = (tuple(v.shape), v.element_size(), is_state(nodes[node_name]))
+            shape, elsize, state = info[node_name]
+            size = min(elsize, itemsize or elsize)
+            key = (shape, size, state, ia, ib, sink)
+            if key not in memo:
+                link = in_bucket if sink and bucketable(a, b) else cluster
+                # compute waits on it (Link.sync), unless the lowering gathers it ahead with its layer's parameters
+                waits = not sink and (not state or gather_axes(a, b, shape, mesh_shape) is None)
+                memo[key] = redistribute_time(a, b, shape, size, mesh_shape, link, waits=waits)
+            return memo[key]
 
         # Edges of identical layers connect the same variables: key them by the canonical group's member (same
         # shape) so they merge into one edge with a multiplicity instead of one set of edge variables per layer.
@@ -194,8 +207,8 @@ class IntraOpProblem:
                 for i in range(len(su)):
                     unary[cu][i] += m * rcost(src_name, src_layouts[i], dst_layouts[i], sink=dst[0] == "param")
                 continue
-            P = sorted(set(src_layouts), key=src_layouts.index)
-            Q = sorted(set(dst_layouts), key=dst_layouts.index)
+            P = list(dict.fromkeys(src_layouts))  # distinct layouts in candidate order
+            Q = list(dict.fromkeys(dst_layouts))
             w = m * (1.0 - GRAD_SINK_CREDIT) if dst[0] == "param" else m
             # gradients reduced in grad_itemsize (mixed precision's reduce_dtype), the rest in their own dtype
             size = grad_itemsize if dst[0] == "param" else None
@@ -203,11 +216,14 @@ class IntraOpProblem:
             R = [[w * rcost(src_name, p, q, size, sink) for q in Q] for p in P]
             if all(r == 0 for row in R for r in row):
                 continue
-            self.pair_costs.append((cu, cv, [P.index(a) for a in src_layouts], [Q.index(b) for b in dst_layouts], R))
+            p_at, q_at = {a: k for k, a in enumerate(P)}, {b: k for k, b in enumerate(Q)}
+            self.pair_costs.append((cu, cv, [p_at[a] for a in src_layouts], [q_at[b] for b in dst_layouts], R))
         self.unary = unary
         self.mem = {c: [mult[c] * (s.state_bytes + s.activation_bytes) for s in strategies[c]] for c in canon_ids}
         self.variables = 0
         self.rounding_ns = 0.0
+        self._whole: tuple[cp_model.CpModel, dict[int, list[int]], float] | None = None
+        self._lock = threading.Lock()
         self.build_s = time.perf_counter() - t0
 
     def _build(self, allowed: dict[int, list[int]]) -> tuple[cp_model.CpModel, dict[int, list], float]:
@@ -239,10 +255,16 @@ class IntraOpProblem:
             e = {(p, q): model.NewBoolVar("") for p in P for q in Q}
             n_vars += len(e)
             n_edges += 1
+            by_p: dict[int, list] = defaultdict(list)
+            by_q: dict[int, list] = defaultdict(list)
+            for i, a in enumerate(pu):
+                by_p[a].append(x[cu][i])
+            for j, b in enumerate(qv):
+                by_q[b].append(x[cv][j])
             for p in P:
-                model.Add(sum(e[p, q] for q in Q) == sum(x[cu][i] for i, a in enumerate(pu) if a == p))
+                model.Add(cp_model.LinearExpr.sum([e[p, q] for q in Q]) == cp_model.LinearExpr.sum(by_p[p]))
             for q in Q:
-                model.Add(sum(e[p, q] for p in P) == sum(x[cv][j] for j, b in enumerate(qv) if b == q))
+                model.Add(cp_model.LinearExpr.sum([e[p, q] for p in P]) == cp_model.LinearExpr.sum(by_q[q]))
             for (p, q), v in e.items():
                 if math.isinf(R[p][q]):
                     model.Add(v == 0)  # a move the runtime cannot make
@@ -260,12 +282,24 @@ class IntraOpProblem:
                 const += unary[c][0]
         if math.isinf(const):
             raise InputError(self._impossible_message(allowed))
-        model.Minimize(sum(int(round(w * NS)) * v for v, w in obj_terms))
+        model.Minimize(cp_model.LinearExpr.weighted_sum([v for v, _ in obj_terms],
+                                                        [int(round(w * NS)) for _, w in obj_terms]))
         self.variables = max(self.variables, n_vars)
         # each chosen term is rounded to a nanosecond: a gap below half a nanosecond per group and edge is rounding,
         # not a better plan (the 70B's stage solves found their optimum in 0.3 s and spent 2 s closing an 8 ns gap)
         self.rounding_ns = 0.5 * (len(x) + n_edges)
         return model, x, const
+
+    def _copy_of_whole(self) -> tuple[cp_model.CpModel, dict[int, list], float]:
+        """A copy of the model over every candidate (built on first use, under a lock: the plan and the recipes
+        solve on a thread pool) and its candidate booleans."""
+        with self._lock:
+            if self._whole is None:
+                model, x, const = self._build({c: list(range(len(self.strategies[c]))) for c in self.canon_ids})
+                self._whole = (model, {c: [v.Index() for v in vs] for c, vs in x.items()}, const)
+            model, index, const = self._whole
+            copy = model.Clone()
+        return copy, {c: [copy.GetBoolVarFromProtoIndex(i) for i in ids] for c, ids in index.items()}, const
 
     def _impossible_message(self, allowed: dict[int, list[int]]) -> str:
         by_id = {g.id: g for g in self.groups}
@@ -325,8 +359,17 @@ class IntraOpProblem:
                     f"least {format_bytes(int(least))}, use more devices, or a smaller batch.",
                     int(least),
                 )
-        order = {c: sorted(allowed[c]) for c in canon_ids}
-        model, x, const = self._build(order)
+        single = [c for c in canon_ids if len(allowed[c]) == 1 and math.isinf(self.unary[c][min(allowed[c])])]
+        if single:
+            raise InputError(self._impossible_message({c: sorted(allowed[c]) for c in canon_ids}))
+        # one model of every candidate, built once (the Python half of a solve); each solve runs on a copy with the
+        # candidates its pins leave out fixed to 0
+        model, x, const = self._copy_of_whole()
+        order = {c: list(range(len(self.strategies[c]))) for c in canon_ids}
+        for c, vs in x.items():
+            for i, v in enumerate(vs):
+                if i not in allowed[c]:
+                    model.Add(v == 0)
         for other in exclude:
             same = [x[c][order[c].index(i)] for c, i in other.items() if c in x and i in order[c]]
             model.Add(sum(same) <= len(same) - 1)  # (no free group in it: infeasible, no other plan)
@@ -335,17 +378,23 @@ class IntraOpProblem:
             # bytes in units of about a millionth of the budget, each group's rounded up: the solver's count never
             # under-counts (a 600 KiB budget counted in KiB lost up to a KiB per group, ~15% of it on a small model)
             unit = 2 ** max(0, int(memory_budget).bit_length() - 21)
-            model.Add(
-                sum(-int(-self.mem[c][i] // unit) * v for c in x for i, v in zip(order[c], x[c]))
-                <= int((memory_budget - fixed) // unit)
-            )
+            terms = [(v, -int(-self.mem[c][i] // unit)) for c in x for i, v in zip(order[c], x[c]) if i in allowed[c]]
+            model.Add(cp_model.LinearExpr.weighted_sum([v for v, _ in terms], [w for _, w in terms])
+                      <= int((memory_budget - fixed) // unit))
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = float(time_limit_s)
         solver.parameters.num_workers = max(1, int(num_workers))
         solver.parameters.random_seed = int(seed)
         solver.parameters.absolute_gap_limit = max(1.0, self.rounding_ns)
+        # a millionth of the step (microseconds on a step of seconds, far below what the cost model resolves): the
+        # first solution is usually that close to the LP bound, and proving the last nanoseconds took 1.5 s of 1.8
+        # on Llama-3-70B's recipes on (16, 8, 8). The solve pass keeps a recipe that still beats the plan.
+        solver.parameters.relative_gap_limit = RELATIVE_GAP
         solver.parameters.linearization_level = 2
-        # probing in presolve costs ~1 s per round on these models and proves nothing the LP relaxation does not
+        # presolve costs 3-10x the search on these models (Mixtral (8, 8): 8.3 s of 8.4 s) and proves nothing the
+        # LP relaxation of the edge marginals does not: every zoo plan, recipe and budgeted round of
+        # benchmarks/plan_time.py reached the same optimum without it
+        solver.parameters.cp_model_presolve = False
         solver.parameters.cp_model_probing_level = 0
         # the edge marginals are the LP relaxation that proves these models optimal at the first solution: load
         # them all up front instead of as violated cuts (Llama-3-8B on (8, 8): 2.1 s -> 0.3 s per solve)
@@ -354,7 +403,7 @@ class IntraOpProblem:
         status = solver.Solve(model)
         name = solver.StatusName(status)
         if status == cp_model.INFEASIBLE and memory_budget is None:
-            raise InputError(self._impossible_message(order))
+            raise InputError(self._impossible_message({c: sorted(allowed[c]) for c in canon_ids}))
         if status == cp_model.INFEASIBLE:
             raise InfeasibleBudget(f"no {what} fits memory_budget={format_bytes(memory_budget)} (proven by the solver)")
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
