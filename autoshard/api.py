@@ -69,6 +69,7 @@ def plan(
     global_batch: int | None = None,
     progress: Any = None,
     pipeline: str = "none",
+    microbatches: int | None = None,
     **options: Any,
 ) -> Plan:
     """Plan ``model`` without running it.
@@ -90,6 +91,10 @@ def plan(
     Pipeline stages (offline path): ``pipeline="auto"`` also weighs splitting the layers into stages over
     sub-meshes and returns a plan with several ``stages`` when that is faster; a ``mesh`` given as
     ``{"pp": 4, "tp": 8}`` fixes 4 stages. The default ``"none"`` plans no stages.
+
+    Gradient accumulation: ``microbatches=k`` plans the step as k micro-batches of the batch. Without it, a batch
+    whose plan does not fit the memory budget is planned in 2, 4, 8, ... micro-batches: the fewest that fit and
+    the next count, keeping the faster (``plan.microbatches``).
     """
     if isinstance(model, nn.Module):
         restore_meta(model)  # init_weights / load_pretrained on a meta model left stand-ins (weights/shards.py)
@@ -104,11 +109,10 @@ def plan(
             found = repeated_layers(model)
             long = found is not None and found[1] >= 2 * DEFAULT_SAMPLE_LAYERS
             options["sample_layers"] = DEFAULT_SAMPLE_LAYERS if long else None
-        p = plan_graph(
-            model, example_call(example_inputs), mesh, get_cluster(cluster),
-            _config(memory_budget, constraints, **options), progress=progress,
-        ).plan
-        return dataclasses.replace(p, model=type(model).__name__)
+        planned, _ = plan_accumulated(model, example_call(example_inputs), mesh, get_cluster(cluster),
+                                      _config(memory_budget, constraints, **options), False, microbatches,
+                                      weigh_next=True, progress=progress)
+        return dataclasses.replace(planned.plan, model=type(model).__name__)
     from autoshard.offline import plan_offline
 
     if cluster is None:
@@ -127,6 +131,7 @@ def plan(
         config=_config(None, constraints, **options),
         progress=progress,
         pipeline=pipeline,
+        microbatches=microbatches,
     )
 
 

@@ -85,6 +85,10 @@ def _parser() -> argparse.ArgumentParser:
                     "schedules; costs a few extra solves) and keep them when faster (default: none)")
     pl.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
     pl.add_argument("--global-batch", type=int, required=True, help="sequences (samples) per optimizer step")
+    pl.add_argument("--microbatches", type=int, default=None,
+                    help="gradient accumulation: the step as this many micro-batches of the global batch (default: "
+                         "the whole batch, or when it does not fit, the fewest micro-batches that fit or the next "
+                         "count, whichever steps faster)")
     pl.add_argument("--memory-per-device", default=None, help="budget per device, e.g. 80GB (default: device memory)")
     pl.add_argument("--recipe", default=None, help="plan a manual recipe instead: ddp, zero1, zero2, fsdp, hsdp, tp, "
                     "fsdp+tp, ep (experts), cp (sequence)")
@@ -141,6 +145,7 @@ def _plan(a: argparse.Namespace) -> int:
         time_limit_s=a.time_limit,
         sample_layers=a.sample_layers,
         pipeline=a.pipeline,
+        microbatches=a.microbatches,
         offload=a.offload,
         mixed_precision=None if a.mixed_precision == "none" else a.mixed_precision,
         reduce_dtype=a.reduce_dtype,

@@ -23,11 +23,13 @@ class CallError(AutoshardError, TypeError):
 
 class InfeasibleBudget(InputError):
     """No plan fits the memory budget (proven); ``least_bytes`` is the smallest per-device memory any plan needs
-    (None when unknown)."""
+    (None when unknown); ``accumulation`` says which micro-batch counts were tried, when gradient accumulation
+    was (``autoshard/search/accumulate.py``)."""
 
-    def __init__(self, message: str, least_bytes: int | None = None) -> None:
+    def __init__(self, message: str, least_bytes: int | None = None, accumulation: str = "") -> None:
         super().__init__(message)
         self.least_bytes = least_bytes
+        self.accumulation = accumulation
 
 
 class SolverTimeout(AutoshardError, RuntimeError):

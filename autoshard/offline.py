@@ -26,7 +26,7 @@ from autoshard.cluster.meshes import default_mesh, fake_world, mesh_names
 from autoshard.models.zoo import ZooModel, get_model
 from autoshard.notation import format_bytes
 from autoshard.plans.plan import Plan
-from autoshard.search.recompute import plan_graph
+from autoshard.search.accumulate import plan_accumulated
 from autoshard.errors import InfeasibleBudget, InputError
 
 log = logging.getLogger(__name__)
@@ -136,8 +136,9 @@ def _explain_oom(job: ModelJob, err: InfeasibleBudget, cluster: ClusterProfile, 
             + (f", or a global batch of at most about {smaller}" if smaller >= 1 else "")
             + ", or a shorter sequence"
         )
+    tried = f" Gradient accumulation does not fit either ({err.accumulation})." if err.accumulation else ""
     return (
-        f"{head}{tail} (everything sharded as far as the mesh allows, activations of the whole batch included). "
+        f"{head}{tail} (everything sharded as far as the mesh allows, activations of the whole batch included).{tried} "
         f"{advice}, or raise --memory-per-device, or let pipeline stages split the layers and the batch into "
         "micro-batches (pipeline='auto', --pipeline auto)."
     )
@@ -163,6 +164,7 @@ def plan_offline(
     dtype: torch.dtype = torch.bfloat16,
     progress: Progress | None = None,
     pipeline: str = "none",
+    microbatches: int | None = None,
 ) -> Plan:
     """Plan ``model`` for ``cluster`` without its devices. ``mesh`` is a shape (default: nodes x devices per
     node), ``{axis name: size}`` outer axis first, or a DeviceMesh; the memory budget defaults to the device's
@@ -172,7 +174,12 @@ def plan_offline(
     Pipeline stages: ``pipeline="auto"`` searches stage counts, micro-batches and schedules
     (``autoshard.pipeline.search``) and returns the pipelined plan when more than one stage is fastest, else
     the usual plan (the log says why). A mesh whose outermost axis is named ``"pp"`` fixes the stage count to
-    that axis's size; the other axes are each stage's sub-mesh."""
+    that axis's size; the other axes are each stage's sub-mesh.
+
+    Gradient accumulation (no pipeline stages): ``microbatches=k`` plans one of k micro-batches of the global
+    batch, each step running k of them; without it, when no plan of the whole batch fits the budget, the
+    fewest micro-batches that fit and the next count are planned and the faster step is returned
+    (``plan.microbatches`` and the report say how many)."""
     if pipeline not in PIPELINE_MODES:
         raise InputError(f"pipeline={pipeline!r} is not known; use one of {PIPELINE_MODES}")
     prof = get_cluster(cluster)
@@ -210,8 +217,13 @@ def plan_offline(
         progress("model", 1.0, f"{job.name}: {job.params / 1e9:.2f} B parameters, {where} on {prof.name}")
 
     def flat(solves: Any = None, report: bool = True) -> Plan:
-        return _plan_flat(job, prof, mesh, shape, names, cfg, progress if report else None, solves)
+        return _plan_flat(job, prof, mesh, shape, names, cfg, progress if report else None, solves, microbatches)
 
+    if microbatches is not None and (stages is not None or pipeline == "auto"):
+        raise InputError(f"microbatches={microbatches} is gradient accumulation without pipeline stages; with "
+                         "pipeline stages the search chooses the micro-batches (drop one of the two)")
+    if microbatches is not None and (microbatches < 1 or int(microbatches) != microbatches):
+        raise InputError(f"microbatches={microbatches} must be a whole number >= 1")
     if stages is not None or pipeline == "auto":
         from autoshard.pipeline.plan_offline import plan_with_pipeline
 
@@ -240,21 +252,23 @@ def _plan_flat(
     cfg: PlanConfig,
     progress: Progress | None,
     solves: Any = None,
+    microbatches: int | None = None,
 ) -> Plan:
-    """The intra-op plan of the whole batch on ``shape`` (no pipeline stages); with the stage search's ``solves``
-    (``pipeline.solves.StageSolves``) its capture of the whole batch is planned instead of capturing again."""
+    """The intra-op plan of the whole batch on ``shape`` (no pipeline stages), or of its micro-batches
+    (``search/accumulate.py``: given, or searched when the whole batch does not fit); with the stage search's
+    ``solves`` (``pipeline.solves.StageSolves``) its capture of the whole batch is planned instead of capturing
+    again."""
     with fake_world(math.prod(shape)):
         dm = mesh if isinstance(mesh, DeviceMesh) else init_device_mesh("cpu", shape, mesh_dim_names=names)
         try:
             if solves is not None:
-                plan = solves.plan(dm, prof, cfg, progress)
-            else:
-                planned = plan_graph(job.module, job.inputs, dm, prof, cfg, progress=progress)
-                plan = planned.plan
-                _say_offload(planned.graph, planned.ctx, progress)
+                return solves.plan(dm, prof, cfg, progress)
+            planned, _ = plan_accumulated(job.module, job.inputs, dm, prof, cfg, False, microbatches, weigh_next=True)
+            _say_offload(planned.graph, planned.ctx, progress)
+            return planned.plan
         except InfeasibleBudget as e:  # (a SolverTimeout is not an out-of-memory verdict: it passes through)
-            raise InfeasibleBudget(_explain_oom(job, e, prof, shape, cfg.memory_budget), e.least_bytes) from None
-    return plan
+            raise InfeasibleBudget(_explain_oom(job, e, prof, shape, cfg.memory_budget), e.least_bytes,
+                                   e.accumulation) from None
 
 
 def _say_offload(gm: Any, ctx: Any, progress: Progress | None) -> None:

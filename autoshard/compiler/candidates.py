@@ -77,7 +77,7 @@ _SUMS = {aten.sum.dim_IntList, aten.sum.default}
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.squeeze.dim, aten.unsqueeze.default}
 
 
-def _summed(src: fx.Node) -> bool:
+def summed(src: fx.Node) -> bool:
     """Whether ``src`` is a sum (through views): a sum over a sharded dim is Partial, and an op that is linear in
     that input (an embedding's backward taking a position gradient summed over a sharded batch) can keep it so
     instead of reducing it first."""
@@ -119,7 +119,7 @@ def _valid(
         # an anchor candidate that asks for a Partial input only pays off when its producer is Partial
         # already; DTensor lists many such variants (every linear op), which multiply the search space for
         # little gain: prune them there (followers keep whatever DTensor does with a Partial producer), except
-        # on inputs that a sum makes (``_summed``)
+        # on inputs that a sum makes (``summed``)
         if not may[k] and any(isinstance(p, Partial) for p in pl):
             return False
         if any(isinstance(p, Partial) and p.reduce_op != "sum" for p in pl):
@@ -143,6 +143,9 @@ class CandidateEnumerator:
         self._anchor = lru_cache(maxsize=None)(self._anchor_uncached)
         self._follow = lru_cache(maxsize=None)(self._follow_uncached)
         self._rules_of: dict[tuple, tc.AxisRules | None] = {}  # per op signature: its per-axis rules
+        self._keys: dict[str, tuple[int]] = {}  # per node name: its op signature's number (``_key_of``)
+        self._ids: dict[tuple, int] = {}
+        self.facts: dict = {}  # per node name: what pricing it needs that no layout changes (``strategies``)
         self.warned: set[str] = set()
 
     @staticmethod
@@ -159,9 +162,20 @@ class CandidateEnumerator:
 
         return (node.target, tuple(conv(a) for a in node.args), tuple((k, conv(v)) for k, v in node.kwargs.items()))
 
+    def key_id(self, node: fx.Node) -> int:
+        """The number of the node's op signature (``key``): equal for nodes of equal signature."""
+        return self._key_of(node)[0]
+
+    def _key_of(self, node: fx.Node) -> tuple[int]:
+        """The node's op signature as a small number (equal signatures, equal numbers): the caches hash it on
+        every lookup, and the signature itself is a deep tuple."""
+        if node.name not in self._keys:
+            self._keys[node.name] = (self._ids.setdefault(self.key(node), len(self._ids)),)
+        return self._keys[node.name]
+
     def anchor(self, node: fx.Node) -> list[tc.RawStrategy]:
         self._cur = node
-        return self._anchor((self.key(node), tuple(_summed(s) for s in tensor_args(node))))
+        return self._anchor((self._key_of(node), tuple(summed(s) for s in tensor_args(node))))
 
     def _anchor_uncached(self, key: tuple) -> list[tc.RawStrategy]:
         node = self._cur
@@ -229,10 +243,10 @@ class CandidateEnumerator:
 
     def follow(self, node: fx.Node, k: int, placement: Placements) -> tc.RawStrategy | None:
         self._cur = node
-        return self._follow(self.key(node), k, placement)
+        return self._follow(self._key_of(node), k, placement)
 
     def _rules(self, node: fx.Node, args: tuple, kwargs: dict) -> tc.AxisRules | None:
-        key = self.key(node)
+        key = self._key_of(node)
         if key in self._rules_of:
             return self._rules_of[key]
         rules = tc.single_dim_rules(node.target, args, kwargs, self.mesh, out_val=node.meta.get("val"))
@@ -303,4 +317,4 @@ def _follow_rules(rules: tc.AxisRules, k: int, placement: Placements, n_in: int)
     return tc.RawStrategy(ins, outs) if all(len(x) == len(axes) for x in ins) else None
 
 
-__all__ = ["CandidateEnumerator", "axis_ties", "evenly_divisible", "shard_factor"]
+__all__ = ["CandidateEnumerator", "axis_ties", "evenly_divisible", "shard_factor", "summed"]

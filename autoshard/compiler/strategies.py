@@ -41,8 +41,8 @@ from autoshard.cost.reshard import reshard_time as redistribute_time
 from autoshard.cost.comm import axis_collective_time, point_to_point_time
 from autoshard.cost.compute import compute_time, op_flops
 from autoshard.cost.offload import OffloadSummary, host_is_device, offload_cost
-from autoshard.ir import Group, GroupStrategy, NodeOut, output_vals, tensor_args
-from autoshard.compiler.candidates import CandidateEnumerator, evenly_divisible, shard_factor
+from autoshard.ir import Group, GroupStrategy, NodeOut, is_state, output_vals, tensor_args
+from autoshard.compiler.candidates import CandidateEnumerator, evenly_divisible, shard_factor, summed
 from autoshard.compiler.context import PassContext
 from autoshard.compiler.follow import follow_members
 from autoshard.compiler.capture_recompute import is_recomputed, stored
@@ -76,39 +76,68 @@ def _placeholder_candidates(node: fx.Node, ctx: PassContext) -> list[tc.RawStrat
     return [tc.RawStrategy((), (c,)) for c in cands]
 
 
+@dataclasses.dataclass(frozen=True)
+class _OpFacts:
+    """What pricing a member needs that no layout changes: its global output and input bytes, FLOPs, dtype,
+    and whether it is recomputed or stored (worked out once per node, not once per candidate)."""
+
+    out_bytes: tuple[int | None, ...]
+    in_bytes: tuple[int, ...]
+    flops: float
+    dtype: str
+    recomputed: bool
+    stored: bool
+    exchanges: bool  # an op rule of ours that communicates inside the op (``rules.exchanges``)
+
+
+def _facts(node: fx.Node, memo: dict[str, _OpFacts | None]) -> _OpFacts | None:
+    if node.name in memo:
+        return memo[node.name]
+    facts = None
+    if node.op != "placeholder" and node.target is not operator.getitem:
+        vals = output_vals(node)
+        dtype = str(vals[0].dtype).replace("torch.", "") if vals and vals[0] is not None else "float32"
+        facts = _OpFacts(
+            tuple(None if v is None else v.numel() * v.element_size() for v in vals),
+            tuple(a.meta["val"].numel() * a.meta["val"].element_size() for a in tensor_args(node)),
+            op_flops(node.target, *_real_args(node)), dtype, is_recomputed(node), stored(node),
+            rules.rule_for(node.target) is not None)
+    memo[node.name] = facts
+    return facts
+
+
 def _cost(
-    group: Group, nodes: dict[str, fx.Node], outs: list[NodeOut], ins: list[tuple], comm: float, ctx: PassContext
+    group: Group, nodes: dict[str, fx.Node], outs: list[NodeOut], ins: list[tuple], comm: float, ctx: PassContext,
+    memo: dict[str, _OpFacts | None],
 ) -> GroupStrategy:
     ms = ctx.mesh_shape
     compute = 0.0
     act = 0
     for name, o, i in zip(group.members, outs, ins):
         node = nodes[name]
-        if node.op == "placeholder" or node.target is operator.getitem:
+        f = _facts(node, memo)
+        if f is None:
             continue
-        vals = output_vals(node)
-        local_bytes = sum(v.numel() * v.element_size() // shard_factor(p, ms) for v, p in zip(vals, o) if v is not None)
-        in_nodes = tensor_args(node)
-        in_bytes = sum(
-            a.meta["val"].numel() * a.meta["val"].element_size() // shard_factor(p, ms) for a, p in zip(in_nodes, i)
-        )
+        local_bytes = sum(b // shard_factor(p, ms) for b, p in zip(f.out_bytes, o) if b is not None)
+        in_bytes = sum(b // shard_factor(p, ms) for b, p in zip(f.in_bytes, i))
         split = 1
         for axis, n in enumerate(ms):
             if any(p is not None and isinstance(p[axis], Shard) for p in list(i) + list(o)):
                 split *= n
-        flops = op_flops(node.target, *_real_args(node)) / split
-        dtype = str(vals[0].dtype).replace("torch.", "") if vals and vals[0] is not None else "float32"
-        once = compute_time(flops, local_bytes + in_bytes, ctx.cluster.device, dtype)
-        # what the op's own local call communicates (the balanced causal attention's swap, a vocabulary-parallel
-        # loss's row all-reduces; a ring's chunk sends, "overlapped": they hide behind the op's compute)
-        sends = rules.exchanges(node, i, ms)
-        hidden = sum(point_to_point_time(b, ms, axis, ctx.cluster) for kind, axis, b in sends if kind == "overlapped")
-        once = max(once, hidden) + sum(point_to_point_time(b, ms, axis, ctx.cluster) if kind == "point_to_point" else
-                                       axis_collective_time(kind, b, ms, axis, ctx.cluster)
-                                       for kind, axis, b in sends if kind != "overlapped")
+        once = compute_time(f.flops / split, local_bytes + in_bytes, ctx.cluster.device, f.dtype)
+        if f.exchanges:
+            # what the op's own local call communicates (the balanced causal attention's swap, a
+            # vocabulary-parallel loss's row all-reduces; a ring's chunk sends, "overlapped": they hide behind
+            # the op's compute)
+            sends = rules.exchanges(node, i, ms)
+            hidden = sum(point_to_point_time(b, ms, axis, ctx.cluster) for kind, axis, b in sends
+                         if kind == "overlapped")
+            once = max(once, hidden) + sum(point_to_point_time(b, ms, axis, ctx.cluster) if kind == "point_to_point"
+                                           else axis_collective_time(kind, b, ms, axis, ctx.cluster)
+                                           for kind, axis, b in sends if kind != "overlapped")
         # a recomputed op (autoshard/compiler/capture_recompute.py) runs again in the backward and is not saved for it
-        compute += 2 * once if is_recomputed(node) else once
-        if stored(node):  # saved for the backward (or for a replay), not replayed
+        compute += 2 * once if f.recomputed else once
+        if f.stored:  # saved for the backward (or for a replay), not replayed
             act += local_bytes
     state = param = grad = opt = 0
     if group.kind == "parameter":
@@ -241,7 +270,7 @@ def group_strategies(group: Group, nodes: dict[str, fx.Node], ctx: PassContext, 
     result: dict[tuple, GroupStrategy] = {}
     for cand in cands:
         for outs, ins, comm in follow_members(group, nodes, pos, cand, en, ctx):
-            s = _cost(group, nodes, outs, ins, comm, ctx)
+            s = _cost(group, nodes, outs, ins, comm, ctx, en.facts)
             key = (s.outputs, s.inputs)
             if key not in result:
                 result[key] = s
@@ -305,13 +334,43 @@ def _prune_dominated(group: Group, nodes: dict[str, fx.Node], found: dict[tuple,
     return kept
 
 
+def _signature(group: Group, nodes: dict[str, fx.Node], en: CandidateEnumerator) -> tuple | None:
+    """Everything an op group's candidates and their costs depend on, per member: its op signature (target,
+    argument shapes, strides, dtypes and constants), which member it follows, where each tensor argument comes
+    from (a member's position, or outside), whether it is state, stored for the backward or recomputed, and
+    whether it is read outside the group. Two groups with equal signatures get equal candidate lists (q_proj and
+    k_proj of one shape, an expert's two up-projections, a forward and its recomputation). None for groups of
+    placeholders, whose candidates also depend on their names (constraints)."""
+    if group.kind != "op":
+        return None
+    pos = {name: i for i, name in enumerate(group.members)}
+    sig = []
+    for name in group.members:
+        node = nodes[name]
+        if node.op != "call_function":
+            return None
+        sig.append((en.key_id(node), node.meta.get("autoshard_follow", -1),
+                    tuple(pos.get(a.name, -1) for a in tensor_args(node)),
+                    tuple(summed(a) for a in tensor_args(node)) if name == group.anchor else (),
+                    is_state(node), stored(node), is_recomputed(node),
+                    any(u.name not in pos or u.op == "output" for u in node.users)))
+    return (group.kind, tuple(sig))
+
+
 def strategies(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     nodes = {n.name: n for n in gm.graph.nodes}
     en = CandidateEnumerator(ctx)
     canon = ctx.layer_of_group or {g.id: g.id for g in ctx.groups}
     todo = [g for g in ctx.groups if canon[g.id] == g.id]
+    alike: dict[tuple, list[GroupStrategy]] = {}  # by ``_signature``: groups priced already
     for i, g in enumerate(todo):
-        ctx.strategies[g.id] = group_strategies(g, nodes, ctx, en)
+        sig = _signature(g, nodes, en)
+        if sig is not None and sig in alike:
+            ctx.strategies[g.id] = alike[sig]
+        else:
+            ctx.strategies[g.id] = group_strategies(g, nodes, ctx, en)
+            if sig is not None:
+                alike[sig] = ctx.strategies[g.id]
         if i % 8 == 7:
             ctx.report("strategies", (i + 1) / len(todo), f"{i + 1}/{len(todo)} decision groups")
     for g in ctx.groups:

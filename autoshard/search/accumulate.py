@@ -32,21 +32,26 @@ log = logging.getLogger(__name__)
 
 
 def plan_accumulated(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
-                     config: PlanConfig, real_group: bool, microbatches: int | None
-                     ) -> tuple[Planned, Accumulation | None]:
+                     config: PlanConfig, real_group: bool, microbatches: int | None, weigh_next: bool = False,
+                     progress: Any = None) -> tuple[Planned, Accumulation | None]:
     """The plan of the whole batch, or of one of ``microbatches`` micro-batches (given, or the fewest that fit the
-    memory budget when the whole batch does not), with the Accumulation that ``ShardedModule.step`` runs."""
+    memory budget when the whole batch does not), with the Accumulation that ``ShardedModule.step`` runs.
+    ``weigh_next``: the next count after the fewest that fit is planned too and the faster step kept (the fewest
+    may fit only by sharding or recomputing more than twice as many micro-batches need). ``progress`` reaches
+    the planner (``autoshard.plan``'s callback)."""
     if microbatches is not None:
-        return _plan_micro(model, inputs, mesh, cluster, config, real_group, int(microbatches))
+        return _plan_micro(model, inputs, mesh, cluster, config, real_group, int(microbatches), progress)
     if config.memory_budget is None:
-        return plan_graph(model, inputs, mesh, cluster, config, real_group), None
-    whole_plan, whole = _agreed(real_group, lambda: _plan_micro(model, inputs, mesh, cluster, config, real_group, 1))
+        return plan_graph(model, inputs, mesh, cluster, config, real_group, progress=progress), None
+    whole_plan, whole = _agreed(real_group,
+                                lambda: _plan_micro(model, inputs, mesh, cluster, config, real_group, 1, progress))
     if whole is None:
         return whole_plan
     least = whole.least_bytes
     tried: list[str] = []
     for k in _microbatch_counts(inputs, mesh, config):
-        found, err = _agreed(real_group, lambda k=k: _plan_micro(model, inputs, mesh, cluster, config, real_group, k))
+        found, err = _agreed(real_group, lambda k=k: _plan_micro(model, inputs, mesh, cluster, config, real_group, k,
+                                                                 progress))
         if err is not None:
             tried.append(f"{k}: {format_bytes(err.least_bytes) if err.least_bytes else 'none fits'}")
             least = err.least_bytes if err.least_bytes and (least is None or err.least_bytes < least) else least
@@ -56,14 +61,40 @@ def plan_accumulated(model: nn.Module, inputs: tuple | dict | Call, mesh: Device
             tried.append(f"{k}: predicted peak {format_bytes(peak)}")
             least = peak if least is None or peak < least else least
             continue
-        log.info("compile: the whole batch does not fit memory_budget=%s (%s); gradient accumulation over %d "
+        log.info("plan: the whole batch does not fit memory_budget=%s (%s); gradient accumulation over %d "
                  "micro-batches fits (predicted peak %s per device)", format_bytes(config.memory_budget),
                  whole, k, format_bytes(peak))
+        if weigh_next:
+            found = _faster_of(found, _next_fit(model, inputs, mesh, cluster, config, real_group, k, progress))
         return found
     smallest = f"; the smallest budget any plan needs is {format_bytes(least)}" if least else ""
-    raise InfeasibleBudget(
-        f"{str(whole).rstrip('.')}. Gradient accumulation did not fit either (micro-batches tried: "
-        f"{'; '.join(tried) or 'none, the batch does not split further'}){smallest}", least) from whole
+    counts = f"micro-batches tried: {'; '.join(tried) or 'none, the batch does not split further'}"
+    raise InfeasibleBudget(f"{str(whole).rstrip('.')}. Gradient accumulation did not fit either ({counts}){smallest}",
+                           least, accumulation=counts) from whole
+
+
+def _next_fit(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
+              config: PlanConfig, real_group: bool, k: int, progress: Any = None
+              ) -> tuple[Planned, Accumulation | None] | None:
+    """The plan of the next micro-batch count after ``k`` when one exists and it fits the budget, else None."""
+    later = [n for n in _microbatch_counts(inputs, mesh, config) if n > k]
+    if not later:
+        return None
+    found, err = _agreed(real_group, lambda: _plan_micro(model, inputs, mesh, cluster, config, real_group, later[0],
+                                                         progress))
+    if err is not None or found[0].plan.peak_memory.total > config.memory_budget:
+        return None
+    return found
+
+
+def _faster_of(first: tuple[Planned, Accumulation | None], other: tuple[Planned, Accumulation | None] | None
+               ) -> tuple[Planned, Accumulation | None]:
+    if other is None or other[0].plan.step_time_s >= first[0].plan.step_time_s:
+        return first
+    log.info("plan: %d micro-batches step in %.6f s, faster than %d (%.6f s); keeping %d",
+             other[0].plan.microbatches, other[0].plan.step_time_s, first[0].plan.microbatches,
+             first[0].plan.step_time_s, other[0].plan.microbatches)
+    return other
 
 
 def _agreed(real_group: bool, attempt: Callable[[], Any]) -> tuple[Any, InfeasibleBudget | None]:
@@ -90,12 +121,13 @@ def _agreed(real_group: bool, attempt: Callable[[], Any]) -> tuple[Any, Infeasib
 
 
 def _plan_micro(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
-                config: PlanConfig, real_group: bool, k: int) -> tuple[Planned, Accumulation | None]:
+                config: PlanConfig, real_group: bool, k: int, progress: Any = None
+                ) -> tuple[Planned, Accumulation | None]:
     """Plan one of ``k`` micro-batches of ``inputs``; the plan says ``microbatches=k``."""
     if k == 1:
-        return plan_graph(model, inputs, mesh, cluster, config, real_group), None
+        return plan_graph(model, inputs, mesh, cluster, config, real_group, progress=progress), None
     sig, tensors = signature_of(inputs)
-    one = plan_graph(model, micro_example(sig, tensors, k), mesh, cluster, config, real_group)
+    one = plan_graph(model, micro_example(sig, tensors, k), mesh, cluster, config, real_group, progress=progress)
     weighting = loss_weighting(one.graph, one.ctx.output_roles)
     return one.with_plan(accumulated_plan(one.plan, k)), Accumulation(k, batched_inputs(tensors), weighting)
 
