@@ -104,6 +104,21 @@ def test_model_that_cannot_fit_says_how_much_it_needs():
     assert int(m.group(1)) == 8 * int(m.group(2)) >= 8 * e.value.least_bytes / 2**30
 
 
+def test_offline_plan_accumulates_micro_batches():
+    """Gradient accumulation is a dimension of the offline plan: ``microbatches=4`` plans a quarter of the global
+    batch per pass (its activations), four passes per step; with pipeline stages it is refused (they choose)."""
+    kw = dict(cluster="h100-sxm:1x8", seq=128, global_batch=64, solve_recipes=False, memory_budget="none")
+    whole = autoshard.plan("gpt2-124m", **kw)
+    four = autoshard.plan("gpt2-124m", **kw, microbatches=4)
+    assert whole.microbatches == 1 and four.microbatches == 4
+    assert four.peak_memory.activations == pytest.approx(whole.peak_memory.activations / 4, rel=0.05)
+    assert four.step_time_s > whole.step_time_s  # four smaller passes take longer than one pass of the batch
+    assert "gradient accumulation over 4 micro-batches" in report(four)
+    with pytest.raises(ValueError, match=r"microbatches=2 is gradient accumulation without pipeline stages"):
+        autoshard.plan("gpt2-124m", **kw, microbatches=2, pipeline="auto")
+    assert main(["plan", *SMALL, "--microbatches", "0"]) == 2  # named, not a traceback
+
+
 def test_plan_json_round_trip_keeps_recipes(tmp_path):
     plan = autoshard.plan("bert-large", cluster="a100-80gb:1x8", seq=128, global_batch=16)
     again = Plan.from_json(plan.to_json())

@@ -162,9 +162,29 @@ def _big_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _tight_budget(mesh) -> int:
     """3/4 of the least memory any plan of the whole batch needs (the solver's lower bound)."""
-    with pytest.raises(InfeasibleBudget) as e:
-        autoshard.plan(_make_mlp(), mesh, _big_batch(2048), memory_budget=1, constraints=DP)
+    with pytest.raises(InfeasibleBudget) as e:  # (microbatches=1: the whole batch only, no accumulation search)
+        autoshard.plan(_make_mlp(), mesh, _big_batch(2048), memory_budget=1, constraints=DP, microbatches=1)
     return e.value.least_bytes * 3 // 4
+
+
+def test_plan_searches_micro_batches_too() -> None:
+    """``autoshard.plan`` (no compile) answers a budget the whole batch cannot meet with micro-batches that fit,
+    and says so in the report; ``microbatches=k`` plans k of them; a budget nothing meets names the tries."""
+    with local_ranks(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        budget = _tight_budget(mesh)
+        plan = autoshard.plan(_make_mlp(), mesh, _big_batch(2048), memory_budget=budget, constraints=DP)
+        four = autoshard.plan(_make_mlp(), mesh, _big_batch(2048), constraints=DP, microbatches=4)
+        whole = autoshard.plan(_make_mlp(), mesh, _big_batch(2048), constraints=DP)
+        with pytest.raises(InfeasibleBudget, match=r"micro-batches tried: 2: .*; 4: ") as e:
+            autoshard.plan(_make_mlp(), mesh, _big_batch(2048), memory_budget=1, constraints=DP)
+    assert plan.microbatches > 1 and plan.peak_memory.total <= budget
+    assert f"gradient accumulation over {plan.microbatches} micro-batches" in report(plan)
+    assert four.microbatches == 4 and whole.microbatches == 1
+    # a quarter of the batch at a time: a quarter of the activations, the same state
+    assert four.peak_memory.activations == pytest.approx(whole.peak_memory.activations / 4, rel=0.05)
+    assert four.peak_memory.parameters == whole.peak_memory.parameters
+    assert "micro-batches tried" in e.value.accumulation
 
 
 def test_planner_accumulates_when_the_whole_batch_does_not_fit(caplog: pytest.LogCaptureFixture) -> None:
