@@ -263,7 +263,8 @@ def _plan_flat(
         try:
             if solves is not None:
                 return solves.plan(dm, prof, cfg, progress)
-            planned, _ = plan_accumulated(job.module, job.inputs, dm, prof, cfg, False, microbatches, weigh_next=True)
+            planned, _ = plan_accumulated(job.module, job.inputs, dm, prof, cfg, False, microbatches, weigh_next=True,
+                                          progress=progress)
             _say_offload(planned.graph, planned.ctx, progress)
             return planned.plan
         except InfeasibleBudget as e:  # (a SolverTimeout is not an out-of-memory verdict: it passes through)

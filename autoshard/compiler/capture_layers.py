@@ -74,8 +74,18 @@ def constraints_uneven(model: nn.Module, path: str, total: int, config: PlanConf
 def capture_model(model: nn.Module, ctx: PassContext) -> fx.GraphModule:
     """The capture pass: ``model`` called with ``ctx.example_inputs``, whole or (``config.sample_layers``) with
     only the first few of its repeated layers; then the constraints are checked against the model's parameter
-    names and the call's argument names (a pipeline stage's were checked on the whole model)."""
-    gm = _capture_some(model, ctx)
+    names and the call's argument names (a pipeline stage's were checked on the whole model). With
+    ``ctx.cache`` the trace is taken once per ``plan_graph`` call: later attempts get a copy of it."""
+    cache = ctx.cache
+    if cache is not None and cache.captured is not None:
+        gm, ctx.signature, roles, modules, ctx.sampled_layers, nodes = cache.captured
+        gm, ctx.output_roles, ctx.param_modules = _copy(gm), list(roles), dict(modules)
+        ctx.stats["nodes_captured"] = nodes
+    else:
+        gm = _capture_some(model, ctx)
+        if cache is not None:
+            cache.captured = (_copy(gm), ctx.signature, list(ctx.output_roles), dict(ctx.param_modules),
+                              ctx.sampled_layers, ctx.stats.get("nodes_captured"))
     specs = ctx.config.recompute
     if specs and ctx.sampled_layers is not None:  # the captured layers stand for all: their modes too
         specs = sampled_specs(specs, *ctx.sampled_layers)[0]
@@ -84,6 +94,16 @@ def capture_model(model: nn.Module, ctx: PassContext) -> fx.GraphModule:
         params = [n for n, _ in model.named_parameters(remove_duplicate=False)]
         ctx.config.check_constraints(params, ctx.signature.names if ctx.signature else (), ctx.mesh_names)
     return gm
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A graph of new nodes with the same names, arguments and (shallow-copied) meta: the passes write only
+    top-level meta keys, so the copy's annotations never reach the original."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        env[node] = graph.node_copy(node, lambda a: env[a])
+    return fx.GraphModule(gm, graph)
 
 
 def _capture_some(model: nn.Module, ctx: PassContext) -> fx.GraphModule:

@@ -61,6 +61,18 @@ class RankProgram(Protocol):
 
 
 @dataclass
+class PlanningCache:
+    """What the planning attempts of one ``plan_graph`` call share (the recomputation mixes under a budget, which
+    differ only in ``config.recompute``): the capture as traced, before any recomputation is tagged
+    (``capture_layers``), and the candidate enumerator and priced groups of ``strategies`` (a group's signature
+    holds its recomputation flags, so a group priced under one tagging is reused only where it is tagged alike)."""
+
+    captured: tuple | None = None
+    enumerator: Any = None
+    alike: dict = field(default_factory=dict)
+
+
+@dataclass
 class PassContext:
     mesh: DeviceMesh
     cluster: ClusterProfile
@@ -70,6 +82,7 @@ class PassContext:
     backend: str = "inductor"  # one of BACKENDS or "interpret": how lower .. compile make the rank program
     example_inputs: Any = None  # the global-shaped example call: tuple, dict or autoshard.inputs.Call
     progress: Progress | None = None
+    cache: PlanningCache | None = None  # shared with the other planning attempts of one plan_graph call
     timings: dict[str, float] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)
     # capture

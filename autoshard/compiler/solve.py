@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import torch.distributed as dist
 import torch.fx as fx
@@ -54,10 +55,12 @@ def solve(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
+    t0 = time.perf_counter()
     ctx.problem = IntraOpProblem(
         gm, ctx.groups, ctx.strategies, canon, ctx.output_roles, ctx.mesh_shape, ctx.cluster, ctx.group_weight,
         grad_itemsize=ctx.config.reduce_itemsize,
     )
+    _add_time(ctx, "solve.problem", t0)
     if ctx.config.reuse is not None:  # compile(..., plan=saved): its choices, checked against this program
         return reused_solution(gm, ctx, ctx.config.reuse)
     pins = None
@@ -67,6 +70,13 @@ def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
             warn(log, "recipe %s: %s", ctx.config.recipe, note)
 
     def own() -> Solution:
+        t1 = time.perf_counter()
+        try:
+            return _own()
+        finally:
+            _add_time(ctx, "solve.plan", t1)
+
+    def _own() -> Solution:
         return solve_within(
             gm, ctx, ctx.config.memory_budget,
             time_limit_s=ctx.config.time_limit_s,
@@ -82,13 +92,21 @@ def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
     # optimal plan is never slower than any of them; one cut short by the time limit, or stopped within the
     # solver's relative gap (intra_op.RELATIVE_GAP) of its bound, is replaced by the fastest recipe that fits
     # if that is faster
+    t1 = time.perf_counter()
     _, sol = solve_recipes(gm, ctx, alongside=own)
+    _add_time(ctx, "solve.with_recipes", t1)
     best = best_recipe(ctx)
     if best is not None and best.objective_s < sol.objective_s * (1 - 1e-12):
         log.info("solve: the %s recipe (%.6f s) beats the searched plan (%.6f s, %s); keeping it", best.name,
                  best.objective_s, sol.objective_s, sol.status)
         sol = dataclasses.replace(best.solution, status=f"{sol.status}, {best.name} kept", bound_s=sol.bound_s)
     return sol
+
+
+def _add_time(ctx: PassContext, name: str, since: float) -> None:
+    """The solve pass's parts in ``ctx.timings`` (``benchmarks/plan_time.py --profile`` prints them): the problem's
+    build, the plan's own solve, and the plan with the recipes solved alongside it (two at a time)."""
+    ctx.timings[name] = ctx.timings.get(name, 0.0) + time.perf_counter() - since
 
 
 def annotate(gm: fx.GraphModule, ctx: PassContext, solution=None) -> None:

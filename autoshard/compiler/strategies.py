@@ -359,10 +359,15 @@ def _signature(group: Group, nodes: dict[str, fx.Node], en: CandidateEnumerator)
 
 def strategies(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     nodes = {n.name: n for n in gm.graph.nodes}
-    en = CandidateEnumerator(ctx)
+    cache = ctx.cache  # the other planning attempts' (a copy of the same capture, tagged differently)
+    en = cache.enumerator if cache is not None and cache.enumerator is not None else CandidateEnumerator(ctx)
+    en.facts = {}  # (a node's facts hold its recomputation flags)
     canon = ctx.layer_of_group or {g.id: g.id for g in ctx.groups}
     todo = [g for g in ctx.groups if canon[g.id] == g.id]
-    alike: dict[tuple, list[GroupStrategy]] = {}  # by ``_signature``: groups priced already
+    # by ``_signature``: groups priced already
+    alike: dict[tuple, list[GroupStrategy]] = cache.alike if cache is not None else {}
+    if cache is not None:
+        cache.enumerator = en
     for i, g in enumerate(todo):
         sig = _signature(g, nodes, en)
         if sig is not None and sig in alike:

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autoshard.cluster.profile import ClusterProfile
 from autoshard.compiler.capture_recompute import replay_time
-from autoshard.compiler.context import PassContext
+from autoshard.compiler.context import PassContext, PlanningCache
 from autoshard.compiler.runner import PLANNING, run_passes
 from autoshard.compiler.solve import annotate
 from autoshard.compiler.solve_reuse import program_fingerprint
@@ -224,13 +224,13 @@ def _collector_paused() -> Iterator[None]:
 
 
 def plan_once(model: nn.Module, example_inputs: Sequence[Any], mesh: DeviceMesh, cluster: ClusterProfile,
-              config: PlanConfig, *, broadcast_solution: bool = False, progress: Any = None, stage: bool = False
-              ) -> Planned:
+              config: PlanConfig, *, broadcast_solution: bool = False, progress: Any = None, stage: bool = False,
+              cache: PlanningCache | None = None) -> Planned:
     """The planning passes once on ``model`` under ``config``; ``stage=True`` plans a pipeline stage (tensor
     outputs, input gradients; see capture)."""
     t0 = time.perf_counter()
     ctx = PassContext(mesh=mesh, cluster=cluster, config=config, broadcast_solution=broadcast_solution,
-                      progress=progress, stage=stage, example_inputs=example_inputs)
+                      progress=progress, stage=stage, example_inputs=example_inputs, cache=cache)
     with _collector_paused():
         gm = run_passes(model, ctx, *PLANNING)
         plan = build_plan(gm, ctx, recipe=ctx.config.recipe or "")

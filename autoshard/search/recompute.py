@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autoshard.cluster.profile import ClusterProfile
 from autoshard.compiler.capture_recompute import LayerReplay, layer_replays, mix_specs, typical_replay
+from autoshard.compiler.context import PlanningCache
 from autoshard.config import PlanConfig
 from autoshard.errors import InfeasibleBudget
 from autoshard.ir import repeated_layers
@@ -55,8 +56,9 @@ def plan_graph(
     below ``SLACK`` of the budget is not bound by it and is kept without the others. The plan's recipes are each
     recipe's faster fitting form of saving everything and recomputing every layer."""
     layers = repeated_layers(model) if config.memory_budget is not None and not stage and not config.recompute else None
+    # the attempts below differ only in the recomputation tagged: one capture and one candidate cache serve all
     once = functools.partial(plan_once, model, example_inputs, mesh, cluster, broadcast_solution=broadcast_solution,
-                             progress=progress, stage=stage)
+                             progress=progress, stage=stage, cache=PlanningCache())
     if layers is None or not layers[0]:
         return once(config)
     container, total = layers
