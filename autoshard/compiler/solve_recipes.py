@@ -203,10 +203,18 @@ def solve_recipes(gm: fx.GraphModule, ctx: PassContext, alongside: Callable[[], 
     laptop solves two programs at a time."""
     recipes = applicable(ctx.mesh_shape, experts=has_experts(gm, ctx), attention=has_attention(gm))
     ctx.report("solve", 0.0, f"autoshard plan and recipes {', '.join(recipes)}")
-    with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
+    pool = ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1)))
+    done = False
+    try:
         own = pool.submit(alongside) if alongside is not None else None
-        results = list(pool.map(lambda r: solve_recipe(r, gm, ctx), recipes))
+        futures = [pool.submit(solve_recipe, r, gm, ctx) for r in recipes]
         own_result = own.result() if own is not None else None
+        results = [f.result() for f in futures]
+        done = True
+    finally:
+        # a plan that cannot be made (a budget nothing meets) ends the pass at once: the recipes not started are
+        # dropped rather than solved for a comparison no one will read (the recomputation search's first attempt)
+        pool.shutdown(wait=done, cancel_futures=True)
     ctx.recipes = results
     for r in results:
         log.info("recipe %-8s %s", r.name, f"{r.objective_s:.6f} s" + ("" if r.fits else " (over budget)") if r.solution else r.note)
