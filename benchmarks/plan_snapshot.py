@@ -5,7 +5,8 @@
 
 Every zoo model (``autoshard models``) on the meshes (8,), (8, 8) and (16, 8, 8) of h100-sxm nodes of 8, planned
 through the public offline path (``autoshard.plan(name, cluster=..., mesh=...)``, global batch = the mesh's
-size, the model's default sequence), the recipes solved alongside; a plan that does not fit is its error message. The JSON written is ``Plan.to_json()`` without wall-clock
+size, the model's default sequence), the recipes solved alongside; a plan that does not fit (or that the solver
+cannot find in its time limit) is its error message. The JSON written is ``Plan.to_json()`` without wall-clock
 fields (the solver's ``wall_s``); ``--compare`` reports each plan that differs (the first differing key) and
 exits 1 if any does.
 """
@@ -56,6 +57,7 @@ def _first_difference(a: Any, b: Any, path: str = "") -> str | None:
 
 def snapshot(out: Path, models: list[str]) -> None:
     import autoshard
+    from autoshard.errors import SolverTimeout
 
     out.mkdir(parents=True, exist_ok=True)
     for name in models:
@@ -64,9 +66,9 @@ def snapshot(out: Path, models: list[str]) -> None:
             t0 = time.perf_counter()
             try:
                 plan = autoshard.plan(name, mesh=shape, cluster=f"h100-sxm:{world // 8}x8", global_batch=world)
-            except ValueError as e:  # does not fit (InfeasibleBudget): the message is compared instead
-                data: Any = {"error": f"{type(e).__name__}: {e}"}
-                result = "does not fit"
+            except (ValueError, SolverTimeout) as e:  # does not fit, or no plan in the time limit: the message
+                data: Any = {"error": f"{type(e).__name__}: {e}"}  # is compared instead
+                result = "does not fit" if isinstance(e, ValueError) else "solver timed out"
             else:
                 data = _strip(json.loads(plan.to_json()))
                 result = f"{plan.step_time_s * 1e3:10.3f} ms"
