@@ -175,7 +175,7 @@ def run_case(model: str, shape: tuple[int, ...], solve_recipes: bool, time_limit
         "capture": ctx.timings.get("capture", 0.0), "strategies": ctx.timings.get("strategies", 0.0),
         "solve": ctx.timings.get("solve", 0.0), "total": wall, "cpu": cpu, "objective": s.objective_s,
         "gap": (s.objective_s - s.bound_s) / s.objective_s if s.objective_s else math.nan, "status": s.status,
-        "timings": dict(ctx.timings),
+        "timings": {**ctx.timings, **{f"solve.{k}": v for k, v in ctx.stats.get("solve_parts", {}).items()}},
     }
     return row
 

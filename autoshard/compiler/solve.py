@@ -60,7 +60,7 @@ def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
         gm, ctx.groups, ctx.strategies, canon, ctx.output_roles, ctx.mesh_shape, ctx.cluster, ctx.group_weight,
         grad_itemsize=ctx.config.reduce_itemsize,
     )
-    _add_time(ctx, "solve.problem", t0)
+    _add_time(ctx, "problem", t0)
     if ctx.config.reuse is not None:  # compile(..., plan=saved): its choices, checked against this program
         return reused_solution(gm, ctx, ctx.config.reuse)
     pins = None
@@ -74,7 +74,7 @@ def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
         try:
             return _own()
         finally:
-            _add_time(ctx, "solve.plan", t1)
+            _add_time(ctx, "plan", t1)
 
     def _own() -> Solution:
         return solve_within(
@@ -94,7 +94,7 @@ def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
     # if that is faster
     t1 = time.perf_counter()
     _, sol = solve_recipes(gm, ctx, alongside=own)
-    _add_time(ctx, "solve.with_recipes", t1)
+    _add_time(ctx, "with_recipes", t1)
     best = best_recipe(ctx)
     if best is not None and best.objective_s < sol.objective_s * (1 - 1e-12):
         log.info("solve: the %s recipe (%.6f s) beats the searched plan (%.6f s, %s); keeping it", best.name,
@@ -104,9 +104,11 @@ def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
 
 
 def _add_time(ctx: PassContext, name: str, since: float) -> None:
-    """The solve pass's parts in ``ctx.timings`` (``benchmarks/plan_time.py --profile`` prints them): the problem's
-    build, the plan's own solve, and the plan with the recipes solved alongside it (two at a time)."""
-    ctx.timings[name] = ctx.timings.get(name, 0.0) + time.perf_counter() - since
+    """The solve pass's parts in ``ctx.stats["solve_parts"]`` (``benchmarks/plan_time.py --profile`` prints them):
+    the problem's build, the plan's own solve, and the plan with the recipes solved alongside it (two at a time).
+    (``ctx.timings`` holds one entry per pass.)"""
+    parts = ctx.stats.setdefault("solve_parts", {})
+    parts[name] = parts.get(name, 0.0) + time.perf_counter() - since
 
 
 def annotate(gm: fx.GraphModule, ctx: PassContext, solution=None) -> None:

@@ -233,6 +233,7 @@ def plan_once(model: nn.Module, example_inputs: Sequence[Any], mesh: DeviceMesh,
                       progress=progress, stage=stage, example_inputs=example_inputs, cache=cache)
     with _collector_paused():
         gm = run_passes(model, ctx, *PLANNING)
+        ctx.cache = None  # (shared with the other attempts only while planning: a Planned does not hold it)
         plan = build_plan(gm, ctx, recipe=ctx.config.recipe or "")
         if ctx.recipes:
             plan = _keep_faster_recipe(dataclasses.replace(plan, recipes=recipe_summaries(gm, ctx, against=plan)),

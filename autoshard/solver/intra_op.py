@@ -290,6 +290,13 @@ class IntraOpProblem:
         self.rounding_ns = 0.5 * (len(x) + n_edges)
         return model, x, const
 
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave the built model and its lock behind (a copy builds its own when it solves)."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_whole", "_lock")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _whole=None, _lock=threading.Lock())
+
     def _copy_of_whole(self) -> tuple[cp_model.CpModel, dict[int, list], float]:
         """A copy of the model over every candidate (built on first use, under a lock: the plan and the recipes
         solve on a thread pool) and its candidate booleans."""
