@@ -122,6 +122,25 @@ def _collect(strategy: object, n_inputs: int, n_returns: int = 1) -> list[RawStr
     return out
 
 
+def _over_the_mesh(raws: list[RawStrategy], ndim: int) -> list[RawStrategy]:
+    """Strategies whose placements cover every mesh axis: torch 2.11's ``constant_pad_nd`` strategy gives one
+    ``Replicate`` on a 2-D mesh (a stock Hugging Face loss pads its labels), which is whole on every axis; a
+    shorter placement that shards is dropped."""
+    def short(pl: Placements | None) -> bool:
+        return pl is not None and len(pl) != ndim
+
+    def full(pl: Placements | None) -> Placements | None:
+        return (Replicate(),) * ndim if short(pl) else pl
+
+    out = []
+    for r in raws:
+        bad = [pl for pl in r.inputs + r.outputs if short(pl)]
+        if any(not all(isinstance(p, Replicate) for p in pl) for pl in bad):
+            continue
+        out.append(RawStrategy(tuple(map(full, r.inputs)), tuple(map(full, r.outputs))) if bad else r)
+    return out
+
+
 def _place_unplaced(raws: list[RawStrategy], out_val: object, ndim: int) -> list[RawStrategy]:
     """Outputs DTensor leaves unplaced (None) that are tensors all the same are Replicate: on CUDA, flash
     attention returns its rng state and unused sequence offsets that way, and its backward takes them back."""
@@ -188,7 +207,7 @@ def op_strategies(
         else:
             strat = func(wrapped)
         raws = _collect(strat, n_inputs, len(op._schema.returns) if schema.return_type_tuple_tensor_like() else 1)
-        return _place_unplaced(raws, out_val, mesh.ndim)
+        return _place_unplaced(_over_the_mesh(raws, mesh.ndim), out_val, mesh.ndim)
     # decomposition path / legacy rules: only the min-cost choice for this input placement is available
     with _known_output_meta(prop, output_meta(out_val) if out_val is not _UNKNOWN else _UNKNOWN):
         sharding = prop.propagate_op_sharding_non_cached(schema)

@@ -128,7 +128,7 @@ def has_experts(gm: fx.GraphModule, ctx: PassContext) -> bool:
 def has_attention(gm: fx.GraphModule) -> bool:
     """Whether the graph has an attention op that may shard its sequence (``autoshard/rules/attention.py``)."""
     ops = attention.RULE.ops()
-    return any(n.op == "call_function" and n.target in ops and attention.splits_sequence(n) for n in gm.graph.nodes)
+    return any(n.op == "call_function" and str(n.target) in ops and attention.splits_sequence(n) for n in gm.graph.nodes)
 
 
 def _batch_pins(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int], dp_axes: set[int],

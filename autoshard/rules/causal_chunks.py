@@ -28,6 +28,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoshard import _torch_compat as tc
+from autoshard.rules.sdpa_kernels import Kernel
 
 _SEQ = 2  # [B, H, T, D] and the log-sum-exp [B, H, T]
 
@@ -91,7 +92,7 @@ def _merge(acc: _Acc, out: torch.Tensor, lse: torch.Tensor) -> _Acc:
     return merged, total
 
 
-def forward_step(op: Any, qs: Sequence[torch.Tensor], starts: Sequence[int], k: torch.Tensor, v: torch.Tensor,
+def forward_step(kernel: Kernel, qs: Sequence[torch.Tensor], starts: Sequence[int], k: torch.Tensor, v: torch.Tensor,
                  j: int, causal: bool, flat: Sequence[torch.Tensor], kw: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
     """Queries ``qs`` (starting at ``starts``) against key chunk ``j``, merged into the accumulators ``flat``
     (``fresh``'s layout: per-rank results are combined one level deep, so they stay flat)."""
@@ -99,13 +100,13 @@ def forward_step(op: Any, qs: Sequence[torch.Tensor], starts: Sequence[int], k: 
     for i, (q, s) in enumerate(zip(qs, starts)):
         acc = (flat[2 * i], flat[2 * i + 1])
         for off, length, diag in blocks(s, q.shape[_SEQ], j, k.shape[_SEQ], causal):
-            o, lse = op(q, k.narrow(_SEQ, off, length), v.narrow(_SEQ, off, length), 0.0, diag, **kw)[:2]
+            o, lse = kernel.forward(q, k.narrow(_SEQ, off, length), v.narrow(_SEQ, off, length), diag, kw)
             acc = _merge(acc, o, lse)
         out.extend(acc)
     return tuple(out)
 
 
-def backward_step(op: Any, sides: Sequence[tuple[torch.Tensor, ...]], starts: Sequence[int], k: torch.Tensor,
+def backward_step(kernel: Kernel, sides: Sequence[tuple[torch.Tensor, ...]], starts: Sequence[int], k: torch.Tensor,
                   v: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dqs: Sequence[torch.Tensor], j: int,
                   causal: bool, kw: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
     """The gradients of :func:`forward_step`'s pieces, given the merged output and log-sum-exp in ``sides``
@@ -114,7 +115,8 @@ def backward_step(op: Any, sides: Sequence[tuple[torch.Tensor, ...]], starts: Se
     new_dq = []
     for (g, q, o, lse), s, dq in zip(sides, starts, dqs):
         for off, length, diag in blocks(s, q.shape[_SEQ], j, k.shape[_SEQ], causal):
-            a, b, c = op(g, q, k.narrow(_SEQ, off, length), v.narrow(_SEQ, off, length), o, lse, 0.0, diag, **kw)[:3]
+            a, b, c = kernel.backward(g, q, k.narrow(_SEQ, off, length), v.narrow(_SEQ, off, length), o, lse, diag,
+                                      kw)[:3]
             pad = (0, 0, off, k.shape[_SEQ] - off - length)
             dq = dq + a.to(dq.dtype)
             dk = dk + torch.nn.functional.pad(b.to(dk.dtype), pad)
@@ -123,17 +125,17 @@ def backward_step(op: Any, sides: Sequence[tuple[torch.Tensor, ...]], starts: Se
     return (dk, dv, *new_dq)
 
 
-def _forward_pair(op: Any, qa: torch.Tensor, qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: int, n: int,
+def _forward_pair(kernel: Kernel, qa: torch.Tensor, qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: int, n: int,
                   flat: Sequence[torch.Tensor], kw: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
     # the whole keys and values are chunk 0 of one chunk
-    return forward_step(op, (qa, qp), half_starts(r, n, qa.shape[_SEQ]), k, v, 0, True, flat, kw)
+    return forward_step(kernel, (qa, qp), half_starts(r, n, qa.shape[_SEQ]), k, v, 0, True, flat, kw)
 
 
-def _backward_pair(op: Any, a: tuple[torch.Tensor, ...], p: tuple[torch.Tensor, ...], k: torch.Tensor,
+def _backward_pair(kernel: Kernel, a: tuple[torch.Tensor, ...], p: tuple[torch.Tensor, ...], k: torch.Tensor,
                    v: torch.Tensor, r: int, n: int, kw: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
     dtype = acc_dtype(a[1])
     zeros = [torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (k, v, a[1], p[1])]
-    return backward_step(op, (a, p), half_starts(r, n, a[1].shape[_SEQ]), k, v, *zeros[:2], zeros[2:], 0, True, kw)
+    return backward_step(kernel, (a, p), half_starts(r, n, a[1].shape[_SEQ]), k, v, *zeros[:2], zeros[2:], 0, True, kw)
 
 
 def balanced(q_len: int, n: int) -> bool:
@@ -141,19 +143,19 @@ def balanced(q_len: int, n: int) -> bool:
     return n > 1 and q_len % 2 == 0
 
 
-def forward(op: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: DeviceMesh, axis: int,
+def forward(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: DeviceMesh, axis: int,
             kw: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, logsumexp) of this rank's query chunk ``q`` (local, contiguous chunk ``r`` of ``n`` on ``axis``)
-    against the whole causal ``k``/``v``; ``op`` is the CPU flash kernel, ``kw`` its keyword arguments (scale)."""
+    against the whole causal ``k``/``v``, on ``kernel`` (``sdpa_kernels``); ``kw``: its keyword arguments (scale)."""
     n, r = mesh.size(axis), mesh.get_local_rank(axis)
     qa, qb = halves(q)
     qp = tc.swap_mirrored(qb.contiguous(), mesh, axis)
-    oa, la, op_, lp = tc.for_each_rank(_forward_pair)(op, qa, qp, k, v, r, n, fresh((qa, qp)), kw)
+    oa, la, op_, lp = tc.for_each_rank(_forward_pair)(kernel, qa, qp, k, v, r, n, fresh((qa, qp)), kw)
     ob, lb = tc.swap_mirrored(op_.contiguous(), mesh, axis), tc.swap_mirrored(lp.contiguous(), mesh, axis)
     return like(q, torch.cat([oa, ob], _SEQ).to(q.dtype)), lse_like(q, torch.cat([la, lb], _SEQ))
 
 
-def backward(op: Any, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+def backward(kernel: Kernel, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, mesh: DeviceMesh, axis: int,
              kw: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of :func:`forward`: dq this rank's chunk, dk/dv whole but only this rank's queries' share."""
@@ -161,7 +163,7 @@ def backward(op: Any, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     split = [halves(t) for t in (grad_out, q, out, lse)]
     own = tuple(h[0] for h in split)
     borrowed = tuple(tc.swap_mirrored(h[1].contiguous(), mesh, axis) for h in split)
-    dk, dv, dqa, dqp = tc.for_each_rank(_backward_pair)(op, own, borrowed, k, v, r, n, kw)
+    dk, dv, dqa, dqp = tc.for_each_rank(_backward_pair)(kernel, own, borrowed, k, v, r, n, kw)
     dqb = tc.swap_mirrored(dqp.contiguous(), mesh, axis)
     return like(q, torch.cat([dqa, dqb], _SEQ).to(q.dtype)), like(k, dk.to(k.dtype)), like(v, dv.to(v.dtype))
 
