@@ -70,7 +70,21 @@ def _train(rank: int, world: int, arg: tuple) -> dict:
     seen: dict[int, str] = {}
     first = {n: seen.setdefault(id(p), n) for n, p in make().named_parameters(remove_duplicate=False)}
     return {"losses": losses, "grads": grads, "params": params, "plan": sharded.plan.to_json(),
-            "state_keys": sorted({first.get(n, n) for n in state} & set(params)), "kind": type(sharded).__name__}
+            "state_keys": sorted({first.get(n, n) for n in state} & set(params)), "kind": type(sharded).__name__,
+            "split": _split_backwards(sharded)}
+
+
+def _split_backwards(sharded) -> list[dict]:
+    """Per stage on this rank whose backward runs in two parts: W actions run, and the ops of each part."""
+    out = []
+    for m in getattr(sharded, "stage_modules", {}).values():
+        if m._deferred is None:
+            continue
+        parts = m._program._split
+        ops = [[str(n.target) for n in g.graph.nodes if n.op == "call_function"] for g in (parts.inputs, parts.weights)]
+        out.append({"weight_runs": m._deferred.weight_runs, "input_ops": ops[0], "weight_ops": ops[1],
+                    "input_grads": parts.n_input_grads})
+    return out
 
 
 def _only(ref: Reference, names: set[str]) -> Reference:
@@ -105,14 +119,25 @@ def _run(shape: tuple[int, ...], names: tuple[str, ...], **kw) -> list[dict]:
         ((4,), ("pp",), {"schedule": "1F1B", "microbatches": 4}),
         ((2,), ("pp",), {"schedule": "Interleaved1F1B", "microbatches": 2}),
         ((2,), ("pp",), {"schedule": "1F1B", "microbatches": 2, "model": "llama"}),
+        ((2, 2), ("pp", "dp"), {"schedule": "InterleavedZeroBubble", "microbatches": 4, "cluster": "h100-sxm",
+                                "constraints": {"inputs": {"dp": "S(0)"}}}),
     ],
-    ids=["2x2-1f1b", "2x2-tp-gpipe", "4-stages-1f1b", "2x2chunks-interleaved", "llama-2-stages"],
+    ids=["2x2-1f1b", "2x2-tp-gpipe", "4-stages-1f1b", "2x2chunks-interleaved", "llama-2-stages", "2x2-zero-bubble"],
 )
 def test_pipeline_matches_single_device(shape, names, kw):
     results = _run(shape, names, **kw)
     plan = autoshard.Plan.from_json(results[0]["plan"])
     assert plan.schedule == kw["schedule"] and plan.microbatches == kw["microbatches"]
-    assert len(plan.stages) == (4 if kw["schedule"] == "Interleaved1F1B" else shape[0])
+    assert len(plan.stages) == (4 if kw["schedule"].startswith("Interleaved") else shape[0])
+    if kw["schedule"] == "InterleavedZeroBubble":  # B and W ran apart: every stage, every micro-batch, 3 steps
+        for got in results:
+            assert len(got["split"]) == 2 and all(s["weight_runs"] == 3 * kw["microbatches"] for s in got["split"])
+            reduces = [[op for op in s[part] if "all_reduce" in op or "reduce_scatter" in op]
+                       for s in got["split"] for part in ("input_ops", "weight_ops")]
+            assert not any(reduces[0::2]) and any(reduces[1::2]), reduces  # gradient reductions run in W only
+            assert all(any(op.startswith("aten.mm") for op in s["weight_ops"]) for s in got["split"])
+            # the stages after the first send their input gradients: matmuls in B too
+            assert any(s["input_grads"] and any(op.startswith("aten.mm") for op in s["input_ops"]) for s in got["split"])
 
 
 def test_pipeline_inductor_2x2():

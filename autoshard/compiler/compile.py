@@ -9,7 +9,8 @@ parameters and inputs by name (``input[i]`` for the call's tensors), as ``Placem
 those its gradients come back in and ``state_layouts`` those the optimizer steps (they differ for ZeRO-1/2
 parameters), ``offload`` the parameters whose masters live in host memory (``runtime/offload.py``): the runtime distributes parameters and cuts inputs with them (the Plan's strings are for reports and JSON). ``forward(flat local inputs)`` returns (the loss,
 what backward needs, the new values of the buffers it updates) and ``backward(saved, grad_loss)`` the local gradients (parameters, then inputs that
-require grad); a pipeline stage's ``forward_many`` / ``backward_many`` take and return every output. Backends:
+require grad); a pipeline stage's ``forward_many`` / ``backward_many`` take and return every output, and
+``backward_input`` / ``backward_weight`` run the backward in two parts (zero-bubble schedules). Backends:
 
 - ``"inductor"``: each graph compiled by Inductor (C++ on CPU, Triton on GPU), at its first call with the real
   inputs (Inductor specializes on their strides); that compile is timed as ``inductor`` in the step's timings;
@@ -33,6 +34,7 @@ from autoshard import _torch_compat as tc
 from autoshard.ir import param_offload_of
 from autoshard.compiler.context import FORWARD_KINDS, PassContext
 from autoshard.compiler.lower import PlanInterpreter, param_placements_of
+from autoshard.compiler.split_backward import split_backward
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,29 @@ class CompiledProgram:
         if self._bw is None:
             self._bw = self._compile(self.bw_gm, args)
         return list(self._bw(args))
+
+    def split_backward(self, is_input_grad: Sequence[bool]) -> None:
+        """Make :meth:`backward_input` and :meth:`backward_weight` (zero-bubble schedules): ``is_input_grad[k]``
+        says whether backward output ``k`` is a received activation's gradient (``compiler/split_backward.py``)."""
+        self._split = split_backward(self.bw_gm, is_input_grad)
+        self._bw_in = self._bw_w = None
+
+    def backward_input(self, saved: list[torch.Tensor],
+                       grad_outs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(the input gradients, what :meth:`backward_weight` needs) of :meth:`backward_many`."""
+        args = list(saved) + [grad_outs[i] for i in self.tangent_of]
+        kept = [args[i] for i in self._split.arg_slots]  # (before the call: a compiled graph may free its args)
+        if self._bw_in is None:
+            self._bw_in = self._compile(self._split.inputs, args)
+        outs = list(self._bw_in(args))
+        k = self._split.n_input_grads
+        return outs[:k], kept + outs[k:]
+
+    def backward_weight(self, carry: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The parameters' gradients, from :meth:`backward_input`'s carry."""
+        if self._bw_w is None:
+            self._bw_w = self._compile(self._split.weights, carry)
+        return list(self._bw_w(carry))
 
     def forward(self, flat: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
         outs, saved = self.forward_many(flat)

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from autoshard.inputs import CallSignature
 from autoshard.runtime.stage_values import StageWiring, loss_weights, stage_args, stage_sends
 from autoshard.plans.plan import Plan
+from autoshard.runtime.deferred_weights import DeferredWeights
 from autoshard.runtime.rebind import rebind_optimizers
 from autoshard.runtime.param_state import ParamStates, scatter_grads
 from autoshard.runtime.sharded_module import distribute_parameters
@@ -44,14 +45,18 @@ from autoshard.errors import CallError, InputError
 
 log = logging.getLogger(__name__)
 
-EXECUTABLE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+EXECUTABLE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
+_SPLIT_BACKWARD = ("InterleavedZeroBubble",)  # the backward in input and weight parts (``deferred_weights``)
+_MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble")  # several stages per rank
 
 
 class _RunStage(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, program: Any, grad_slots: tuple[int, ...], states: ParamStates, *flat: torch.Tensor) -> Any:
+    def forward(ctx: Any, program: Any, grad_slots: tuple[int, ...], states: ParamStates,
+                deferred: DeferredWeights | None, *flat: torch.Tensor) -> Any:
         outs, saved = program.forward_many(states.local_inputs(flat))
         ctx.program, ctx.saved, ctx.grad_slots, ctx.states = program, saved, grad_slots, states
+        ctx.deferred, ctx.flat = deferred, (flat if deferred is not None else None)
         ctx.like = [x if isinstance(x, DTensor) else None for x in flat]
         ctx.out_meta = [(o.shape, o.dtype, o.device) for o in outs]
         # outputs with no tangent in the captured program (tables derived from buffers, integer tensors) carry
@@ -66,9 +71,13 @@ class _RunStage(torch.autograd.Function):
             g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
             for g, (shape, dtype, device) in zip(grad_outs, ctx.out_meta)
         ]
+        if ctx.deferred is not None:  # a zero-bubble schedule: the weights' part later (``dw_builder``)
+            grads = ctx.deferred.input_backward(ctx.saved, grads_in, ctx.flat, ctx.like, ctx.states)
+            ctx.saved = ctx.flat = None
+            return (None, None, None, None, *grads)
         grads = ctx.program.backward_many(ctx.saved, grads_in)
         ctx.saved = None
-        return (None, None, None, *scatter_grads(grads, ctx.grad_slots, ctx.like, ctx.states))
+        return (None, None, None, None, *scatter_grads(grads, ctx.grad_slots, ctx.like, ctx.states))
 
 
 def input_key(i: int) -> str:
@@ -107,6 +116,14 @@ class StageModule(nn.Module):
         base = len(self._param_names) + len(self._buffer_names)
         slot.update({f"input[{i}]": base + i for i in range(len(inputs))})
         self._grad_slots = tuple(slot[n] for n in grad_names)
+        self._first_input_slot = base
+        self._deferred: DeferredWeights | None = None
+
+    def defer_weights(self) -> Callable[[], Callable[[], None]]:
+        """Run this stage's backward in two parts from now on (zero-bubble schedules); the stage's
+        ``dw_builder`` (``runtime/deferred_weights.py``)."""
+        self._deferred = DeferredWeights(self._program, self._grad_slots, self._first_input_slot)
+        return self._deferred.runner
 
     def _fqn_modifiers(self) -> dict[str, str]:
         return {"module": "module"}  # names are the model's (``PipelinedModule._fqn_modifiers``)
@@ -127,7 +144,7 @@ class StageModule(nn.Module):
         bufs = dict(self.module.named_buffers())
         flat += [bufs[n] for n in self._buffer_names]
         flat += [self._local(a, pl) for a, pl in zip(args, self._input_placements)]
-        outs = _RunStage.apply(self._program, self._grad_slots, self._states, *flat)
+        outs = _RunStage.apply(self._program, self._grad_slots, self._states, self._deferred, *flat)
         sends = stage_sends(self._wiring, outs if isinstance(outs, tuple) else (outs,), received)
         sends = tuple(t.contiguous() for t in sends)  # the program's outputs may be views; sends need whole buffers
         return sends if len(sends) > 1 else sends[0]
@@ -143,14 +160,13 @@ class TiedParameter:
 
 
 def schedule_class(name: str) -> Any:
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                              ScheduleInterleavedZeroBubble)
 
-    table = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
+    table = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
+             "InterleavedZeroBubble": ScheduleInterleavedZeroBubble}
     if name not in table:
-        raise InputError(
-            f"pipeline schedule {name!r} cannot run here; autoshard runs {EXECUTABLE_SCHEDULES} (zero-bubble "
-            "schedules split the backward into input and weight parts, which a compiled stage program does not)"
-        )
+        raise InputError(f"pipeline schedule {name!r} cannot run here; autoshard runs {EXECUTABLE_SCHEDULES}")
     return table[name]
 
 
@@ -210,13 +226,14 @@ class PipelinedModule(nn.Module):
         pp_size = dist.get_world_size(pp_group)
         self._last_owner = dist.get_global_rank(pp_group, (num_stages - 1) % pp_size)
         self._has_last = num_stages - 1 in stages
+        split = plan.schedule in _SPLIT_BACKWARD
         pstages = [
             PipelineStage(m, k, num_stages, device, input_args=stage_inputs[k], output_args=stage_outputs[k],
-                          group=pp_group)
+                          group=pp_group, dw_builder=m.defer_weights() if split else None)
             for k, m in sorted(stages.items())
         ]
         cls = schedule_class(plan.schedule or "1F1B")
-        multi = plan.schedule == "Interleaved1F1B"
+        multi = plan.schedule in _MULTI_STAGE
         self.schedule = cls(pstages if multi else pstages[0], n_microbatches=plan.microbatches, loss_fn=_weighted,
                             scale_grads=True)
 
