@@ -190,8 +190,8 @@ def compile(  # noqa: A001 - the one-line API the project promises
 
     Pipeline stages: a mesh whose outermost axis is named ``"pp"`` runs that many stages, each on the sub-mesh
     of the other axes; ``pipeline="auto"`` weighs splitting the outermost axis into stages against no pipeline.
-    ``microbatches`` and ``schedule`` ("GPipe", "1F1B", "Interleaved1F1B") are chosen unless given. A pipelined
-    result is a :class:`PipelinedModule`: ``step(...)`` (the global batch, called as the model is) trains one step
+    ``microbatches`` and ``schedule`` ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble") are chosen unless
+    given. A pipelined result is a :class:`PipelinedModule`: ``step(...)`` (the global batch, called as the model is) trains one step
     over all micro-batches; ``ShardedModule.step`` takes the same call, so one training loop serves both.
 
     ``parameters="dtensor"`` replaces each parameter by a DTensor parameter (optimizers built before are pointed

@@ -16,8 +16,8 @@ What differs between ``compile`` and offline plans (:class:`SearchSpace`), for r
   boundary activation (``boundary="whole"``); offline plans price Megatron's scatter/gather, each device sending
   its share of it (``"share"``). Sends go over the inter-node network when stages span nodes, else the intra-node
   link (:func:`p2p_seconds`);
-- schedules: ``compile`` picks only what it runs (``runtime.pipelined.EXECUTABLE_SCHEDULES``); offline plans may
-  pick zero-bubble ones (the report marks a schedule ``compile`` cannot run);
+- schedules: ``compile`` picks only what it runs (``runtime.pipelined.EXECUTABLE_SCHEDULES``: all of them, the
+  zero-bubble one with its stages' backward split);
 - recomputation and the recipes: ``compile`` plans every stage freely and does not recompute;
 - the stage counts, and a micro-batch count the user fixed.
 

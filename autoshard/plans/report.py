@@ -9,7 +9,6 @@ from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
 from autoshard.ir import layer_parts
-from autoshard.solver.inter_op import SPLIT_BACKWARD
 from autoshard.notation import (
     describe,
     fold_layers,
@@ -249,8 +248,6 @@ def _pipeline_lines(plan: Plan) -> list[str]:
             return ["", f"no pipeline stages: gradient accumulation over {plan.microbatches} micro-batches{redo}"]
         return ["", f"activation recomputation: {_recompute_str(plan)}"] if redo else []
     chunks = f" ({plan.chunks} model chunks per rank)" if plan.chunks > 1 else ""
-    if plan.schedule in SPLIT_BACKWARD:  # a schedule for offline plans: the runtime has no split backward
-        chunks += " [offline plan: autoshard.compile does not run split-backward schedules]"
     lines = [
         "",
         f"pipeline: {len(plan.stages)} stages, schedule {plan.schedule or '-'}{chunks}, {plan.microbatches} "

@@ -9,8 +9,9 @@ gradients (``passes.capture`` with ``ctx.stage``). Here:
   Its parameters are DTensors with the stage plan's placements, under the model's own names.
 - The last stage returns the model's loss; the schedule's loss function weights it per micro-batch so that the
   mean over micro-batches is the whole batch's loss (``runtime/stage_values.py: loss_weights``).
-- ``PipelinedModule`` holds this rank's stages and the schedule (GPipe, 1F1B or interleaved 1F1B, all from
-  ``torch.distributed.pipelining``); ``step(...)`` trains one step over all micro-batches (the whole batch's loss
+- ``PipelinedModule`` holds this rank's stages and the schedule (GPipe, 1F1B, interleaved 1F1B or interleaved
+  zero-bubble, all from ``torch.distributed.pipelining``; the zero-bubble one runs each stage's backward in two
+  parts, ``runtime/deferred_weights.py``); ``step(...)`` trains one step over all micro-batches (the whole batch's loss
   and gradients) and returns the loss on every rank. A parameter tied across
   stages (an embedding shared with the LM head) has its gradient summed over its copies after the step.
 
@@ -34,6 +35,7 @@ from autoshard.inputs import CallSignature
 from autoshard.runtime.stage_values import StageWiring, loss_weights, stage_args, stage_sends
 from autoshard.plans.plan import Plan
 from autoshard.runtime.deferred_weights import DeferredWeights
+from autoshard.solver.inter_op import SPLIT_BACKWARD
 from autoshard.runtime.rebind import rebind_optimizers
 from autoshard.runtime.param_state import ParamStates, scatter_grads
 from autoshard.runtime.sharded_module import distribute_parameters
@@ -46,7 +48,6 @@ from autoshard.errors import CallError, InputError
 log = logging.getLogger(__name__)
 
 EXECUTABLE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
-_SPLIT_BACKWARD = ("InterleavedZeroBubble",)  # the backward in input and weight parts (``deferred_weights``)
 _MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble")  # several stages per rank
 
 
@@ -226,7 +227,7 @@ class PipelinedModule(nn.Module):
         pp_size = dist.get_world_size(pp_group)
         self._last_owner = dist.get_global_rank(pp_group, (num_stages - 1) % pp_size)
         self._has_last = num_stages - 1 in stages
-        split = plan.schedule in _SPLIT_BACKWARD
+        split = plan.schedule in SPLIT_BACKWARD  # the backward in input and weight parts
         pstages = [
             PipelineStage(m, k, num_stages, device, input_args=stage_inputs[k], output_args=stage_outputs[k],
                           group=pp_group, dw_builder=m.defer_weights() if split else None)
