@@ -204,3 +204,33 @@ def test_the_runner_owns_one_ordered_list_and_checks_disable_passes() -> None:
         assert len(alone.groups) > len(full.groups)  # every node decides alone
         assert set(alone.layer_of_group.items()) == {(g.id, g.id) for g in alone.groups}  # nothing shared
         assert full.stats["shared_layers"] >= 1 and "overlap_raised" not in alone.stats
+
+
+def test_split_backward_makes_every_gradient_once() -> None:
+    """A backward cut for zero-bubble schedules (``compiler/split_backward.py``): the input part makes the input
+    gradient and what the weight part reads of its values (a node both need runs once, in the input part); the
+    weight part, from the saved values it reads and that carry, makes the weight gradient; both equal the
+    whole graph's."""
+    import torch.fx as fx
+
+    from autoshard.compiler.split_backward import split_backward
+
+    def backward(x, w, g):
+        s = g * 2.0  # both gradients read it
+        return torch.mm(s, w), torch.mm(s.t(), x) + w.sum()
+
+    gm = fx.symbolic_trace(backward)
+    # the traced outputs in the backward's order: the weight gradient first, then the input gradient
+    out = gm.graph.find_nodes(op="output")[0]
+    out.args = ((out.args[0][1], out.args[0][0]),)
+    gm.recompile()
+    x, w, g = torch.randn(4, 3), torch.randn(5, 3), torch.randn(4, 5)
+    want_dw, want_dx = gm(x, w, g)
+    parts = split_backward(gm, [False, True])
+    dx, *carry = parts.inputs(x, w, g)
+    assert parts.n_input_grads == 1 and torch.equal(dx, want_dx)
+    assert parts.arg_slots == (0, 1)  # x and w: the weight part reads them itself, g only through s
+    assert [n.name for n in parts.inputs.graph.nodes if n.op == "call_function"].count("mul") == 1
+    assert not [n for n in parts.weights.graph.nodes if n.op == "call_function" and n.target is operator.mul]
+    (dw,) = parts.weights(*[(x, w, g)[i] for i in parts.arg_slots], *carry)
+    assert torch.equal(dw, want_dw)
