@@ -45,7 +45,7 @@ from autoshard.ir import pipeline_layers
 from autoshard.search.recompute import plan_graph
 from autoshard.runtime.pipelined import EXECUTABLE_SCHEDULES, LossWeighting, PipelinedModule, StageModule, TiedParameter
 from autoshard.compiler.runner import rank_program
-from autoshard.solver.inter_op import StageSplit
+from autoshard.solver.inter_op import SPLIT_BACKWARD, StageSplit
 from autoshard.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -257,7 +257,8 @@ def compile_pipelined(
     weighting = LossWeighting(*loss_counter(pipe.get_stage_module(n - 1), wiring[n - 1]))
     device = torch.device(mesh.device_type)
     return PipelinedModule(combined, local, n, full.get_group("pp"), pp_rank, stage_in, stage_out, sig, weighting,
-                           tied, local_index, device, canon, frozenset(model.state_dict()), tree=model)
+                           tied, local_index, device, canon, frozenset(model.state_dict()), tree=model,
+                           split_backward=combined.schedule in SPLIT_BACKWARD)
 
 
 def _tied_groups(holders: dict[str, list[int]], S: int, k_sub: int) -> list[TiedParameter]:

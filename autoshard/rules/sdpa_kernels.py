@@ -145,7 +145,8 @@ def laid_out_as(t: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
     want = order(val)
     if [d for d in order(t) if t.shape[d] > 1] == [d for d in want if t.shape[d] > 1]:
         return t
-    return torch.empty_permuted(t.shape, want, dtype=t.dtype, device=t.device).copy_(t)
+    # (a copy in that order without writing in place: the per-rank programs are traced, then partitioned)
+    return t.permute(want).contiguous().permute(sorted(range(t.ndim), key=want.__getitem__))
 
 
 def results(node: fx.Node, made: Sequence[torch.Tensor], q_len: int, k_len: int) -> tuple[Any, ...]:

@@ -35,7 +35,6 @@ from autoshard.inputs import CallSignature
 from autoshard.runtime.stage_values import StageWiring, loss_weights, stage_args, stage_sends
 from autoshard.plans.plan import Plan
 from autoshard.runtime.deferred_weights import DeferredWeights
-from autoshard.solver.inter_op import SPLIT_BACKWARD
 from autoshard.runtime.rebind import rebind_optimizers
 from autoshard.runtime.param_state import ParamStates, scatter_grads
 from autoshard.runtime.sharded_module import distribute_parameters
@@ -183,7 +182,8 @@ class PipelinedModule(nn.Module):
     """This rank's stages of a pipelined plan and their schedule. ``step(*args, **kwargs)`` takes the global
     batch, called as the model is (every rank passes the same tensors), trains one step over all micro-batches
     and returns the whole batch's loss on every rank; the gradients are then in ``.grad`` of
-    :meth:`parameters`, ready for any ``torch.optim`` optimizer. The same loop serves a ``ShardedModule``."""
+    :meth:`parameters`, ready for any ``torch.optim`` optimizer. The same loop serves a ``ShardedModule``.
+    ``split_backward``: the schedule runs each stage's backward in input and weight parts (zero-bubble)."""
 
     def __init__(
         self,
@@ -202,6 +202,7 @@ class PipelinedModule(nn.Module):
         canonical: dict[str, str],
         state_names: frozenset[str] | None = None,
         tree: nn.Module | None = None,
+        split_backward: bool = False,
     ) -> None:
         super().__init__()
         from torch.distributed.pipelining import PipelineStage
@@ -227,10 +228,9 @@ class PipelinedModule(nn.Module):
         pp_size = dist.get_world_size(pp_group)
         self._last_owner = dist.get_global_rank(pp_group, (num_stages - 1) % pp_size)
         self._has_last = num_stages - 1 in stages
-        split = plan.schedule in SPLIT_BACKWARD  # the backward in input and weight parts
         pstages = [
             PipelineStage(m, k, num_stages, device, input_args=stage_inputs[k], output_args=stage_outputs[k],
-                          group=pp_group, dw_builder=m.defer_weights() if split else None)
+                          group=pp_group, dw_builder=m.defer_weights() if split_backward else None)
             for k, m in sorted(stages.items())
         ]
         cls = schedule_class(plan.schedule or "1F1B")
