@@ -212,7 +212,7 @@ def _sized_call(node: fx.Node) -> Callable[[tuple, dict, DeviceMesh], Any]:
     """A CUDA kernel as traced on its shards, told its local sequence lengths (traced whole)."""
 
     def call(args: tuple, kwargs: dict, mesh: DeviceMesh) -> Any:
-        got, local, kw_local = _bound(node, args, kwargs)
+        got, local, _ = _bound(node, args, kwargs)
         sizes = {"max_q": got["query"].shape[_SEQ], "max_k": got["key"].shape[_SEQ]}
         return node.target(*sdpa_kernels.with_args(node.target, local, sizes),
                            **{k: v.to_local() if hasattr(v, "to_local") else v for k, v in kwargs.items()})
