@@ -146,3 +146,46 @@ def test_context_parallelism_runs_on_the_cuda_kernels(dtype: str, backend: str |
     for name, p in ref.named_parameters():
         want = p.grad.float()
         assert float((grads[name] - want).abs().max() / want.abs().max()) < tol, name
+
+
+@pytest.mark.parametrize("device,dtype,tol", [("cpu", "float32", 1e-5), ("cuda", "float32", 1e-5),
+                                              ("cuda", "bfloat16", 3e-2)])
+def test_stock_hf_llama_trains_context_parallel(device: str, dtype: str, tol: float) -> None:
+    """A stock Hugging Face ``LlamaForCausalLM`` (it passes SDPA a causal mask, so the ring is not offered)
+    trained with its sequence split over 4 simulated ranks: queries on their chunk against gathered keys and
+    values, the mask's rows on the chunk; loss and every gradient against one device. On CPU the CPU kernel
+    (2048 tokens); on a GPU (8192 tokens) the efficient kernel in fp32 and cuDNN in bf16 (torch 2.11, H100:
+    8.3e-7 and 9.4e-3 relative, 2026-11-26). Until 2026-11-26 the backward failed on a view of a gradient whose
+    local layout differed from the traced one (``compiler/lower.py: _contiguous``)."""
+    import copy
+
+    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
+
+    import autoshard
+    from harness import local_ranks
+    from numerics_utils import _full, _scalar
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("runs the CUDA kernels")
+    seq = 2048 if device == "cpu" else 8192
+    cfg = HFConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=4, vocab_size=256, max_position_embeddings=seq)
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(cfg).to(device, getattr(torch, dtype))
+    ids = torch.randint(0, 256, (1, seq), device=device)
+    batch = {"input_ids": ids, "labels": ids}
+    ref = copy.deepcopy(base)
+    ref_loss = ref(**batch).loss
+    ref_loss.backward()
+    with local_ranks(4):
+        mesh = init_device_mesh(device, (4,), mesh_dim_names=("cp",))
+        sharded = autoshard.compile(copy.deepcopy(base), mesh, batch, cluster="h100-sxm",
+                                    constraints={"inputs": "[S(1)]"}, backend="eager")
+        loss = _scalar(sharded.step(**batch))
+        grads = {n: _full(p.grad).float() for n, p in sharded.named_parameters()}
+    attn = [d for d in sharded.plan.stages[0].ops if "_scaled_dot_product_" in d.op and d.phase == "forward"]
+    assert attn and all(d.inputs[0] == ("S(2)",) and d.inputs[1] == ("R",) for d in attn), attn  # gathered K/V
+    assert abs(loss - float(ref_loss)) <= tol * abs(float(ref_loss))
+    for name, p in ref.named_parameters():
+        want = p.grad.float()
+        assert float((grads[name] - want).abs().max() / want.abs().max()) < tol, name

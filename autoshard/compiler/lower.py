@@ -53,6 +53,13 @@ def _wrap(t: torch.Tensor, mesh: DeviceMesh, placements: Sequence, global_val: t
     )
 
 
+def _contiguous(x: DTensor) -> DTensor:
+    """``x`` with its local tensor and its own metadata both contiguous."""
+    stride = torch.empty(x.shape, device="meta").stride()
+    return DTensor.from_local(x.to_local().contiguous(), x.device_mesh, x.placements, run_check=False,
+                              shape=x.shape, stride=stride)
+
+
 def _all_replicated(sh: NodeSharding) -> bool:
     return all(all(isinstance(p, Replicate) for p in pl) for pl in list(sh.inputs) + list(sh.outputs) if pl)
 
@@ -124,10 +131,12 @@ class PlanInterpreter:
             return self._run_local(node, sh, args, kwargs)
         except RuntimeError:
             # a view traced on one memory layout, run on another (DTensor's local results need not keep the
-            # traced strides): the same values through a contiguous copy
-            if node.target not in _VIEWS or not isinstance(args[0], DTensor) or args[0].is_contiguous():
+            # traced strides, and a DTensor's own strides are the traced ones): the same values through a
+            # contiguous copy of the local tensor
+            if node.target not in _VIEWS or not isinstance(args[0], DTensor) or (
+                    args[0].is_contiguous() and args[0].to_local().is_contiguous()):
                 raise
-            out = node.target(args[0].contiguous(), *args[1:], **kwargs)
+            out = node.target(_contiguous(args[0]), *args[1:], **kwargs)
         return self._match(node, sh, out)
 
     def _moved(self, use: tuple, val: DTensor, env: dict[str, Any]) -> DTensor:
@@ -246,8 +255,8 @@ def _reduced_in(dtype: torch.dtype | None, val: DTensor, want: tuple) -> bool:
 
 
 _aten = torch.ops.aten
-_VIEWS = {_aten.t.default, _aten.view.default, _aten._unsafe_view.default, _aten.permute.default,
-          _aten.transpose.int, _aten.reshape.default}  # what a parameter goes through before its matmul
+_PARAM_VIEWS = {_aten.t.default, _aten.view.default, _aten._unsafe_view.default, _aten.permute.default,
+                _aten.transpose.int, _aten.reshape.default}  # what a parameter goes through before its matmul
 
 
 def _gather_groups(nodes: Sequence[fx.Node], mesh_shape: tuple[int, ...]) -> tuple[dict[tuple, list], dict[tuple, tuple]]:
@@ -269,7 +278,7 @@ def _gather_groups(nodes: Sequence[fx.Node], mesh_shape: tuple[int, ...]) -> tup
                 continue
             want, have = tuple(sh.inputs[k]), tuple(src.meta["autoshard"].outputs[0])
             param, views = src, []
-            while param.op == "call_function" and param.target in _VIEWS and isinstance(param.args[0], fx.Node):
+            while param.op == "call_function" and param.target in _PARAM_VIEWS and isinstance(param.args[0], fx.Node):
                 param, views = param.args[0], [param, *views]
             role = param.meta.get("autoshard_role")
             if param.op != "placeholder" or role is None or role.kind != "parameter":
