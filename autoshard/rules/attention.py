@@ -144,11 +144,11 @@ def _seq_axes(placements: Sequence[Placement] | None) -> list[int]:
     return [a for a, p in enumerate(placements or ()) if isinstance(p, Shard) and p.dim == _SEQ]
 
 
-def _placed(node: fx.Node, sharding: NodeSharding) -> dict[str, Any]:
-    """role -> the planned placements of ``node``'s first tensor argument of that role."""
+def _by_role(node: fx.Node, per_tensor: Sequence[Any]) -> dict[str, Any]:
+    """role -> the entry of ``per_tensor`` (one per tensor argument of ``node``) of its first tensor of that role."""
     out: dict[str, Any] = {}
-    for role, pl in zip(sdpa_kernels.roles(node).tensors, sharding.inputs):
-        out.setdefault(role, pl)
+    for role, x in zip(sdpa_kernels.roles(node).tensors, per_tensor):
+        out.setdefault(role, x)
     return out
 
 
@@ -159,7 +159,7 @@ def local_call(node: fx.Node, sharding: NodeSharding) -> Callable[[tuple, dict, 
     this rank's causal mask, with a warning); a CUDA kernel's sequence lengths on a sequence shard. Else None
     (the kernel as traced, on local shards)."""
     kernel, backward = sdpa_kernels.kernel_of(node.target)
-    placed = _placed(node, sharding)
+    placed = _by_role(node, sharding.inputs)
     ring, axes = _seq_axes(placed.get("key")), _seq_axes(placed.get("query"))
     if ring:
         return _ring_call(node, ring[0])
@@ -269,14 +269,14 @@ def exchanges(node: fx.Node, inputs: Sequence[Sequence[Placement] | None],
     chunk passes (``ring_attention``): [(kind, mesh axis, bytes per device)]."""
     backward = _is_backward(node)
     roles = sdpa_kernels.roles(node)
-    placed = dict(reversed(list(zip(roles.tensors, inputs))))  # role -> its first tensor's placements
+    placed = _by_role(node, inputs)
     q_pl = placed["query"]
     axes = [a for a in _seq_axes(q_pl) if mesh_shape[a] > 1]
     ring = _seq_axes(placed["key"])
     if len(axes) != 1 or (not _causal(node) and not ring):
         return []
     shard = math.prod(n for p, n in zip(q_pl, mesh_shape) if isinstance(p, Shard))
-    vals = {role: a.meta["val"] for role, a in reversed(list(zip(roles.tensors, tensor_args(node))))}
+    vals = _by_role(node, [a.meta["val"] for a in tensor_args(node)])
     if not backward:
         vals.update((role, v) for role, v in zip(roles.outputs, output_vals(node)) if role in ("out", "lse"))
     local = {name: vals[role].numel() * vals[role].element_size() // shard

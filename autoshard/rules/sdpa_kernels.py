@@ -50,7 +50,6 @@ class Kernel:
     name: str
     forward_op: str  # the overload's name in ``torch.ops.aten``, e.g. "_scaled_dot_product_flash_attention"
     lse_layout: str  # "plain" [B, H, Lq], "padded" [B, H, ceil(Lq / 32) * 32], "trailing" [B, H, Lq, 1]
-    takes_mask: bool  # whether the kernel has a mask argument (flash has none)
 
     def op(self, backward: bool) -> Any:
         return getattr(torch.ops.aten, self.forward_op + ("_backward" if backward else "")).default
@@ -82,10 +81,10 @@ class Kernel:
         return op(g, q, k, v, out, lse, seed, seed, None, None, None, q.shape[2], k.shape[2], 0.0, causal, **kw)[:3]
 
 
-KERNELS = (Kernel("cpu", "_scaled_dot_product_flash_attention_for_cpu", "plain", True),
-           Kernel("flash", "_scaled_dot_product_flash_attention", "plain", False),
-           Kernel("efficient", "_scaled_dot_product_efficient_attention", "padded", True),
-           Kernel("cudnn", "_scaled_dot_product_cudnn_attention", "trailing", True))
+KERNELS = (Kernel("cpu", "_scaled_dot_product_flash_attention_for_cpu", "plain"),
+           Kernel("flash", "_scaled_dot_product_flash_attention", "plain"),
+           Kernel("efficient", "_scaled_dot_product_efficient_attention", "padded"),
+           Kernel("cudnn", "_scaled_dot_product_cudnn_attention", "trailing"))
 
 
 def plain_lse(kernel: Kernel, lse: torch.Tensor, q_len: int) -> torch.Tensor:
@@ -119,13 +118,15 @@ def kernel_of(op: Any) -> tuple[Kernel, bool]:
     return _by_op()[str(op)]
 
 
+def _given(op: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The schema's argument name -> value for a call of ``op``, defaults filled (None where there is none)."""
+    return {a.name: args[i] if i < len(args) else kwargs.get(a.name, a.default_value if a.has_default_value() else None)
+            for i, a in enumerate(op._schema.arguments)}
+
+
 def bound(op: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """role (or the schema's own name) -> value for a call of ``op`` with ``args``/``kwargs``, defaults filled."""
-    out: dict[str, Any] = {}
-    for i, a in enumerate(op._schema.arguments):
-        v = args[i] if i < len(args) else kwargs.get(a.name, a.default_value if a.has_default_value() else None)
-        out[_ARG_ROLES.get(a.name, a.name)] = v
-    return out
+    return {_ARG_ROLES.get(name, name): v for name, v in _given(op, args, kwargs).items()}
 
 
 def with_args(op: Any, args: Sequence[Any], by_role: Mapping[str, Any]) -> list[Any]:
@@ -184,14 +185,7 @@ class Roles:
 def roles(node: fx.Node) -> Roles:
     """The roles of ``node``'s arguments and outputs (``node`` calls one of ``ops()``), from its schema."""
     schema = node.target._schema
-    given: dict[str, Any] = {}
-    for i, a in enumerate(schema.arguments):
-        if i < len(node.args):
-            given[a.name] = node.args[i]
-        elif a.name in node.kwargs:
-            given[a.name] = node.kwargs[a.name]
-        elif a.has_default_value():
-            given[a.name] = a.default_value
+    given = _given(node.target, node.args, node.kwargs)
     tensors = []
     for a in schema.arguments:  # positional first, then keywords: the order ``tensor_args`` flattens them in
         v = given.get(a.name)

@@ -47,7 +47,6 @@ from autoshard.errors import CallError, InputError
 log = logging.getLogger(__name__)
 
 EXECUTABLE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
-_MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble")  # several stages per rank
 
 
 class _RunStage(torch.autograd.Function):
@@ -206,6 +205,7 @@ class PipelinedModule(nn.Module):
     ) -> None:
         super().__init__()
         from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
         self.plan = plan
         self.signature = signature
@@ -234,7 +234,7 @@ class PipelinedModule(nn.Module):
             for k, m in sorted(stages.items())
         ]
         cls = schedule_class(plan.schedule or "1F1B")
-        multi = plan.schedule in _MULTI_STAGE
+        multi = issubclass(cls, PipelineScheduleMulti)  # several stages per rank: they take the list
         self.schedule = cls(pstages if multi else pstages[0], n_microbatches=plan.microbatches, loss_fn=_weighted,
                             scale_grads=True)
 
