@@ -65,21 +65,24 @@ def plan_graph(
     plans: list[Planned] = []
     failed: list[InfeasibleBudget] = []
 
-    def attempt(specs: tuple[str, ...]) -> Planned | None:
+    def attempt(specs: tuple[str, ...], recipes: bool = False) -> Planned | None:
+        # the recipes are read from the attempts that save everything and that recompute every layer only
+        # (``_recipes_of``): the other attempts solve the plan alone
         try:
-            plans.append(once(dataclasses.replace(config, recompute=specs)))
+            plans.append(once(dataclasses.replace(config, recompute=specs,
+                                                  solve_recipes=config.solve_recipes and recipes)))
             return plans[-1]
         except InfeasibleBudget as e:
             failed.append(e)
             return None
 
-    saving = attempt(())
+    saving = attempt((), recipes=True)
     if saving is not None and saving.plan.peak_memory.total <= SLACK * config.memory_budget:
         # the budget does not bind the plan that saves everything: recomputing could only cost time (the recipes,
         # whose layouts the budget may bind, are solved recomputing every layer too: the forms people would run)
-        full = attempt((container,)) if config.solve_recipes else None
+        full = attempt((container,), recipes=True) if config.solve_recipes else None
         return saving.with_plan(dataclasses.replace(saving.plan, recipes=_recipes_of([r for r in (saving, full) if r])))
-    full = attempt((container,))
+    full = attempt((container,), recipes=True)
     reps = {}
     if full is not None and (replays := layer_replays(full.graph, full.ctx.mesh_shape, cluster.device, FULL)):
         reps[FULL] = typical_replay(replays.values())
