@@ -25,7 +25,7 @@ from autoshard.config import normalize
 from autoshard.ir import tensor_args
 from autoshard.rules import attention
 from autoshard.compiler.context import PassContext
-from autoshard.compiler.solve_memory import solve_within, temporaries_of
+from autoshard.compiler.solve_memory import solve_within
 from autoshard.errors import InfeasibleBudget, InputError, SolverTimeout
 from autoshard.notation import placement_str
 from autoshard.solver.recipes import (RecipeResult, applicable, candidate_state_kind, even_prefix, is_expert_weight,
@@ -193,8 +193,8 @@ def solve_recipe(recipe: str, gm: fx.GraphModule, ctx: PassContext, time_limit_s
     except ValueError as e:
         return RecipeResult(recipe, None, False, float("inf"), 0, f"n/a: {e}")
     choice = {c: sol.choice[c] for c in ctx.problem.canon_ids}
-    peak = sol.memory_bytes + temporaries_of(gm, ctx, sol)
-    return RecipeResult(recipe, sol, fits, ctx.problem.evaluate(choice), peak, "; ".join(notes))
+    # the solver's count: the Plan's recipe rows (``search/planned.py: recipe_summaries``) add the temporaries
+    return RecipeResult(recipe, sol, fits, ctx.problem.evaluate(choice), sol.memory_bytes, "; ".join(notes))
 
 
 def solve_recipes(gm: fx.GraphModule, ctx: PassContext, alongside: Callable[[], T] | None = None) -> tuple[list[RecipeResult], T | None]:

@@ -75,7 +75,7 @@ class RecipeResult:
     solution: Solution | None
     fits: bool
     objective_s: float
-    memory_bytes: int
+    memory_bytes: int  # state and saved activations, as the solver counts them (no temporaries)
     note: str
 
 
