@@ -175,7 +175,7 @@ def solve_recipe(recipe: str, gm: fx.GraphModule, ctx: PassContext, time_limit_s
     try:
         pins, notes = recipe_pins(recipe, gm, ctx)
     except ValueError as e:
-        return RecipeResult(recipe, None, False, float("inf"), 0, f"n/a: {e}")
+        return RecipeResult(recipe, None, False, float("inf"), f"n/a: {e}")
     limit = float(time_limit_s if time_limit_s is not None else min(ctx.config.time_limit_s, 10.0))
     budget = ctx.config.memory_budget
     kw = dict(time_limit_s=limit, pins=pins, num_workers=ctx.config.num_workers, seed=ctx.config.seed, what=recipe)
@@ -189,12 +189,11 @@ def solve_recipe(recipe: str, gm: fx.GraphModule, ctx: PassContext, time_limit_s
         try:
             sol = ctx.problem.solve(memory_budget=None, **kw)
         except (ValueError, SolverTimeout) as e2:
-            return RecipeResult(recipe, None, False, float("inf"), 0, f"n/a: {e2}")
+            return RecipeResult(recipe, None, False, float("inf"), f"n/a: {e2}")
     except ValueError as e:
-        return RecipeResult(recipe, None, False, float("inf"), 0, f"n/a: {e}")
+        return RecipeResult(recipe, None, False, float("inf"), f"n/a: {e}")
     choice = {c: sol.choice[c] for c in ctx.problem.canon_ids}
-    # the solver's count: the Plan's recipe rows (``search/planned.py: recipe_summaries``) add the temporaries
-    return RecipeResult(recipe, sol, fits, ctx.problem.evaluate(choice), sol.memory_bytes, "; ".join(notes))
+    return RecipeResult(recipe, sol, fits, ctx.problem.evaluate(choice), "; ".join(notes))
 
 
 def solve_recipes(gm: fx.GraphModule, ctx: PassContext, alongside: Callable[[], T] | None = None) -> tuple[list[RecipeResult], T | None]:

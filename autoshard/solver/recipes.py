@@ -75,8 +75,7 @@ class RecipeResult:
     solution: Solution | None
     fits: bool
     objective_s: float
-    memory_bytes: int  # state and saved activations, as the solver counts them (no temporaries)
-    note: str
+    note: str  # (its memory with the step's temporaries: the Plan's recipe row, ``search/planned.py``)
 
 
 def is_expert_weight(module_type: str, shape: Sequence[int]) -> bool:
