@@ -204,8 +204,8 @@ def plan_offline(
         if isinstance(mesh, DeviceMesh):
             mesh = None  # each stage plans on a sub-mesh of its own fake world
     budget = memory_budget if memory_budget is not None else (base.memory_budget or prof.device.memory_bytes)
-    if isinstance(budget, str) and budget.strip().lower() == "none":
-        budget = None
+    if (isinstance(budget, str) and budget.strip().lower() == "none") or base.reuse is not None:
+        budget = None  # (plan=saved replays its choices: no budget, no recomputation search)
     sample = base.sample_layers if base.sample_layers is not None else DEFAULT_SAMPLE_LAYERS
     cfg = dataclasses.replace(base, memory_budget=budget, sample_layers=sample)
     # mixed precision: the model's parameters in fp32 (the masters), its matmuls in bf16 under autocast

@@ -69,3 +69,15 @@ def test_the_same_inputs_give_the_same_plan_text() -> None:
     ja["solver"]["wall_s"] = jb["solver"]["wall_s"] = 0.0
     assert ja == jb  # only the wall clock differs
     assert dict(a.fingerprint)["mesh"] == "dp=2" and "int64[8, 16]" in dict(a.fingerprint)["inputs"]
+
+
+def test_a_saved_zoo_plan_replays_offline_with_its_own_choices() -> None:
+    """Llama-3-8B on (8, 8), planned offline (under the H100's memory) and replayed from its JSON: the replay takes
+    no budget (it was refused for the recomputation the search tried) and, where candidates agree on the layouts
+    a plan names but one holds a view DTensor offers as _StridedShard, the one a plan can name (it crashed)."""
+    saved = autoshard.plan("llama3-8b", mesh=(8, 8), cluster="h100-sxm:8x8", global_batch=64)
+    again = autoshard.plan("llama3-8b", mesh=(8, 8), cluster="h100-sxm:8x8", global_batch=64,
+                           plan=Plan.from_json(saved.to_json()))
+    assert again.solver.status == "REUSED"
+    assert again.step_time_s == pytest.approx(saved.step_time_s, rel=1e-9)
+    assert again.parameter_placements() == saved.parameter_placements()

@@ -40,6 +40,18 @@ def _key_or_none(key: object, s: GroupStrategy) -> tuple | None:
         return None
 
 
+def _nameable(s: GroupStrategy) -> bool:
+    """Whether every layout of candidate ``s`` (each member's outputs and inputs) is one a plan can name."""
+    try:
+        for outs, ins in zip(s.outputs, s.inputs):
+            for p in (*outs, *ins):
+                if p is not None:
+                    placements_tuple(p)
+    except InputError:
+        return False
+    return True
+
+
 def program_fingerprint(gm: fx.GraphModule, ctx: PassContext) -> tuple[tuple[str, str], ...]:
     names = ctx.signature.names if ctx.signature is not None else ()
     return fingerprint(gm, ctx.mesh_shape, ctx.mesh_names, ctx.cluster, ctx.config, names)
@@ -60,6 +72,7 @@ def reused_solution(gm: fx.GraphModule, ctx: PassContext, plan: object) -> Solut
     ops = {d.node: (d.output, d.inputs) for d in stages[0].ops}
     nodes = {n.name: n for n in gm.graph.nodes}
     choice_c: dict[int, int] = {}
+    ties: dict[int, list[int]] = {}
     for c in ctx.problem.canon_ids:
         group = next(g for g in ctx.groups if g.id == c)
         cands = ctx.strategies[c]
@@ -75,11 +88,19 @@ def reused_solution(gm: fx.GraphModule, ctx: PassContext, plan: object) -> Solut
         else:
             raise InputError(f"plan= names no layout for {group.anchor} ({anchor.target}); the plan does not match "
                              "this program: re-plan it")
-        hit = next((i for i, s in enumerate(cands) if _key_or_none(key, s) == want), None)
-        if hit is None:
+        hits = [i for i, s in enumerate(cands) if _key_or_none(key, s) == want]
+        hits = [i for i in hits if _nameable(cands[i])] or hits
+        if not hits:
             raise InputError(f"plan= asks {group.anchor} ({anchor.target}) for {want}, which is not one of its "
                              f"{len(cands)} candidates here; re-plan it for this program")
-        choice_c[c] = hit
+        choice_c[c] = hits[0]
+        if len(hits) > 1:
+            ties[c] = hits
+    # candidates that agree on what a plan names (the anchor's layouts) may differ in their other members': of
+    # those (every layout one the notation names first), the one the program prices cheapest
+    for _ in range(2):
+        for c, hits in ties.items():
+            choice_c[c] = min(hits, key=lambda i: ctx.problem.evaluate({**choice_c, c: i}))
     canon = ctx.layer_of_group or {}
     choice = {g.id: choice_c[canon.get(g.id, g.id)] for g in ctx.groups}
     objective = ctx.problem.evaluate(choice_c)
