@@ -153,3 +153,21 @@ def test_a_forward_writing_into_its_input_is_refused_naming_what_to_do() -> None
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
         with pytest.raises(autoshard.InputError, match=r"writes in place into .*Return the new value instead"):
             autoshard.compile(_WritesItsInput(), mesh, example_inputs=(torch.randn(4, 8),), backend="eager")
+
+
+def test_labels_passed_positionally_to_a_stock_hf_model_get_an_error_naming_the_binding() -> None:
+    """``(ids, labels)`` to ``GPT2LMHeadModel``: the second positional parameter is its KV cache, and the model's own
+    code fails (a raw AttributeError from deep inside transformers). The error names the model's line, how the
+    example inputs bound to its parameters and the fix (keywords)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32)
+    ids = torch.randint(0, 128, (4, 16))
+    with fake_world(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        with pytest.raises(autoshard.CallError, match=r"GPT2LMHeadModel\.forward raised AttributeError: .*"
+                           r"modeling_gpt2\.py:\d+.*bound as input_ids=int64\[4, 16\], \w+=int64\[4, 16\].*"
+                           r"pass it by keyword"):
+            autoshard.plan(transformers.GPT2LMHeadModel(cfg), mesh, (ids, ids), solve_recipes=False)
+        plan = autoshard.plan(transformers.GPT2LMHeadModel(cfg), mesh, {"input_ids": ids, "labels": ids},
+                              solve_recipes=False)  # the fix the message names works
+    assert plan.step_time_s > 0

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
 import os
 import traceback
@@ -34,7 +35,7 @@ import torch.fx.traceback as fx_traceback
 from torch import nn
 
 from autoshard import _torch_compat as tc
-from autoshard.inputs import CallSignature, signature_of
+from autoshard.inputs import CallSignature, as_call, describe, signature_of
 from autoshard.compiler.capture_cleanup import (
     constant_values,
     drop_assertions,
@@ -42,7 +43,7 @@ from autoshard.compiler.capture_cleanup import (
     merge_tied_parameters,
 )
 from autoshard.compiler.context import PassContext
-from autoshard.errors import CallError, DataDependentError, InputError
+from autoshard.errors import AutoshardError, CallError, DataDependentError, InputError
 from autoshard.weights.shards import is_unfilled
 
 log = logging.getLogger(__name__)
@@ -255,13 +256,25 @@ def _data_dependent(model: str, op: str, cause: BaseException) -> DataDependentE
 def _user_frame(e: BaseException) -> str:
     """' at file:line (code)' of the innermost frame of the model's own code in the exception's traceback."""
     skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)),
-            os.path.dirname(os.path.abspath(tc.__file__)).rpartition(os.sep)[0], os.path.dirname(contextlib.__file__))
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(skip)]
+            os.path.dirname(os.path.abspath(tc.__file__)).rpartition(os.sep)[0])
+    stdlib = os.path.dirname(contextlib.__file__)  # (but not the libraries installed under it: transformers)
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(skip)
+              and not (f.filename.startswith(stdlib) and "-packages" not in f.filename)]
     if not frames:
         return ""
     f = frames[-1]
     code = f" `{f.line.strip()}`" if f.line else ""
     return f" at {f.filename}:{f.lineno}{code}"
+
+
+def _bound(model: nn.Module, example_inputs: Any) -> str:
+    """How the example call binds to ``model.forward``'s parameters: ``input_ids=int64[4, 64], past_key_values=...``."""
+    args, kwargs = as_call(example_inputs)
+    try:
+        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return describe(args, kwargs)
+    return ", ".join(f"{k}={describe((v,), {})[1:-1]}" for k, v in bound.items())
 
 
 def capture(model: nn.Module, example_inputs: Sequence[Any], ctx: PassContext) -> fx.GraphModule:
@@ -280,11 +293,21 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], ctx: PassContext) -
         with contextlib.ExitStack() as stack:
             stack.enter_context(_annotate_modules(traced))
             gm = tc.export_joint(stack, wrapper, args, fake_mode, decompositions=tc.planning_decompositions())
+    except AutoshardError:
+        raise
     except Exception as e:
         op = tc.data_dependent_op(e)
-        if op is None:
+        if op is not None:
+            raise _data_dependent(type(model).__name__, op, e) from e
+        where = _user_frame(e)
+        if not where:  # not raised in the model's code: autoshard's or torch's own failure, as it is
             raise
-        raise _data_dependent(type(model).__name__, op, e) from e
+        raise CallError(
+            f"capture: {type(model).__name__}.forward raised {type(e).__name__}: {str(e)[:300]}{where}, called with "
+            f"the example inputs bound as {_bound(model, example_inputs)}. If an input went to the wrong parameter "
+            "(a Hugging Face model's second positional parameter is not labels), pass it by keyword, e.g. "
+            "example_inputs={'input_ids': ids, 'labels': labels}"
+        ) from e
     drop_assertions(gm)
     constant_values(gm, fake_mode)
     drop_empty_concat_inputs(gm)
