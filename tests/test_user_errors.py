@@ -171,3 +171,37 @@ def test_labels_passed_positionally_to_a_stock_hf_model_get_an_error_naming_the_
         plan = autoshard.plan(transformers.GPT2LMHeadModel(cfg), mesh, {"input_ids": ids, "labels": ids},
                               solve_recipes=False)  # the fix the message names works
     assert plan.step_time_s > 0
+
+
+class _BranchesOnRank(nn.Module):
+    """A forward that computes something else on rank 1: each rank traces its own program."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.fc(x)
+        if torch.distributed.get_rank() == 1:
+            y = y * 2
+        return y.square().mean()
+
+
+def _branching_worker(rank: int, world: int, _: object) -> str:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    try:
+        autoshard.compile(_BranchesOnRank(), mesh, example_inputs=(torch.randn(4, 8),), backend="eager")
+    except autoshard.InputError as e:
+        return str(e)
+    return "compiled"
+
+
+def test_ranks_that_trace_different_programs_are_refused_on_every_rank_naming_the_first_difference() -> None:
+    """Rank 0 solves and the others apply its choices to their own trace: a rank that traced another program would
+    run a plan made for a different one. Every rank refuses, naming the rank and the first op that differs."""
+    from autoshard.testing.launch import launch
+
+    messages = launch(2, _branching_worker, None, timeout=240)
+    assert messages[0] == messages[1], messages
+    assert "rank(s) [1] differ from rank 0" in messages[0]
+    assert "aten.mul.Tensor" in messages[0] and "the first op that differs" in messages[0]

@@ -20,16 +20,49 @@ import torch.fx as fx
 from autoshard.compiler.context import PassContext
 from autoshard.compiler.solve_memory import layouts_of, solve_within
 from autoshard.compiler.solve_recipes import best_recipe, recipe_pins, solve_recipes
-from autoshard.compiler.solve_reuse import reused_solution
+from autoshard.compiler.solve_reuse import program_fingerprint, reused_solution
 from autoshard.solver.intra_op import IntraOpProblem, Solution
-from autoshard.errors import InfeasibleBudget
+from autoshard.errors import InfeasibleBudget, InputError
 from autoshard.messages import warn
 
 log = logging.getLogger(__name__)
 
 
+def same_program(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Every rank traced the program rank 0 did (its choices are about to be applied to each rank's own trace):
+    the fingerprints are gathered and compared, and a difference raises on every rank, naming the ranks, the
+    parts and the first op that differ."""
+    ops = [f"{n.name} = {n.target}{_shape(n)}" for n in gm.graph.nodes if n.op == "call_function"]
+    mine = (tuple(program_fingerprint(gm, ctx)), ops)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    ref = everyone[0]
+    bad = [r for r, other in enumerate(everyone) if other[0] != ref[0]]
+    if not bad:
+        return
+    r, other = bad[0], everyone[bad[0]]
+    theirs = dict(other[0])
+    parts = "; ".join(f"{k}: rank 0 {v!r}, rank {r} {theirs.get(k)!r}" for k, v in ref[0] if theirs.get(k) != v)
+    first = next((i for i, (a, b) in enumerate(zip(ref[1], other[1])) if a != b), min(len(ref[1]), len(other[1])))
+    ops0 = ref[1][first] if first < len(ref[1]) else "(none: its program ends)"
+    ops1 = other[1][first] if first < len(other[1]) else "(none: its program ends)"
+    raise InputError(
+        f"the ranks traced different programs: rank(s) {bad} differ from rank 0 ({parts}); the first op that "
+        f"differs, #{first}: rank 0 `{ops0}`, rank {r} `{ops1}`. Every rank must call the same model code on "
+        "inputs of the same shapes and dtypes (a forward that branches on the rank, or another batch size on one "
+        "rank, cannot be sharded)"
+    )
+
+
+def _shape(node: fx.Node) -> str:
+    v = node.meta.get("val")
+    return f" {list(v.shape)}" if hasattr(v, "shape") else ""
+
+
 def solve(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     canon = ctx.layer_of_group or {g.id: g.id for g in ctx.groups}
+    if ctx.broadcast_solution and dist.get_world_size() > 1:
+        same_program(gm, ctx)
     if ctx.broadcast_solution and dist.get_rank() != 0:
         # rank 0 solves and sends its choice: every rank must run the same plan, whatever the time limit
         # (with the recipes it was compared against, so every rank's Plan reads the same)
