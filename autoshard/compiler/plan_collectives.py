@@ -10,19 +10,17 @@ corrections that follow what the lowered program does rather than one collective
   reduce-scattered along dim 0 ride FSDP2's (``autoshard/buckets.py``); parameters all-gathered along dim 0 are
   gathered with the rest of their layer in one collective per phase (``lower._gather_groups``), and ZeRO's
   masters back to their compute layout after the step all together (``runtime.param_state``). Each member is
-  priced at its bytes; each bucket or group adds its collectives' latency once (their time at no bytes,
-  ``cost.comm.bundle_steps``; tensor ``"bucket of N gradients"`` or ``"group of N parameters"``, 0 bytes, named
-  after its first member's consumer). A captured layer that stands for r layers fills buckets with r gradients.
+  priced at its bytes; each bucket or group adds its collectives' latency once (tensor ``"bucket of N
+  gradients"`` or ``"group of N parameters"``, 0 bytes, named after its first member's consumer).
 - **Each wait costs the links' sync** (:attr:`autoshard.cluster.profile.Link.sync`: the ranks arrive apart after
   compute). Measured on gloo, a prefetched gather group or a gradient bucket is waited on much like an
   activation's all-reduce, so every collective of a move, bucket or group pays it (a move's second collective
   too: on another mesh axis it meets other ranks); ZeRO's gathers after the optimizer step that cannot be bundled
   run back to back and pay it once in all.
 
-The solver prices edges, not values (``solver/pricing.py``): a value several consumers want moved alike is
-priced once per consumer there, and its buckets are counted from bytes (a member's share of one, at most a
-whole one) rather than filled in order; every bundle above is priced as here. ``per_edge=True`` lists the
-collectives as the solver counts them, which is what its objective sums.
+The solver prices edges, not values (``solver/intra_op.py``): a gradient's bucket latency is discounted there
+too, gathers and reduce-scatters keep their latency (the memory of a whole gradient waiting for its
+reduce-scatter is not in the solver's sum), and sync is charged per edge.
 """
 
 from __future__ import annotations
@@ -35,14 +33,12 @@ from collections.abc import Sequence
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
-from autoshard.buckets import bucket_starts, gather_axes
-from autoshard.config import BUCKET_BYTES
-from autoshard.cost.comm import bundle_latency, bundle_steps, redistribute_steps, sync_time
+from autoshard.buckets import bucket_starts, bucketable, gather_axes, scatter_axes
+from autoshard.cost.comm import redistribute_steps, sync_time
 from autoshard.ir import is_state, layer_key, tensor_args, view_root
 from autoshard.notation import local_shape
 from autoshard.compiler.context import PassContext
 from autoshard.plans.plan import CollectiveStat
-from autoshard.solver.pricing import bucket_move, parameter_gather
 
 __all__ = ["plan_collectives", "weight_of"]
 
@@ -71,37 +67,16 @@ def _gather_group(src: fx.Node, a: tuple, b: tuple, consumer: fx.Node, phase: st
     return ("gather", phase, layer, moved, root.meta["val"].dtype)
 
 
-def _bundle(src: fx.Node, a: tuple, b: tuple, consumer: str, phase: str, size: int, mesh_shape: tuple[int, ...],
-            nodes: dict[str, fx.Node], per_edge: bool, sink: bool) -> tuple | None:
-    """The bundle a move joins (its key), or None: as the lowering bundles, or with ``per_edge`` as the solver
-    counts bundles (``solver/pricing.py``: a parameter's gather by its consumer's layer, whatever its root's layout)."""
-    shape = tuple(src.meta["val"].shape)
-    if sink:
-        return ("bucket", a, b, size) if bucket_move(a, b, shape, mesh_shape) else None
-    if phase == "optimizer":
-        axes = gather_axes(a, b, shape, mesh_shape)
-        return None if axes is None else ("gather", phase, axes, src.meta["val"].dtype)  # ParamStates' one gather
-    if consumer not in nodes:
-        return None
-    if not per_edge:
-        return _gather_group(src, a, b, nodes[consumer], phase, mesh_shape)
-    axes = parameter_gather(src, a, b, mesh_shape)
-    if axes is None:
-        return None
-    layer = layer_key(nodes[consumer].meta.get("autoshard_module", "")) or ("", -1)
-    return ("gather", phase, layer, axes, view_root(src).meta["val"].dtype)
-
-
 def plan_collectives(gm: fx.GraphModule, ctx: PassContext, per_edge: bool = False) -> list[CollectiveStat]:
     """Every placement change the chosen plan makes, as collectives (see the module docstring). ``per_edge``: as
-    the solver prices them instead (one move per consumer edge, a parameter's gather bundled by its consumer's
-    layer, each bucket's latency spread over its members' bytes), which is what its objective sums."""
+    the solver prices them instead (one move per consumer edge, only DDP's buckets bundled, sync on the moves of
+    values that are not parameters), which is what its objective sums."""
     names = ctx.mesh_names
     mesh_shape = tuple(ctx.mesh_shape)
     nodes = {n.name: n for n in gm.graph.nodes}
     order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
     bundled = ctx.cluster.bundled()
-    bundles: dict[tuple, list[tuple[int, int, float, list[CollectiveStat]]]] = {}  # key -> (made at, bytes, layers, latencies)
+    bundles: dict[tuple, list[tuple[int, int, list[CollectiveStat]]]] = {}  # key -> (made at, bytes, latencies)
     out: list[CollectiveStat] = []
     made: set[tuple] = set()
     after_step: list[tuple] = []  # the moves after the optimizer step so far
@@ -119,30 +94,33 @@ def plan_collectives(gm: fx.GraphModule, ctx: PassContext, per_edge: bool = Fals
         v = src.meta["val"]
         size = min(v.element_size(), itemsize or v.element_size())  # gradients: mixed precision's reduce_dtype
         move = (a, b, tuple(v.shape), size, mesh_shape)
-        bundle = _bundle(src, a, b, consumer, phase, size, mesh_shape, nodes, per_edge, sink)
+        bundle = None
+        if sink and (bucketable(a, b) or (scatter_axes(a, b, tuple(v.shape), mesh_shape) is not None and not per_edge)):
+            bundle = ("bucket", a, b, size)
+        elif consumer in nodes and not per_edge:
+            bundle = _gather_group(src, a, b, nodes[consumer], phase, mesh_shape)
+        elif phase == "optimizer" and not per_edge and gather_axes(a, b, tuple(v.shape), mesh_shape) is not None:
+            bundle = ("gather", phase, gather_axes(a, b, tuple(v.shape), mesh_shape), v.dtype)  # ParamStates'
         steps = redistribute_steps(*move, bundled if bundle else ctx.cluster)
         back_to_back = phase == "optimizer" and bool(after_step)  # ZeRO's gathers after the step: one wait
         after_step.extend([key] if phase == "optimizer" else [])
-        if per_edge:  # as the solver: every wait but a gradient's, a bundled move's and a master's after the step
-            pays = not sink and not bundle and phase != "optimizer" and (
-                not is_state(src) or gather_axes(a, b, tuple(v.shape), mesh_shape) is None)
+        if per_edge:  # as the solver: every wait but a gradient's and a groupable parameter gather's
+            pays = not sink and (not is_state(src) or gather_axes(a, b, tuple(v.shape), mesh_shape) is None)
         else:
             pays = not bundle and not back_to_back
-        nbytes = math.prod(local_shape(tuple(v.shape), a, mesh_shape)) * size
-        # the solver's count of buckets past the first: a member's bytes over BUCKET_BYTES, at most one per member
-        share = (bundle_latency(a, b, mesh_shape, ctx.cluster) * min(1.0, nbytes / BUCKET_BYTES)
-                 if per_edge and bundle and bundle[0] == "bucket" else 0.0)
         for st in steps:  # each collective of a move pays its link's sync
             wait = sync_time((st,), mesh_shape, ctx.cluster) if pays else 0.0
-            out.append(CollectiveStat(st.kind, names[st.axis], int(st.nbytes), float(st.time) + wait + share,
-                                      src.name, consumer, phase, repeat))
-            share = 0.0
+            out.append(CollectiveStat(st.kind, names[st.axis], int(st.nbytes), float(st.time) + wait, src.name,
+                                      consumer, phase, repeat))
         if bundle:  # the bundle's collectives: latency and sync, once per bucket or group
             per = 1.0 if bundle[0] == "bucket" or phase == "optimizer" else repeat  # a group is per layer
-            latency = [CollectiveStat(st.kind, names[st.axis], 0, st.time + sync_time((st,), mesh_shape, ctx.cluster),
-                                      "", consumer, phase, per)
-                       for st in bundle_steps(a, b, mesh_shape, ctx.cluster)]
-            bundles.setdefault(bundle, []).append((order[src.name], int(nbytes), repeat, latency))
+            once = not per_edge
+            latency = [CollectiveStat(f.kind, names[f.axis], 0, f.time - st.time
+                                      + (sync_time((st,), mesh_shape, ctx.cluster) if once else 0.0), "",
+                                      consumer, phase, per)
+                       for f, st in zip(redistribute_steps(*move, ctx.cluster), steps)]
+            nbytes = math.prod(local_shape(tuple(v.shape), a, mesh_shape)) * size * repeat
+            bundles.setdefault(bundle, []).append((order[src.name], int(nbytes), latency))
 
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem:
@@ -171,20 +149,11 @@ def plan_collectives(gm: fx.GraphModule, ctx: PassContext, per_edge: bool = Fals
             add(ph, sh.state, sh.outputs[0], "optimizer step", "optimizer", weight_of(nodes, ph.name, ctx))
     for key, members in bundles.items():  # in the order they are made, as the lowering fills buckets
         members.sort(key=lambda m: m[0])
-        if key[0] == "bucket" and not per_edge:
-            # a captured layer standing for r layers puts r gradients of its size in the buckets (a fraction of
-            # r: that much of one more, so that the buckets hold every layer's bytes)
-            owner, sizes = [], []
-            for k, (_, nbytes, r, _) in enumerate(members):
-                whole, part = int(r), r - int(r)
-                owner += [k] * (whole + (part > 1e-9))
-                sizes += [nbytes] * whole + ([int(nbytes * part)] if part > 1e-9 else [])
-            starts = bucket_starts(sizes)
-            spans = [(owner[i], j - i) for i, j in zip(starts, [*starts[1:], len(owner)])]
+        if key[0] == "bucket":
+            starts, what = bucket_starts([nbytes for _, nbytes, _ in members]), "gradients"
         else:
-            spans = [(0, len(members))]
-        what = "gradients" if key[0] == "bucket" else "parameters"
-        for k, n in spans:
-            out += [dataclasses.replace(st, tensor=f"{'bucket' if key[0] == 'bucket' else 'group'} of {n} {what}")
-                    for st in members[k][3]]
+            starts, what = [0], "parameters"
+        for i, j in zip(starts, [*starts[1:], len(members)]):
+            out += [dataclasses.replace(st, tensor=f"{'bucket' if what == 'gradients' else 'group'} of {j - i} {what}")
+                    for st in members[i][2]]
     return out

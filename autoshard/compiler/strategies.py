@@ -37,7 +37,6 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autoshard import _torch_compat as tc
 from autoshard import rules
-from autoshard.buckets import gather_axes
 from autoshard.cost.reshard import reshard_time as redistribute_time
 from autoshard.cost.comm import axis_collective_time, point_to_point_time
 from autoshard.cost.compute import compute_time, op_flops
@@ -171,7 +170,7 @@ def state_variants(s: GroupStrategy, val: torch.Tensor, ctx: PassContext) -> lis
                       if evenly_divisible(val.shape, st, ms)), None)
         if state is None:
             continue
-        gather = after_step_gather(state, compute, val, ms, ctx)
+        gather = redistribute_time(state, compute, tuple(val.shape), val.element_size(), ms, ctx.cluster)
         if math.isinf(gather):
             continue
         shard = size // shard_factor(state, ms)
@@ -183,15 +182,6 @@ def state_variants(s: GroupStrategy, val: torch.Tensor, ctx: PassContext) -> lis
                 s, comm_s=s.comm_s + gather, state_bytes=param + g + opt, param_bytes=param, grad_bytes=g,
                 optimizer_bytes=opt, grad_placements=grad, state_placements=state))
     return out
-
-
-def after_step_gather(state: tuple, compute: tuple, val: torch.Tensor, ms: tuple[int, ...], ctx: PassContext) -> float:
-    """Seconds of a stepped master's gather back to its ``compute`` layout for this parameter alone: its bytes
-    when it joins the masters' one gather after the step (``buckets.gather_axes``; the integer program charges
-    that bundle's latency once, ``solver/pricing.py``), else the whole move."""
-    shape = tuple(val.shape)
-    link = ctx.cluster.bundled() if gather_axes(state, compute, shape, ms) is not None else ctx.cluster
-    return redistribute_time(state, compute, shape, val.element_size(), ms, link)
 
 
 def _full_state(compute: tuple, val: torch.Tensor, ms: tuple[int, ...]) -> tuple:
@@ -226,7 +216,7 @@ def offload_variants(s: GroupStrategy, val: torch.Tensor, ctx: PassContext) -> l
     size = val.numel() * val.element_size()
     shard = size // shard_factor(state, ms)
     on_device = size // shard_factor(compute, ms)
-    gather = after_step_gather(state, compute, val, ms, ctx)
+    gather = redistribute_time(state, compute, tuple(val.shape), val.element_size(), ms, ctx.cluster)
     if math.isinf(gather):
         return []
     cost = offload_cost(shard, shard, factor, ctx.cluster)

@@ -285,30 +285,3 @@ def _check_shard_dim(
         )
 
 
-
-
-def bundle_steps(
-    src: Sequence[Placement],
-    dst: Sequence[Placement],
-    mesh_shape: Sequence[int],
-    cluster: ClusterProfile,
-) -> tuple[CollectiveStep, ...]:
-    """The collectives of a move of no bytes from ``src`` to ``dst``: their times are the latency a bundle of
-    such moves (``autoshard/buckets.py``: a gradient bucket, a layer's gathered parameters) pays once on top of
-    its members' bytes, which cross at full bandwidth (``ClusterProfile.bundled``)."""
-    return redistribute_steps(src, dst, (1,) * _ndim(src, dst), 0, mesh_shape, cluster)
-
-
-def bundle_latency(
-    src: Sequence[Placement], dst: Sequence[Placement], mesh_shape: Sequence[int], cluster: ClusterProfile
-) -> float:
-    """The seconds a bundle of moves like this one pays once: :func:`bundle_steps` and the links' sync (compute
-    waits on the bundle once)."""
-    steps = bundle_steps(src, dst, mesh_shape, cluster)
-    return sum(st.time for st in steps) + sync_time(steps, mesh_shape, cluster)
-
-
-def _ndim(src: Sequence[Placement], dst: Sequence[Placement]) -> int:
-    """The fewest tensor dims the shards of ``src`` and ``dst`` name."""
-    dims = [p.dim for p in (*src, *dst) if p.is_shard()]
-    return max(dims, default=0) + 1

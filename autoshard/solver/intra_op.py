@@ -3,21 +3,19 @@
 Variables. For every canonical decision group c (identical repeated layers share one c, with multiplicity
 m_c) and candidate i: a boolean x[c,i], with AddExactlyOne over i. A group with one candidate has no variable.
 
-Edges. A tensor produced in group u and read by group v costs R[p,q] = the time to move the producer's layout
-p (under u's candidate) to the layout q v's candidate requires (``solver/pricing.py``: what every term costs).
+Edges. A tensor produced in group u and read by group v costs R[i,j] = the time to redistribute the producer's
+layout under u's candidate i to the layout v's candidate j requires (``cost.comm.redistribute_time``).
 Candidates are bucketed by the layout that matters to the edge (src layouts P, dst layouts Q), so the edge
 has |P|·|Q| booleans e[p,q] in the tight "marginal" form:
     Σ_q e[p,q] = Σ_{i in p} x[u,i]      Σ_p e[p,q] = Σ_{j in q} x[v,j]
 An edge with |P| = 1 or |Q| = 1 is a unary cost on the other side; one whose two ends map to the same
 canonical group (a self edge, or the same position in two shared layers) is the diagonal R[i,i].
-Graph outputs are edges too (the loss to Replicate, each gradient to its parameter's gradient layout).
+Graph outputs are edges too: the loss must end Replicate (an all-reduce of a Partial loss) and every gradient
+must end in its parameter's layout (parameter <-> gradient consistency: an all-reduce for a replicated
+parameter, a reduce-scatter for a sharded one).
 
-Bundles. A collective the lowering issues once for several moves (a gradient bucket, a layer's parameter
-gathers, the masters gathered after the step) is a boolean y[k] with y[k] >= every candidate or edge boolean
-that joins it; its latency is charged once, L[k] y[k], and its members pay their bytes.
-
-Objective. min Σ m_c (compute + internal comm)[c,i] x[c,i] + Σ_edges m_e R[p,q] e[p,q] + Σ_k L[k] y[k], in
-integer nanoseconds: the predicted step time of a program that does not overlap communication with compute.
+Objective. min Σ m_c (compute + internal comm)[c,i] x[c,i] + Σ_edges m_e R[p,q] e[p,q], in integer
+nanoseconds: the predicted step time of a program that does not overlap communication with compute.
 
 Memory. With a per-device budget B: Σ m_c (state + saved activations)[c,i] x[c,i] <= B (KiB units), where
 state = parameter + gradient + optimizer bytes. Memory is separable over groups, so the smallest budget any
@@ -30,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import os
 import threading
 import time
@@ -39,16 +38,25 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 from ortools.sat.python import cp_model
+from torch.distributed.tensor import Replicate
 
+from autoshard.buckets import bucketable, gather_axes
 from autoshard.cluster.profile import ClusterProfile
-from autoshard.ir import Group, GroupStrategy
+from autoshard.cost.reshard import reshard_time as redistribute_time
+from autoshard.ir import Edge, Group, GroupStrategy, Placements, is_state
 from autoshard.errors import InfeasibleBudget, InputError, SolverTimeout
 from autoshard.notation import format_bytes, placements_str
-from autoshard.solver.pricing import price_choices
+from autoshard.ir import tensor_args
 
 log = logging.getLogger(__name__)
 
 NS = 1e9
+# The reduction that brings a gradient to its parameter's layout runs after the op that produced it, while
+# the rest of the backward still computes (DDP's bucketed all-reduce, FSDP's reduce-scatter); an all-gather
+# that feeds an op sits in front of it. We credit that fraction of a gradient reduction as hidden. Without
+# it, equal-volume alternatives (all-reduce the weight gradient vs gather activations and gather the
+# result) tie and the choice is arbitrary; with it, the plan reduces gradients as every practical recipe does.
+GRAD_SINK_CREDIT = 0.3
 RELATIVE_GAP = 1e-6  # a solve stops within this fraction of its proven bound
 
 
@@ -61,6 +69,36 @@ class Solution:
     wall_s: float
     variables: int
     memory_bytes: int
+
+
+def collect_edges(gm: fx.GraphModule, groups: Sequence[Group], output_roles: Sequence) -> tuple[list[Edge], list]:
+    """Data edges between groups (and within one), plus output sinks (loss, gradients)."""
+    pos = {}
+    for g in groups:
+        for i, name in enumerate(g.members):
+            pos[name] = (g.id, i)
+    edges: list[Edge] = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        gid, m = pos[node.name]
+        follow = node.meta.get("autoshard_follow", -1)
+        for k, src in enumerate(tensor_args(node)):
+            sg, _ = pos[src.name]
+            if sg == gid and k == follow:
+                continue  # the followed input: costed inside the group
+            edges.append(Edge(sg, src.name, gid, m, k))
+    out = gm.graph.find_nodes(op="output")[0]
+    params = {n.meta["autoshard_role"].name: n for n in gm.graph.find_nodes(op="placeholder")}
+    sinks = []
+    for src, role in zip(out.args[0], output_roles):
+        if not isinstance(src, fx.Node):
+            continue
+        if role.kind in ("loss", "output", "buffer"):  # replicated, as the runtime holds buffers
+            sinks.append((src.name, None))
+        elif role.kind in ("grad", "input_grad"):
+            sinks.append((src.name, params[role.name].name))
+    return edges, sinks
 
 
 class IntraOpProblem:
@@ -89,16 +127,98 @@ class IntraOpProblem:
         self.strategies = strategies
         self.canon = canon
         self.mesh_shape = mesh_shape
+        nodes = {n.name: n for n in gm.graph.nodes}
+        pos = {name: (g.id, i) for g in groups for i, name in enumerate(g.members)}
         weight = {g.id: (weights or {}).get(g.id, 1.0) for g in groups}
         mult: dict[int, float] = defaultdict(float)
         for g in groups:
             mult[canon[g.id]] += weight[g.id]
         self.canon_ids = [g.id for g in groups if canon[g.id] == g.id]
-        prices = price_choices(gm, groups, strategies, canon, output_roles, mesh_shape, cluster, weights,
-                               grad_itemsize)
-        self.unary, self.unary_bundles = prices.unary, prices.unary_bundles
-        self.pair_costs, self.bundle_s = prices.pairs, prices.bundle_s
         canon_ids = self.canon_ids
+        unary: dict[int, list[float]] = {
+            c: [mult[c] * (s.compute_s + s.comm_s) for s in strategies[c]] for c in canon_ids
+        }
+        edges, sinks = collect_edges(gm, groups, output_roles)
+        rep = tuple(Replicate() for _ in mesh_shape)
+
+        in_bucket = cluster.bundled()
+
+        info: dict[str, tuple[tuple[int, ...], int, bool]] = {}
+        layouts: dict[Placements, int] = {}  # each distinct layout numbered once: hashing placements is slow
+        memo: dict[tuple, float] = {}
+
+        def rcost(node_name: str, a: Placements, b: Placements, itemsize: int | None = None, sink: bool = False
+                  ) -> float:
+            """A move's seconds; a gradient's all-reduce to its layout (``sink``), which the lowering flattens
+            into DDP's buckets with the others (``autoshard/buckets.py``), pays bytes only: its bucket's latency
+            is shared. (A reduce-scatter is bundled per layer too, but keeps its latency here: the whole gradient
+            waits for it, a temporary the solver's memory sum does not see, so it is not made to look cheaper.)"""
+            ia, ib = layouts.setdefault(a, len(layouts)), layouts.setdefault(b, len(layouts))
+            if ia == ib:
+                return 0.0
+            if node_name not in info:
+                v = nodes[node_name].meta["val"]
+                info[node_name] = (tuple(v.shape), v.element_size(), is_state(nodes[node_name]))
+            shape, elsize, state = info[node_name]
+            size = min(elsize, itemsize or elsize)
+            key = (shape, size, state, ia, ib, sink)
+            if key not in memo:
+                link = in_bucket if sink and bucketable(a, b) else cluster
+                # compute waits on it (Link.sync), unless the lowering gathers it ahead with its layer's parameters
+                waits = not sink and (not state or gather_axes(a, b, shape, mesh_shape) is None)
+                memo[key] = redistribute_time(a, b, shape, size, mesh_shape, link, waits=waits)
+            return memo[key]
+
+        # Edges of identical layers connect the same variables: key them by the canonical group's member (same
+        # shape) so they merge into one edge with a multiplicity instead of one set of edge variables per layer.
+        by_id = {g.id: g for g in groups}
+
+        def canon_node(gid: int, member: int) -> str:
+            return by_id[canon[gid]].members[member]
+
+        pair_edges: dict[tuple, float] = defaultdict(float)
+        for e in edges:
+            src_member = pos[e.src_node][1]
+            key = (canon[e.src_group], src_member, canon_node(e.src_group, src_member), canon[e.dst_group],
+                   ("in", e.dst_member, e.dst_arg))
+            pair_edges[key] += weight[e.dst_group]
+        for src_name, param in sinks:
+            sg, sm = pos[src_name]
+            if param is None:
+                pair_edges[(canon[sg], sm, canon_node(sg, sm), None, ("rep",))] += weight[sg]
+            else:
+                pg = pos[param][0]
+                pair_edges[(canon[sg], sm, canon_node(sg, sm), canon[pg], ("param",))] += weight[sg]
+
+        self.pair_costs: list[tuple[int, int, list[int], list[int], list[list[float]]]] = []
+        for (cu, sm, src_name, cv, dst), m in pair_edges.items():
+            su = strategies[cu]
+            src_layouts = [s.outputs[sm][0] for s in su]
+            if cv is None:  # loss sink
+                for i, a in enumerate(src_layouts):
+                    unary[cu][i] += m * rcost(src_name, a, rep)
+                continue
+            sv = strategies[cv]
+            if dst[0] == "param":  # the gradient is delivered in its parameter's gradient layout
+                dst_layouts = [s.outputs[0][0] if s.grad_placements is None else s.grad_placements for s in sv]
+            else:
+                dst_layouts = [s.inputs[dst[1]][dst[2]] for s in sv]
+            if cu == cv:
+                for i in range(len(su)):
+                    unary[cu][i] += m * rcost(src_name, src_layouts[i], dst_layouts[i], sink=dst[0] == "param")
+                continue
+            P = list(dict.fromkeys(src_layouts))  # distinct layouts in candidate order
+            Q = list(dict.fromkeys(dst_layouts))
+            w = m * (1.0 - GRAD_SINK_CREDIT) if dst[0] == "param" else m
+            # gradients reduced in grad_itemsize (mixed precision's reduce_dtype), the rest in their own dtype
+            size = grad_itemsize if dst[0] == "param" else None
+            sink = dst[0] == "param"
+            R = [[w * rcost(src_name, p, q, size, sink) for q in Q] for p in P]
+            if all(r == 0 for row in R for r in row):
+                continue
+            p_at, q_at = {a: k for k, a in enumerate(P)}, {b: k for k, b in enumerate(Q)}
+            self.pair_costs.append((cu, cv, [p_at[a] for a in src_layouts], [q_at[b] for b in dst_layouts], R))
+        self.unary = unary
         self.mem = {c: [mult[c] * (s.state_bytes + s.activation_bytes) for s in strategies[c]] for c in canon_ids}
         self.variables = 0
         self.rounding_ns = 0.0
@@ -108,11 +228,9 @@ class IntraOpProblem:
 
     def _build(self, allowed: dict[int, list[int]]) -> tuple[cp_model.CpModel, dict[int, list], float]:
         """The CP-SAT model over the allowed candidates only (pinned groups shrink, and their edges collapse to
-        unary costs): booleans ``x[c][j]`` for the j-th allowed candidate, the edges in marginal form, a boolean
-        per bundle that its chosen members force on."""
+        unary costs): booleans ``x[c][j]`` for the j-th allowed candidate, the edges in marginal form."""
         model = cp_model.CpModel()
         unary = {c: [self.unary[c][i] for i in allowed[c]] for c in self.canon_ids}
-        joins = {c: [self.unary_bundles[c][i] for i in allowed[c]] for c in self.canon_ids}
         x: dict[int, list] = {}
         n_vars = n_edges = 0
         for c in self.canon_ids:
@@ -121,8 +239,7 @@ class IntraOpProblem:
                 model.AddExactlyOne(x[c])
                 n_vars += len(x[c])
         obj_terms: list = []
-        members: dict[int, list] = defaultdict(list)  # bundle -> the booleans that join it
-        for cu, cv, pu_all, qv_all, R, B in self.pair_costs:
+        for cu, cv, pu_all, qv_all, R in self.pair_costs:
             pu = [pu_all[i] for i in allowed[cu]]
             qv = [qv_all[j] for j in allowed[cv]]
             P = sorted(set(pu))
@@ -130,12 +247,10 @@ class IntraOpProblem:
             if len(P) == 1:
                 for j, q in enumerate(qv):
                     unary[cv][j] += R[P[0]][q]
-                    joins[cv][j] += B[P[0]][q]
                 continue
             if len(Q) == 1:
                 for i, p in enumerate(pu):
                     unary[cu][i] += R[p][Q[0]]
-                    joins[cu][i] += B[p][Q[0]]
                 continue
             e = {(p, q): model.NewBoolVar("") for p in P for q in Q}
             n_vars += len(e)
@@ -153,43 +268,26 @@ class IntraOpProblem:
             for (p, q), v in e.items():
                 if math.isinf(R[p][q]):
                     model.Add(v == 0)  # a move the runtime cannot make
-                    continue
-                if R[p][q] > 0:
+                elif R[p][q] > 0:
                     obj_terms.append((v, R[p][q]))
-                for k in B[p][q]:
-                    members[k].append(v)
         const = 0.0
-        forced: set[int] = set()  # bundles a group with one candidate joins: always paid
         for c in self.canon_ids:
             if c in x:
-                for v, u, ks in zip(x[c], unary[c], joins[c]):
+                for v, u in zip(x[c], unary[c]):
                     if math.isinf(u):
                         model.Add(v == 0)
-                        continue
-                    if u > 0:
+                    elif u > 0:
                         obj_terms.append((v, u))
-                    for k in ks:
-                        members[k].append(v)
             else:
                 const += unary[c][0]
-                forced.update(joins[c][0])
         if math.isinf(const):
             raise InputError(self._impossible_message(allowed))
-        const += sum(self.bundle_s[k] for k in forced)
-        for k, vs in members.items():
-            if k in forced or self.bundle_s[k] <= 0:
-                continue
-            y = model.NewBoolVar(f"bundle{k}")
-            for v in vs:
-                model.AddImplication(v, y)
-            obj_terms.append((y, self.bundle_s[k]))
-            n_vars += 1
         model.Minimize(cp_model.LinearExpr.weighted_sum([v for v, _ in obj_terms],
                                                         [int(round(w * NS)) for _, w in obj_terms]))
         self.variables = max(self.variables, n_vars)
         # each chosen term is rounded to a nanosecond: a gap below half a nanosecond per group and edge is rounding,
         # not a better plan (the 70B's stage solves found their optimum in 0.3 s and spent 2 s closing an 8 ns gap)
-        self.rounding_ns = 0.5 * (len(x) + n_edges + len(members))
+        self.rounding_ns = 0.5 * (len(x) + n_edges)
         return model, x, const
 
     def __getstate__(self) -> dict:
@@ -230,12 +328,9 @@ class IntraOpProblem:
     def evaluate(self, choice: dict[int, int]) -> float:
         """Objective (seconds) of a choice given per canonical group, exactly as the program prices it."""
         total = sum(self.unary[c][choice[c]] for c in self.canon_ids)
-        joined = {k for c in self.canon_ids for k in self.unary_bundles[c][choice[c]]}
-        for cu, cv, pu, qv, R, B in self.pair_costs:
-            p, q = pu[choice[cu]], qv[choice[cv]]
-            total += R[p][q]
-            joined.update(B[p][q])
-        return total + sum(self.bundle_s[k] for k in joined)
+        for cu, cv, pu, qv, R in self.pair_costs:
+            total += R[pu[choice[cu]]][qv[choice[cv]]]
+        return total
 
     def memory(self, choice: dict[int, int]) -> float:
         return sum(self.mem[c][choice[c]] for c in self.canon_ids)
