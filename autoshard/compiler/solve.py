@@ -32,20 +32,21 @@ def same_program(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Every rank traced the program rank 0 did (its choices are about to be applied to each rank's own trace):
     the fingerprints are gathered and compared, and a difference raises on every rank, naming the ranks, the
     parts and the first op that differ."""
-    ops = [f"{n.name} = {n.target}{_shape(n)}" for n in gm.graph.nodes if n.op == "call_function"]
-    mine = (tuple(program_fingerprint(gm, ctx)), ops)
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    ref = everyone[0]
-    bad = [r for r, other in enumerate(everyone) if other[0] != ref[0]]
+    prints: list = [None] * dist.get_world_size()
+    dist.all_gather_object(prints, tuple(program_fingerprint(gm, ctx)))  # a few short strings per rank
+    bad = [r for r, other in enumerate(prints) if other != prints[0]]
     if not bad:
         return
-    r, other = bad[0], everyone[bad[0]]
-    theirs = dict(other[0])
-    parts = "; ".join(f"{k}: rank 0 {v!r}, rank {r} {theirs.get(k)!r}" for k, v in ref[0] if theirs.get(k) != v)
-    first = next((i for i, (a, b) in enumerate(zip(ref[1], other[1])) if a != b), min(len(ref[1]), len(other[1])))
-    ops0 = ref[1][first] if first < len(ref[1]) else "(none: its program ends)"
-    ops1 = other[1][first] if first < len(other[1]) else "(none: its program ends)"
+    # every rank saw the difference: only now are the op lists gathered, to name the first that differs
+    everyone: list = [None] * len(prints)
+    dist.all_gather_object(everyone, [f"{n.name} = {n.target}{_shape(n)}" for n in gm.graph.nodes
+                                      if n.op == "call_function"])
+    r, ref, other = bad[0], everyone[0], everyone[bad[0]]
+    theirs = dict(prints[r])
+    parts = "; ".join(f"{k}: rank 0 {v!r}, rank {r} {theirs.get(k)!r}" for k, v in prints[0] if theirs.get(k) != v)
+    first = next((i for i, (a, b) in enumerate(zip(ref, other)) if a != b), min(len(ref), len(other)))
+    ops0 = ref[first] if first < len(ref) else "(none: its program ends)"
+    ops1 = other[first] if first < len(other) else "(none: its program ends)"
     raise InputError(
         f"the ranks traced different programs: rank(s) {bad} differ from rank 0 ({parts}); the first op that "
         f"differs, #{first}: rank 0 `{ops0}`, rank {r} `{ops1}`. Every rank must call the same model code on "
