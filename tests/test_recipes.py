@@ -203,3 +203,37 @@ def test_sampled_layers_stand_for_the_whole_model():
     assert math.isclose(sampled.peak_memory.total, full.peak_memory.total, rel_tol=1e-6)
     names = sampled.parameter_placements()
     assert "layers.2.mlp.fc1.weight" in names and "layers.3.mlp.fc1.weight" not in names
+
+
+def test_recipes_that_pin_the_ops_alike_share_one_smaller_model_and_solve_to_the_same_optimum():
+    """ddp, zero1/2, fsdp and hsdp keep the same ops on the batch shard and differ in their parameters: they solve
+    copies of one model over the union of their candidates (``shared_models``), smaller than the model of every
+    candidate, and each reaches the optimum it reaches on that whole model."""
+    from autoshard.cluster.presets import get_cluster
+    from autoshard.compiler.solve_recipes import recipe_pins, shared_models, solve_recipe
+    from autoshard.config import PlanConfig
+    from autoshard.search.recompute import plan_graph
+
+    cfg = LlamaConfig(n_layer=2, d_model=128, n_head=4, n_kv_head=2, ffn=256, vocab=256, seq_len=32)
+    with fake_world(8):
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+        with torch.device("meta"):
+            llama = Llama(cfg)
+        planned = plan_graph(llama, llama_example_inputs(cfg, 8), mesh, get_cluster("h100-sxm:1x8"),
+                             PlanConfig(solve_recipes=False))
+        gm, ctx = planned.graph, planned.ctx
+        names = applicable(ctx.mesh_shape)
+        pinned = {r: recipe_pins(r, gm, ctx) for r in names}
+        within = shared_models(pinned, ctx)
+        dp_kind = {"ddp", "zero1", "zero2", "fsdp", "hsdp"} & set(names)
+        assert dp_kind <= set(within) and len({id(within[r]) for r in dp_kind}) == 1  # one model for them all
+        every = sum(len(s) for s in ctx.strategies.values())
+        shared = every - sum(len(ctx.strategies[c]) - len(k) for c, k in within["ddp"].items())
+        assert shared < 0.8 * every
+        for r in within:
+            alone = solve_recipe(r, gm, ctx, pinned=recipe_pins(r, gm, ctx))
+            together = solve_recipe(r, gm, ctx, pinned=recipe_pins(r, gm, ctx), within=within[r])
+            assert math.isclose(together.objective_s, alone.objective_s, rel_tol=1e-6), r
+            for g, i in together.solution.choice.items():  # the recipe's own pins still hold
+                keep = pinned[r][0].get(ctx.layer_of_group.get(g, g))
+                assert keep is None or i in keep, (r, g, i)

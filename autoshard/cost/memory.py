@@ -104,10 +104,16 @@ def transients(gm: fx.GraphModule, mesh_shape: Sequence[int], output_roles: Sequ
     def lay(n: fx.Node) -> NodeSharding | None:
         return layouts.get(n.name) if layouts is not None else n.meta.get("autoshard")
 
+    roots: dict[fx.Node, fx.Node] = {}  # (each node's asked for several times below)
+
     def root(n: fx.Node) -> fx.Node:
-        while n.op == "call_function" and (is_view(n.target) or n.target is operator.getitem) and tensor_args(n):
-            n = tensor_args(n)[0] if n.target is not operator.getitem else n.args[0]
-        return n
+        if n not in roots:
+            r = n
+            while r.op == "call_function" and (is_view(r.target) or r.target is operator.getitem) and (
+                    args := tensor_args(r)):
+                r = args[0] if r.target is not operator.getitem else r.args[0]
+            roots[n] = r
+        return roots[n]
 
     nodes = list(gm.graph.nodes)
     at = {n: i for i, n in enumerate(nodes)}

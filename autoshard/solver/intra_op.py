@@ -33,7 +33,7 @@ import os
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -147,13 +147,16 @@ class IntraOpProblem:
         layouts: dict[Placements, int] = {}  # each distinct layout numbered once: hashing placements is slow
         memo: dict[tuple, float] = {}
 
-        def rcost(node_name: str, a: Placements, b: Placements, itemsize: int | None = None, sink: bool = False
-                  ) -> float:
+        def lid(a: Placements) -> int:
+            return layouts.setdefault(a, len(layouts))
+
+        def rcost(node_name: str, a: Placements, b: Placements, ia: int, ib: int, itemsize: int | None = None,
+                  sink: bool = False) -> float:
             """A move's seconds; a gradient's all-reduce to its layout (``sink``), which the lowering flattens
             into DDP's buckets with the others (``autoshard/buckets.py``), pays bytes only: its bucket's latency
             is shared. (A reduce-scatter is bundled per layer too, but keeps its latency here: the whole gradient
-            waits for it, a temporary the solver's memory sum does not see, so it is not made to look cheaper.)"""
-            ia, ib = layouts.setdefault(a, len(layouts)), layouts.setdefault(b, len(layouts))
+            waits for it, a temporary the solver's memory sum does not see, so it is not made to look cheaper.)
+            ``ia``, ``ib``: the layouts' numbers (``lid``)."""
             if ia == ib:
                 return 0.0
             if node_name not in info:
@@ -196,7 +199,7 @@ class IntraOpProblem:
             src_layouts = [s.outputs[sm][0] for s in su]
             if cv is None:  # loss sink
                 for i, a in enumerate(src_layouts):
-                    unary[cu][i] += m * rcost(src_name, a, rep)
+                    unary[cu][i] += m * rcost(src_name, a, rep, lid(a), lid(rep))
                 continue
             sv = strategies[cv]
             if dst[0] == "param":  # the gradient is delivered in its parameter's gradient layout
@@ -205,7 +208,8 @@ class IntraOpProblem:
                 dst_layouts = [s.inputs[dst[1]][dst[2]] for s in sv]
             if cu == cv:
                 for i in range(len(su)):
-                    unary[cu][i] += m * rcost(src_name, src_layouts[i], dst_layouts[i], sink=dst[0] == "param")
+                    a, b = src_layouts[i], dst_layouts[i]
+                    unary[cu][i] += m * rcost(src_name, a, b, lid(a), lid(b), sink=dst[0] == "param")
                 continue
             P = list(dict.fromkeys(src_layouts))  # distinct layouts in candidate order
             Q = list(dict.fromkeys(dst_layouts))
@@ -213,7 +217,8 @@ class IntraOpProblem:
             # gradients reduced in grad_itemsize (mixed precision's reduce_dtype), the rest in their own dtype
             size = grad_itemsize if dst[0] == "param" else None
             sink = dst[0] == "param"
-            R = [[w * rcost(src_name, p, q, size, sink) for q in Q] for p in P]
+            ip, iq = [lid(p) for p in P], [lid(q) for q in Q]  # (numbered once: hashing placements is slow)
+            R = [[w * rcost(src_name, p, q, a, b, size, sink) for q, b in zip(Q, iq)] for p, a in zip(P, ip)]
             if all(r == 0 for row in R for r in row):
                 continue
             p_at, q_at = {a: k for k, a in enumerate(P)}, {b: k for k, b in enumerate(Q)}
@@ -222,7 +227,7 @@ class IntraOpProblem:
         self.mem = {c: [mult[c] * (s.state_bytes + s.activation_bytes) for s in strategies[c]] for c in canon_ids}
         self.variables = 0
         self.rounding_ns = 0.0
-        self._whole: tuple[cp_model.CpModel, dict[int, list[int]], float] | None = None
+        self._models: dict[frozenset | None, tuple[cp_model.CpModel, dict[int, list[int]], float, float]] = {}
         self._lock = threading.Lock()
         self.build_s = time.perf_counter() - t0
 
@@ -292,21 +297,24 @@ class IntraOpProblem:
 
     def __getstate__(self) -> dict:
         """Copies and pickles leave the built model and its lock behind (a copy builds its own when it solves)."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("_whole", "_lock")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_models", "_lock")}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state, _whole=None, _lock=threading.Lock())
+        self.__dict__.update(state, _models={}, _lock=threading.Lock())
 
-    def _copy_of_whole(self) -> tuple[cp_model.CpModel, dict[int, list], float]:
-        """A copy of the model over every candidate (built on first use, under a lock: the plan and the recipes
-        solve on a thread pool) and its candidate booleans."""
+    def _copy_of(self, order: dict[int, list[int]], key: frozenset | None
+                 ) -> tuple[cp_model.CpModel, dict[int, list], float, float]:
+        """A copy of the model over the candidates ``order`` lists per group (built on first use of ``key``, under a
+        lock: the plan and the recipes solve on a thread pool), its candidate booleans, the objective's constant
+        and its rounding (``rounding_ns``)."""
         with self._lock:
-            if self._whole is None:
-                model, x, const = self._build({c: list(range(len(self.strategies[c]))) for c in self.canon_ids})
-                self._whole = (model, {c: [v.Index() for v in vs] for c, vs in x.items()}, const)
-            model, index, const = self._whole
+            if key not in self._models:
+                model, x, const = self._build(order)
+                index = {c: [v.Index() for v in vs] for c, vs in x.items()}
+                self._models[key] = (model, index, const, self.rounding_ns)
+            model, index, const, rounding = self._models[key]
             copy = model.Clone()
-        return copy, {c: [copy.GetBoolVarFromProtoIndex(i) for i in ids] for c, ids in index.items()}, const
+        return copy, {c: [copy.GetBoolVarFromProtoIndex(i) for i in ids] for c, ids in index.items()}, const, rounding
 
     def _impossible_message(self, allowed: dict[int, list[int]]) -> str:
         by_id = {g.id: g for g in self.groups}
@@ -345,10 +353,13 @@ class IntraOpProblem:
         seed: int = 0,
         what: str = "plan",
         exclude: Sequence[dict[int, int]] = (),
+        within: Mapping[int, frozenset[int]] | None = None,
     ) -> Solution:
         """Minimize the step time under ``memory_budget``; ``pins`` restricts canonical groups to candidate
         subsets (a manual recipe); ``exclude``: choices ({canonical group: candidate}) the solution must differ
-        from in at least one of their groups (the next-best distinct plans, for autotuning)."""
+        from in at least one of their groups (the next-best distinct plans, for autotuning). ``within``: candidate
+        subsets that contain the pins, shared by several solves (recipes that pin the same ops alike): the model
+        over them is built once and copied for each, smaller than the model of every candidate."""
         t0 = time.perf_counter()
         canon_ids = self.canon_ids
         allowed = {c: set(range(len(self.strategies[c]))) for c in canon_ids}
@@ -369,12 +380,16 @@ class IntraOpProblem:
         single = [c for c in canon_ids if len(allowed[c]) == 1 and math.isinf(self.unary[c][min(allowed[c])])]
         if single:
             raise InputError(self._impossible_message({c: sorted(allowed[c]) for c in canon_ids}))
-        # one model of every candidate, built once (the Python half of a solve); each solve runs on a copy with the
-        # candidates its pins leave out fixed to 0
-        model, x, const = self._copy_of_whole()
+        # one model of every candidate (or of ``within``'s), built once (the Python half of a solve); each solve runs
+        # on a copy with the candidates its pins leave out fixed to 0
         order = {c: list(range(len(self.strategies[c]))) for c in canon_ids}
+        if within:
+            order.update({c: sorted(keep) for c, keep in within.items()})
+            if any(not allowed[c] <= set(order[c]) for c in canon_ids):
+                raise InputError(f"{what}: its pins leave candidates outside the shared model ``within``")
+        model, x, const, rounding = self._copy_of(order, frozenset(within.items()) if within else None)
         for c, vs in x.items():
-            for i, v in enumerate(vs):
+            for i, v in zip(order[c], vs):
                 if i not in allowed[c]:
                     model.Add(v == 0)
         for other in exclude:
@@ -392,7 +407,7 @@ class IntraOpProblem:
         solver.parameters.max_time_in_seconds = float(time_limit_s)
         solver.parameters.num_workers = max(1, int(num_workers))
         solver.parameters.random_seed = int(seed)
-        solver.parameters.absolute_gap_limit = max(1.0, self.rounding_ns)
+        solver.parameters.absolute_gap_limit = max(1.0, rounding)
         # a millionth of the step (microseconds on a step of seconds, far below what the cost model resolves): the
         # first solution is usually that close to the LP bound, and proving the last nanoseconds took 1.5 s of 1.8
         # on Llama-3-70B's recipes on (16, 8, 8). The solve pass keeps a recipe that still beats the plan.
