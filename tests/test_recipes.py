@@ -205,12 +205,10 @@ def test_sampled_layers_stand_for_the_whole_model():
     assert "layers.2.mlp.fc1.weight" in names and "layers.3.mlp.fc1.weight" not in names
 
 
-def test_recipes_that_pin_the_ops_alike_share_one_smaller_model_and_solve_to_the_same_optimum():
-    """ddp, zero1/2, fsdp and hsdp keep the same ops on the batch shard and differ in their parameters: they solve
-    copies of one model over the union of their candidates (``shared_models``), smaller than the model of every
-    candidate, and each reaches the optimum it reaches on that whole model."""
+@pytest.fixture(scope="module")
+def llama_on_2x4():
+    """A small Llama planned on a fake (2, 4) mesh, no recipes: its graph and pass context (the integer program)."""
     from autoshard.cluster.presets import get_cluster
-    from autoshard.compiler.solve_recipes import recipe_pins, shared_models, solve_recipe
     from autoshard.config import PlanConfig
     from autoshard.search.recompute import plan_graph
 
@@ -221,19 +219,52 @@ def test_recipes_that_pin_the_ops_alike_share_one_smaller_model_and_solve_to_the
             llama = Llama(cfg)
         planned = plan_graph(llama, llama_example_inputs(cfg, 8), mesh, get_cluster("h100-sxm:1x8"),
                              PlanConfig(solve_recipes=False))
-        gm, ctx = planned.graph, planned.ctx
-        names = applicable(ctx.mesh_shape)
-        pinned = {r: recipe_pins(r, gm, ctx) for r in names}
-        within = shared_models(pinned, ctx)
-        dp_kind = {"ddp", "zero1", "zero2", "fsdp", "hsdp"} & set(names)
-        assert dp_kind <= set(within) and len({id(within[r]) for r in dp_kind}) == 1  # one model for them all
-        every = sum(len(s) for s in ctx.strategies.values())
-        shared = every - sum(len(ctx.strategies[c]) - len(k) for c, k in within["ddp"].items())
-        assert shared < 0.8 * every
-        for r in within:
-            alone = solve_recipe(r, gm, ctx, pinned=recipe_pins(r, gm, ctx))
-            together = solve_recipe(r, gm, ctx, pinned=recipe_pins(r, gm, ctx), within=within[r])
-            assert math.isclose(together.objective_s, alone.objective_s, rel_tol=1e-6), r
-            for g, i in together.solution.choice.items():  # the recipe's own pins still hold
-                keep = pinned[r][0].get(ctx.layer_of_group.get(g, g))
-                assert keep is None or i in keep, (r, g, i)
+    return planned.graph, planned.ctx
+
+
+def test_the_integer_program_prices_any_choice_as_evaluate_does(llama_on_2x4):
+    """The model (written as CpModelProto text, ``IntraOpProblem._build``) with every decision group's candidate
+    forced prices that choice exactly as ``evaluate`` does: each edge's booleans, marginals and costs, the unary
+    terms and the constant of the groups with one candidate."""
+    import random
+
+    _, ctx = llama_on_2x4
+    problem = ctx.problem
+    every = {c: frozenset(range(len(problem.strategies[c]))) for c in problem.canon_ids}
+    rng = random.Random(0)
+    base = {c: ctx.solution.choice[c] for c in problem.canon_ids}
+    for _ in range(5):  # the optimum with a dozen groups moved to another candidate (most random choices are
+        choice = dict(base)  # moves no collective makes, priced infinite)
+        for c in rng.sample(problem.canon_ids, 12):
+            trial = {**choice, c: rng.randrange(len(problem.strategies[c]))}
+            if math.isfinite(problem.evaluate(trial)):
+                choice = trial
+        assert choice != base
+        sol = problem.solve(memory_budget=None, time_limit_s=10, pins={c: {i} for c, i in choice.items()},
+                            within=every, what="forced")
+        assert math.isclose(sol.objective_s, problem.evaluate(choice), rel_tol=1e-9, abs_tol=1e-6)
+        assert sol.objective_s > problem.evaluate(base)
+
+
+def test_recipes_that_pin_the_ops_alike_share_one_smaller_model_and_solve_to_the_same_optimum(llama_on_2x4):
+    """ddp, zero1/2, fsdp and hsdp keep the same ops on the batch shard and differ in their parameters: they solve
+    copies of one model over the union of their candidates (``shared_models``), smaller than the model of every
+    candidate, and each reaches the optimum it reaches on that whole model."""
+    from autoshard.compiler.solve_recipes import recipe_pins, shared_models, solve_recipe
+
+    gm, ctx = llama_on_2x4
+    names = applicable(ctx.mesh_shape)
+    pinned = {r: recipe_pins(r, gm, ctx) for r in names}
+    within = shared_models(pinned, ctx)
+    dp_kind = {"ddp", "zero1", "zero2", "fsdp", "hsdp"} & set(names)
+    assert dp_kind <= set(within) and len({id(within[r]) for r in dp_kind}) == 1  # one model for them all
+    every = sum(len(s) for s in ctx.strategies.values())
+    shared = every - sum(len(ctx.strategies[c]) - len(k) for c, k in within["ddp"].items())
+    assert shared < 0.8 * every
+    for r in within:
+        alone = solve_recipe(r, gm, ctx, pinned=recipe_pins(r, gm, ctx))
+        together = solve_recipe(r, gm, ctx, pinned=recipe_pins(r, gm, ctx), within=within[r])
+        assert math.isclose(together.objective_s, alone.objective_s, rel_tol=1e-6), r
+        for g, i in together.solution.choice.items():  # the recipe's own pins still hold
+            keep = pinned[r][0].get(ctx.layer_of_group.get(g, g))
+            assert keep is None or i in keep, (r, g, i)

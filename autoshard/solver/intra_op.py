@@ -46,6 +46,7 @@ from autoshard.cost.reshard import reshard_time as redistribute_time
 from autoshard.ir import Edge, Group, GroupStrategy, Placements, is_state
 from autoshard.errors import InfeasibleBudget, InputError, SolverTimeout
 from autoshard.notation import format_bytes, placements_str
+from autoshard.solver.proto_text import boolean, equal, exactly_one, load, minimize, zero
 from autoshard.ir import tensor_args
 
 log = logging.getLogger(__name__)
@@ -231,19 +232,23 @@ class IntraOpProblem:
         self._lock = threading.Lock()
         self.build_s = time.perf_counter() - t0
 
-    def _build(self, allowed: dict[int, list[int]]) -> tuple[cp_model.CpModel, dict[int, list], float]:
+    def _build(self, allowed: dict[int, list[int]]) -> tuple[cp_model.CpModel, dict[int, list[int]], float]:
         """The CP-SAT model over the allowed candidates only (pinned groups shrink, and their edges collapse to
-        unary costs): booleans ``x[c][j]`` for the j-th allowed candidate, the edges in marginal form."""
-        model = cp_model.CpModel()
+        unary costs): booleans ``x[c][j]`` for the j-th allowed candidate (their indices in the model), the edges in
+        marginal form, and the objective's constant (the groups left with one candidate).
+        Written as CpModelProto text and parsed once (``autoshard/solver/proto_text.py``)."""
         unary = {c: [self.unary[c][i] for i in allowed[c]] for c in self.canon_ids}
-        x: dict[int, list] = {}
-        n_vars = n_edges = 0
+        variables: list[str] = []
+        constraints: list[str] = []
+        x: dict[int, list[int]] = {}
         for c in self.canon_ids:
             if len(allowed[c]) > 1:
-                x[c] = [model.NewBoolVar(f"x{c}_{i}") for i in allowed[c]]
-                model.AddExactlyOne(x[c])
-                n_vars += len(x[c])
-        obj_terms: list = []
+                x[c] = list(range(len(variables), len(variables) + len(allowed[c])))
+                variables.extend(boolean(f"x{c}_{i}") for i in allowed[c])
+                constraints.append(exactly_one(x[c]))
+        n_edges = 0
+        obj_vars: list[int] = []
+        obj_coeffs: list[float] = []
         for cu, cv, pu_all, qv_all, R in self.pair_costs:
             pu = [pu_all[i] for i in allowed[cu]]
             qv = [qv_all[j] for j in allowed[cv]]
@@ -257,39 +262,43 @@ class IntraOpProblem:
                 for i, p in enumerate(pu):
                     unary[cu][i] += R[p][Q[0]]
                 continue
-            e = {(p, q): model.NewBoolVar("") for p in P for q in Q}
-            n_vars += len(e)
+            first = len(variables)
+            e = {(p, q): first + k for k, (p, q) in enumerate((p, q) for p in P for q in Q)}
+            variables.extend([boolean()] * len(e))
             n_edges += 1
-            by_p: dict[int, list] = defaultdict(list)
-            by_q: dict[int, list] = defaultdict(list)
+            by_p: dict[int, list[int]] = defaultdict(list)
+            by_q: dict[int, list[int]] = defaultdict(list)
             for i, a in enumerate(pu):
                 by_p[a].append(x[cu][i])
             for j, b in enumerate(qv):
                 by_q[b].append(x[cv][j])
+            # sum_q e[p, q] - sum of x[u, i] with layout p = 0, and likewise for each q
             for p in P:
-                model.Add(cp_model.LinearExpr.sum([e[p, q] for q in Q]) == cp_model.LinearExpr.sum(by_p[p]))
+                constraints.append(equal([e[p, q] for q in Q], by_p[p]))
             for q in Q:
-                model.Add(cp_model.LinearExpr.sum([e[p, q] for p in P]) == cp_model.LinearExpr.sum(by_q[q]))
+                constraints.append(equal([e[p, q] for p in P], by_q[q]))
             for (p, q), v in e.items():
                 if math.isinf(R[p][q]):
-                    model.Add(v == 0)  # a move the runtime cannot make
+                    constraints.append(zero(v))  # a move the runtime cannot make
                 elif R[p][q] > 0:
-                    obj_terms.append((v, R[p][q]))
+                    obj_vars.append(v)
+                    obj_coeffs.append(R[p][q])
         const = 0.0
         for c in self.canon_ids:
             if c in x:
                 for v, u in zip(x[c], unary[c]):
                     if math.isinf(u):
-                        model.Add(v == 0)
+                        constraints.append(zero(v))
                     elif u > 0:
-                        obj_terms.append((v, u))
+                        obj_vars.append(v)
+                        obj_coeffs.append(u)
             else:
                 const += unary[c][0]
         if math.isinf(const):
             raise InputError(self._impossible_message(allowed))
-        model.Minimize(cp_model.LinearExpr.weighted_sum([v for v, _ in obj_terms],
-                                                        [int(round(w * NS)) for _, w in obj_terms]))
-        self.variables = max(self.variables, n_vars)
+        model = cp_model.CpModel()
+        load(model, "\n".join([*variables, *constraints, minimize(obj_vars, (int(round(w * NS)) for w in obj_coeffs))]))
+        self.variables = max(self.variables, len(variables))
         # each chosen term is rounded to a nanosecond: a gap below half a nanosecond per group and edge is rounding,
         # not a better plan (the 70B's stage solves found their optimum in 0.3 s and spent 2 s closing an 8 ns gap)
         self.rounding_ns = 0.5 * (len(x) + n_edges)
@@ -309,8 +318,7 @@ class IntraOpProblem:
         and its rounding (``rounding_ns``)."""
         with self._lock:
             if key not in self._models:
-                model, x, const = self._build(order)
-                index = {c: [v.Index() for v in vs] for c, vs in x.items()}
+                model, index, const = self._build(order)
                 self._models[key] = (model, index, const, self.rounding_ns)
             model, index, const, rounding = self._models[key]
             copy = model.Clone()
