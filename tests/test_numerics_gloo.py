@@ -160,3 +160,47 @@ def test_gloo_after_local_tensor_mode_in_the_parent():
     with local_ranks(4):
         train_sharded(make, inputs, (2, 2), ("dp", "tp"), steps=1, lr=LR, recipe="fsdp+tp")
     _run("gpt", (2, 2), ("dp", "tp"), constraints={"inputs": "[S(0), R]"}, backend="eager")
+
+
+def _one_device_attention(rank: int, world: int, arg: object) -> tuple:
+    import logging
+
+    import autoshard
+    from torch.distributed.device_mesh import init_device_mesh
+    from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
+
+    said: list[str] = []
+
+    class Said(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    logging.getLogger("autoshard").addHandler(Said())
+    cfg = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab=128, seq_len=512, bias=False)
+    ids, tgt = gpt_example_inputs(cfg, 2)
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    ref_loss = ref(ids, tgt)
+    ref_loss.backward()
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    sharded = autoshard.compile(GPT(cfg), mesh, (ids, tgt), cluster="h100-sxm", backend="eager")
+    on_seq = [d.node for d in sharded.plan.stages[0].ops if "attention" in d.op and "S(2)" in str(d.inputs[0])]
+    loss = sharded(*sharded.shard_inputs(ids, tgt))
+    loss.backward()
+    grads = {n: p.grad.full_tensor() for n, p in sharded.named_parameters()}
+    worst = max(float((grads[n] - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-12))
+                for n, p in ref.named_parameters())
+    return on_seq, [m for m in said if "unbalanced" in m], float(loss), float(ref_loss), worst
+
+
+def test_one_device_mesh_runs_attention_planned_on_its_sequence_whole():
+    """On a 1-device mesh the plan may put attention's queries "on the sequence" of its one rank (every layout costs
+    alike there); nothing is split, so the kernel runs whole: no causal load balance (the CUDA kernels refused it:
+    ``benchmarks/gpu_single.py`` on an H200, 2026-11-27) and no unbalanced fallback, and the step equals one
+    device's."""
+    (on_seq, unbalanced, loss, ref_loss, worst), = launch(1, _one_device_attention)
+    assert on_seq  # the case: attention's queries planned on the sequence of the mesh's size-1 axis
+    assert not unbalanced, unbalanced
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert worst <= 1e-4

@@ -21,6 +21,7 @@ makes a program that runs ``PlanInterpreter`` itself (the same code ``make_fx`` 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 from collections.abc import Sequence
@@ -58,6 +59,22 @@ def _contiguous(x: DTensor) -> DTensor:
     stride = torch.empty(x.shape, device="meta").stride()
     return DTensor.from_local(x.to_local().contiguous(), x.device_mesh, x.placements, run_check=False,
                               shape=x.shape, stride=stride)
+
+
+def _split_only(sh: NodeSharding, mesh_shape: tuple[int, ...]) -> NodeSharding:
+    """``sh`` with a shard on a mesh axis of size 1 read as Replicate: nothing is split there, and an op rule's own
+    local call (a ring, a causal load balance, a vocabulary-parallel loss) is for axes that split (a 1-device mesh
+    planned attention's inputs "on the sequence" of its one rank, and the CUDA kernels refused to balance that)."""
+    if all(n > 1 for n in mesh_shape):
+        return sh
+
+    def whole(pl: Any) -> Any:
+        if pl is None or not isinstance(pl, tuple) or len(pl) != len(mesh_shape):
+            return pl
+        return tuple(Replicate() if isinstance(p, Shard) and n == 1 else p for p, n in zip(pl, mesh_shape))
+
+    return dataclasses.replace(sh, outputs=tuple(whole(p) for p in sh.outputs),
+                               inputs=tuple(whole(p) for p in sh.inputs))
 
 
 def _all_replicated(sh: NodeSharding) -> bool:
@@ -173,7 +190,7 @@ class PlanInterpreter:
                 return type(a)(unwrap(x) for x in a)
             return a
 
-        call = rules.local_call(node, sh)
+        call = rules.local_call(node, _split_only(sh, tuple(self.mesh.shape)))
         if call is not None:
             out = call(args, kwargs, self.mesh)
         else:

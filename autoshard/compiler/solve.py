@@ -133,7 +133,8 @@ def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
     if best is not None and best.objective_s < sol.objective_s * (1 - 1e-12):
         log.info("solve: the %s recipe (%.6f s) beats the searched plan (%.6f s, %s); keeping it", best.name,
                  best.objective_s, sol.objective_s, sol.status)
-        sol = dataclasses.replace(best.solution, status=f"{sol.status}, {best.name} kept", bound_s=sol.bound_s)
+        sol = dataclasses.replace(best.solution, status=f"{sol.status}, {best.name} kept", bound_s=sol.bound_s,
+                                  variables=sol.variables)  # (the program searched: a recipe may solve a smaller one)
     return sol
 
 

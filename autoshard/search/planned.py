@@ -202,7 +202,7 @@ def _keep_faster_recipe(plan: Plan, gm: fx.GraphModule, ctx: PassContext) -> Pla
     log.info("plan: the %s recipe's layouts step in %.6f s, the solved plan's in %.6f s; keeping the recipe's",
              best.name, best.step_time_s, plan.step_time_s)
     ctx.solution = dataclasses.replace(kept.solution, status=f"{ctx.solution.status}, {best.name} kept",
-                                       bound_s=ctx.solution.bound_s)
+                                       bound_s=ctx.solution.bound_s, variables=ctx.solution.variables)
     annotate(gm, ctx)
     kept_plan = build_plan(gm, ctx, recipe="")
     return dataclasses.replace(kept_plan, recipes=recipe_summaries(gm, ctx, against=kept_plan))
