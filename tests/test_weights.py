@@ -13,7 +13,8 @@ resumed on another mesh (``autoshard/weights/``).
 - pipeline stages of a meta model (tied embedding and head in different stages): init equal to one device's,
   a checkpoint read into the stages trains like ``from_pretrained``, and ``get_state_dict`` of the stages (model
   and AdamW) resumes without stages;
-- bad input: a step before any values, a checkpoint of another model, a checkpoint missing a key.
+- bad input: a step before any values, a checkpoint of another model, a checkpoint missing a key, a checkpoint
+  cut short, missing a file its index names, or not safetensors.
 """
 
 from __future__ import annotations
@@ -222,6 +223,37 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_key(tmp_path: Any) 
         autoshard.load_pretrained(model, tmp_path / "short")
     with pytest.raises(FileNotFoundError, match="no safetensors files"):
         autoshard.load_pretrained(model, tmp_path)
+
+
+def test_a_truncated_or_incomplete_checkpoint_is_refused_naming_the_file(tmp_path: Any) -> None:
+    """A save that did not finish (a safetensors file cut short), a directory copied without one of the files its
+    index names, a file that is not safetensors: each is refused before any read, naming the file and what is
+    missing (the safetensors library's own error named neither: "incomplete metadata, file not fully covered")."""
+    import shutil
+
+    model = AutoModelForCausalLM.from_config(_cfg())
+    AutoModelForCausalLM.from_config(_cfg()).save_pretrained(tmp_path / "good", max_shard_size="60KB")
+    files = sorted(f for f in os.listdir(tmp_path / "good") if f.endswith(".safetensors"))
+    assert len(files) > 2
+    autoshard.load_pretrained(model, tmp_path / "good")  # the whole checkpoint loads
+
+    cut = shutil.copytree(tmp_path / "good", tmp_path / "cut")
+    with open(cut / files[-1], "r+b") as f:
+        f.truncate(os.path.getsize(cut / files[-1]) - 1000)
+    with pytest.raises(ValueError, match=rf"{files[-1]} is truncated: \d+ bytes where its header describes \d+; "
+                                         r"\S+ (and \d+ more tensors )?end past its end"):
+        autoshard.load_pretrained(model, cut)
+
+    partial = shutil.copytree(tmp_path / "good", tmp_path / "partial")
+    os.remove(partial / files[1])
+    with pytest.raises(ValueError, match=rf"index model.safetensors.index.json puts \d+ tensors \(\S+, ...\) in "
+                                         rf"{files[1]}, which is not there"):
+        autoshard.load_pretrained(model, partial)
+
+    foreign = shutil.copytree(tmp_path / "good", tmp_path / "foreign")
+    (foreign / files[0]).write_bytes(b"PK\x03\x04 a zip archive, not safetensors" * 8)
+    with pytest.raises(ValueError, match=rf"{files[0]} is not a complete safetensors file"):
+        autoshard.load_pretrained(model, foreign)
 
 
 def _pipelined_then_plain(rank: int, world: int, ckpt: str) -> dict[str, Any]:

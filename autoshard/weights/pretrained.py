@@ -3,8 +3,9 @@
 In: ``load_pretrained(sharded, path)`` reads a ``save_pretrained`` directory (one safetensors file or several with
 an index) with DCP's ``HuggingFaceStorageReader``: each rank reads only the slices of each tensor that its shards
 hold, cast to the parameter's dtype (a bf16 checkpoint into fp32 masters, or the reverse). Before anything is read,
-the checkpoint's keys and shapes are checked against the model's: a missing, unexpected or wrong-shaped key is an
-error naming it (and both shapes). A tied parameter (an LM head sharing the embedding) is read once, under the name
+the files are checked from their headers (``check_files``: cut short, missing from the index, not safetensors), then
+the checkpoint's keys and shapes against the model's: a missing, unexpected or wrong-shaped key is an error naming it
+(and both shapes). A tied parameter (an LM head sharing the embedding) is read once, under the name
 the checkpoint holds.
 
 Out: ``save_pretrained(sharded, model, path)`` writes each rank's shards with ``HuggingFaceStorageWriter``
@@ -18,6 +19,7 @@ The same state dict names serve ``torch.distributed.checkpoint.state_dict`` (``g
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -112,6 +114,47 @@ def check_checkpoint(state: Mapping[str, torch.Tensor], aliases: Mapping[str, st
     return plan
 
 
+def check_files(path: str) -> None:
+    """Refuse a checkpoint directory whose files cannot all be read, naming the file and what is missing: a file its
+    index names that is not there, a safetensors file cut short (a save that did not finish) or not one at all.
+    Reads the headers only (a safetensors file is an 8-byte header length, a JSON header giving each tensor's byte
+    range, then the data)."""
+    names = set(os.listdir(path))
+    for idx in sorted(f for f in names if f.endswith(".safetensors.index.json")):
+        try:
+            with open(os.path.join(path, idx)) as fh:
+                weight_map = dict(json.load(fh)["weight_map"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise InputError(f"{os.path.join(path, idx)}: not a safetensors index (no readable weight_map: {e})") from e
+        absent = sorted(set(weight_map.values()) - names)
+        if absent:
+            keys = [k for k, f in weight_map.items() if f == absent[0]]
+            raise InputError(f"{path}: its index {idx} puts {len(keys)} tensors ({keys[0]}, ...) in {absent[0]}, which "
+                             f"is not there" + (f" (nor {len(absent) - 1} more of its files)" if len(absent) > 1 else "")
+                             + "; copy the whole checkpoint directory, or save it again")
+    for name in sorted(f for f in names if f.endswith(".safetensors")):
+        file = os.path.join(path, name)
+        size = os.path.getsize(file)
+        with open(file, "rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 0 or 8 + n > size:
+                raise InputError(f"{file} is not a complete safetensors file: {size} bytes, "
+                                 + ("shorter than its header's length field" if n < 0 else f"its header alone {8 + n}")
+                                 + "; was its save interrupted? Save it again")
+            try:
+                header = json.loads(fh.read(n))
+                ends = {k: int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"}
+            except (ValueError, KeyError, TypeError, IndexError) as e:
+                raise InputError(f"{file} is not a safetensors file (its header does not parse: {e})") from e
+        need = 8 + n + max(ends.values(), default=0)
+        if need > size:
+            cut = sorted((k for k, end in ends.items() if 8 + n + end > size), key=ends.get)
+            raise InputError(f"{file} is truncated: {size} bytes where its header describes {need}; {cut[0]}"
+                             + (f" and {len(cut) - 1} more tensors" if len(cut) > 1 else "") + " end past its end. Was "
+                             "its save interrupted? Save it again")
+
+
 def load_pretrained(sharded: nn.Module, path: str | os.PathLike, *, strict: bool = True,
                     model: nn.Module | None = None, expected: Collection[str] | None = None,
                     tied: Mapping[str, str] | None = None) -> None:
@@ -123,6 +166,7 @@ def load_pretrained(sharded: nn.Module, path: str | os.PathLike, *, strict: bool
     if not os.path.isdir(path) or not any(f.endswith(".safetensors") for f in os.listdir(path)):
         raise FileNotFoundError(f"{path}: no safetensors files; load_pretrained reads a directory written by "
                                 "save_pretrained (model.safetensors, or model-0000k-of-0000n.safetensors and its index)")
+    check_files(path)
     reader = HuggingFaceStorageReader(path)
     saved = reader.read_metadata().state_dict_metadata
     state, aliases = _unique_state(sharded)
@@ -179,4 +223,4 @@ def _numel(t: torch.Tensor) -> int:
     return n
 
 
-__all__ = ["check_checkpoint", "fqn_modifiers", "load_pretrained", "save_pretrained"]
+__all__ = ["check_checkpoint", "check_files", "fqn_modifiers", "load_pretrained", "save_pretrained"]
