@@ -90,16 +90,30 @@ def _tied(placements: Placements | None, ties: Sequence[int]) -> bool:
     return placements is None or all(placements[a] == placements[t] for a, t in enumerate(ties))
 
 
-def _meta_args(node: fx.Node) -> tuple[tuple, dict]:
-    def conv(a: object) -> object:
-        if isinstance(a, fx.Node):
-            v = a.meta.get("val")
-            return tc.tensor_meta(v) if isinstance(v, torch.Tensor) else v
-        if isinstance(a, (list, tuple)):
-            return type(a)(conv(x) for x in a)
-        return a
+def _key_arg(a: object) -> object:
+    if isinstance(a, fx.Node):
+        v = a.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            return ("T", tuple(v.shape), tuple(v.stride()), v.dtype)
+        return ("V", repr(v))
+    if isinstance(a, (list, tuple)):
+        return tuple(_key_arg(x) for x in a)
+    return repr(a)
 
-    return tuple(conv(a) for a in node.args), {k: conv(v) for k, v in node.kwargs.items()}
+
+def _meta_args(node: fx.Node) -> tuple[tuple, dict]:
+    return tuple(_meta_arg(a) for a in node.args), {k: _meta_arg(v) for k, v in node.kwargs.items()}
+
+
+# (module-level recursions, these and the key's below: a recursive closure is a reference cycle per call, garbage
+# for the cycle collector to walk at the end of every plan)
+def _meta_arg(a: object) -> object:
+    if isinstance(a, fx.Node):
+        v = a.meta.get("val")
+        return tc.tensor_meta(v) if isinstance(v, torch.Tensor) else v
+    if isinstance(a, (list, tuple)):
+        return type(a)(_meta_arg(x) for x in a)
+    return a
 
 
 def _valid(
@@ -150,17 +164,8 @@ class CandidateEnumerator:
 
     @staticmethod
     def key(node: fx.Node) -> tuple:
-        def conv(a: object) -> object:
-            if isinstance(a, fx.Node):
-                v = a.meta.get("val")
-                if isinstance(v, torch.Tensor):
-                    return ("T", tuple(v.shape), tuple(v.stride()), v.dtype)
-                return ("V", repr(v))
-            if isinstance(a, (list, tuple)):
-                return tuple(conv(x) for x in a)
-            return repr(a)
-
-        return (node.target, tuple(conv(a) for a in node.args), tuple((k, conv(v)) for k, v in node.kwargs.items()))
+        return (node.target, tuple(_key_arg(a) for a in node.args),
+                tuple((k, _key_arg(v)) for k, v in node.kwargs.items()))
 
     def key_id(self, node: fx.Node) -> int:
         """The number of the node's op signature (``key``): equal for nodes of equal signature."""

@@ -246,14 +246,15 @@ def _forced_offload(result: dict[tuple, GroupStrategy], mode: str, ms: tuple[int
 
 
 def _real_args(node: fx.Node) -> tuple[tuple, dict, object]:
-    def conv(a: object) -> object:
-        if isinstance(a, fx.Node):
-            return a.meta.get("val")
-        if isinstance(a, (list, tuple)):
-            return type(a)(conv(x) for x in a)
-        return a
+    return tuple(_real(a) for a in node.args), {k: _real(v) for k, v in node.kwargs.items()}, node.meta.get("val")
 
-    return tuple(conv(a) for a in node.args), {k: conv(v) for k, v in node.kwargs.items()}, node.meta.get("val")
+
+def _real(a: object) -> object:  # (not a recursive closure: that is a reference cycle per call)
+    if isinstance(a, fx.Node):
+        return a.meta.get("val")
+    if isinstance(a, (list, tuple)):
+        return type(a)(_real(x) for x in a)
+    return a
 
 
 def group_strategies(group: Group, nodes: dict[str, fx.Node], ctx: PassContext, en: CandidateEnumerator) -> list[GroupStrategy]:
