@@ -6,7 +6,7 @@ import contextlib
 import itertools
 import math
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +64,16 @@ def _known_output_meta(prop: Any, meta: object) -> Iterator[None]:
         yield
     finally:
         del prop._propagate_tensor_meta_non_cached
+
+
+def _specs(a: object, spec: Callable[[TensorMeta], object]) -> object:
+    """``a`` with each TensorMeta in it (lists and tuples walked, in order) replaced by ``spec(meta)``. (A module-level
+    recursion: a recursive closure is a reference cycle per call, garbage the cycle collector walks after a plan.)"""
+    if isinstance(a, TensorMeta):
+        return spec(a)
+    if isinstance(a, (list, tuple)) and any(isinstance(x, TensorMeta) for x in a):
+        return type(a)(_specs(x, spec) for x in a)
+    return a
 
 
 def make_spec(mesh: DeviceMesh, placements: Sequence[Placement], meta: TensorMeta | None) -> DTensorSpec:
@@ -175,23 +185,19 @@ def op_strategies(
     n_tensor = [0]
     others = list(other_inputs or [])
 
-    def to_spec(a: object) -> object:
-        if isinstance(a, TensorMeta):
-            i = n_tensor[0]
-            n_tensor[0] += 1
-            if i == 0:
-                pl = first_input
-            elif i - 1 < len(others) and others[i - 1] is not None:
-                pl = others[i - 1]
-            else:
-                pl = tuple(Replicate() for _ in range(mesh.ndim))
-            return make_spec(mesh, pl, a)
-        if isinstance(a, (list, tuple)) and any(isinstance(x, TensorMeta) for x in a):
-            return type(a)(to_spec(x) for x in a)
-        return a
+    def spec(a: TensorMeta) -> object:
+        i = n_tensor[0]
+        n_tensor[0] += 1
+        if i == 0:
+            pl = first_input
+        elif i - 1 < len(others) and others[i - 1] is not None:
+            pl = others[i - 1]
+        else:
+            pl = tuple(Replicate() for _ in range(mesh.ndim))
+        return make_spec(mesh, pl, a)
 
-    sargs = tuple(to_spec(a) for a in args)
-    skw = {k: to_spec(v) for k, v in kwargs.items()}
+    sargs = tuple(_specs(a, spec) for a in args)
+    skw = {k: _specs(v, spec) for k, v in kwargs.items()}
     n_inputs = n_tensor[0]
     schema = _schema(op, sargs, skw)
     single = prop.op_single_dim_strategy_funcs.get(op)
@@ -247,14 +253,10 @@ def single_dim_rules(
 
         rep = tuple(Replicate() for _ in range(mesh.ndim))
 
-        def to_spec(a: object) -> object:
-            if isinstance(a, TensorMeta):
-                return make_spec(mesh, rep, a)
-            if isinstance(a, (list, tuple)) and any(isinstance(x, TensorMeta) for x in a):
-                return type(a)(to_spec(x) for x in a)
-            return a
+        def spec(a: TensorMeta) -> object:
+            return make_spec(mesh, rep, a)
 
-        schema = _schema(op, tuple(to_spec(a) for a in args), {k: to_spec(v) for k, v in kwargs.items()})
+        schema = _schema(op, tuple(_specs(a, spec) for a in args), {k: _specs(v, spec) for k, v in kwargs.items()})
         out_meta = output_meta(out_val) if out_val is not _UNKNOWN else prop._propagate_tensor_meta_non_cached(schema)
         wrapped = prop._wrap_with_op_strategy(schema)
         func = getattr(info, "func", info)
@@ -292,16 +294,12 @@ def propagate(
     counter = [0]
     rep = tuple(Replicate() for _ in range(mesh.ndim))
 
-    def to_spec(a: object) -> object:
-        if isinstance(a, TensorMeta):
-            i = counter[0]
-            counter[0] += 1
-            return make_spec(mesh, placed.get(i, rep), a)
-        if isinstance(a, (list, tuple)) and any(isinstance(x, TensorMeta) for x in a):
-            return type(a)(to_spec(x) for x in a)
-        return a
+    def spec(a: TensorMeta) -> object:
+        i = counter[0]
+        counter[0] += 1
+        return make_spec(mesh, placed.get(i, rep), a)
 
-    schema = _schema(op, tuple(to_spec(a) for a in args), {k: to_spec(v) for k, v in kwargs.items()})
+    schema = _schema(op, tuple(_specs(a, spec) for a in args), {k: _specs(v, spec) for k, v in kwargs.items()})
     # DTensor also rewrites a view's shape arguments to local sizes, which for strided shards on big meshes
     # splits real index tensors (seconds per call); the planner needs placements only, so skip that step
     saved = getattr(prop, "op_to_shape_and_stride_idx", None)
