@@ -308,10 +308,12 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], ctx: PassContext) -
             "(a Hugging Face model's second positional parameter is not labels), pass it by keyword, e.g. "
             "example_inputs={'input_ids': ids, 'labels': labels}"
         ) from e
-    drop_assertions(gm)
-    constant_values(gm, fake_mode)
-    drop_empty_concat_inputs(gm)
-    merge_tied_parameters(gm, traced)
+    changed = drop_assertions(gm)
+    changed |= constant_values(gm, fake_mode)
+    changed |= drop_empty_concat_inputs(gm)
+    changed |= merge_tied_parameters(gm, traced)
+    if changed:  # the module's code made once, and only when a cleanup changed the graph (40 ms on Mixtral's)
+        gm.recompile()
     out_node = gm.graph.find_nodes(op="output")[0]
     roles = _buffers_after_outputs(out_node, tc.output_roles(out_node), type(model).__name__, ctx.stage)
     loss_val = out_node.args[0][0].meta.get("val") if out_node.args[0] else None

@@ -17,24 +17,25 @@ from torch import nn
 
 from autoshard import _torch_compat as tc
 
-def drop_assertions(gm: fx.GraphModule) -> None:
+def drop_assertions(gm: fx.GraphModule) -> bool:
     """Remove metadata assertions (``_assert_tensor_metadata`` from an exported ``.to()``, as in the stage modules
     ``torch.distributed.pipelining`` cuts): checks of the traced program with no value to place or run."""
     aten = torch.ops.aten
     asserts = {aten._assert_tensor_metadata.default, aten._assert_scalar.default, aten._assert_async.msg}
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target in asserts and not node.users:
-            gm.graph.erase_node(node)
-    gm.recompile()
+    dropped = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in asserts and not n.users]
+    for node in dropped:
+        gm.graph.erase_node(node)
+    return bool(dropped)
 
 
-def constant_values(gm: fx.GraphModule, fake_mode: Any) -> None:
+def constant_values(gm: fx.GraphModule, fake_mode: Any) -> bool:
     """Give constants the model made (``get_attr`` of a ``torch.tensor(...)``) a ``meta["val"]`` like every
     other node's, so that passes see their shape, and copy them with ``clone``."""
     for node in gm.graph.find_nodes(op="get_attr"):
         t = getattr(gm, node.target, None)
         if isinstance(t, torch.Tensor) and not isinstance(node.meta.get("val"), torch.Tensor):
             node.meta["val"] = fake_mode.from_tensor(t)
+    changed = False
     # a one-element constant becomes the factory op that makes it: no real tensor inside the graph, which
     # the per-rank trace (make_fx under fake tensors) could not take
     for node in list(gm.graph.find_nodes(op="get_attr")):
@@ -46,23 +47,26 @@ def constant_values(gm: fx.GraphModule, fake_mode: Any) -> None:
             made.meta.update(node.meta)
             node.replace_all_uses_with(made)
             gm.graph.erase_node(node)
+            changed = True
     # the copy torch.tensor(...) makes of its constant is a clone, which has a sharding rule
     for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.lift_fresh_copy.default):
         node.target = torch.ops.aten.clone.default
+        changed = True
+    return changed
 
 
-def drop_empty_concat_inputs(gm: fx.GraphModule) -> None:
+def drop_empty_concat_inputs(gm: fx.GraphModule) -> bool:
     """Remove empty pieces from concatenations (a lazily made cache starts as ``torch.tensor([])`` and is
     concatenated with the first keys and values): they add nothing, and a shape-(0,) tensor has no placement
     that fits the others. A concatenation left with one piece is that piece. Dead code goes after."""
     aten = torch.ops.aten
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not aten.cat.default:
-            continue
+    changed = False
+    for node in list(gm.graph.find_nodes(op="call_function", target=aten.cat.default)):
         pieces = node.args[0]
         kept = [p for p in pieces if not (isinstance(p, fx.Node) and _numel(p) == 0)]
         if len(kept) == len(pieces) or not kept:
             continue
+        changed = True
         if len(kept) == 1 and tuple(kept[0].meta["val"].shape) == tuple(node.meta["val"].shape):
             node.replace_all_uses_with(kept[0])
             gm.graph.erase_node(node)
@@ -71,7 +75,8 @@ def drop_empty_concat_inputs(gm: fx.GraphModule) -> None:
     for node in reversed(list(gm.graph.nodes)):
         if node.op in ("call_function", "get_attr") and not node.users and _pure(node):
             gm.graph.erase_node(node)
-    gm.recompile()
+            changed = True
+    return changed
 
 
 def _numel(node: fx.Node) -> int | None:
@@ -86,7 +91,7 @@ def _pure(node: fx.Node) -> bool:
     return isinstance(t, tc.OpOverload) and not t._schema.is_mutable and t.namespace != "_c10d_functional"
 
 
-def merge_tied_parameters(gm: fx.GraphModule, model: nn.Module) -> None:
+def merge_tied_parameters(gm: fx.GraphModule, model: nn.Module) -> bool:
     """One placeholder per parameter tensor. The joint export gives every name of a tied parameter its own
     placeholder and its own share of the gradient; left so, the solver could place the two names differently
     while the runtime holds one tensor. The other names' uses read the first name's placeholder, and the
@@ -96,7 +101,7 @@ def merge_tied_parameters(gm: fx.GraphModule, model: nn.Module) -> None:
     for name, p in model.named_parameters(remove_duplicate=False):
         canon[name] = first.setdefault(id(p), name)
     if all(a == b for a, b in canon.items()):
-        return
+        return False
     holders = {}
     for node in gm.graph.find_nodes(op="placeholder"):
         desc = node.meta.get("desc")
@@ -132,7 +137,7 @@ def merge_tied_parameters(gm: fx.GraphModule, model: nn.Module) -> None:
     keep = [k for k in range(len(outs)) if k not in drop]
     out_node.args = ([outs[k] for k in keep],)
     out_node.meta["desc"] = [descs[k] for k in keep]
-    gm.recompile()
+    return True
 
 
 def _strip(name: str) -> str:
