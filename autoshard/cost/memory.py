@@ -77,13 +77,15 @@ def _output_bytes(node: fx.Node, sh: NodeSharding | None, mesh_shape: Sequence[i
     return _local_bytes(val, sh.outputs[0] if sh.outputs else None, mesh_shape)
 
 
-def _gathers(node: fx.Node, lay: Callable[[fx.Node], NodeSharding | None], mesh_shape: Sequence[int]) -> int:
-    """Bytes of the inputs ``node`` takes in a larger local layout than their producers give (made for it)."""
+def _gathers(node: fx.Node, args: Sequence[fx.Node], lay: Callable[[fx.Node], NodeSharding | None],
+             mesh_shape: Sequence[int]) -> int:
+    """Bytes of the inputs ``node`` (tensor arguments ``args``) takes in a larger local layout than their producers
+    give (made for it)."""
     sh = lay(node)
     if sh is None:
         return 0
     extra = 0
-    for k, src in enumerate(tensor_args(node)):
+    for k, src in enumerate(args):
         have = lay(src)
         if have is None or k >= len(sh.inputs) or sh.inputs[k] is None:
             continue
@@ -93,17 +95,20 @@ def _gathers(node: fx.Node, lay: Callable[[fx.Node], NodeSharding | None], mesh_
     return extra
 
 
-def transients(gm: fx.GraphModule, mesh_shape: Sequence[int], output_roles: Sequence,
-               layouts: Mapping[str, NodeSharding] | None = None,
-               weight: Callable[[fx.Node], float] | None = None) -> Transients:
-    """The forward's and the backward's temporaries at their peaks (see the module docstring), with the
-    ``layouts`` of a solution by node name (default: those written on the graph by ``passes.solve.annotate``).
-    (A peak over the captured graph: a captured layer standing for several identical ones changes nothing,
-    except in the all-reduce buckets, which hold every layer's gradients: a gradient counts ``weight(node)``
-    times there.)"""
-    def lay(n: fx.Node) -> NodeSharding | None:
-        return layouts.get(n.name) if layouts is not None else n.meta.get("autoshard")
+@dataclass(frozen=True)
+class GraphWalk:
+    """What ``transients`` reads from the graph alone, layouts aside: worked out once per graph and shared by the
+    plans made of one capture (the plan's and each recipe's plan-level count, ``search/planned.py``)."""
 
+    grads: tuple[tuple[fx.Node, str, int], ...]  # (gradient output, its parameter's name, position in the graph)
+    # (position, node, phase, whether it starts a storage of its own that this count holds, its tensor arguments)
+    steps: tuple[tuple[int, fx.Node, str, bool, tuple[fx.Node, ...]], ...]
+    free_at: dict[int, tuple[fx.Node, ...]]  # position -> the storages whose last use it is
+    replays: tuple[tuple[str, fx.Node], ...]  # (recomputed module, a node its replay makes again)
+    params: dict[str, fx.Node]
+
+
+def graph_walk(gm: fx.GraphModule, output_roles: Sequence) -> GraphWalk:
     roots: dict[fx.Node, fx.Node] = {}  # (each node's asked for several times below)
 
     def root(n: fx.Node) -> fx.Node:
@@ -119,22 +124,11 @@ def transients(gm: fx.GraphModule, mesh_shape: Sequence[int], output_roles: Sequ
     at = {n: i for i, n in enumerate(nodes)}
     out = nodes[-1]
     counted: set[fx.Node] = set()  # gradient outputs: in the sum
-    waiting: dict[tuple, int] = {}  # whole gradients by layer
-    bucketed: list[tuple[int, int]] = []  # (where made, bytes) of the gradients all-reduced in buckets
-    params = {n.meta["autoshard_role"].name: n for n in gm.graph.find_nodes(op="placeholder")}
+    grads = []
     for src, role in zip(out.args[0], output_roles):
         if isinstance(src, fx.Node) and role.kind in ("grad", "input_grad"):
-            made = _output_bytes(src, lay(src), mesh_shape)
-            sh = lay(params[role.name]) if role.name in params else None
-            delivered = made if sh is None else _local_bytes(src.meta["val"], sh.grad_layout, mesh_shape)
             counted.add(root(src))  # (a gradient is often a view, t(mm(...)), of the op that makes it)
-            if made > delivered:  # the whole gradient waits for its bucket's reduce-scatter
-                parts = layer_parts(role.name)
-                layer = parts[:2] if parts else ("", -1)
-                waiting[layer] = waiting.get(layer, 0) + made
-            elif sh is not None and (have := lay(src)) is not None and sums(have.outputs[0], sh.grad_layout):
-                bucketed.append((at[src], int(made * (weight(src) if weight is not None else 1.0))))
-
+            grads.append((src, role.name, at[src]))
     end: dict[fx.Node, int] = {}  # a storage's last use, over the views of it
     for n in nodes:
         if n.op != "call_function":
@@ -145,25 +139,57 @@ def transients(gm: fx.GraphModule, mesh_shape: Sequence[int], output_roles: Sequ
     free_at: dict[int, list[fx.Node]] = {}
     for base, i in end.items():
         free_at.setdefault(i, []).append(base)
-    replayed: dict[str, int] = {}  # by module: what a recomputed module's forward makes again in the backward
+    replays = []  # by module: what a recomputed module's forward makes again in the backward
     for n in nodes:
         if n.op == "call_function" and n.meta.get("recompute") == tc.PREFER_RECOMPUTE and is_saved(n) and root(n) is n:
             parts = layer_parts(n.meta.get("autoshard_module", "") + ".")
-            key = f"{parts[0]}.{parts[1]}" if parts else n.meta.get("autoshard_module", "")
-            replayed[key] = replayed.get(key, 0) + _output_bytes(n, lay(n), mesh_shape)
+            replays.append((f"{parts[0]}.{parts[1]}" if parts else n.meta.get("autoshard_module", ""), n))
+    steps = tuple(
+        (i, n, "backward" if n.meta.get("autoshard_phase") == "backward" else "forward",
+         root(n) is n and n not in counted and not (is_saved(n) or any(is_saved(v) for v in _views(n))),
+         tuple(tensor_args(n)))
+        for i, n in enumerate(nodes) if n.op == "call_function")
+    params = {n.meta["autoshard_role"].name: n for n in gm.graph.find_nodes(op="placeholder")}
+    return GraphWalk(tuple(grads), steps, {i: tuple(b) for i, b in free_at.items()}, tuple(replays), params)
+
+
+def transients(gm: fx.GraphModule, mesh_shape: Sequence[int], output_roles: Sequence,
+               layouts: Mapping[str, NodeSharding] | None = None,
+               weight: Callable[[fx.Node], float] | None = None, walk: GraphWalk | None = None) -> Transients:
+    """The forward's and the backward's temporaries at their peaks (see the module docstring), with the
+    ``layouts`` of a solution by node name (default: those written on the graph by ``passes.solve.annotate``).
+    (A peak over the captured graph: a captured layer standing for several identical ones changes nothing,
+    except in the all-reduce buckets, which hold every layer's gradients: a gradient counts ``weight(node)``
+    times there.) ``walk``: ``graph_walk(gm, output_roles)``, when already made."""
+    def lay(n: fx.Node) -> NodeSharding | None:
+        return layouts.get(n.name) if layouts is not None else n.meta.get("autoshard")
+
+    walk = walk if walk is not None else graph_walk(gm, output_roles)
+    waiting: dict[tuple, int] = {}  # whole gradients by layer
+    bucketed: list[tuple[int, int]] = []  # (where made, bytes) of the gradients all-reduced in buckets
+    for src, name, where in walk.grads:
+        made = _output_bytes(src, lay(src), mesh_shape)
+        sh = lay(walk.params[name]) if name in walk.params else None
+        delivered = made if sh is None else _local_bytes(src.meta["val"], sh.grad_layout, mesh_shape)
+        if made > delivered:  # the whole gradient waits for its bucket's reduce-scatter
+            parts = layer_parts(name)
+            layer = parts[:2] if parts else ("", -1)
+            waiting[layer] = waiting.get(layer, 0) + made
+        elif sh is not None and (have := lay(src)) is not None and sums(have.outputs[0], sh.grad_layout):
+            bucketed.append((where, int(made * (weight(src) if weight is not None else 1.0))))
+    replayed: dict[str, int] = {}
+    for key, n in walk.replays:
+        replayed[key] = replayed.get(key, 0) + _output_bytes(n, lay(n), mesh_shape)
     flat = _bucket_copies(bucketed)
     live = 0
     size: dict[fx.Node, int] = {}
     peak = {"forward": 0, "backward": 0}
-    for i, n in enumerate(nodes):
-        if n.op != "call_function":
-            continue
-        phase = "backward" if n.meta.get("autoshard_phase") == "backward" else "forward"
-        if root(n) is n and n not in counted and not (is_saved(n) or any(is_saved(v) for v in _views(n))):
+    for i, n, phase, fresh, args in walk.steps:
+        if fresh:
             size[n] = _output_bytes(n, lay(n), mesh_shape)
             live += size[n]
-        peak[phase] = max(peak[phase], live + _gathers(n, lay, mesh_shape) + flat.get(i, 0))
-        for base in free_at.get(i, ()):
+        peak[phase] = max(peak[phase], live + _gathers(n, args, lay, mesh_shape) + flat.get(i, 0))
+        for base in walk.free_at.get(i, ()):
             live -= size.pop(base, 0)
     # a layer's gradients are reduced as one bucket as soon as the backward has made them (autoshard/compiler/overlap.py):
     # while one bucket is reduced the next fills, so two layers' whole gradients wait at once, not every layer's

@@ -34,7 +34,7 @@ from autoshard.compiler.runner import PLANNING, run_passes
 from autoshard.compiler.solve import annotate
 from autoshard.compiler.solve_reuse import program_fingerprint
 from autoshard.config import PlanConfig
-from autoshard.cost.memory import temporaries, transients
+from autoshard.cost.memory import GraphWalk, graph_walk, temporaries, transients
 from autoshard.notation import placements_tuple
 from autoshard.plans.explain import headline
 from autoshard.compiler.plan_collectives import plan_collectives, weight_of
@@ -70,10 +70,12 @@ def _dtype(v: torch.Tensor) -> str:
     return str(v.dtype).replace("torch.", "")
 
 
-def build_plan(gm: fx.GraphModule, ctx: PassContext, solution: Any = None, recipe: str = "") -> Plan:
+def build_plan(gm: fx.GraphModule, ctx: PassContext, solution: Any = None, recipe: str = "",
+               walk: GraphWalk | None = None) -> Plan:
     """The Plan value of a solved graph: layouts, decisions, collectives, predicted time and memory.
 
-    ``solution`` (default ``ctx.solution``) must be the one written onto the nodes (``compiler/solve.py: annotate``).
+    ``solution`` (default ``ctx.solution``) must be the one written onto the nodes (``compiler/solve.py: annotate``);
+    ``walk``: the graph's ``cost.memory.graph_walk``, shared by the plans made of one graph.
     """
     sol = solution if solution is not None else ctx.solution
     nodes = {n.name: n for n in gm.graph.nodes}
@@ -124,7 +126,7 @@ def build_plan(gm: fx.GraphModule, ctx: PassContext, solution: Any = None, recip
     # the solver's overlap credit (GRAD_SINK_CREDIT): part of each gradient reduction hides behind backward
     hidden = GRAD_SINK_CREDIT * sum(c.time_s * c.repeat for c in collectives if c.consumer in ctx.param_modules)
     factor = ctx.config.optimizer_factor
-    t = transients(gm, ctx.mesh_shape, ctx.output_roles, weight=lambda n: weight_of(nodes, n.name, ctx))
+    t = transients(gm, ctx.mesh_shape, ctx.output_roles, weight=lambda n: weight_of(nodes, n.name, ctx), walk=walk)
     temps = temporaries(t, acts, opt / factor if factor else 0.0)
     memory = MemoryBreakdown(params, grads, opt, acts, temps, host)
     stage = StagePlan(
@@ -175,12 +177,13 @@ def recipe_summaries(gm: fx.GraphModule, ctx: PassContext, against: Plan | None 
     """Each recipe's Plan-level numbers (same accounting as the plan), computed from ``ctx.recipes``; with
     ``against`` (the plan), the largest terms of each recipe's difference with it (``plans/explain.py``)."""
     out = []
+    walk = graph_walk(gm, ctx.output_roles)  # (the graph is the same for every recipe: only its layouts change)
     for r in ctx.recipes:
         if r.solution is None:
             out.append(RecipeSummary(r.name, math.inf, 0, False, r.note))
             continue
         annotate(gm, ctx, r.solution)
-        p = build_plan(gm, ctx, r.solution, recipe=r.name)
+        p = build_plan(gm, ctx, r.solution, recipe=r.name, walk=walk)
         differences = headline(against, p) if against is not None else ()
         out.append(RecipeSummary(r.name, p.step_time_s, p.peak_memory.total, r.fits, r.note, differences=differences))
     annotate(gm, ctx)
