@@ -98,7 +98,7 @@ def _gathers(node: fx.Node, args: Sequence[fx.Node], lay: Callable[[fx.Node], No
 @dataclass(frozen=True)
 class GraphWalk:
     """What ``transients`` reads from the graph alone, layouts aside: worked out once per graph and shared by the
-    plans made of one capture (the plan's and each recipe's plan-level count, ``search/planned.py``)."""
+    plans made of it (each recipe's plan-level count, ``search/planned.py: recipe_summaries``)."""
 
     grads: tuple[tuple[fx.Node, str, int], ...]  # (gradient output, its parameter's name, position in the graph)
     # (position, node, phase, whether it starts a storage of its own that this count holds, its tensor arguments)
