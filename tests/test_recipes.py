@@ -23,6 +23,7 @@ from harness import (assert_close_to_reference, case_result, local_ranks, run_tw
 from numerics_utils import LR, MODELS, PARAM_ATOL, train_sharded
 
 CFG = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab=128, seq_len=16)
+SMALL_LLAMA = LlamaConfig(n_layer=2, d_model=128, n_head=4, n_kv_head=2, ffn=256, vocab=256, seq_len=32)
 
 
 def _gpt() -> GPT:
@@ -132,7 +133,7 @@ def test_solved_plan_never_slower_than_a_recipe_gpt(shape, names):
 
 
 def test_solved_plan_never_slower_than_a_recipe_llama_and_mlp_under_budget():
-    cfg = LlamaConfig(n_layer=2, d_model=128, n_head=4, n_kv_head=2, ffn=256, vocab=256, seq_len=32)
+    cfg = SMALL_LLAMA
     with fake_world(4):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         with torch.device("meta"):
@@ -212,7 +213,7 @@ def llama_on_2x4():
     from autoshard.config import PlanConfig
     from autoshard.search.recompute import plan_graph
 
-    cfg = LlamaConfig(n_layer=2, d_model=128, n_head=4, n_kv_head=2, ffn=256, vocab=256, seq_len=32)
+    cfg = SMALL_LLAMA
     with fake_world(8):
         mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
         with torch.device("meta"):
