@@ -36,8 +36,10 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
-def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext) -> tuple[dict[int, set[int]], list[str]]:
-    """Candidate subsets per canonical group that realise ``recipe``; raises ValueError when it cannot apply."""
+def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext,
+                memo: dict[frozenset[int], dict[int, set[int]]] | None = None) -> tuple[dict[int, set[int]], list[str]]:
+    """Candidate subsets per canonical group that realise ``recipe``; raises ValueError when it cannot apply.
+    ``memo``: the batch ops' pins by data-parallel axes, shared by the recipes of one plan (``_batch_pins``)."""
     recipe = normalize(recipe)
     canon = ctx.layer_of_group or {g.id: g.id for g in ctx.groups}
     nodes = {n.name: n for n in gm.graph.nodes}
@@ -104,7 +106,11 @@ def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext) -> tuple[dict
         if role.kind == "input":  # the batch's axes (a sequence shard, cp's, leaves the ops on it free)
             dp_axes.update(a for a, p in enumerate(target) if isinstance(p, Shard) and p.dim == 0)
     if dp_axes:
-        pins.update(_batch_pins(gm, ctx, canon, dp_axes, pins))
+        axes = frozenset(dp_axes)
+        memo = memo if memo is not None else {}
+        if axes not in memo:
+            memo[axes] = _batch_pins(gm, ctx, canon, axes)
+        pins.update((c, keep) for c, keep in memo[axes].items() if c not in pins)
     notes = []
     if unmatched:
         notes.append(f"{unmatched} Linear weights not recognised as column/row-parallel stay replicated on tp")
@@ -131,8 +137,8 @@ def has_attention(gm: fx.GraphModule) -> bool:
     return any(n.op == "call_function" and str(n.target) in ops and attention.splits_sequence(n) for n in gm.graph.nodes)
 
 
-def _batch_pins(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int], dp_axes: set[int],
-                pinned: dict[int, set[int]]) -> dict[int, set[int]]:
+def _batch_pins(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int], dp_axes: frozenset[int]
+                ) -> dict[int, set[int]]:
     """Data parallelism: every op on the batch (downstream of an input) runs on its batch shard. On the
     data-parallel axes such an op neither takes a batch-derived input whole (Replicate: an activation gather
     and the op computed whole on every rank, which the hand-written recipe never does) nor makes a Replicate
@@ -148,7 +154,7 @@ def _batch_pins(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int], dp_
     whole = lambda pl: pl is not None and any(isinstance(pl[a], Replicate) for a in dp_axes)  # noqa: E731
     pins: dict[int, set[int]] = {}
     for g in ctx.groups:
-        if g.kind != "op" or canon[g.id] != g.id or g.id in pinned or g.anchor not in batch:
+        if g.kind != "op" or canon[g.id] != g.id or g.anchor not in batch:
             continue
         anchor = nodes[g.anchor]
         on_batch = [k for k, a in enumerate(tensor_args(anchor)) if a.name in batch]
@@ -228,9 +234,10 @@ def solve_recipes(gm: fx.GraphModule, ctx: PassContext, alongside: Callable[[], 
     recipes = applicable(ctx.mesh_shape, experts=has_experts(gm, ctx), attention=has_attention(gm))
     ctx.report("solve", 0.0, f"autoshard plan and recipes {', '.join(recipes)}")
     pinned = {}
+    memo: dict[frozenset[int], dict[int, set[int]]] = {}
     for r in recipes:
         try:
-            pinned[r] = recipe_pins(r, gm, ctx)
+            pinned[r] = recipe_pins(r, gm, ctx, memo)
         except ValueError:
             pass  # (solve_recipe says why)
     within = shared_models(pinned, ctx)

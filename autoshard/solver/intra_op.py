@@ -147,6 +147,7 @@ class IntraOpProblem:
         info: dict[str, tuple[tuple[int, ...], int, bool]] = {}
         layouts: dict[Placements, int] = {}  # each distinct layout numbered once: hashing placements is slow
         memo: dict[tuple, float] = {}
+        tables: dict[tuple, list[list[float]]] = {}
 
         def lid(a: Placements) -> int:
             return layouts.setdefault(a, len(layouts))
@@ -218,8 +219,15 @@ class IntraOpProblem:
             # gradients reduced in grad_itemsize (mixed precision's reduce_dtype), the rest in their own dtype
             size = grad_itemsize if dst[0] == "param" else None
             sink = dst[0] == "param"
-            ip, iq = [lid(p) for p in P], [lid(q) for q in Q]  # (numbered once: hashing placements is slow)
-            R = [[w * rcost(src_name, p, q, a, b, size, sink) for q, b in zip(Q, iq)] for p, a in zip(P, ip)]
+            ip, iq = tuple(lid(p) for p in P), tuple(lid(q) for q in Q)  # (numbered once: hashing placements is slow)
+            if src_name not in info:
+                v = nodes[src_name].meta["val"]
+                info[src_name] = (tuple(v.shape), v.element_size(), is_state(nodes[src_name]))
+            block = (info[src_name], ip, iq, size, sink)  # edges alike (experts, layers) share one price table
+            if block not in tables:
+                tables[block] = [[rcost(src_name, p, q, a, b, size, sink) for q, b in zip(Q, iq)]
+                                 for p, a in zip(P, ip)]
+            R = [[w * r for r in row] for row in tables[block]]
             if all(r == 0 for row in R for r in row):
                 continue
             p_at, q_at = {a: k for k, a in enumerate(P)}, {b: k for k, b in enumerate(Q)}
