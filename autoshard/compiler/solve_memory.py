@@ -2,9 +2,10 @@
 
 The integer program's memory is a sum over decision groups (state in each group's layouts, saved activations);
 the step's peak also holds temporaries (``autoshard/cost/memory.py``) that depend on the whole solution, not on
-one group. ``solve_within`` keeps the budget honest by a fixed point: solve under the budget, price the
-solution's temporaries, and while the whole peak is over the budget solve again with the temporaries held back
-from it (a few rounds; they change little between rounds, as the layouts that set them do). A budget that no
+one group, except the gradients that wait whole for their reduce-scatter, which the program's memory row counts on
+their edges (``IntraOpProblem.pair_waits``). ``solve_within`` keeps the budget honest by a fixed point: solve under
+the budget, price the solution's temporaries, and while the whole peak is over the budget solve again with the
+temporaries the row does not count held back from it (a few rounds; they change little between rounds, as the layouts that set them do). A budget that no
 round meets raises ``InfeasibleBudget`` naming the peak of the last round.
 """
 
@@ -72,7 +73,8 @@ def solve_within(gm: fx.GraphModule, ctx: PassContext, budget: int | None, **kw:
         if sol.memory_bytes + extra <= budget:
             return sol
         solvable = max(solvable, held)
-        want = max(held + 1, extra, held + (sol.memory_bytes + extra - budget))
+        # (the gradients waiting for their reduce-scatter are in the program's memory row already)
+        want = max(held + 1, extra - sol.waiting_bytes, held + (sol.memory_bytes + extra - budget))
         if want >= unsolvable:
             want = (solvable + unsolvable) // 2
         if want <= solvable:

@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
 from autoshard.config import normalize
-from autoshard.ir import tensor_args
+from autoshard.ir import tensor_args, view_root
 from autoshard.rules import attention
 from autoshard.compiler.context import PassContext
 from autoshard.compiler.solve_memory import solve_within
@@ -105,12 +105,15 @@ def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext,
         pins[g.id] = keep
         if role.kind == "input":  # the batch's axes (a sequence shard, cp's, leaves the ops on it free)
             dp_axes.update(a for a, p in enumerate(target) if isinstance(p, Shard) and p.dim == 0)
+    if recipe == "ep":
+        pins.update(_expert_op_pins(gm, ctx, canon, pins))
     if dp_axes:
         axes = frozenset(dp_axes)
         memo = memo if memo is not None else {}
         if axes not in memo:
             memo[axes] = _batch_pins(gm, ctx, canon, axes)
-        pins.update((c, keep) for c, keep in memo[axes].items() if c not in pins)
+        for c, keep in memo[axes].items():  # (an expert op keeps what both leave it, if anything)
+            pins[c] = (pins[c] & keep) or pins[c] if c in pins else keep
     notes = []
     if unmatched:
         notes.append(f"{unmatched} Linear weights not recognised as column/row-parallel stay replicated on tp")
@@ -135,6 +138,41 @@ def has_attention(gm: fx.GraphModule) -> bool:
     """Whether the graph has an attention op that may shard its sequence (``autoshard/rules/attention.py``)."""
     ops = attention.RULE.ops()
     return any(n.op == "call_function" and str(n.target) in ops and attention.splits_sequence(n) for n in gm.graph.nodes)
+
+
+def _expert_op_pins(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int], pinned: dict[int, set[int]]
+                    ) -> dict[int, set[int]]:
+    """Expert parallelism moves the tokens to their experts, not the experts to the tokens: an op that reads an
+    expert weight (or a view of one) takes it sharded on every mesh axis the recipe shards it on (no op gathers
+    an expert's weights, which is FSDP over the experts). Ops left with no such candidate keep all of theirs."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    by_name = {g.anchor: g for g in ctx.groups}
+    sharded: dict[str, tuple[int, ...]] = {}  # expert weight placeholder -> the axes its pinned layouts shard
+    for name, g in by_name.items():
+        node = nodes[name]
+        if g.kind != "parameter" or canon[g.id] not in pinned:
+            continue
+        role = node.meta["autoshard_role"]
+        if is_expert_weight(ctx.param_modules.get(role.name, ""), tuple(node.meta["val"].shape)):
+            cands = ctx.strategies[canon[g.id]]
+            axes = [tuple(a for a, p in enumerate(cands[i].outputs[0][0]) if isinstance(p, Shard))
+                    for i in pinned[canon[g.id]]]
+            sharded[name] = tuple(sorted(set.intersection(*(set(a) for a in axes)))) if axes else ()
+    pins: dict[int, set[int]] = {}
+    for g in ctx.groups:
+        if g.kind != "op" or canon[g.id] != g.id:
+            continue
+        reads = [(m, k, sharded[view_root(a).name]) for m, name in enumerate(g.members)
+                 for k, a in enumerate(tensor_args(nodes[name])) if sharded.get(view_root(a).name)]
+        if not reads:
+            continue
+        cands = ctx.strategies[g.id]
+        keep = {i for i, s in enumerate(cands)
+                if all(s.inputs[m][k] is not None and all(isinstance(s.inputs[m][k][a], Shard) for a in axes)
+                       for m, k, axes in reads)}
+        if keep and len(keep) < len(cands):
+            pins[g.id] = keep
+    return pins
 
 
 def _batch_pins(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int], dp_axes: frozenset[int]

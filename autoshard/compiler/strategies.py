@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 import math
 import operator
 
@@ -38,10 +39,11 @@ from torch.distributed.tensor import Replicate, Shard
 from autoshard import _torch_compat as tc
 from autoshard import rules
 from autoshard.cost.reshard import reshard_time as redistribute_time
+from autoshard.buckets import gather_axes
 from autoshard.cost.comm import axis_collective_time, point_to_point_time
 from autoshard.cost.compute import compute_time, op_flops
 from autoshard.cost.offload import OffloadSummary, host_is_device, offload_cost
-from autoshard.ir import Group, GroupStrategy, NodeOut, is_state, output_vals, tensor_args
+from autoshard.ir import Group, GroupStrategy, NodeOut, gather_group, gather_group_sizes, is_state, output_vals, tensor_args
 from autoshard.compiler.candidates import CandidateEnumerator, evenly_divisible, shard_factor, summed
 from autoshard.compiler.context import PassContext
 from autoshard.compiler.follow import follow_members
@@ -170,7 +172,7 @@ def state_variants(s: GroupStrategy, val: torch.Tensor, ctx: PassContext) -> lis
                       if evenly_divisible(val.shape, st, ms)), None)
         if state is None:
             continue
-        gather = redistribute_time(state, compute, tuple(val.shape), val.element_size(), ms, ctx.cluster)
+        gather = after_step_gather(state, compute, val, ctx)
         if math.isinf(gather):
             continue
         shard = size // shard_factor(state, ms)
@@ -182,6 +184,25 @@ def state_variants(s: GroupStrategy, val: torch.Tensor, ctx: PassContext) -> lis
                 s, comm_s=s.comm_s + gather, state_bytes=param + g + opt, param_bytes=param, grad_bytes=g,
                 optimizer_bytes=opt, grad_placements=grad, state_placements=state))
     return out
+
+
+def after_step_gather(state: tuple, compute: tuple, val: torch.Tensor, ctx: PassContext) -> float:
+    """Seconds of a stepped master's gather from ``state`` back to its ``compute`` layout after the optimizer step.
+    The runtime gathers the masters that only all-gather one dim together, one collective per mesh axes and dtype
+    (``runtime.param_state``, ``buckets.gather_axes``): such a member pays its bytes at full bandwidth and its share
+    of that collective's latency and sync, one in every parameter of the model (every layer a captured one stands
+    for counted); any other move is paid whole."""
+    ms, shape = ctx.mesh_shape, tuple(val.shape)
+    if gather_axes(state, compute, shape, ms) is None:
+        return redistribute_time(state, compute, shape, val.element_size(), ms, ctx.cluster)
+    return redistribute_time(state, compute, shape, val.element_size(), ms, ctx.cluster,
+                             bundle_share=1.0 / after_step_members(ctx))
+
+
+def after_step_members(ctx: PassContext) -> float:
+    """How many parameters the masters' gather after the optimizer step bundles, as the solver counts its shares:
+    every parameter of the model (each layer a captured one stands for counted), at least 1."""
+    return max(1.0, sum(ctx.group_weight.get(g.id, 1.0) for g in ctx.groups if g.kind == "parameter"))
 
 
 def _full_state(compute: tuple, val: torch.Tensor, ms: tuple[int, ...]) -> tuple:
@@ -216,7 +237,7 @@ def offload_variants(s: GroupStrategy, val: torch.Tensor, ctx: PassContext) -> l
     size = val.numel() * val.element_size()
     shard = size // shard_factor(state, ms)
     on_device = size // shard_factor(compute, ms)
-    gather = redistribute_time(state, compute, tuple(val.shape), val.element_size(), ms, ctx.cluster)
+    gather = after_step_gather(state, compute, val, ctx)
     if math.isinf(gather):
         return []
     cost = offload_cost(shard, shard, factor, ctx.cluster)
@@ -257,7 +278,10 @@ def _real(a: object) -> object:  # (not a recursive closure: that is a reference
     return a
 
 
-def group_strategies(group: Group, nodes: dict[str, fx.Node], ctx: PassContext, en: CandidateEnumerator) -> list[GroupStrategy]:
+def group_strategies(group: Group, nodes: dict[str, fx.Node], ctx: PassContext, en: CandidateEnumerator,
+                     gather_sizes: Mapping[tuple, int]) -> list[GroupStrategy]:
+    """Every candidate of ``group``; ``gather_sizes``: ``ir.gather_group_sizes`` of the graph (a parameter's gather
+    inside the group rides its layer's gather group)."""
     anchor = nodes[group.anchor]
     ms = ctx.mesh_shape
     rep = tuple(Replicate() for _ in ms)
@@ -270,7 +294,7 @@ def group_strategies(group: Group, nodes: dict[str, fx.Node], ctx: PassContext, 
     pos = {name: i for i, name in enumerate(group.members)}
     result: dict[tuple, GroupStrategy] = {}
     for cand in cands:
-        for outs, ins, comm in follow_members(group, nodes, pos, cand, en, ctx):
+        for outs, ins, comm in follow_members(group, nodes, pos, cand, en, ctx, gather_sizes):
             s = _cost(group, nodes, outs, ins, comm, ctx, en.facts)
             key = (s.outputs, s.inputs)
             if key not in result:
@@ -335,11 +359,12 @@ def _prune_dominated(group: Group, nodes: dict[str, fx.Node], found: dict[tuple,
     return kept
 
 
-def _signature(group: Group, nodes: dict[str, fx.Node], en: CandidateEnumerator) -> tuple | None:
+def _signature(group: Group, nodes: dict[str, fx.Node], en: CandidateEnumerator,
+               gather_sizes: Mapping[tuple, int]) -> tuple | None:
     """Everything an op group's candidates and their costs depend on, per member: its op signature (target,
     argument shapes, strides, dtypes and constants), which member it follows, where each tensor argument comes
     from (a member's position, or outside), whether it is state, stored for the backward or recomputed, and
-    whether it is read outside the group. Two groups with equal signatures get equal candidate lists (q_proj and
+    whether it is read outside the group, and the size of the gather group its parameter gathers ride. Two groups with equal signatures get equal candidate lists (q_proj and
     k_proj of one shape, an expert's two up-projections, a forward and its recomputation). None for groups of
     placeholders, whose candidates also depend on their names (constraints)."""
     if group.kind != "op":
@@ -354,7 +379,8 @@ def _signature(group: Group, nodes: dict[str, fx.Node], en: CandidateEnumerator)
                     tuple(pos.get(a.name, -1) for a in tensor_args(node)),
                     tuple(summed(a) for a in tensor_args(node)) if name == group.anchor else (),
                     is_state(node), stored(node), is_recomputed(node),
-                    any(u.name not in pos or u.op == "output" for u in node.users)))
+                    any(u.name not in pos or u.op == "output" for u in node.users),
+                    gather_group(node, gather_sizes) if any(is_state(a) for a in tensor_args(node)) else 0))
     return (group.kind, tuple(sig))
 
 
@@ -363,6 +389,7 @@ def strategies(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     cache = ctx.cache  # the other planning attempts' (a copy of the same capture, tagged differently)
     en = cache.enumerator if cache is not None and cache.enumerator is not None else CandidateEnumerator(ctx)
     en.facts = {}  # (a node's facts hold its recomputation flags)
+    sizes = gather_group_sizes(gm)
     canon = ctx.layer_of_group or {g.id: g.id for g in ctx.groups}
     todo = [g for g in ctx.groups if canon[g.id] == g.id]
     # by ``_signature``: groups priced already
@@ -370,11 +397,11 @@ def strategies(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if cache is not None:
         cache.enumerator = en
     for i, g in enumerate(todo):
-        sig = _signature(g, nodes, en)
+        sig = _signature(g, nodes, en, sizes)
         if sig is not None and sig in alike:
             ctx.strategies[g.id] = alike[sig]
         else:
-            ctx.strategies[g.id] = group_strategies(g, nodes, ctx, en)
+            ctx.strategies[g.id] = group_strategies(g, nodes, ctx, en, sizes)
             if sig is not None:
                 alike[sig] = ctx.strategies[g.id]
         if i % 8 == 7:

@@ -285,3 +285,4 @@ def _check_shard_dim(
         )
 
 
+

@@ -2,7 +2,10 @@
 move at all (a Shard becoming Partial, a strided shard it cannot undo). The strategy pass drops candidates
 whose internal moves are impossible and the integer program forbids the pairs (``IntraOpProblem``), so a
 plan never contains a move the runtime cannot execute. ``waits``: compute waits on the move right after running,
-which adds the links' ``sync`` (``autoshard.cost.comm.sync_time``)."""
+which adds the links' ``sync`` (``autoshard.cost.comm.sync_time``). A move that rides a bundle (a gradient bucket,
+a layer's gathered parameters, the masters gathered after the optimizer step) pays its bytes and a share of the
+bundle's latency and sync (``bundle_share``): the integer program then prices a bundle once, as the lowering runs it, when
+its members are all chosen (``autoshard/solver/intra_op.py``)."""
 
 from __future__ import annotations
 
@@ -24,10 +27,18 @@ def reshard_time(
     mesh_shape: Sequence[int],
     cluster: ClusterProfile,
     waits: bool = False,
+    bundle_share: float = 0.0,
 ) -> float:
+    """``bundle_share`` > 0: the move rides a bundle of moves the lowering makes one collective
+    (``autoshard/buckets.py``): its bytes cross at full bandwidth (``ClusterProfile.bundled``) and it pays that share
+    of the bundle's latency and sync, ``waits`` aside."""
     if tuple(src) == tuple(dst):
         return 0.0
-    return _time(tuple(src), tuple(dst), tuple(global_shape), itemsize, tuple(mesh_shape), cluster, waits)
+    move = (tuple(src), tuple(dst), tuple(global_shape), itemsize, tuple(mesh_shape))
+    if bundle_share > 0:  # the bundle's latency and sync: the move's whole time, waited on, less its bytes' time
+        lean = _time(*move, cluster.bundled(), False)
+        return lean + bundle_share * (_time(*move, cluster, True) - lean)
+    return _time(*move, cluster, waits)
 
 
 @functools.lru_cache(maxsize=1 << 16)

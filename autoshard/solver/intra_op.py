@@ -40,12 +40,13 @@ import torch.fx as fx
 from ortools.sat.python import cp_model
 from torch.distributed.tensor import Replicate
 
-from autoshard.buckets import bucketable, gather_axes
+from autoshard.buckets import bucketable, gather_axes, scatter_axes
 from autoshard.cluster.profile import ClusterProfile
+from autoshard.config import BUCKET_BYTES
 from autoshard.cost.reshard import reshard_time as redistribute_time
-from autoshard.ir import Edge, Group, GroupStrategy, Placements, is_state
+from autoshard.ir import Edge, Group, GroupStrategy, Placements, gather_group, gather_group_sizes, is_parameter, is_state
 from autoshard.errors import InfeasibleBudget, InputError, SolverTimeout
-from autoshard.notation import format_bytes, placements_str
+from autoshard.notation import format_bytes, local_shape, placements_str
 from autoshard.solver.proto_text import boolean, equal, exactly_one, load, minimize, zero
 from autoshard.ir import tensor_args
 
@@ -70,6 +71,9 @@ class Solution:
     wall_s: float
     variables: int
     memory_bytes: int
+    # of the step's temporaries, the bytes the program's memory row also counted (gradients waiting whole for their
+    # bucket's reduce-scatter): ``compiler/solve_memory.py`` holds back the rest
+    waiting_bytes: int = 0
 
 
 def collect_edges(gm: fx.GraphModule, groups: Sequence[Group], output_roles: Sequence) -> tuple[list[Edge], list]:
@@ -142,7 +146,8 @@ class IntraOpProblem:
         edges, sinks = collect_edges(gm, groups, output_roles)
         rep = tuple(Replicate() for _ in mesh_shape)
 
-        in_bucket = cluster.bundled()
+        group_size = gather_group_sizes(gm)  # the lowering's gather groups: parameters per (phase, layer)
+        from_param = {n.name for n in gm.graph.nodes if is_parameter(n)}
 
         info: dict[str, tuple[tuple[int, ...], int, bool]] = {}
         layouts: dict[Placements, int] = {}  # each distinct layout numbered once: hashing placements is slow
@@ -153,12 +158,12 @@ class IntraOpProblem:
             return layouts.setdefault(a, len(layouts))
 
         def rcost(node_name: str, a: Placements, b: Placements, ia: int, ib: int, itemsize: int | None = None,
-                  sink: bool = False) -> float:
-            """A move's seconds; a gradient's all-reduce to its layout (``sink``), which the lowering flattens
-            into DDP's buckets with the others (``autoshard/buckets.py``), pays bytes only: its bucket's latency
-            is shared. (A reduce-scatter is bundled per layer too, but keeps its latency here: the whole gradient
-            waits for it, a temporary the solver's memory sum does not see, so it is not made to look cheaper.)
-            ``ia``, ``ib``: the layouts' numbers (``lid``)."""
+                  sink: bool = False, members: int = 0) -> float:
+            """A move's seconds. A move the lowering bundles with others into one collective (``autoshard/buckets.py``)
+            pays its bytes at full bandwidth and its share of the bundle's latency and sync
+            (``cost.reshard.reshard_time``): a gradient's all-reduce or reduce-scatter to its layout (``sink``) the
+            part of one bucket its bytes fill, a parameter's all-gather with its layer's ``members`` parameters one
+            in ``members``. ``ia``, ``ib``: the layouts' numbers (``lid``)."""
             if ia == ib:
                 return 0.0
             if node_name not in info:
@@ -166,12 +171,17 @@ class IntraOpProblem:
                 info[node_name] = (tuple(v.shape), v.element_size(), is_state(nodes[node_name]))
             shape, elsize, state = info[node_name]
             size = min(elsize, itemsize or elsize)
-            key = (shape, size, state, ia, ib, sink)
+            key = (shape, size, state, ia, ib, sink, members)
             if key not in memo:
-                link = in_bucket if sink and bucketable(a, b) else cluster
-                # compute waits on it (Link.sync), unless the lowering gathers it ahead with its layer's parameters
-                waits = not sink and (not state or gather_axes(a, b, shape, mesh_shape) is None)
-                memo[key] = redistribute_time(a, b, shape, size, mesh_shape, link, waits=waits)
+                if sink and (bucketable(a, b) or scatter_axes(a, b, shape, mesh_shape) is not None):
+                    share = min(1.0, math.prod(local_shape(shape, a, mesh_shape)) * size / BUCKET_BYTES)
+                elif members and gather_axes(a, b, shape, mesh_shape) is not None:
+                    share = 1.0 / members
+                else:
+                    share = 0.0
+                # compute waits on a move that rides no bundle (Link.sync), unless it is a gradient's reduction
+                memo[key] = redistribute_time(a, b, shape, size, mesh_shape, cluster, waits=not sink,
+                                              bundle_share=share)
             return memo[key]
 
         # Edges of identical layers connect the same variables: key them by the canonical group's member (same
@@ -196,6 +206,19 @@ class IntraOpProblem:
                 pair_edges[(canon[sg], sm, canon_node(sg, sm), canon[pg], ("param",))] += weight[sg]
 
         self.pair_costs: list[tuple[int, int, list[int], list[int], list[list[float]]]] = []
+        # the step's gradients made larger than their layout wait whole for their bucket's reduce-scatter (FSDP's,
+        # ZeRO-2's): two layers' worth at the backward's peak (``cost/memory.py``), so a gradient edge standing for
+        # several layers counts at most twice. Per pair of ``pair_costs`` (None: a pair that is no gradient), and
+        # per candidate for a gradient delivered inside its own group; in the memory row, not in ``memory``.
+        self.pair_waits: list[list[list[float]] | None] = []
+        self.unary_waits: dict[int, list[float]] = {c: [0.0] * len(strategies[c]) for c in canon_ids}
+
+        def waits(grad: str, P: Sequence[Placements], Q: Sequence[Placements], times: float) -> list[list[float]]:
+            val = nodes[grad].meta["val"]
+            made = [math.prod(local_shape(tuple(val.shape), p, mesh_shape)) * val.element_size() for p in P]
+            kept = [math.prod(local_shape(tuple(val.shape), q, mesh_shape)) * val.element_size() for q in Q]
+            return [[times * a if a > b else 0.0 for b in kept] for a in made]
+
         for (cu, sm, src_name, cv, dst), m in pair_edges.items():
             su = strategies[cu]
             src_layouts = [s.outputs[sm][0] for s in su]
@@ -208,42 +231,50 @@ class IntraOpProblem:
                 dst_layouts = [s.outputs[0][0] if s.grad_placements is None else s.grad_placements for s in sv]
             else:
                 dst_layouts = [s.inputs[dst[1]][dst[2]] for s in sv]
+            sink = dst[0] == "param"
+            members = 0
+            if not sink and src_name in from_param:  # a parameter's gather joins its consumer's layer's group
+                members = gather_group(nodes[by_id[cv].members[dst[1]]], group_size)
             if cu == cv:
                 for i in range(len(su)):
                     a, b = src_layouts[i], dst_layouts[i]
-                    unary[cu][i] += m * rcost(src_name, a, b, lid(a), lid(b), sink=dst[0] == "param")
+                    unary[cu][i] += m * rcost(src_name, a, b, lid(a), lid(b), sink=sink, members=members)
+                    if sink:
+                        self.unary_waits[cu][i] += waits(src_name, [a], [b], min(m, 2.0))[0][0]
                 continue
             P = list(dict.fromkeys(src_layouts))  # distinct layouts in candidate order
             Q = list(dict.fromkeys(dst_layouts))
             w = m * (1.0 - GRAD_SINK_CREDIT) if dst[0] == "param" else m
             # gradients reduced in grad_itemsize (mixed precision's reduce_dtype), the rest in their own dtype
             size = grad_itemsize if dst[0] == "param" else None
-            sink = dst[0] == "param"
             ip, iq = tuple(lid(p) for p in P), tuple(lid(q) for q in Q)  # (numbered once: hashing placements is slow)
             if src_name not in info:
                 v = nodes[src_name].meta["val"]
                 info[src_name] = (tuple(v.shape), v.element_size(), is_state(nodes[src_name]))
-            block = (info[src_name], ip, iq, size, sink)  # edges alike (experts, layers) share one price table
+            block = (info[src_name], ip, iq, size, sink, members)  # edges alike (experts, layers): one price table
             if block not in tables:
-                tables[block] = [[rcost(src_name, p, q, a, b, size, sink) for q, b in zip(Q, iq)]
+                tables[block] = [[rcost(src_name, p, q, a, b, size, sink, members) for q, b in zip(Q, iq)]
                                  for p, a in zip(P, ip)]
             R = [[w * r for r in row] for row in tables[block]]
             if all(r == 0 for row in R for r in row):
                 continue
             p_at, q_at = {a: k for k, a in enumerate(P)}, {b: k for k, b in enumerate(Q)}
             self.pair_costs.append((cu, cv, [p_at[a] for a in src_layouts], [q_at[b] for b in dst_layouts], R))
+            self.pair_waits.append(waits(src_name, P, Q, min(m, 2.0)) if sink else None)
         self.unary = unary
         self.mem = {c: [mult[c] * (s.state_bytes + s.activation_bytes) for s in strategies[c]] for c in canon_ids}
         self.variables = 0
         self.rounding_ns = 0.0
-        self._models: dict[frozenset | None, tuple[cp_model.CpModel, dict[int, list[int]], float, float]] = {}
+        self._models: dict[frozenset | None, tuple] = {}
         self._lock = threading.Lock()
         self.build_s = time.perf_counter() - t0
 
-    def _build(self, allowed: dict[int, list[int]]) -> tuple[cp_model.CpModel, dict[int, list[int]], float]:
+    def _build(self, allowed: dict[int, list[int]]
+               ) -> tuple[cp_model.CpModel, dict[int, list[int]], float, dict[int, dict[tuple[int, int], int]]]:
         """The CP-SAT model over the allowed candidates only (pinned groups shrink, and their edges collapse to
         unary costs): booleans ``x[c][j]`` for the j-th allowed candidate (their indices in the model), the edges in
-        marginal form, and the objective's constant (the groups left with one candidate).
+        marginal form, the objective's constant (the groups left with one candidate), and each edge's booleans by
+        (src layout, dst layout), by its index in ``pair_costs``.
         Written as CpModelProto text and parsed once (``autoshard/solver/proto_text.py``)."""
         unary = {c: [self.unary[c][i] for i in allowed[c]] for c in self.canon_ids}
         variables: list[str] = []
@@ -257,7 +288,8 @@ class IntraOpProblem:
         n_edges = 0
         obj_vars: list[int] = []
         obj_coeffs: list[float] = []
-        for cu, cv, pu_all, qv_all, R in self.pair_costs:
+        edge_vars: dict[int, dict[tuple[int, int], int]] = {}
+        for k, (cu, cv, pu_all, qv_all, R) in enumerate(self.pair_costs):
             pu = [pu_all[i] for i in allowed[cu]]
             qv = [qv_all[j] for j in allowed[cv]]
             P = sorted(set(pu))
@@ -271,7 +303,8 @@ class IntraOpProblem:
                     unary[cu][i] += R[p][Q[0]]
                 continue
             first = len(variables)
-            e = {(p, q): first + k for k, (p, q) in enumerate((p, q) for p in P for q in Q)}
+            e = {(p, q): first + n for n, (p, q) in enumerate((p, q) for p in P for q in Q)}
+            edge_vars[k] = e
             variables.extend([boolean()] * len(e))
             n_edges += 1
             by_p: dict[int, list[int]] = defaultdict(list)
@@ -310,7 +343,7 @@ class IntraOpProblem:
         # each chosen term is rounded to a nanosecond: a gap below half a nanosecond per group and edge is rounding,
         # not a better plan (the 70B's stage solves found their optimum in 0.3 s and spent 2 s closing an 8 ns gap)
         self.rounding_ns = 0.5 * (len(x) + n_edges)
-        return model, x, const
+        return model, x, const, edge_vars
 
     def __getstate__(self) -> dict:
         """Copies and pickles leave the built model and its lock behind (a copy builds its own when it solves)."""
@@ -320,17 +353,18 @@ class IntraOpProblem:
         self.__dict__.update(state, _models={}, _lock=threading.Lock())
 
     def _copy_of(self, order: dict[int, list[int]], key: frozenset | None
-                 ) -> tuple[cp_model.CpModel, dict[int, list], float, float]:
+                 ) -> tuple[cp_model.CpModel, dict[int, list], float, float, dict[int, dict[tuple[int, int], int]]]:
         """A copy of the model over the candidates ``order`` lists per group (built on first use of ``key``, under a
-        lock: the plan and the recipes solve on a thread pool), its candidate booleans, the objective's constant
-        and its rounding (``rounding_ns``)."""
+        lock: the plan and the recipes solve on a thread pool), its candidate booleans, the objective's constant,
+        its rounding (``rounding_ns``) and its edges' booleans by proto index (``_build``)."""
         with self._lock:
             if key not in self._models:
-                model, index, const = self._build(order)
-                self._models[key] = (model, index, const, self.rounding_ns)
-            model, index, const, rounding = self._models[key]
+                model, index, const, edges = self._build(order)
+                self._models[key] = (model, index, const, self.rounding_ns, edges)
+            model, index, const, rounding, edges = self._models[key]
             copy = model.Clone()
-        return copy, {c: [copy.GetBoolVarFromProtoIndex(i) for i in ids] for c, ids in index.items()}, const, rounding
+        return (copy, {c: [copy.GetBoolVarFromProtoIndex(i) for i in ids] for c, ids in index.items()}, const, rounding,
+                edges)
 
     def _impossible_message(self, allowed: dict[int, list[int]]) -> str:
         by_id = {g.id: g for g in self.groups}
@@ -358,6 +392,15 @@ class IntraOpProblem:
 
     def memory(self, choice: dict[int, int]) -> float:
         return sum(self.mem[c][choice[c]] for c in self.canon_ids)
+
+    def waiting(self, choice: dict[int, int]) -> float:
+        """The bytes of gradients waiting whole for their reduce-scatter that the memory row counts for ``choice``
+        (``pair_waits``)."""
+        total = sum(self.unary_waits[c][choice[c]] for c in self.canon_ids)
+        for (cu, cv, pu, qv, _), W in zip(self.pair_costs, self.pair_waits):
+            if W is not None:
+                total += W[pu[choice[cu]]][qv[choice[cv]]]
+        return total
 
     def solve(
         self,
@@ -403,7 +446,7 @@ class IntraOpProblem:
             order.update({c: sorted(keep) for c, keep in within.items()})
             if any(not allowed[c] <= set(order[c]) for c in canon_ids):
                 raise InputError(f"{what}: its pins leave candidates outside the shared model ``within``")
-        model, x, const, rounding = self._copy_of(order, frozenset(within.items()) if within else None)
+        model, x, const, rounding, edges = self._copy_of(order, frozenset(within.items()) if within else None)
         for c, vs in x.items():
             for i, v in zip(order[c], vs):
                 if i not in allowed[c]:
@@ -412,11 +455,26 @@ class IntraOpProblem:
             same = [x[c][order[c].index(i)] for c, i in other.items() if c in x and i in order[c]]
             model.Add(sum(same) <= len(same) - 1)  # (no free group in it: infeasible, no other plan)
         if memory_budget is not None:
-            fixed = sum(self.mem[c][order[c][0]] for c in canon_ids if c not in x)
+            mem = {c: [a + b for a, b in zip(self.mem[c], self.unary_waits[c])] for c in canon_ids}
+            edge_terms: list[tuple[int, float]] = []
+            for k, W in enumerate(self.pair_waits):  # the waiting gradients, on their edges' booleans
+                if W is None:
+                    continue
+                cu, cv, pu, qv, _ = self.pair_costs[k]
+                if k in edges:
+                    edge_terms += [(idx, W[p][q]) for (p, q), idx in edges[k].items() if W[p][q] > 0]
+                elif len({pu[i] for i in order[cu]}) == 1:  # collapsed onto the consumer's side (as ``_build``)
+                    p = pu[order[cu][0]]
+                    mem[cv] = [a + W[p][qv[j]] for j, a in enumerate(mem[cv])]
+                else:
+                    q = qv[order[cv][0]]
+                    mem[cu] = [a + W[pu[i]][q] for i, a in enumerate(mem[cu])]
+            fixed = sum(mem[c][order[c][0]] for c in canon_ids if c not in x)
             # bytes in units of about a millionth of the budget, each group's rounded up: the solver's count never
             # under-counts (a 600 KiB budget counted in KiB lost up to a KiB per group, ~15% of it on a small model)
             unit = 2 ** max(0, int(memory_budget).bit_length() - 21)
-            terms = [(v, -int(-self.mem[c][i] // unit)) for c in x for i, v in zip(order[c], x[c]) if i in allowed[c]]
+            terms = [(v, -int(-mem[c][i] // unit)) for c in x for i, v in zip(order[c], x[c]) if i in allowed[c]]
+            terms += [(model.GetBoolVarFromProtoIndex(idx), -int(-w // unit)) for idx, w in edge_terms]
             model.Add(cp_model.LinearExpr.weighted_sum([v for v, _ in terms], [w for _, w in terms])
                       <= int((memory_budget - fixed) // unit))
         solver = cp_model.CpSolver()
@@ -465,5 +523,6 @@ class IntraOpProblem:
         log.info("solve %s: %s objective %.6f s bound %.6f s, %d variables, %.2f s", what, name, objective, bound,
                  n_vars, wall)
         choice = {g.id: choice_c[self.canon[g.id]] for g in self.groups}
-        return Solution(choice, name, objective, bound, wall + self.build_s, n_vars, int(self.memory(choice_c)))
+        return Solution(choice, name, objective, bound, wall + self.build_s, n_vars, int(self.memory(choice_c)),
+                        int(self.waiting(choice_c)))
 
