@@ -296,7 +296,7 @@ def test_plan_step_time_prices_any_choice_like_the_solver() -> None:
     from autoshard.plans.plan import Plan
     from autoshard.compiler.plan_collectives import plan_collectives
     from autoshard.search.planned import build_plan
-    from autoshard.solver.intra_op import GRAD_SINK_CREDIT
+    from autoshard.solver.pricing import GRAD_SINK_CREDIT
 
     def priced(p: Plan) -> float:  # the plan's collectives as the solver prices them: per edge, buckets aside
         stats = [c for c in plan_collectives(gm, ctx, per_edge=True) if not c.tensor.startswith("bucket of")]

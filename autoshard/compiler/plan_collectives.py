@@ -18,9 +18,11 @@ corrections that follow what the lowered program does rather than one collective
   too: on another mesh axis it meets other ranks); ZeRO's gathers after the optimizer step that cannot be bundled
   run back to back and pay it once in all.
 
-The solver prices edges, not values (``solver/intra_op.py``): a gradient's bucket latency is discounted there
-too, gathers and reduce-scatters keep their latency (the memory of a whole gradient waiting for its
-reduce-scatter is not in the solver's sum), and sync is charged per edge.
+The solver prices edges, not values (``solver/intra_op.py``), and a bundle by shares: each member pays its bytes
+and its share of the bundle's latency and sync (a gradient the part of one bucket its bytes fill, a parameter one in
+its layer's gather group, a ZeRO master one in every parameter), which sums to one latency per bundle when its
+members are all chosen. ``per_edge=True`` prices the plan so, member by member (rows ``"share of bucket"`` /
+``"share of gather"``): what the objective sums.
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ from autoshard.cost.comm import redistribute_steps, sync_time
 from autoshard.compiler.strategies import after_step_members
 from autoshard.config import BUCKET_BYTES
 from autoshard.ir import gather_group, gather_group_sizes, is_state, layer_key, tensor_args, view_root
-from autoshard.notation import local_shape
 from autoshard.compiler.context import PassContext
 from autoshard.plans.plan import CollectiveStat
+from autoshard.solver.pricing import local_bytes
 
 __all__ = ["plan_collectives", "weight_of"]
 
@@ -71,8 +73,8 @@ def _gather_group(src: fx.Node, a: tuple, b: tuple, consumer: fx.Node, phase: st
 
 def plan_collectives(gm: fx.GraphModule, ctx: PassContext, per_edge: bool = False) -> list[CollectiveStat]:
     """Every placement change the chosen plan makes, as collectives (see the module docstring). ``per_edge``: as
-    the solver prices them instead (one move per consumer edge, only DDP's buckets bundled, sync on the moves of
-    values that are not parameters), which is what its objective sums."""
+    the solver prices them instead (one move per consumer edge, each bundle's latency paid by shares, no wait on
+    a gradient's reduction), which is what its objective sums."""
     names = ctx.mesh_names
     mesh_shape = tuple(ctx.mesh_shape)
     nodes = {n.name: n for n in gm.graph.nodes}
@@ -99,7 +101,7 @@ def plan_collectives(gm: fx.GraphModule, ctx: PassContext, per_edge: bool = Fals
         size = min(v.element_size(), itemsize or v.element_size())  # gradients: mixed precision's reduce_dtype
         shape = tuple(v.shape)
         move = (a, b, shape, size, mesh_shape)
-        local = math.prod(local_shape(shape, a, mesh_shape)) * size
+        local = local_bytes(math.prod(shape) * size, a, mesh_shape)
         bundle, share = None, 0.0  # the bundle it rides, and its share of it as the solver prices it
         if sink and (bucketable(a, b) or scatter_axes(a, b, shape, mesh_shape) is not None):
             bundle, share = ("bucket", a, b, size), min(1.0, local / BUCKET_BYTES)

@@ -33,7 +33,7 @@ from autoshard.cluster.profile import DeviceSpec
 from autoshard.ir import layer_key
 from autoshard.compiler.context import PassContext
 from autoshard.solver.inter_op import PieceCost
-from autoshard.solver.intra_op import GRAD_SINK_CREDIT
+from autoshard.solver.pricing import GRAD_SINK_CREDIT
 from autoshard.errors import InputError
 
 HEAD, TAIL = "head", "tail"

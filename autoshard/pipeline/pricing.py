@@ -113,7 +113,7 @@ class Pricer:
         run over ``sub[0]`` devices instead of ``ref[0]`` (at the same micro-batch per device: a parameter's or
         gradient's bytes stay, an activation's grow with the axis); (0, 0, 0) on the same shape."""
         from autoshard.cost.comm import axis_collective_time
-        from autoshard.solver.intra_op import GRAD_SINK_CREDIT
+        from autoshard.solver.pricing import GRAD_SINK_CREDIT
 
         if ref == sub or len(ref) != len(sub):
             return [(0.0, 0.0, 0.0)] * (len(kc.layers) + 2)

@@ -48,7 +48,7 @@ from autoshard.plans.plan import (
     StagePlan,
     TensorLayout,
 )
-from autoshard.solver.intra_op import GRAD_SINK_CREDIT
+from autoshard.solver.pricing import GRAD_SINK_CREDIT
 
 log = logging.getLogger(__name__)
 

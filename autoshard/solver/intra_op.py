@@ -4,7 +4,8 @@ Variables. For every canonical decision group c (identical repeated layers share
 m_c) and candidate i: a boolean x[c,i], with AddExactlyOne over i. A group with one candidate has no variable.
 
 Edges. A tensor produced in group u and read by group v costs R[i,j] = the time to redistribute the producer's
-layout under u's candidate i to the layout v's candidate j requires (``cost.comm.redistribute_time``).
+layout under u's candidate i to the layout v's candidate j requires (``autoshard/solver/pricing.py`` prices every
+term).
 Candidates are bucketed by the layout that matters to the edge (src layouts P, dst layouts Q), so the edge
 has |P|·|Q| booleans e[p,q] in the tight "marginal" form:
     Σ_q e[p,q] = Σ_{i in p} x[u,i]      Σ_p e[p,q] = Σ_{j in q} x[v,j]
@@ -14,12 +15,21 @@ Graph outputs are edges too: the loss must end Replicate (an all-reduce of a Par
 must end in its parameter's layout (parameter <-> gradient consistency: an all-reduce for a replicated
 parameter, a reduce-scatter for a sharded one).
 
+Bundles. A move the lowering makes one collective with others (``autoshard/buckets.py``: a gradient's bucketed
+all-reduce or reduce-scatter, a layer's parameter gathers, ZeRO's masters after the step) pays its bytes at full
+bandwidth and its share of the bundle's latency and sync: a gradient the part of one 25 MiB bucket its bytes fill,
+a parameter one in its layer's gather group (``ir.gather_group_sizes``), a master one in every parameter. The shares
+of a bundle whose members are all chosen sum to one latency, as the lowering pays it; no variable is added.
+
 Objective. min Σ m_c (compute + internal comm)[c,i] x[c,i] + Σ_edges m_e R[p,q] e[p,q], in integer
 nanoseconds: the predicted step time of a program that does not overlap communication with compute.
 
-Memory. With a per-device budget B: Σ m_c (state + saved activations)[c,i] x[c,i] <= B (KiB units), where
-state = parameter + gradient + optimizer bytes. Memory is separable over groups, so the smallest budget any
-plan needs is Σ m_c min_i mem[c,i]; a budget below it is reported with that number before solving.
+Memory. With a per-device budget B: Σ m_c (state + saved activations)[c,i] x[c,i] + Σ_gradient edges
+W[p,q] e[p,q] <= B (units of about a millionth of B), where state = parameter + gradient + optimizer bytes and
+W the bytes of a gradient made larger than its layout, which waits whole for its bucket's reduce-scatter (two
+layers' worth at the backward's peak, so an edge standing for several layers counts twice). The step's other
+temporaries are held back from B by ``compiler/solve_memory.py``. Without the gradient terms memory is separable
+over groups, so Σ m_c min_i mem[c,i] is a lower bound on any plan; a budget below it is reported before solving.
 
 Determinism: fixed seed, fixed worker count, candidates and edges in graph order.
 """
@@ -28,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
 import os
 import threading
 import time
@@ -38,27 +47,17 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 from ortools.sat.python import cp_model
-from torch.distributed.tensor import Replicate
 
-from autoshard.buckets import bucketable, gather_axes, scatter_axes
 from autoshard.cluster.profile import ClusterProfile
-from autoshard.config import BUCKET_BYTES
-from autoshard.cost.reshard import reshard_time as redistribute_time
-from autoshard.ir import Edge, Group, GroupStrategy, Placements, gather_group, gather_group_sizes, is_parameter, is_state
+from autoshard.ir import Group, GroupStrategy
 from autoshard.errors import InfeasibleBudget, InputError, SolverTimeout
-from autoshard.notation import format_bytes, local_shape, placements_str
+from autoshard.notation import format_bytes, placements_str
+from autoshard.solver.pricing import price_choices
 from autoshard.solver.proto_text import boolean, equal, exactly_one, load, minimize, zero
-from autoshard.ir import tensor_args
 
 log = logging.getLogger(__name__)
 
 NS = 1e9
-# The reduction that brings a gradient to its parameter's layout runs after the op that produced it, while
-# the rest of the backward still computes (DDP's bucketed all-reduce, FSDP's reduce-scatter); an all-gather
-# that feeds an op sits in front of it. We credit that fraction of a gradient reduction as hidden. Without
-# it, equal-volume alternatives (all-reduce the weight gradient vs gather activations and gather the
-# result) tie and the choice is arbitrary; with it, the plan reduces gradients as every practical recipe does.
-GRAD_SINK_CREDIT = 0.3
 RELATIVE_GAP = 1e-6  # a solve stops within this fraction of its proven bound
 
 
@@ -74,36 +73,6 @@ class Solution:
     # of the step's temporaries, the bytes the program's memory row also counted (gradients waiting whole for their
     # bucket's reduce-scatter): ``compiler/solve_memory.py`` holds back the rest
     waiting_bytes: int = 0
-
-
-def collect_edges(gm: fx.GraphModule, groups: Sequence[Group], output_roles: Sequence) -> tuple[list[Edge], list]:
-    """Data edges between groups (and within one), plus output sinks (loss, gradients)."""
-    pos = {}
-    for g in groups:
-        for i, name in enumerate(g.members):
-            pos[name] = (g.id, i)
-    edges: list[Edge] = []
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target is operator.getitem:
-            continue
-        gid, m = pos[node.name]
-        follow = node.meta.get("autoshard_follow", -1)
-        for k, src in enumerate(tensor_args(node)):
-            sg, _ = pos[src.name]
-            if sg == gid and k == follow:
-                continue  # the followed input: costed inside the group
-            edges.append(Edge(sg, src.name, gid, m, k))
-    out = gm.graph.find_nodes(op="output")[0]
-    params = {n.meta["autoshard_role"].name: n for n in gm.graph.find_nodes(op="placeholder")}
-    sinks = []
-    for src, role in zip(out.args[0], output_roles):
-        if not isinstance(src, fx.Node):
-            continue
-        if role.kind in ("loss", "output", "buffer"):  # replicated, as the runtime holds buffers
-            sinks.append((src.name, None))
-        elif role.kind in ("grad", "input_grad"):
-            sinks.append((src.name, params[role.name].name))
-    return edges, sinks
 
 
 class IntraOpProblem:
@@ -132,137 +101,10 @@ class IntraOpProblem:
         self.strategies = strategies
         self.canon = canon
         self.mesh_shape = mesh_shape
-        nodes = {n.name: n for n in gm.graph.nodes}
-        pos = {name: (g.id, i) for g in groups for i, name in enumerate(g.members)}
-        weight = {g.id: (weights or {}).get(g.id, 1.0) for g in groups}
-        mult: dict[int, float] = defaultdict(float)
-        for g in groups:
-            mult[canon[g.id]] += weight[g.id]
-        self.canon_ids = [g.id for g in groups if canon[g.id] == g.id]
-        canon_ids = self.canon_ids
-        unary: dict[int, list[float]] = {
-            c: [mult[c] * (s.compute_s + s.comm_s) for s in strategies[c]] for c in canon_ids
-        }
-        edges, sinks = collect_edges(gm, groups, output_roles)
-        rep = tuple(Replicate() for _ in mesh_shape)
-
-        group_size = gather_group_sizes(gm)  # the lowering's gather groups: parameters per (phase, layer)
-        from_param = {n.name for n in gm.graph.nodes if is_parameter(n)}
-
-        info: dict[str, tuple[tuple[int, ...], int, bool]] = {}
-        layouts: dict[Placements, int] = {}  # each distinct layout numbered once: hashing placements is slow
-        memo: dict[tuple, float] = {}
-        tables: dict[tuple, list[list[float]]] = {}
-
-        def lid(a: Placements) -> int:
-            return layouts.setdefault(a, len(layouts))
-
-        def rcost(node_name: str, a: Placements, b: Placements, ia: int, ib: int, itemsize: int | None = None,
-                  sink: bool = False, members: int = 0) -> float:
-            """A move's seconds. A move the lowering bundles with others into one collective (``autoshard/buckets.py``)
-            pays its bytes at full bandwidth and its share of the bundle's latency and sync
-            (``cost.reshard.reshard_time``): a gradient's all-reduce or reduce-scatter to its layout (``sink``) the
-            part of one bucket its bytes fill, a parameter's all-gather with its layer's ``members`` parameters one
-            in ``members``. ``ia``, ``ib``: the layouts' numbers (``lid``)."""
-            if ia == ib:
-                return 0.0
-            if node_name not in info:
-                v = nodes[node_name].meta["val"]
-                info[node_name] = (tuple(v.shape), v.element_size(), is_state(nodes[node_name]))
-            shape, elsize, state = info[node_name]
-            size = min(elsize, itemsize or elsize)
-            key = (shape, size, state, ia, ib, sink, members)
-            if key not in memo:
-                if sink and (bucketable(a, b) or scatter_axes(a, b, shape, mesh_shape) is not None):
-                    share = min(1.0, math.prod(local_shape(shape, a, mesh_shape)) * size / BUCKET_BYTES)
-                elif members and gather_axes(a, b, shape, mesh_shape) is not None:
-                    share = 1.0 / members
-                else:
-                    share = 0.0
-                # compute waits on a move that rides no bundle (Link.sync), unless it is a gradient's reduction
-                memo[key] = redistribute_time(a, b, shape, size, mesh_shape, cluster, waits=not sink,
-                                              bundle_share=share)
-            return memo[key]
-
-        # Edges of identical layers connect the same variables: key them by the canonical group's member (same
-        # shape) so they merge into one edge with a multiplicity instead of one set of edge variables per layer.
-        by_id = {g.id: g for g in groups}
-
-        def canon_node(gid: int, member: int) -> str:
-            return by_id[canon[gid]].members[member]
-
-        pair_edges: dict[tuple, float] = defaultdict(float)
-        for e in edges:
-            src_member = pos[e.src_node][1]
-            key = (canon[e.src_group], src_member, canon_node(e.src_group, src_member), canon[e.dst_group],
-                   ("in", e.dst_member, e.dst_arg))
-            pair_edges[key] += weight[e.dst_group]
-        for src_name, param in sinks:
-            sg, sm = pos[src_name]
-            if param is None:
-                pair_edges[(canon[sg], sm, canon_node(sg, sm), None, ("rep",))] += weight[sg]
-            else:
-                pg = pos[param][0]
-                pair_edges[(canon[sg], sm, canon_node(sg, sm), canon[pg], ("param",))] += weight[sg]
-
-        self.pair_costs: list[tuple[int, int, list[int], list[int], list[list[float]]]] = []
-        # the step's gradients made larger than their layout wait whole for their bucket's reduce-scatter (FSDP's,
-        # ZeRO-2's): two layers' worth at the backward's peak (``cost/memory.py``), so a gradient edge standing for
-        # several layers counts at most twice. Per pair of ``pair_costs`` (None: a pair that is no gradient), and
-        # per candidate for a gradient delivered inside its own group; in the memory row, not in ``memory``.
-        self.pair_waits: list[list[list[float]] | None] = []
-        self.unary_waits: dict[int, list[float]] = {c: [0.0] * len(strategies[c]) for c in canon_ids}
-
-        def waits(grad: str, P: Sequence[Placements], Q: Sequence[Placements], times: float) -> list[list[float]]:
-            val = nodes[grad].meta["val"]
-            made = [math.prod(local_shape(tuple(val.shape), p, mesh_shape)) * val.element_size() for p in P]
-            kept = [math.prod(local_shape(tuple(val.shape), q, mesh_shape)) * val.element_size() for q in Q]
-            return [[times * a if a > b else 0.0 for b in kept] for a in made]
-
-        for (cu, sm, src_name, cv, dst), m in pair_edges.items():
-            su = strategies[cu]
-            src_layouts = [s.outputs[sm][0] for s in su]
-            if cv is None:  # loss sink
-                for i, a in enumerate(src_layouts):
-                    unary[cu][i] += m * rcost(src_name, a, rep, lid(a), lid(rep))
-                continue
-            sv = strategies[cv]
-            if dst[0] == "param":  # the gradient is delivered in its parameter's gradient layout
-                dst_layouts = [s.outputs[0][0] if s.grad_placements is None else s.grad_placements for s in sv]
-            else:
-                dst_layouts = [s.inputs[dst[1]][dst[2]] for s in sv]
-            sink = dst[0] == "param"
-            members = 0
-            if not sink and src_name in from_param:  # a parameter's gather joins its consumer's layer's group
-                members = gather_group(nodes[by_id[cv].members[dst[1]]], group_size)
-            if cu == cv:
-                for i in range(len(su)):
-                    a, b = src_layouts[i], dst_layouts[i]
-                    unary[cu][i] += m * rcost(src_name, a, b, lid(a), lid(b), sink=sink, members=members)
-                    if sink:
-                        self.unary_waits[cu][i] += waits(src_name, [a], [b], min(m, 2.0))[0][0]
-                continue
-            P = list(dict.fromkeys(src_layouts))  # distinct layouts in candidate order
-            Q = list(dict.fromkeys(dst_layouts))
-            w = m * (1.0 - GRAD_SINK_CREDIT) if dst[0] == "param" else m
-            # gradients reduced in grad_itemsize (mixed precision's reduce_dtype), the rest in their own dtype
-            size = grad_itemsize if dst[0] == "param" else None
-            ip, iq = tuple(lid(p) for p in P), tuple(lid(q) for q in Q)  # (numbered once: hashing placements is slow)
-            if src_name not in info:
-                v = nodes[src_name].meta["val"]
-                info[src_name] = (tuple(v.shape), v.element_size(), is_state(nodes[src_name]))
-            block = (info[src_name], ip, iq, size, sink, members)  # edges alike (experts, layers): one price table
-            if block not in tables:
-                tables[block] = [[rcost(src_name, p, q, a, b, size, sink, members) for q, b in zip(Q, iq)]
-                                 for p, a in zip(P, ip)]
-            R = [[w * r for r in row] for row in tables[block]]
-            if all(r == 0 for row in R for r in row):
-                continue
-            p_at, q_at = {a: k for k, a in enumerate(P)}, {b: k for k, b in enumerate(Q)}
-            self.pair_costs.append((cu, cv, [p_at[a] for a in src_layouts], [q_at[b] for b in dst_layouts], R))
-            self.pair_waits.append(waits(src_name, P, Q, min(m, 2.0)) if sink else None)
-        self.unary = unary
-        self.mem = {c: [mult[c] * (s.state_bytes + s.activation_bytes) for s in strategies[c]] for c in canon_ids}
+        prices = price_choices(gm, groups, strategies, canon, output_roles, mesh_shape, cluster, weights, grad_itemsize)
+        self.canon_ids = prices.canon_ids
+        self.unary, self.pair_costs, self.pair_waits = prices.unary, prices.pair_costs, prices.pair_waits
+        self.unary_waits, self.mem = prices.unary_waits, prices.mem
         self.variables = 0
         self.rounding_ns = 0.0
         self._models: dict[frozenset | None, tuple] = {}
