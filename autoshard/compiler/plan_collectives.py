@@ -10,7 +10,8 @@ corrections that follow what the lowered program does rather than one collective
   reduce-scattered along dim 0 ride FSDP2's (``autoshard/buckets.py``); parameters all-gathered along dim 0 are
   gathered with the rest of their layer in one collective per phase (``lower._gather_groups``), and ZeRO's
   masters back to their compute layout after the step all together (``runtime.param_state``). Each member is
-  priced at its bytes; each bucket or group adds its collectives' latency once (tensor ``"bucket of N
+  priced at its bytes (a gradient of a captured layer that stands for r layers fills buckets as r gradients);
+  each bucket or group adds its collectives' latency once (tensor ``"bucket of N
   gradients"`` or ``"group of N parameters"``, 0 bytes, named after its first member's consumer).
 - **Each wait costs the links' sync** (:attr:`autoshard.cluster.profile.Link.sync`: the ranks arrive apart after
   compute). Measured on gloo, a prefetched gather group or a gradient bucket is waited on much like an
@@ -126,7 +127,12 @@ def plan_collectives(gm: fx.GraphModule, ctx: PassContext, per_edge: bool = Fals
                 out.extend(dataclasses.replace(st, tensor=f"share of {bundle[0]}", time_s=st.time_s * share,
                                                repeat=repeat) for st in latency)
             else:
-                bundles.setdefault(bundle, []).append((order[src.name], int(local * repeat), latency))
+                if bundle[0] == "bucket":  # a captured layer standing for r layers makes r such gradients
+                    whole, part = int(repeat), repeat - int(repeat)
+                    parts = [local] * whole + ([int(local * part)] if part > 1e-9 else [])
+                else:
+                    parts = [int(local * repeat)]
+                bundles.setdefault(bundle, []).extend((order[src.name], nbytes, latency) for nbytes in parts)
 
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem:
