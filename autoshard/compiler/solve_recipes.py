@@ -255,6 +255,18 @@ def shared_models(pinned: dict[str, tuple[dict[int, set[int]], list[str]]], ctx:
     kin: dict[frozenset, list[str]] = {}
     for name, (pins, _) in pinned.items():
         kin.setdefault(frozenset((c, frozenset(k)) for c, k in pins.items() if kinds.get(c) == "op"), []).append(name)
+    # a recipe alone in its kind that pins the same ops to subsets of a kind's (ep: the batch ops, and the expert
+    # ops to their shard) solves in that kind's model too
+    for ops, members in list(kin.items()):
+        if len(members) != 1:
+            continue
+        own = dict(ops)
+        for other, group in kin.items():
+            theirs = dict(other)
+            if len(group) > 1 and own.keys() == theirs.keys() and all(own[c] <= theirs[c] for c in own):
+                group.append(members[0])
+                del kin[ops]
+                break
     out: dict[str, dict[int, frozenset[int]]] = {}
     for members in kin.values():
         if len(members) < 2:
