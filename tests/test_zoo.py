@@ -287,9 +287,9 @@ def test_patchify_equals_strided_convolution() -> None:
 def test_plan_step_time_prices_any_choice_like_the_solver() -> None:
     """For any choice of candidates (not only the optimum), the Plan's step time (compute + every collective
     it lists, per consumer edge as the solver counts them, - overlap credit) equals the integer program's price of
-    that choice: nothing counted twice (moves inside a decision group), nothing left out, except the latency each
-    gradient bucket pays once (the solver prices a bucketed gradient's bytes only). The plan itself prices the
-    collectives as the lowering runs them, never more. Candidates with moves inside their group are forced in."""
+    that choice: nothing counted twice (moves inside a decision group), nothing left out, each bundle's latency paid
+    by its members' shares. The plan itself prices the collectives as the lowering runs them: here (its bundles
+    whole, a value moved once for its consumers) never more. Candidates with moves inside their group are forced in."""
     import math as _math
 
     from autoshard.compiler.solve import annotate
@@ -298,8 +298,9 @@ def test_plan_step_time_prices_any_choice_like_the_solver() -> None:
     from autoshard.search.planned import build_plan
     from autoshard.solver.pricing import GRAD_SINK_CREDIT
 
-    def priced(p: Plan) -> float:  # the plan's collectives as the solver prices them: per edge, buckets aside
-        stats = [c for c in plan_collectives(gm, ctx, per_edge=True) if not c.tensor.startswith("bucket of")]
+    def priced(p: Plan) -> float:  # the plan's collectives as the solver prices them: per edge, bundles by shares
+        stats = plan_collectives(gm, ctx, per_edge=True)
+        assert not any(c.tensor.startswith(("bucket of", "group of")) for c in stats)
         grads = sum(c.time_s * c.repeat for c in stats if c.consumer in ctx.param_modules)
         return p.stages[0].compute_s + sum(c.time_s * c.repeat for c in stats) - GRAD_SINK_CREDIT * grads
 
@@ -326,5 +327,5 @@ def test_plan_step_time_prices_any_choice_like_the_solver() -> None:
         forced_plan = build_plan(gm, ctx, sol)
         assert _math.isclose(priced(forced_plan), problem.evaluate(choice), rel_tol=1e-9)
     assert forced_plan.step_time_s > plan.step_time_s
-    # as the lowering runs them (a value moved once per placement, gathers and reduce-scatters bundled), never more
+    # as the lowering runs them (a value moved once per placement, each bundle one latency): no more here
     assert forced_plan.step_time_s <= priced(forced_plan) + 1e-12
