@@ -7,6 +7,7 @@ prices a bucketed all-reduce's latency once per bucket, not once per gradient):
   all-reduce buckets;
 - ``scatter_axes``: a gradient's Partial(sum) -> Shard(d), reduce-scattered in buckets with others (FSDP2's);
 - ``gather_axes``: a parameter's Shard(d) -> Replicate, all-gathered with its layer's others (FSDP's);
+- ``bucket_share``: the part of one bucket's latency a gradient riding it pays, as the solver prices it;
 - ``bucket_starts``: where each bucket of a run of gradients begins (DDP's sizes: the first bucket small);
 - ``gather_all`` / ``gather_together``: the bundled all-gather itself (traced by the lowering, run eagerly by
   ``runtime.param_state`` for ZeRO's masters after the step).
@@ -24,7 +25,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from autoshard import _torch_compat as tc
 from autoshard.config import BUCKET_BYTES, FIRST_BUCKET_BYTES
 
-__all__ = ["bucket_starts", "bucketable", "gather_all", "gather_axes", "gather_together", "scatter_axes"]
+__all__ = ["bucket_share", "bucket_starts", "bucketable", "gather_all", "gather_axes", "gather_together", "scatter_axes"]
 
 
 def bucketable(have: tuple, want: tuple) -> bool:
@@ -79,6 +80,14 @@ def scatter_axes(have: tuple, want: tuple, shape: tuple[int, ...], mesh_shape: t
     if any(want[a].dim != dim for a in axes):
         return None
     return axes if _dim_only_on(dim, axes, want, shape, mesh_shape) else None
+
+
+def bucket_share(have: tuple, want: tuple, shape: tuple[int, ...], mesh_shape: tuple[int, ...], nbytes: int) -> float:
+    """The share of one bucket's latency a gradient's move pays when it rides a bucket (``bucketable`` or
+    ``scatter_axes``): the part of a bucket its local ``nbytes`` fill, at most one whole; 0 for any other move."""
+    if not (bucketable(have, want) or scatter_axes(have, want, shape, mesh_shape) is not None):
+        return 0.0
+    return min(1.0, nbytes / BUCKET_BYTES)
 
 
 def bucket_starts(sizes: Sequence[int], first: int = FIRST_BUCKET_BYTES, limit: int = BUCKET_BYTES) -> list[int]:

@@ -36,14 +36,13 @@ from collections.abc import Sequence
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
-from autoshard.buckets import bucket_starts, bucketable, gather_axes, scatter_axes
+from autoshard.buckets import bucket_share, bucket_starts, gather_axes
 from autoshard.cost.comm import redistribute_steps, sync_time
+from autoshard.cost.memory import local_bytes
 from autoshard.compiler.strategies import after_step_members
-from autoshard.config import BUCKET_BYTES
 from autoshard.ir import gather_group, gather_group_sizes, is_state, layer_key, tensor_args, view_root
 from autoshard.compiler.context import PassContext
 from autoshard.plans.plan import CollectiveStat
-from autoshard.solver.pricing import local_bytes
 
 __all__ = ["plan_collectives", "weight_of"]
 
@@ -104,8 +103,8 @@ def plan_collectives(gm: fx.GraphModule, ctx: PassContext, per_edge: bool = Fals
         move = (a, b, shape, size, mesh_shape)
         local = local_bytes(math.prod(shape) * size, a, mesh_shape)
         bundle, share = None, 0.0  # the bundle it rides, and its share of it as the solver prices it
-        if sink and (bucketable(a, b) or scatter_axes(a, b, shape, mesh_shape) is not None):
-            bundle, share = ("bucket", a, b, size), min(1.0, local / BUCKET_BYTES)
+        if sink and (rides := bucket_share(a, b, shape, mesh_shape, local)):
+            bundle, share = ("bucket", a, b, size), rides
         elif consumer in nodes and (found := _gather_group(src, a, b, nodes[consumer], phase, mesh_shape)):
             bundle, share = found, 1.0 / max(1, gather_group(nodes[consumer], sizes))
         elif phase == "optimizer" and gather_axes(a, b, shape, mesh_shape) is not None:

@@ -58,14 +58,19 @@ class Transients:
     backward: int
 
 
-def _local_bytes(val: object, placements: Sequence | None, mesh_shape: Sequence[int]) -> int:
-    if not isinstance(val, torch.Tensor):
-        return 0
+def local_bytes(nbytes: int, placements: Sequence | None, mesh_shape: Sequence[int]) -> int:
+    """One device's bytes of a tensor of ``nbytes`` laid out by ``placements`` (each Shard divides by its axis)."""
     split = 1
     for p, n in zip(placements or (), mesh_shape):
         if isinstance(p, Shard):
             split *= n
-    return val.numel() * val.element_size() // split
+    return nbytes // split
+
+
+def _local_bytes(val: object, placements: Sequence | None, mesh_shape: Sequence[int]) -> int:
+    if not isinstance(val, torch.Tensor):
+        return 0
+    return local_bytes(val.numel() * val.element_size(), placements, mesh_shape)
 
 
 def _output_bytes(node: fx.Node, sh: NodeSharding | None, mesh_shape: Sequence[int]) -> int:
@@ -229,4 +234,4 @@ def temporaries(t: Transients, activations: float, optimizer_shard: float) -> in
     return int(max(t.backward, t.forward, optimizer_shard - activations, 0.0))
 
 
-__all__ = ["Transients", "temporaries", "transients"]
+__all__ = ["Transients", "local_bytes", "temporaries", "transients"]

@@ -239,7 +239,7 @@ class IntraOpProblem:
 
     def waiting(self, choice: dict[int, int], exact: bool = True) -> float:
         """The bytes of gradients waiting whole for their reduce-scatter that the memory row counts for ``choice``
-        (``pair_waits``; not ``exact``: each edge's least for the parameter's layout, ``_lower_waits``)."""
+        (``pair_waits``; not ``exact``: each edge's least for the parameter's layout, ``_exact_waits``)."""
         total = sum(self.unary_waits[c][choice[c]] for c in self.canon_ids)
         for (cu, cv, pu, qv, _), W in zip(self.pair_costs, self.pair_waits):
             if W is not None:
@@ -309,10 +309,10 @@ class IntraOpProblem:
         for other in exclude:
             same = [x[c][order[c].index(i)] for c, i in other.items() if c in x and i in order[c]]
             model.Add(sum(same) <= len(same) - 1)  # (no free group in it: infeasible, no other plan)
+        exact = memory_budget is None or self._exact_waits(memory_budget)  # (how the row counts waiting gradients)
         if memory_budget is not None:
             mem = {c: [a + b for a, b in zip(self.mem[c], self.unary_waits[c])] for c in canon_ids}
             edge_terms: list[tuple[int, float]] = []
-            exact = self._exact_waits(memory_budget)
             for k, W in enumerate(self.pair_waits):  # the waiting gradients, on their edges' booleans
                 if W is None:
                     continue
@@ -382,5 +382,5 @@ class IntraOpProblem:
                  n_vars, wall)
         choice = {g.id: choice_c[self.canon[g.id]] for g in self.groups}
         return Solution(choice, name, objective, bound, wall + self.build_s, n_vars, int(self.memory(choice_c)),
-                        int(self.waiting(choice_c, memory_budget is None or self._exact_waits(memory_budget))))
+                        int(self.waiting(choice_c, exact)))
 

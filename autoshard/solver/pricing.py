@@ -27,15 +27,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch.fx as fx
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate
 
-from autoshard.buckets import bucketable, gather_axes, scatter_axes
+from autoshard.buckets import bucket_share, gather_axes
 from autoshard.cluster.profile import ClusterProfile
-from autoshard.config import BUCKET_BYTES
+from autoshard.cost.memory import local_bytes
 from autoshard.cost.reshard import reshard_time as redistribute_time
 from autoshard.ir import Edge, Group, GroupStrategy, Placements, gather_group, gather_group_sizes, is_parameter, is_state, tensor_args
 
-__all__ = ["GRAD_SINK_CREDIT", "Prices", "collect_edges", "local_bytes", "price_choices"]
+__all__ = ["GRAD_SINK_CREDIT", "Prices", "collect_edges", "price_choices"]
 
 # The reduction that brings a gradient to its parameter's layout runs after the op that produced it, while
 # the rest of the backward still computes (DDP's bucketed all-reduce, FSDP's reduce-scatter); an all-gather
@@ -58,15 +58,6 @@ class Prices:
     pair_costs: list[tuple[int, int, list[int], list[int], list[list[float]]]]
     pair_waits: list[list[list[float]] | None]
     unary_waits: dict[int, list[float]]
-
-
-def local_bytes(nbytes: int, placements: Sequence, mesh_shape: Sequence[int]) -> int:
-    """One device's bytes of a tensor of ``nbytes`` laid out by ``placements`` (as ``cost/memory.py`` counts)."""
-    split = 1
-    for p, n in zip(placements, mesh_shape):
-        if isinstance(p, Shard):
-            split *= n
-    return nbytes // split
 
 
 def collect_edges(gm: fx.GraphModule, groups: Sequence[Group], output_roles: Sequence) -> tuple[list[Edge], list]:
@@ -151,12 +142,10 @@ def price_choices(
         size = min(elsize, itemsize or elsize)
         key = (shape, size, state, ia, ib, sink, members)
         if key not in memo:
-            if sink and (bucketable(a, b) or scatter_axes(a, b, shape, mesh_shape) is not None):
-                share = min(1.0, local_bytes(math.prod(shape) * size, a, mesh_shape) / BUCKET_BYTES)
-            elif members and gather_axes(a, b, shape, mesh_shape) is not None:
-                share = 1.0 / members
+            if sink:
+                share = bucket_share(a, b, shape, mesh_shape, local_bytes(math.prod(shape) * size, a, mesh_shape))
             else:
-                share = 0.0
+                share = 1.0 / members if members and gather_axes(a, b, shape, mesh_shape) is not None else 0.0
             # compute waits on a move that rides no bundle (Link.sync), unless it is a gradient's reduction
             memo[key] = redistribute_time(a, b, shape, size, mesh_shape, cluster, waits=not sink,
                                           bundle_share=share)
