@@ -160,6 +160,7 @@ class CandidateEnumerator:
         self._keys: dict[str, tuple[int]] = {}  # per node name: its op signature's number (``_key_of``)
         self._ids: dict[tuple, int] = {}
         self.facts: dict = {}  # per node name: what pricing it needs that no layout changes (``strategies``)
+        self.layouts: dict = {}  # per layout's id: its shard factor and sharded axes (``strategies._layout``)
         self.warned: set[str] = set()
 
     @staticmethod

@@ -108,10 +108,24 @@ def _facts(node: fx.Node, memo: dict[str, _OpFacts | None]) -> _OpFacts | None:
     return facts
 
 
+def _layout(p: tuple, ms: tuple[int, ...], seen: dict) -> tuple[tuple, int, int]:
+    """A layout's (itself, shard factor, mask of the mesh axes it shards), remembered by identity in ``seen``: the
+    layouts priced are the enumerator's cached objects, and the entry holds its layout, so an id is not reused while
+    it is remembered (hashing placements is slow: Python-level ``__hash__`` and ``isinstance`` per element)."""
+    factor, mask = 1, 0
+    for axis, (q, n) in enumerate(zip(p, ms)):
+        if isinstance(q, Shard):
+            factor *= n
+            mask |= 1 << axis
+    seen[id(p)] = entry = (p, factor, mask)
+    return entry
+
+
 def _cost(
     group: Group, nodes: dict[str, fx.Node], outs: list[NodeOut], ins: list[tuple], comm: float, ctx: PassContext,
-    memo: dict[str, _OpFacts | None],
+    memo: dict[str, _OpFacts | None], seen: dict[int, tuple[tuple, int, int]],
 ) -> GroupStrategy:
+    """``seen``: ``_layout``'s memo."""
     ms = ctx.mesh_shape
     compute = 0.0
     act = 0
@@ -120,12 +134,23 @@ def _cost(
         f = _facts(node, memo)
         if f is None:
             continue
-        local_bytes = sum(b // shard_factor(p, ms) for b, p in zip(f.out_bytes, o) if b is not None)
-        in_bytes = sum(b // shard_factor(p, ms) for b, p in zip(f.in_bytes, i))
-        split = 1
-        for axis, n in enumerate(ms):
-            if any(p is not None and isinstance(p[axis], Shard) for p in list(i) + list(o)):
-                split *= n
+        local_bytes = in_bytes = mask = 0
+        for b, p in zip(f.out_bytes, o):
+            if p is not None:
+                _, factor, bits = seen.get(id(p)) or _layout(p, ms, seen)
+                mask |= bits
+                if b is not None:
+                    local_bytes += b // factor
+            elif b is not None:
+                local_bytes += b
+        for b, p in zip(f.in_bytes, i):
+            if p is None:
+                in_bytes += b
+                continue
+            _, factor, bits = seen.get(id(p)) or _layout(p, ms, seen)
+            mask |= bits
+            in_bytes += b // factor
+        split = math.prod(n for axis, n in enumerate(ms) if mask >> axis & 1)
         once = compute_time(f.flops / split, local_bytes + in_bytes, ctx.cluster.device, f.dtype)
         if f.exchanges:
             # what the op's own local call communicates (the balanced causal attention's swap, a
@@ -295,7 +320,7 @@ def group_strategies(group: Group, nodes: dict[str, fx.Node], ctx: PassContext, 
     result: dict[tuple, GroupStrategy] = {}
     for cand in cands:
         for outs, ins, comm in follow_members(group, nodes, pos, cand, en, ctx, gather_sizes):
-            s = _cost(group, nodes, outs, ins, comm, ctx, en.facts)
+            s = _cost(group, nodes, outs, ins, comm, ctx, en.facts, en.layouts)
             key = (s.outputs, s.inputs)
             if key not in result:
                 result[key] = s
@@ -389,6 +414,7 @@ def strategies(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     cache = ctx.cache  # the other planning attempts' (a copy of the same capture, tagged differently)
     en = cache.enumerator if cache is not None and cache.enumerator is not None else CandidateEnumerator(ctx)
     en.facts = {}  # (a node's facts hold its recomputation flags)
+    en.layouts = {}
     sizes = gather_group_sizes(gm)
     canon = ctx.layer_of_group or {g.id: g.id for g in ctx.groups}
     todo = [g for g in ctx.groups if canon[g.id] == g.id]
