@@ -131,8 +131,8 @@ def price_choices(
         """A move's seconds. A move the lowering bundles with others into one collective (``autoshard/buckets.py``)
         pays its bytes at full bandwidth and its share of the bundle's latency and sync
         (``cost.reshard.reshard_time``): a gradient's all-reduce or reduce-scatter to its layout (``sink``) the
-        part of one bucket its bytes fill, a parameter's all-gather with its layer's ``members`` parameters one
-        in ``members``. ``ia``, ``ib``: the layouts' numbers (``lid``)."""
+        part of one bucket its bytes fill (``buckets.bucket_share``), a parameter's all-gather with its layer's
+        ``members`` parameters one in ``members``. ``ia``, ``ib``: the layouts' numbers (``lid``)."""
         if ia == ib:
             return 0.0
         if node_name not in info:
