@@ -41,6 +41,7 @@ from autoshard.plans.plan import Plan, RecipeSummary
 from autoshard.search.planned import Planned, build_plan
 from autoshard.solver.intra_op import Solution
 from autoshard.errors import InfeasibleBudget, InputError, SolverTimeout
+from autoshard.messages import warn
 
 log = logging.getLogger(__name__)
 
@@ -75,16 +76,27 @@ def candidates(gm: fx.GraphModule, ctx: PassContext, plan: Plan, k: int) -> list
             log.info("autotune: no plan #%d (%s)", i, e)
             break
         seen.append(_face(ctx, sol))
-        annotate(gm, ctx, sol)
-        out.append((f"autoshard #{i}", build_plan(gm, ctx, sol)))
+        _add(out, f"autoshard #{i}", gm, ctx, sol)
     for r in ctx.recipes:
         if r.solution is None or not r.fits or _face(ctx, r.solution) in seen:
             continue
         seen.append(_face(ctx, r.solution))
-        annotate(gm, ctx, r.solution)
-        out.append((r.name, build_plan(gm, ctx, r.solution, recipe=r.name)))
+        _add(out, r.name, gm, ctx, r.solution, recipe=r.name)
     annotate(gm, ctx)  # the graph carries the solved plan again
     return out
+
+
+def _add(out: list[tuple[str, Plan]], name: str, gm: fx.GraphModule, ctx: PassContext, sol: Solution,
+         recipe: str = "") -> None:
+    """``sol``'s plan appended to ``out`` as candidate ``name``; a candidate whose plan cannot be made (a move no
+    collective makes: the integer program forbids those, so this is a bug to report) is dropped with a warning
+    naming it and the move, and the others are timed."""
+    annotate(gm, ctx, sol)
+    try:
+        out.append((name, build_plan(gm, ctx, sol, recipe=recipe)))
+    except InputError as e:
+        warn(log, "autotune: candidate %s dropped, its plan cannot be made (%s); please report this model", name,
+             str(e)[:300])
 
 
 def _call(sharded: Any, inputs: Any) -> torch.Tensor:
