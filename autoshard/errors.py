@@ -51,4 +51,14 @@ class LaunchError(AutoshardError, RuntimeError):
         self.rank = rank
 
 
-__all__ = ["AutoshardError", "CallError", "DataDependentError", "InfeasibleBudget", "InputError", "LaunchError", "SolverTimeout"]
+class RankFailed(AutoshardError, RuntimeError):
+    """Another rank raised during a step, so this one stopped too (``autoshard/runtime/rank_failures.py``); the
+    message names ``rank`` and its error, and the process group is closed."""
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+__all__ = ["AutoshardError", "CallError", "DataDependentError", "InfeasibleBudget", "InputError", "LaunchError",
+           "RankFailed", "SolverTimeout"]

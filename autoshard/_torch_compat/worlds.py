@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
@@ -63,6 +63,54 @@ def fake_process_group(world_size: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+
+
+def default_store() -> object | None:
+    """The default process group's key-value store (every rank reads and writes the same keys), or None."""
+    import torch.distributed.distributed_c10d as c10d
+
+    try:
+        return c10d._get_default_store()
+    except (RuntimeError, ValueError):  # no default group, or one made without a store
+        return None
+
+
+def abort_process_groups(meshes: Sequence[object] = ()) -> None:
+    """End every process group of this process now, closing its connections so that peers waiting in a collective
+    fail at once. A group's connections close when its last reference goes: ``destroy_process_group`` drops
+    torch's own, and a device mesh also holds its groups (torch 2.13's ``DeviceMesh._pg_registry``, shared by a
+    root mesh and its sub-meshes), which is emptied for ``meshes`` (they cannot be used after this anyway)."""
+    import gc
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    for mesh in meshes:
+        for m in (mesh, getattr(mesh, "_root_mesh", None)):
+            registry = getattr(m, "_pg_registry", None)
+            if isinstance(registry, dict):
+                registry.clear()
+    abort = getattr(c10d, "_abort_process_group", None)
+    if abort is not None and dist.is_initialized():
+        abort()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()  # a group in a reference cycle is freed, and its connections closed, only by the cycle collector
+
+
+def simulated_ranks(world_size: int) -> contextlib.AbstractContextManager:
+    """``LocalTensorMode(world_size)``: ``world_size`` ranks simulated in this process (a process group of that
+    size must exist, e.g. ``autoshard.cluster.meshes.fake_world``); the mode is what ``with`` yields."""
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    return LocalTensorMode(world_size)
+
+
+def rank_values(t: torch.Tensor) -> dict[int, torch.Tensor] | None:
+    """Under ``LocalTensorMode``: a local tensor's value on each simulated rank, by rank, as plain tensors (read
+    them outside the mode, see :func:`outside_local_tensor_mode`); None for an ordinary tensor."""
+    per_rank = getattr(t, "_local_tensors", None)
+    return dict(per_rank) if per_rank else None
 
 
 def ranks_disagree(t: torch.Tensor) -> list[int]:

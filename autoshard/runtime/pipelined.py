@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from autoshard.inputs import CallSignature
+from autoshard.runtime.rank_failures import one_fails_all
 from autoshard.runtime.stage_values import StageWiring, loss_weights, stage_args, stage_sends
 from autoshard.plans.plan import Plan
 from autoshard.runtime.deferred_weights import DeferredWeights
@@ -286,7 +287,16 @@ class PipelinedModule(nn.Module):
                          only=unsaved)
 
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """One training step on the global batch, called as the model is (every rank passes the same tensors)."""
+        """One training step on the global batch, called as the model is (every rank passes the same tensors). An
+        exception on one rank ends every rank, naming it (``runtime/rank_failures.py``)."""
+        with one_fails_all("a pipelined training step", self._any_mesh()):
+            return self._step(*args, **kwargs)
+
+    def _any_mesh(self) -> DeviceMesh | None:
+        """A mesh of this rank's stages (they share their root mesh's groups)."""
+        return next((m._mesh for m in self.stage_modules.values()), None)
+
+    def _step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         if any(m._unfilled.missing() for m in self.stage_modules.values()):
             self._recompute_unsaved()
             for m in self.stage_modules.values():

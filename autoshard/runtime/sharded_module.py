@@ -24,6 +24,7 @@ from autoshard import _torch_compat as tc
 from autoshard.inputs import Call, CallSignature, signature_of
 from autoshard.notation import local_shape, placements_str, tensor_str
 from autoshard.plans.plan import Plan
+from autoshard.runtime.rank_failures import one_fails_all
 from autoshard.runtime.accumulate import Accumulation
 from autoshard.runtime.evaluate import Evaluator, PlanEval
 from autoshard.runtime.lazy import data_parallel_axes
@@ -321,7 +322,12 @@ class ShardedModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """This rank's pieces of the call (``shard_inputs``), called as the model is; returns the loss. In
-        ``eval()`` mode: the model's whole output, from a forward-only program (``runtime/evaluate.py``)."""
+        ``eval()`` mode: the model's whole output, from a forward-only program (``runtime/evaluate.py``). An
+        exception on one rank ends every rank (``runtime/rank_failures.py``)."""
+        with one_fails_all("the forward", self.mesh):
+            return self._forward(*args, **kwargs)
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self.training:
             return self.evaluate(*args, **kwargs)
         tensors = self.signature.flatten(args, kwargs)
@@ -360,24 +366,26 @@ class ShardedModule(nn.Module):
         Planned with ``microbatches=k`` (gradient accumulation, ``runtime/accumulate.py``): the call is cut into
         ``k`` micro-batches along dim 0, each runs forward and backward (gradients add up in ``.grad``) with its
         loss weighted so that the returned loss and the gradients are the whole batch's. Calling the module
-        itself (``sharded(*pieces)``) still runs one micro-batch (``shard_inputs`` of a micro-batch's call)."""
-        acc = self._accumulation
-        if acc is None:
-            loss = self._call_pieces(self.shard_inputs(*args, **kwargs), bool(args) and bool(kwargs))
-            loss.backward()
-            return loss.detach()
-        micro = acc.split(self.signature.names, self.signature.flatten(args, kwargs))
-        total: torch.Tensor | None = None
-        for tensors, weight in zip(micro, acc.weights(micro)):
-            if weight == 0.0:
-                continue  # counts no target (all padding): adds nothing to the loss or the gradients
-            m_args, m_kwargs = self.signature.unflatten(tensors)
-            loss = self._call_pieces(self.shard_inputs(*m_args, **m_kwargs), bool(m_args) and bool(m_kwargs))
-            (loss * weight).backward()
-            part = loss.detach() * weight
-            total = part if total is None else total + part
-        assert total is not None  # weights sum to 1 (or k for a sum): at least one is not 0
-        return total
+        itself (``sharded(*pieces)``) still runs one micro-batch (``shard_inputs`` of a micro-batch's call).
+        An exception on one rank ends every rank, naming it (``runtime/rank_failures.py``)."""
+        with one_fails_all("a training step", self.mesh):
+            acc = self._accumulation
+            if acc is None:
+                loss = self._call_pieces(self.shard_inputs(*args, **kwargs), bool(args) and bool(kwargs))
+                loss.backward()
+                return loss.detach()
+            micro = acc.split(self.signature.names, self.signature.flatten(args, kwargs))
+            total: torch.Tensor | None = None
+            for tensors, weight in zip(micro, acc.weights(micro)):
+                if weight == 0.0:
+                    continue  # counts no target (all padding): adds nothing to the loss or the gradients
+                m_args, m_kwargs = self.signature.unflatten(tensors)
+                loss = self._call_pieces(self.shard_inputs(*m_args, **m_kwargs), bool(m_args) and bool(m_kwargs))
+                (loss * weight).backward()
+                part = loss.detach() * weight
+                total = part if total is None else total + part
+            assert total is not None  # weights sum to 1 (or k for a sum): at least one is not 0
+            return total
 
     def _call_pieces(self, pieces: Any, both: bool) -> torch.Tensor:
         """Call the module with ``shard_inputs``' result: a dict, ``(args, kwargs)`` (``both``) or a tuple."""
