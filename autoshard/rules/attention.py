@@ -116,8 +116,13 @@ def candidates(node: fx.Node, ties: Sequence[int]) -> list[tc.RawStrategy]:
         ["ring"] if seq and "mask" not in roles.tensors and not dropout else [])
     free = sorted(set(ties))
 
-    def fit(p: Placement, v: torch.Tensor) -> Placement:
-        return Replicate() if isinstance(p, Shard) and (v.ndim <= p.dim or v.shape[p.dim] == 1 < q.shape[p.dim]) else p
+    def fit(p: Placement, v: torch.Tensor, role: str) -> Placement:
+        if not isinstance(p, Shard):
+            return p
+        # a mask broadcasts against the [B, H, T, S] scores from the right: a [T, S] mask's dim 0 is the queries'
+        # sequence (dim 2), and it has no batch or head dim to split
+        dim = p.dim - (q.ndim - v.ndim) if role == "mask" else p.dim
+        return Replicate() if dim < 0 or v.ndim <= dim or v.shape[dim] == 1 < q.shape[p.dim] else Shard(dim)
 
     result = []
     for sub in itertools.product(options, repeat=len(free)):
@@ -126,7 +131,7 @@ def candidates(node: fx.Node, ties: Sequence[int]) -> list[tc.RawStrategy]:
         if len(along) > 1 and (causal or "ring" in along):
             continue  # the balanced causal kernel and the ring exchange chunks along one axis
         per_axis = [_layout(pick[t], roles.tensors, roles.outputs) for t in ties]
-        in_pl = tuple(tuple(fit(ax[0][i], v) for ax in per_axis) for i, v in enumerate(ins))
+        in_pl = tuple(tuple(fit(ax[0][i], v, roles.tensors[i]) for ax in per_axis) for i, v in enumerate(ins))
         out_pl = tuple(tuple(ax[1][j] for ax in per_axis) if o is not None else None for j, o in enumerate(outs))
         result.append(tc.RawStrategy(in_pl, out_pl))
     return result

@@ -1,0 +1,77 @@
+"""The model fuzzer (issue 32): random small models planned, trained on a simulated mesh and compared with one device.
+
+    python benchmarks/fuzz.py --cases 200 --seed 0            # cases 0..199 of seed 0, two at a time
+    python benchmarks/fuzz.py --seed 0 --only 17              # one case again (what a failure line prints)
+    python benchmarks/fuzz.py --seed 0 --only 17 --detail     # ... with its traceback or every mismatch
+    python benchmarks/fuzz.py --cases 50 --seed 3 --all       # a line for every case, not only the failures
+
+Each case (``autoshard/testing/fuzz.py``) is drawn from (seed, index): a mesh of (2,), (4,), (2, 2) or (2, 1, 2),
+a stack of blocks drawn from the ops users train, widths that mesh axes often do not divide, a scalar loss, and
+compile options (a recipe, an input constraint, a memory budget, a cluster). It is trained 3 AdamW steps on one
+device and, compiled by ``autoshard.compile``, under ``LocalTensorMode`` on its mesh (every rank in this process);
+loss per step, first-step gradients and final parameters are compared. Outcomes: ok; refused (planning raised an
+autoshard error saying what it refused); failures: crash-planning, crash-running, mismatch. Every failure is
+printed as one line ending in its reproducer; then the summary (cases, ok, refused, failures by kind, seconds).
+The cases run in two forked processes of one thread each (``--jobs 1``: in this process). Exit status 1 when
+any case failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+
+from autoshard.testing.fuzz import FuzzResult, describe, draw_case, reproducer, run_case
+
+
+def _line(r: FuzzResult) -> str:
+    case = draw_case(r.seed, r.index)
+    return f"{r.kind:<14} case {r.index:<4} {r.seconds:5.1f}s  {describe(case)}  | {r.message}  | {reproducer(case)}"
+
+
+def _run(rank: int, world: int, arg: tuple[int, list[int], bool, bool]) -> list[FuzzResult]:
+    seed, indices, show_all, detail = arg
+    if world > 1:
+        import torch
+
+        torch.set_num_threads(1)
+    out = []
+    for i in indices[rank::world]:
+        r = run_case(draw_case(seed, i))
+        if r.failed or show_all:
+            print(_line(r), flush=True)
+        if detail and r.detail:
+            print(r.detail, flush=True)
+        out.append(r)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", type=int, default=100, help="run cases 0 .. N-1")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", type=int, nargs="+", help="run these case indices only")
+    ap.add_argument("--jobs", type=int, choices=(1, 2), default=2)
+    ap.add_argument("--all", action="store_true", help="a line for every case")
+    ap.add_argument("--detail", action="store_true", help="print each failure's traceback or mismatches")
+    args = ap.parse_args()
+    indices = list(args.only) if args.only else list(range(args.cases))
+    start = time.perf_counter()
+    arg = (args.seed, indices, args.all or bool(args.only), args.detail)
+    if args.jobs == 1 or len(indices) == 1:
+        results = _run(0, 1, arg)
+    else:
+        from autoshard.testing.launch import launch
+
+        results = [r for part in launch(2, _run, arg, gloo=False, timeout=120.0 * len(indices)) for r in part]
+    kinds = collections.Counter(r.kind for r in results)
+    failed = {k: n for k, n in sorted(kinds.items()) if k not in ("ok", "refused")}
+    print(f"seed {args.seed}: {len(results)} cases, {kinds['ok']} ok, {kinds['refused']} refused, "
+          f"{sum(failed.values())} failed {failed or ''} in {time.perf_counter() - start:.0f} s")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
