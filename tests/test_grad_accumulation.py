@@ -230,3 +230,36 @@ def test_no_micro_batch_fits_names_the_smallest_budget() -> None:
         with pytest.raises(InfeasibleBudget, match=r"micro-batches tried: 2: .*; 4: .*smallest budget any plan needs") as e:
             autoshard.compile(make(), mesh, inputs_fn(), memory_budget=1, constraints=DP, backend="eager")
     assert e.value.least_bytes and e.value.least_bytes > 1
+
+
+def _batch_norm_mlp() -> torch.nn.Module:
+    """A stock model whose training step mixes its samples: BatchNorm normalizes by the batch's statistics."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 32), _MSE())
+
+
+class _MSE(torch.nn.Module):
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return (y * y).mean()
+
+
+def test_accumulation_of_a_model_that_mixes_its_samples(caplog: pytest.LogCaptureFixture) -> None:
+    """Micro-batches change what BatchNorm computes (each normalizes by its own samples): the planner never picks
+    them by itself (a budget only they would meet is refused, naming the op), and ``microbatches=k`` given by the
+    user plans them with a warning naming it; a model whose samples stay apart (the MLP) gets no warning."""
+    x = torch.randn(2048, 32, generator=torch.Generator().manual_seed(0))
+    with local_ranks(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        with pytest.raises(InfeasibleBudget) as e:
+            autoshard.plan(_batch_norm_mlp(), mesh, (x,), memory_budget=1, constraints=DP, microbatches=1)
+        least = e.value.least_bytes
+        mixes = r"mixes the samples of its batch before the loss: aten\.sum\S* \(sum\w* in 1, .* sums over the batch"
+        with pytest.raises(InfeasibleBudget, match=mixes):
+            autoshard.plan(_batch_norm_mlp(), mesh, (x,), memory_budget=least * 3 // 4, constraints=DP)
+        with caplog.at_level("WARNING", logger="autoshard.search.accumulate"):
+            two = autoshard.plan(_batch_norm_mlp(), mesh, (x,), constraints=DP, microbatches=2)
+            mlp = autoshard.plan(_make_mlp(), mesh, _big_batch(64), constraints=DP, microbatches=2)
+    assert two.microbatches == 2 and mlp.microbatches == 2
+    warned = [r.getMessage() for r in caplog.records if "mixes the samples" in r.getMessage()]
+    assert len(warned) == 1 and "microbatches=2" in warned[0] and " in 1, " in warned[0], warned  # (module "1")

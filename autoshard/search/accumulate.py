@@ -27,6 +27,8 @@ from autoshard.runtime.accumulate import Accumulation, accumulated_plan, batched
 from autoshard.runtime.lazy import DATA_PARALLEL_NAMES
 from autoshard.search.planned import Planned
 from autoshard.search.recompute import plan_graph
+from autoshard.search.sample_coupling import mixes_samples
+from autoshard.messages import warn
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,12 @@ def plan_accumulated(model: nn.Module, inputs: tuple | dict | Call, mesh: Device
     may fit only by sharding or recomputing more than twice as many micro-batches need). ``progress`` reaches
     the planner (``autoshard.plan``'s callback)."""
     if microbatches is not None:
-        return _plan_micro(model, inputs, mesh, cluster, config, real_group, int(microbatches), progress)
+        found = _plan_micro(model, inputs, mesh, cluster, config, real_group, int(microbatches), progress)
+        if int(microbatches) > 1 and (mixed := mixes_samples(found[0], batched_inputs(signature_of(inputs)[1]))):
+            warn(log, "microbatches=%d: this model mixes the samples of its batch before the loss (%s); each "
+                 "micro-batch sees only its own samples, so the step is not the whole batch's", int(microbatches),
+                 mixed)
+        return found
     if config.memory_budget is None:
         return plan_graph(model, inputs, mesh, cluster, config, real_group, progress=progress), None
     whole_plan, whole = _agreed(real_group,
@@ -61,6 +68,14 @@ def plan_accumulated(model: nn.Module, inputs: tuple | dict | Call, mesh: Device
             tried.append(f"{k}: predicted peak {format_bytes(peak)}")
             least = peak if least is None or peak < least else least
             continue
+        mixed = mixes_samples(found[0], batched_inputs(signature_of(inputs)[1]))
+        if mixed is not None:  # accumulation would fit, but it would change what the model computes
+            raise InfeasibleBudget(
+                f"{str(whole).rstrip('.')}. Gradient accumulation over {k} micro-batches would fit, but this model "
+                f"mixes the samples of its batch before the loss: {mixed}; each micro-batch would see only its own "
+                f"samples, which is not the model's training step. Raise the budget, use more devices or a smaller "
+                f"batch, or pass microbatches={k} to train on micro-batch statistics knowingly",
+                least, accumulation=f"{k} would fit but changes the model") from whole
         log.info("plan: the whole batch does not fit memory_budget=%s (%s); gradient accumulation over %d "
                  "micro-batches fits (predicted peak %s per device)", format_bytes(config.memory_budget),
                  whole, k, format_bytes(peak))

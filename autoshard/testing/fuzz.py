@@ -433,7 +433,7 @@ def run_case(case: FuzzCase) -> FuzzResult:
         return result("mismatch", str(e), traceback.format_exc())
     except AutoshardError as e:
         if stage[0] == "planning" and str(e).strip():
-            return result("refused", f"{type(e).__name__}: {e}")
+            return result("refused", f"{type(e).__name__}: {e}", f"{type(e).__name__}: {e}")  # (whole, in detail)
         return result(f"crash-{stage[0]}", f"{type(e).__name__}: {e}", traceback.format_exc())
     except Exception as e:  # noqa: BLE001 - a crash is what the fuzzer reports
         return result(f"crash-{stage[0]}", f"{type(e).__name__}: {e}", traceback.format_exc())
