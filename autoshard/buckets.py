@@ -121,7 +121,12 @@ def gather_all(mesh: DeviceMesh, axes: tuple[int, ...], vals: list[DTensor]) -> 
 def gather_together(mesh: DeviceMesh, axes: tuple[int, ...], vals: list[DTensor], wants: list[tuple]) -> list[DTensor]:
     """All-gather several DTensors, each split along one dim by ``axes`` (and by no other axis), with ONE
     collective of their flattened local shards; each comes back with its ``wants`` placements (Replicate on
-    ``axes``), its dim put back together from the ranks' shards in rank order."""
+    ``axes``), its dim put back together from the ranks' shards in rank order.
+
+    Each comes back contiguous, the layout the program was traced with (and its DTensor's strides say): a piece
+    of the gathered buffer can be a strided view of it (one element or row per rank, e.g. a norm's weight of
+    width 4 on 4 ranks), and some ATen kernels read a parameter as contiguous without checking
+    (``native_group_norm`` on CPU reads its weight and bias that way, and gave wrong results)."""
     locals_ = [v.to_local() for v in vals]
     k = math.prod(mesh.size(a) for a in axes)
     flat = torch.cat([t.reshape(-1) for t in locals_]) if len(locals_) > 1 else locals_[0].reshape(-1)
@@ -130,7 +135,7 @@ def gather_together(mesh: DeviceMesh, axes: tuple[int, ...], vals: list[DTensor]
     for v, t, want in zip(vals, locals_, wants):
         n, d = t.numel(), v.placements[axes[0]].dim
         piece = gathered[:, offset : offset + n].reshape(k, *t.shape)  # rank r's shard, r = 0..k-1
-        piece = piece.movedim(0, d).reshape(*t.shape[:d], k * t.shape[d], *t.shape[d + 1:])
+        piece = piece.movedim(0, d).reshape(*t.shape[:d], k * t.shape[d], *t.shape[d + 1:]).contiguous()
         offset += n
         out.append(DTensor.from_local(piece, mesh, want, run_check=False, shape=v.shape, stride=v.stride()))
     return out

@@ -64,8 +64,35 @@ def make_vocab_gpt() -> GPT:
     return GPT(VOCAB_CFG)
 
 
+class GroupNormNet(nn.Module):
+    """A stock ``nn.GroupNorm`` over 4 channels of a ``[batch, 4, 7]`` input, then a linear head and cross-entropy:
+    on 4 ranks its weight and bias are one element a rank when sharded (ZeRO-1/2's masters, FSDP)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.head = nn.GroupNorm(2, 4), nn.Linear(4, 12)
+        with torch.no_grad():  # not the identity's ones and zeros: a weight read from the wrong place shows at step 0
+            self.norm.weight.uniform_(0.5, 1.5)
+            self.norm.bias.normal_()
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.norm(x).transpose(1, 2))
+        return nn.functional.cross_entropy(logits.reshape(-1, 12), target.reshape(-1))
+
+
+def make_groupnorm() -> GroupNormNet:
+    torch.manual_seed(0)
+    return GroupNormNet()
+
+
+def groupnorm_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 4, 7, generator=g), torch.randint(12, (8, 7), generator=g)
+
+
 MODELS = {
     "mlp": (make_mlp, lambda: mlp_example_inputs(16, 32, 32)),
+    "groupnorm": (make_groupnorm, groupnorm_inputs),
     "gpt": (make_gpt, lambda: gpt_example_inputs(GPT_CFG, 8)),
     "moe": (make_moe, lambda: moe_example_inputs(MOE_CFG, 8)),
     "llama-long": (make_long_llama, lambda: llama_example_inputs(LONG_CFG, 1)),

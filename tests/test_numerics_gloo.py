@@ -63,9 +63,12 @@ BATCH = {"inputs": {"dp": Shard(0)}}
         ("gpt-vocab", (2,), ("tp",), {"constraints": {"inputs": "[R]"}, "cluster": "h100-sxm", "backend": "eager"}),
         # the stock transformers Mixtral under the ep recipe: its stacked expert weights sharded over the ranks
         ("hf-mixtral", (2,), ("dp",), {"recipe": "ep", "backend": "eager"}),
+        # a GroupNorm weight gathered in its layer's group from one element a rank: contiguous for native_group_norm
+        ("groupnorm", (4,), ("dp",), {"recipe": "fsdp", "backend": "eager"}),
     ],
     ids=["mlp-dp2-eager", "gpt-dp4-fsdp-eager", "gpt-2x2-tp-eager", "gpt-2x2-fsdp-eager", "gpt-dp2-zero1-eager",
-         "moe-dp2-ep-eager", "llama-cp2-eager", "gpt-vocab-tp2-eager", "hf-mixtral-dp2-ep-eager"],
+         "moe-dp2-ep-eager", "llama-cp2-eager", "gpt-vocab-tp2-eager", "hf-mixtral-dp2-ep-eager",
+         "groupnorm-dp4-fsdp-eager"],
 )
 def test_gloo_eager(name, shape, names, kw):
     results = _run(name, shape, names, **kw)

@@ -40,13 +40,16 @@ CASES = {
     "moe-ep-4": ("moe", (4,), ("dp",), {"recipe": "ep"}),
     "llama-cp-4": ("llama-long", (4,), ("cp",), {"cluster": "h100-sxm", "constraints": {"inputs": "[S(1)]"}}),
     "gpt-vocab-4": ("gpt-vocab", (2, 2), ("dp", "tp"), {"cluster": "h100-sxm", "constraints": {"inputs": "[S(0), R]"}}),
+    "groupnorm-4-zero1": ("groupnorm", (4,), ("dp",), {"recipe": "zero1"}),
+    "groupnorm-4-zero2": ("groupnorm", (4,), ("dp",), {"recipe": "zero2"}),
 }
 USES = {"test_mesh_2x4_batch_on_dp": ("mlp-2x4", "gpt-2x4"), "test_mesh_2x2_zero2_state_sharded_over_both_axes":
         ("gpt-2x2-zero2",), "test_mesh_8_gpt_fsdp_like_budget": ("gpt-8-budget",),
         "test_sequence_sharded_residual_trains_like_one_device": ("gpt-seq-4",),
         "test_expert_parallel_moe_trains_like_one_device": ("moe-ep-4",),
         "test_context_parallel_causal_attention_trains_like_one_device": ("llama-cp-4",),
-        "test_vocabulary_parallel_loss_trains_like_one_device": ("gpt-vocab-4",)}
+        "test_vocabulary_parallel_loss_trains_like_one_device": ("gpt-vocab-4",),
+        "test_groupnorm_with_zero_state_trains_like_one_device": ("groupnorm-4-zero1", "groupnorm-4-zero2")}
 
 
 def _train(case: str) -> tuple:
@@ -161,6 +164,17 @@ def test_vocabulary_parallel_loss_trains_like_one_device(runs):
     assert len(ops) == 4, ops
     for d in ops:  # the log-probabilities (nll_loss_backward's second input) split over the vocabulary on tp
         assert d.inputs[1 if d.op == "aten.nll_loss_backward.default" else 0] == ("S(0)", "S(1)"), d
+
+
+@pytest.mark.parametrize("recipe", ["zero1", "zero2"])
+def test_groupnorm_with_zero_state_trains_like_one_device(recipe, runs):
+    """Fuzzer seed 2 case 105: the compute copy of a GroupNorm weight gathered from its ZeRO master (one element a
+    rank) was a strided view of the all-gather buffer, which ATen's CPU ``native_group_norm`` reads as contiguous."""
+    got = _check(runs, f"groupnorm-4-{recipe}")
+    from autoshard.plans.plan import Plan
+
+    tensors = [t for t in Plan.from_json(got["plan"]).stages[0].tensors if t.role == "parameter"]
+    assert {t.name: t.state_placements for t in tensors if t.zero == recipe}.get("norm.weight") == ("S(0)",)
 
 
 def test_inputs_drawn_inside_local_tensor_mode_are_refused():
