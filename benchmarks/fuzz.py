@@ -4,10 +4,12 @@
     python benchmarks/fuzz.py --seed 0 --only 17              # one case again (what a failure line prints)
     python benchmarks/fuzz.py --seed 0 --only 17 --detail     # ... with its traceback or every mismatch
     python benchmarks/fuzz.py --cases 50 --seed 3 --all       # a line for every case, not only the failures
+    python benchmarks/fuzz.py --cases 40 --seed 0 --autotune 3  # each compiled with autotune=3 (k-best plans run)
 
 Each case (``autoshard/testing/fuzz.py``) is drawn from (seed, index): a mesh of (2,), (4,), (2, 2) or (2, 1, 2),
 a stack of blocks drawn from the ops users train, widths that mesh axes often do not divide, a scalar loss, and
-compile options (a recipe, an input constraint, a memory budget, a cluster). It is trained 3 AdamW steps on one
+compile options (a recipe, an input constraint, a memory budget, a cluster; ``--autotune k`` adds ``autotune=k`` to
+every case: the solver's k best plans and the recipes are compiled, run and timed, the fastest kept). It is trained 3 AdamW steps on one
 device and, compiled by ``autoshard.compile``, under ``LocalTensorMode`` on its mesh (every rank in this process);
 loss per step, first-step gradients and final parameters are compared. Outcomes: ok; refused (planning raised an
 autoshard error saying what it refused); failures: crash-planning, crash-running, mismatch. Every failure is
@@ -20,28 +22,34 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import sys
 import time
 
-from autoshard.testing.fuzz import FuzzResult, describe, draw_case, reproducer, run_case
+from autoshard.testing.fuzz import FuzzCase, FuzzResult, describe, draw_case, reproducer, run_case
 
 
-def _line(r: FuzzResult) -> str:
-    case = draw_case(r.seed, r.index)
+def _case(seed: int, index: int, autotune: int | None) -> FuzzCase:
+    case = draw_case(seed, index)
+    return dataclasses.replace(case, autotune=autotune) if autotune else case
+
+
+def _line(r: FuzzResult, autotune: int | None) -> str:
+    case = _case(r.seed, r.index, autotune)
     return f"{r.kind:<14} case {r.index:<4} {r.seconds:5.1f}s  {describe(case)}  | {r.message}  | {reproducer(case)}"
 
 
-def _run(rank: int, world: int, arg: tuple[int, list[int], bool, bool]) -> list[FuzzResult]:
-    seed, indices, show_all, detail = arg
+def _run(rank: int, world: int, arg: tuple[int, list[int], bool, bool, int | None]) -> list[FuzzResult]:
+    seed, indices, show_all, detail, autotune = arg
     if world > 1:
         import torch
 
         torch.set_num_threads(1)
     out = []
     for i in indices[rank::world]:
-        r = run_case(draw_case(seed, i))
+        r = run_case(_case(seed, i, autotune))
         if r.failed or show_all:
-            print(_line(r), flush=True)
+            print(_line(r, autotune), flush=True)
         if detail and r.detail:
             print(r.detail, flush=True)
         out.append(r)
@@ -56,10 +64,11 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, choices=(1, 2), default=2)
     ap.add_argument("--all", action="store_true", help="a line for every case")
     ap.add_argument("--detail", action="store_true", help="print each failure's traceback or mismatches")
+    ap.add_argument("--autotune", type=int, default=None, help="compile every case with autotune=K")
     args = ap.parse_args()
     indices = list(args.only) if args.only else list(range(args.cases))
     start = time.perf_counter()
-    arg = (args.seed, indices, args.all or bool(args.only), args.detail)
+    arg = (args.seed, indices, args.all or bool(args.only), args.detail, args.autotune)
     if args.jobs == 1 or len(indices) == 1:
         results = _run(0, 1, arg)
     else:

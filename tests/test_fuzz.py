@@ -8,6 +8,8 @@ regression case in ``REGRESSIONS`` once fixed.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -50,6 +52,9 @@ def test_accumulation_of_a_batch_coupled_model_is_refused_naming_the_op() -> Non
 # cases planning refuses, as it should, with an error that names the problem: index -> words it must contain
 REFUSED = {0: "is not divisible by the data-parallel degree 4"}  # recipe ddp on 4 ranks, a batch of 3
 SUITE_CASES = [draw_case(SEED, i) for i in SUITE]
+# issue 32 part 4: compile(..., autotune=3) compiles, runs and times the solver's 3 best plans and the recipes; the
+# fastest must still train like one device (a next-best plan once asked for a move no collective makes)
+AUTOTUNED = [dataclasses.replace(draw_case(SEED, i), autotune=3) for i in (1, 4)]
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +76,13 @@ def test_fuzz_case_trains_like_one_device(case: FuzzCase, results: dict) -> None
     r = case_result(results, case)
     assert (r.seed, r.index) == (case.seed, case.index)
     assert r.kind == "ok", _why(r, case)
+
+
+@pytest.mark.parametrize("case", AUTOTUNED, ids=lambda c: f"seed{c.seed}-case{c.index}-autotune{c.autotune}")
+def test_fuzz_case_autotuned_trains_like_one_device(case: FuzzCase, results: dict) -> None:
+    r = case_result(results, case)
+    assert r.kind == "ok", _why(r, case)
+    assert "--autotune 3" in reproducer(case) and "autotune=3" in describe(case)
 
 
 @pytest.mark.parametrize("index", list(REFUSED))

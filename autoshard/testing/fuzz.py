@@ -73,7 +73,8 @@ class FuzzCase:
     embedding input (0: a float input of ``width`` features); ``out`` the width of the output layer (classes for
     the cross-entropy); ``budget`` the memory budget as a fraction of the parameters' training state (fp32
     parameter, gradient and two AdamW moments); ``constraint`` "batch" or "seq" pins the inputs' dim 0 or 1 on
-    the outermost mesh axis."""
+    the outermost mesh axis. ``autotune`` (never drawn: ``benchmarks/fuzz.py --autotune k`` sets it) compiles with
+    ``autotune=k``, which plans, compiles and runs the solver's k best plans and the recipes, keeping the fastest."""
 
     seed: int
     index: int
@@ -89,6 +90,7 @@ class FuzzCase:
     constraint: str | None = None
     budget: float | None = None
     cluster: str | None = None
+    autotune: int | None = None  # compile(..., autotune=k): the solver's k best plans and the recipes, timed
 
 
 @dataclass(frozen=True)
@@ -152,13 +154,15 @@ def describe(case: FuzzCase) -> str:
     blocks = " ".join(f"{b.kind}{'' if b.variant == 0 else b.variant}({b.width}{'' if b.arg == 1 else f'/{b.arg}'})"
                       for b in case.blocks)
     opts = [f"{k}={v}" for k, v in (("recipe", case.recipe), ("constraint", case.constraint),
-                                    ("budget", case.budget), ("cluster", case.cluster)) if v is not None]
+                                    ("budget", case.budget), ("cluster", case.cluster), ("autotune", case.autotune))
+            if v is not None]
     return f"mesh {case.mesh} B={case.batch} S={case.seq} {source} {blocks} -> {case.loss}({case.out}) {' '.join(opts)}"
 
 
 def reproducer(case: FuzzCase) -> str:
     """A one-line shell command that runs ``case`` again."""
-    return f"python benchmarks/fuzz.py --seed {case.seed} --only {case.index}"
+    tune = f" --autotune {case.autotune}" if case.autotune else ""
+    return f"python benchmarks/fuzz.py --seed {case.seed} --only {case.index}{tune}"
 
 
 # ----------------------------------------------------------------------------------------------------- the model
@@ -314,6 +318,8 @@ def compile_options(case: FuzzCase) -> dict[str, Any]:
         opts["memory_budget"] = max(1, int(case.budget * state))
     if case.cluster:
         opts["cluster"] = case.cluster
+    if case.autotune:
+        opts["autotune"] = case.autotune
     return opts
 
 
@@ -401,8 +407,15 @@ def _sharded_run(case: FuzzCase, inputs: tuple[Tensor, ...], stage: list[str]) -
     import autoshard
     from torch.distributed.device_mesh import init_device_mesh
 
+    import os
+    import tempfile
+    from unittest import mock
+
+    from autoshard.search.autotune import CACHE_ENV
+
     model = build_model(case)
-    with fake_world(math.prod(case.mesh)), tc.simulated_ranks(math.prod(case.mesh)):
+    with tempfile.TemporaryDirectory() as cache, mock.patch.dict(os.environ, {CACHE_ENV: cache}), \
+            fake_world(math.prod(case.mesh)), tc.simulated_ranks(math.prod(case.mesh)):  # (autotune's cache: fresh)
         mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=mesh_names(case.mesh))
         sharded = autoshard.compile(model, mesh, inputs, **compile_options(case))
         stage[0] = "running"
