@@ -11,7 +11,8 @@
 
 from autoshard.api import compile, plan, recipe
 from autoshard.config import PlanConfig
-from autoshard.errors import AutoshardError, CallError, DataDependentError, InfeasibleBudget, InputError, LaunchError, SolverTimeout
+from autoshard.errors import (AutoshardError, CallError, DataDependentError, InfeasibleBudget, InputError, LaunchError,
+                              RankFailed, SolverTimeout)
 from autoshard.plans.html.page import write_html
 from autoshard.plans.plan import Plan
 from autoshard.plans.report import report
@@ -20,4 +21,4 @@ from autoshard.weights.deferred import init_weights, load_pretrained, save_pretr
 
 __all__ = ["clip_grad_norm_", "compile", "init_weights", "load_pretrained", "plan", "recipe", "save_pretrained", "Plan",
            "PlanConfig", "ShardedModule", "as_dtensor", "AutoshardError", "DataDependentError", "InfeasibleBudget",
-           "InputError", "LaunchError", "SolverTimeout", "CallError", "report", "write_html"]
+           "InputError", "LaunchError", "RankFailed", "SolverTimeout", "CallError", "report", "write_html"]
