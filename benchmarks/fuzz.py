@@ -5,11 +5,13 @@
     python benchmarks/fuzz.py --seed 0 --only 17 --detail     # ... with its traceback or every mismatch
     python benchmarks/fuzz.py --cases 50 --seed 3 --all       # a line for every case, not only the failures
     python benchmarks/fuzz.py --cases 40 --seed 0 --autotune 3  # each compiled with autotune=3 (k-best plans run)
+    python benchmarks/fuzz.py --cases 40 --seed 0 --experts 3   # each with a mixture of 3 experts before its head
 
 Each case (``autoshard/testing/fuzz.py``) is drawn from (seed, index): a mesh of (2,), (4,), (2, 2) or (2, 1, 2),
 a stack of blocks drawn from the ops users train, widths that mesh axes often do not divide, a scalar loss, and
 compile options (a recipe, an input constraint, a memory budget, a cluster; ``--autotune k`` adds ``autotune=k`` to
-every case: the solver's k best plans and the recipes are compiled, run and timed, the fastest kept). It is trained 3 AdamW steps on one
+every case: the solver's k best plans and the recipes are compiled, run and timed, the fastest kept; ``--experts e``
+a mixture of ``e`` experts before the output layer). It is trained 3 AdamW steps on one
 device and, compiled by ``autoshard.compile``, under ``LocalTensorMode`` on its mesh (every rank in this process);
 loss per step, first-step gradients and final parameters are compared. Outcomes: ok; refused (planning raised an
 autoshard error saying what it refused); failures: crash-planning, crash-running, mismatch. Every failure is
@@ -29,27 +31,26 @@ import time
 from autoshard.testing.fuzz import FuzzCase, FuzzResult, describe, draw_case, reproducer, run_case
 
 
-def _case(seed: int, index: int, autotune: int | None) -> FuzzCase:
-    case = draw_case(seed, index)
-    return dataclasses.replace(case, autotune=autotune) if autotune else case
+def _case(seed: int, index: int, extra: dict) -> FuzzCase:
+    return dataclasses.replace(draw_case(seed, index), **extra)
 
 
-def _line(r: FuzzResult, autotune: int | None) -> str:
-    case = _case(r.seed, r.index, autotune)
+def _line(r: FuzzResult, extra: dict) -> str:
+    case = _case(r.seed, r.index, extra)
     return f"{r.kind:<14} case {r.index:<4} {r.seconds:5.1f}s  {describe(case)}  | {r.message}  | {reproducer(case)}"
 
 
-def _run(rank: int, world: int, arg: tuple[int, list[int], bool, bool, int | None]) -> list[FuzzResult]:
-    seed, indices, show_all, detail, autotune = arg
+def _run(rank: int, world: int, arg: tuple[int, list[int], bool, bool, dict]) -> list[FuzzResult]:
+    seed, indices, show_all, detail, extra = arg
     if world > 1:
         import torch
 
         torch.set_num_threads(1)
     out = []
     for i in indices[rank::world]:
-        r = run_case(_case(seed, i, autotune))
+        r = run_case(_case(seed, i, extra))
         if r.failed or show_all:
-            print(_line(r, autotune), flush=True)
+            print(_line(r, extra), flush=True)
         if detail and r.detail:
             print(r.detail, flush=True)
         out.append(r)
@@ -65,10 +66,12 @@ def main() -> None:
     ap.add_argument("--all", action="store_true", help="a line for every case")
     ap.add_argument("--detail", action="store_true", help="print each failure's traceback or mismatches")
     ap.add_argument("--autotune", type=int, default=None, help="compile every case with autotune=K")
+    ap.add_argument("--experts", type=int, default=None, help="a mixture of E experts before every case's head")
     args = ap.parse_args()
     indices = list(args.only) if args.only else list(range(args.cases))
     start = time.perf_counter()
-    arg = (args.seed, indices, args.all or bool(args.only), args.detail, args.autotune)
+    extra = {k: v for k, v in (("autotune", args.autotune), ("experts", args.experts)) if v}
+    arg = (args.seed, indices, args.all or bool(args.only), args.detail, extra)
     if args.jobs == 1 or len(indices) == 1:
         results = _run(0, 1, arg)
     else:

@@ -55,6 +55,9 @@ SUITE_CASES = [draw_case(SEED, i) for i in SUITE]
 # issue 32 part 4: compile(..., autotune=3) compiles, runs and times the solver's 3 best plans and the recipes; the
 # fastest must still train like one device (a next-best plan once asked for a move no collective makes)
 AUTOTUNED = [dataclasses.replace(draw_case(SEED, i), autotune=3) for i in (1, 4)]
+# issue 32 part 2: a mixture of 3 experts (a count no mesh axis divides) before the head, top-2 capacity routing and
+# its load-balancing loss
+WITH_EXPERTS = [dataclasses.replace(draw_case(SEED, i), experts=3) for i in (1, 4)]
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +86,13 @@ def test_fuzz_case_autotuned_trains_like_one_device(case: FuzzCase, results: dic
     r = case_result(results, case)
     assert r.kind == "ok", _why(r, case)
     assert "--autotune 3" in reproducer(case) and "autotune=3" in describe(case)
+
+
+@pytest.mark.parametrize("case", WITH_EXPERTS, ids=lambda c: f"seed{c.seed}-case{c.index}-experts{c.experts}")
+def test_fuzz_case_with_experts_trains_like_one_device(case: FuzzCase, results: dict) -> None:
+    r = case_result(results, case)
+    assert r.kind == "ok", _why(r, case)
+    assert "--experts 3" in reproducer(case) and "experts=3" in describe(case)
 
 
 @pytest.mark.parametrize("index", list(REFUSED))

@@ -74,7 +74,9 @@ class FuzzCase:
     the cross-entropy); ``budget`` the memory budget as a fraction of the parameters' training state (fp32
     parameter, gradient and two AdamW moments); ``constraint`` "batch" or "seq" pins the inputs' dim 0 or 1 on
     the outermost mesh axis. ``autotune`` (never drawn: ``benchmarks/fuzz.py --autotune k`` sets it) compiles with
-    ``autotune=k``, which plans, compiles and runs the solver's k best plans and the recipes, keeping the fastest."""
+    ``autotune=k``, which plans, compiles and runs the solver's k best plans and the recipes, keeping the fastest;
+    ``experts`` (never drawn either: ``--experts e``) adds a top-2 mixture of ``e`` experts with capacity routing and
+    its load-balancing loss (``autoshard.models.moe.MoEFeedForward``) before the output layer."""
 
     seed: int
     index: int
@@ -91,6 +93,7 @@ class FuzzCase:
     budget: float | None = None
     cluster: str | None = None
     autotune: int | None = None  # compile(..., autotune=k): the solver's k best plans and the recipes, timed
+    experts: int | None = None  # a mixture of this many experts before the output layer (the zoo's MoE layer)
 
 
 @dataclass(frozen=True)
@@ -154,15 +157,16 @@ def describe(case: FuzzCase) -> str:
     blocks = " ".join(f"{b.kind}{'' if b.variant == 0 else b.variant}({b.width}{'' if b.arg == 1 else f'/{b.arg}'})"
                       for b in case.blocks)
     opts = [f"{k}={v}" for k, v in (("recipe", case.recipe), ("constraint", case.constraint),
-                                    ("budget", case.budget), ("cluster", case.cluster), ("autotune", case.autotune))
+                                    ("budget", case.budget), ("cluster", case.cluster), ("autotune", case.autotune),
+                                    ("experts", case.experts))
             if v is not None]
     return f"mesh {case.mesh} B={case.batch} S={case.seq} {source} {blocks} -> {case.loss}({case.out}) {' '.join(opts)}"
 
 
 def reproducer(case: FuzzCase) -> str:
     """A one-line shell command that runs ``case`` again."""
-    tune = f" --autotune {case.autotune}" if case.autotune else ""
-    return f"python benchmarks/fuzz.py --seed {case.seed} --only {case.index}{tune}"
+    extra = (f" --autotune {case.autotune}" if case.autotune else "") + (f" --experts {case.experts}" if case.experts else "")
+    return f"python benchmarks/fuzz.py --seed {case.seed} --only {case.index}{extra}"
 
 
 # ----------------------------------------------------------------------------------------------------- the model
@@ -270,18 +274,38 @@ class FuzzModel(nn.Module):
         self.embed = nn.Embedding(case.vocab, case.width) if case.vocab else None
         widths = [case.width] + [b.width for b in case.blocks]
         self.blocks = nn.ModuleList(FuzzBlock(b, widths[i], case.seq, rng) for i, b in enumerate(case.blocks))
-        self.head = nn.Linear(widths[-1], case.out)
+        last = widths[-1] + widths[-1] % 2 if case.experts else widths[-1]  # (the MoE layer wants an even width)
+        self.to_moe = nn.Linear(widths[-1], last) if last != widths[-1] else None
+        self.moe = _experts(last, case) if case.experts else None
+        self.head = nn.Linear(last, case.out)
 
     def forward(self, x: Tensor, target: Tensor | None = None) -> Tensor:
         h = self.embed(x) if self.embed is not None else x
         for block in self.blocks:
             h = block(h)
+        aux = 0.0
+        if self.moe is not None:
+            h = self.to_moe(h) if self.to_moe is not None else h
+            mixed, aux = self.moe(h)
+            h, aux = h + mixed, 0.01 * aux
         y = self.head(h)
         if self.loss == "mse":
-            return F.mse_loss(y, target)
+            return F.mse_loss(y, target) + aux
         if self.loss == "cross_entropy":
-            return F.cross_entropy(y.reshape(-1, y.shape[-1]), target.reshape(-1))
-        return y.pow(2).mean()
+            return F.cross_entropy(y.reshape(-1, y.shape[-1]), target.reshape(-1)) + aux
+        return y.pow(2).mean() + aux
+
+
+def _experts(width: int, case: FuzzCase) -> nn.Module:
+    """A top-2 (top-1 of one expert) mixture of ``case.experts`` SwiGLU experts of hidden size 6 over ``width``."""
+    from autoshard.models.moe import MoEConfig, MoEFeedForward
+
+    cfg = MoEConfig(n_layer=1, d_model=width, n_head=1, n_kv_head=1, ffn=6, n_experts=case.experts,
+                    top_k=min(2, case.experts), vocab=2, seq_len=case.seq)
+    moe = MoEFeedForward(cfg)
+    for w in (moe.w1, moe.w3, moe.w2):
+        nn.init.normal_(w, std=0.3)
+    return moe
 
 
 def build_model(case: FuzzCase) -> FuzzModel:
