@@ -36,7 +36,8 @@ def mixes_samples(planned: Planned, batched: Sequence[bool]) -> str | None:
     """The first forward op of ``planned``'s graph that mixes the samples of the batch (its name, target and the
     module it runs in), or None. ``batched``: which user inputs carry the batch on dim 0 (``batched_inputs``)."""
     gm, ctx = planned.graph, planned.ctx
-    en = CandidateEnumerator(ctx)
+    cached = ctx.cache.enumerator if ctx.cache is not None else None  # (what planning asked DTensor already)
+    en = cached if cached is not None else CandidateEnumerator(ctx)
     axes = len(ctx.mesh_shape)
     batch_dim: dict[str, tuple[int | None, ...]] = {}  # node -> per output: the dim holding the batch (None: none)
     reduced: set[str] = set()  # values summed over the batch (a scalar on its way to the loss)
