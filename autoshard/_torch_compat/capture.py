@@ -286,7 +286,9 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor])
     from torch._inductor.compile_fx import compile_fx_inner
 
     try:
-        compiled = compile_fx_inner(copy.deepcopy(gm), list(example_inputs))
+        # random ops as one device runs them (ATen's kernels on the default generator), not Inductor's own draws
+        with inductor_config.patch({"fallback_random": True}):
+            compiled = compile_fx_inner(copy.deepcopy(gm), list(example_inputs))
     except Exception as e:
         if "CppCSEVariable" not in str(e) or example_inputs and example_inputs[0].device.type != "cpu":
             raise
@@ -295,7 +297,7 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor])
         logging.getLogger(__name__).warning(
             "Inductor's vectorized C++ code generation failed (%s); compiling this graph without vectorization",
             str(e).splitlines()[0][:160])
-        with inductor_config.patch({"cpp.simdlen": 1}):
+        with inductor_config.patch({"cpp.simdlen": 1, "fallback_random": True}):
             compiled = compile_fx_inner(gm, list(example_inputs))
 
     def run(args: list[torch.Tensor]) -> Any:

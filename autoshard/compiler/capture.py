@@ -44,6 +44,7 @@ from autoshard.compiler.capture_cleanup import (
 )
 from autoshard.compiler.context import PassContext
 from autoshard.errors import AutoshardError, CallError, DataDependentError, InputError
+from autoshard.rules import random_draws
 from autoshard.weights.shards import is_unfilled
 
 log = logging.getLogger(__name__)
@@ -292,7 +293,8 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], ctx: PassContext) -
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(_annotate_modules(traced))
-            gm = tc.export_joint(stack, wrapper, args, fake_mode, decompositions=tc.planning_decompositions())
+            gm = tc.export_joint(stack, wrapper, args, fake_mode, decompositions={**tc.planning_decompositions(),
+                                                                          **random_draws.DECOMPOSITIONS})
     except AutoshardError:
         raise
     except Exception as e:

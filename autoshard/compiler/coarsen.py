@@ -27,6 +27,7 @@ import torch.fx as fx
 
 from autoshard import _torch_compat as tc
 from autoshard.ir import Group, layer_key, tensor_args
+from autoshard.rules.random_draws import is_draw
 from autoshard.compiler.context import PassContext
 
 log = logging.getLogger(__name__)
@@ -123,7 +124,7 @@ def _coarsen(gm: fx.GraphModule, ctx: PassContext, follow: bool) -> fx.GraphModu
             node.meta["autoshard_follow"] = 0
             node.meta["autoshard_kind"] = producer.meta["autoshard_kind"]
             continue
-        if not ins:
+        if not ins and not is_draw(node):  # (a random draw is placed: each rank keeps its piece)
             new_group(node, "factory")
             continue
         k = choose_followed(node, ins) if follow and is_follower(node) else -1

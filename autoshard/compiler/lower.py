@@ -35,6 +35,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoshard import _torch_compat as tc
 from autoshard import rules
+from autoshard.rules import random_draws
 from autoshard.ir import NodeSharding
 from autoshard.notation import local_shape, placements_str
 from autoshard.buckets import bucketable, gather_all, gather_axes, scatter_axes
@@ -367,6 +368,7 @@ def trace_rank_program(
         examples[:n_primals], examples[n_primals:]
     )
     dropped = _drop_unused_collectives(traced)
+    random_draws.chain_draws(traced)  # one device's order of draws, whatever the compiler schedules
     if interp.mismatches:
         warn(log, "lower: %d op outputs needed an extra redistribution to match the plan", interp.mismatches)
     ctx.stats["lower_mismatches"] = interp.mismatches

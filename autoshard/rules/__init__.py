@@ -27,12 +27,12 @@ import torch.fx as fx
 
 from autoshard import _torch_compat as tc
 from autoshard.ir import NodeSharding
-from autoshard.rules import attention, convolution, expert_mm, vocab_loss
+from autoshard.rules import attention, convolution, expert_mm, random_draws, vocab_loss
 from autoshard.rules.base import OpRule
 
 
 def _all_rules() -> tuple[OpRule, ...]:
-    return (attention.RULE, convolution.RULE, expert_mm.RULE, vocab_loss.RULE)
+    return (attention.RULE, convolution.RULE, expert_mm.RULE, random_draws.RULE, vocab_loss.RULE)
 
 
 @functools.lru_cache(maxsize=1)
