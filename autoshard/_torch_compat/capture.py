@@ -238,8 +238,9 @@ def _drop_unused(gm: fx.GraphModule) -> None:
     for n in reversed(list(gm.graph.nodes)):
         if n.op != "call_function" or n.users:
             continue
-        if isinstance(n.target, torch._ops.OpOverload) and (n.target.namespace == "_c10d_functional" or n.target._schema.is_mutable):
-            continue
+        if isinstance(n.target, torch._ops.OpOverload) and (
+                n.target.namespace in ("_c10d_functional", "autoshard") or n.target._schema.is_mutable):
+            continue  # (an unread autoshard draw still moves the generator, as one device's does)
         gm.graph.erase_node(n)
     gm.recompile()
 

@@ -88,7 +88,9 @@ def _pure(node: fx.Node) -> bool:
     t = node.target
     if node.op == "get_attr":
         return True
-    return isinstance(t, tc.OpOverload) and not t._schema.is_mutable and t.namespace != "_c10d_functional"
+    # (a random draw nothing reads still moves the generator, as one device's does: kept)
+    return (isinstance(t, tc.OpOverload) and not t._schema.is_mutable and t.namespace != "_c10d_functional"
+            and torch.Tag.nondeterministic_seeded not in t.tags)
 
 
 def merge_tied_parameters(gm: fx.GraphModule, model: nn.Module) -> bool:
