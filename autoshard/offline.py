@@ -136,7 +136,9 @@ def _explain_oom(job: ModelJob, err: InfeasibleBudget, cluster: ClusterProfile, 
             + (f", or a global batch of at most about {smaller}" if smaller >= 1 else "")
             + ", or a shorter sequence"
         )
-    tried = f" Gradient accumulation does not fit either ({err.accumulation})." if err.accumulation else ""
+    tried = "" if not err.accumulation else (
+        f" Gradient accumulation: {err.accumulation}." if "would fit" in err.accumulation
+        else f" Gradient accumulation does not fit either ({err.accumulation}).")
     return (
         f"{head}{tail} (everything sharded as far as the mesh allows, activations of the whole batch included).{tried} "
         f"{advice}, or raise --memory-per-device, or let pipeline stages split the layers and the batch into "

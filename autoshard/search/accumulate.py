@@ -27,7 +27,7 @@ from autoshard.runtime.accumulate import Accumulation, accumulated_plan, batched
 from autoshard.runtime.lazy import DATA_PARALLEL_NAMES
 from autoshard.search.planned import Planned
 from autoshard.search.recompute import plan_graph
-from autoshard.search.sample_coupling import mixes_samples
+from autoshard.search.sample_coupling import Coupling, coupling
 from autoshard.messages import warn
 
 log = logging.getLogger(__name__)
@@ -43,10 +43,14 @@ def plan_accumulated(model: nn.Module, inputs: tuple | dict | Call, mesh: Device
     the planner (``autoshard.plan``'s callback)."""
     if microbatches is not None:
         found = _plan_micro(model, inputs, mesh, cluster, config, real_group, int(microbatches), progress)
-        if int(microbatches) > 1 and (mixed := mixes_samples(found[0], batched_inputs(signature_of(inputs)[1]))):
-            warn(log, "microbatches=%d: this model mixes the samples of its batch before the loss (%s); each "
-                 "micro-batch sees only its own samples, so the step is not the whole batch's", int(microbatches),
-                 mixed)
+        if int(microbatches) > 1:
+            found_coupling = coupling(found[0], batched_inputs(signature_of(inputs)[1]))
+            if found_coupling.mixes:
+                warn(log, "microbatches=%d: this model mixes the samples of its batch before the loss (%s); each "
+                     "micro-batch sees only its own samples, so the step is not the whole batch's", int(microbatches),
+                     found_coupling.mixes)
+            else:
+                _warn_unknown(found_coupling, int(microbatches))
         return found
     if config.memory_budget is None:
         return plan_graph(model, inputs, mesh, cluster, config, real_group, progress=progress), None
@@ -68,14 +72,18 @@ def plan_accumulated(model: nn.Module, inputs: tuple | dict | Call, mesh: Device
             tried.append(f"{k}: predicted peak {format_bytes(peak)}")
             least = peak if least is None or peak < least else least
             continue
-        mixed = mixes_samples(found[0], batched_inputs(signature_of(inputs)[1]))
+        found_coupling = coupling(found[0], batched_inputs(signature_of(inputs)[1]))
+        mixed = found_coupling.mixes
         if mixed is not None:  # accumulation would fit, but it would change what the model computes
             raise InfeasibleBudget(
                 f"{str(whole).rstrip('.')}. Gradient accumulation over {k} micro-batches would fit, but this model "
                 f"mixes the samples of its batch before the loss: {mixed}; each micro-batch would see only its own "
                 f"samples, which is not the model's training step. Raise the budget, use more devices or a smaller "
                 f"batch, or pass microbatches={k} to train on micro-batch statistics knowingly",
-                least, accumulation=f"{k} would fit but changes the model") from whole
+                least, accumulation=f"{k} micro-batches would fit, but the model mixes the samples of its batch "
+                f"before the loss: {mixed} (microbatches={k}, --microbatches {k}, trains on micro-batch statistics "
+                "knowingly)") from whole
+        _warn_unknown(found_coupling, k)
         log.info("plan: the whole batch does not fit memory_budget=%s (%s); gradient accumulation over %d "
                  "micro-batches fits (predicted peak %s per device)", format_bytes(config.memory_budget),
                  whole, k, format_bytes(peak))
@@ -86,6 +94,16 @@ def plan_accumulated(model: nn.Module, inputs: tuple | dict | Call, mesh: Device
     counts = f"micro-batches tried: {'; '.join(tried) or 'none, the batch does not split further'}"
     raise InfeasibleBudget(f"{str(whole).rstrip('.')}. Gradient accumulation did not fit either ({counts}){smallest}",
                            least, accumulation=counts) from whole
+
+
+def _warn_unknown(found: Coupling, k: int) -> None:
+    """Warn that accumulation over ``k`` micro-batches is kept though the batch could not be followed through
+    some ops (``Coupling.unknown``): whether those keep the samples apart is not known."""
+    if found.unknown:
+        more = f" and {len(found.unknown) - 1} more" if len(found.unknown) > 1 else ""
+        warn(log, "gradient accumulation over %d micro-batches: the batch could not be followed through %s%s; "
+             "accumulation assumes they keep the samples of the batch apart (no op found to mix them). If one "
+             "does mix them, raise the memory budget or pass microbatches=1", k, found.unknown[0], more)
 
 
 def _next_fit(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
