@@ -20,6 +20,7 @@ Stage boundaries carry whole (Replicate) activations: rank r of a stage sends to
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from autoshard.runtime.deferred_weights import DeferredWeights
 from autoshard.runtime.rebind import rebind_optimizers
 from autoshard.runtime.param_state import ParamStates, scatter_grads
 from autoshard.runtime.sharded_module import distribute_parameters
+from autoshard.runtime.stage_random import StageStreams
 from autoshard.weights.deferred import take_deferred
 from autoshard.weights.init import init_weights
 from autoshard.weights.pretrained import load_pretrained, save_pretrained
@@ -118,6 +120,8 @@ class StageModule(nn.Module):
         self._grad_slots = tuple(slot[n] for n in grad_names)
         self._first_input_slot = base
         self._deferred: DeferredWeights | None = None
+        self._streams: StageStreams | None = None  # this stage's random stream (``runtime/stage_random.py``)
+        self._index = stage.index
 
     def defer_weights(self) -> Callable[[], Callable[[], None]]:
         """Run this stage's backward in two parts from now on (zero-bubble schedules); the stage's
@@ -144,7 +148,8 @@ class StageModule(nn.Module):
         bufs = dict(self.module.named_buffers())
         flat += [bufs[n] for n in self._buffer_names]
         flat += [self._local(a, pl) for a, pl in zip(args, self._input_placements)]
-        outs = _RunStage.apply(self._program, self._grad_slots, self._states, self._deferred, *flat)
+        with self._streams.drawing(self._index) if self._streams is not None else contextlib.nullcontext():
+            outs = _RunStage.apply(self._program, self._grad_slots, self._states, self._deferred, *flat)
         sends = stage_sends(self._wiring, outs if isinstance(outs, tuple) else (outs,), received)
         sends = tuple(t.contiguous() for t in sends)  # the program's outputs may be views; sends need whole buffers
         return sends if len(sends) > 1 else sends[0]
@@ -226,6 +231,9 @@ class PipelinedModule(nn.Module):
         for call, arg in take_deferred(tree) if tree is not None else ():  # autoshard.init_weights(model) before
             getattr(self, call)(arg)
         self._used_inputs = sorted({i for m in stages.values() for kind, i in m._wiring.args if kind == "input"})
+        self._streams = StageStreams(device, sorted(stages))  # each stage's own random stream
+        for m in stages.values():
+            m._streams = self._streams
         pp_size = dist.get_world_size(pp_group)
         self._last_owner = dist.get_global_rank(pp_group, (num_stages - 1) % pp_size)
         self._has_last = num_stages - 1 in stages
@@ -314,6 +322,7 @@ class PipelinedModule(nn.Module):
         if self._has_last:  # the schedule hands each micro-batch's weight to the loss function as its "target"
             target = loss_weights(self._weighting.reduction, self._weighting.counter, tensors, m)
         losses: list[torch.Tensor] = []
+        self._streams.begin_step()
         self.schedule.step(target=target, losses=losses, **{input_key(i): tensors[i] for i in self._used_inputs})
         self._sum_tied_grads()
         loss = torch.zeros((), dtype=torch.float32)
