@@ -176,3 +176,33 @@ def test_offline_plan_of_a_stock_model_called_with_keywords():
     odd = torch.zeros(3, 64, dtype=torch.long, device="meta")
     with pytest.raises(ValueError, match="global batch 3 is not divisible"):
         autoshard.plan(model, example_inputs=dict(input_ids=odd, labels=odd), cluster="h100-sxm:1x2", recipe="ddp")
+
+
+class _BatchNormalized(torch.nn.Module):
+    """``x / x.sum(0)``: every sample normalized by a sum over the batch (gradient accumulation changes it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x)
+        y = y / y.sum(0)
+        return (y * y).mean()
+
+
+def test_offline_refusal_of_accumulation_names_the_op():
+    """Issue 43 part 4: a budget only micro-batches meet, for a model that mixes its samples: the offline error
+    (what ``autoshard plan`` prints) names the op that mixes them, as the in-process error does, and the flag
+    that accepts micro-batch statistics knowingly."""
+    x = torch.randn(64, 256, 64)
+    kw = dict(example_inputs=(x,), cluster="h100-sxm:1x2", solve_recipes=False)
+    with pytest.raises(InfeasibleBudget) as e:
+        autoshard.plan(_BatchNormalized(), **kw, memory_budget=1, microbatches=1)
+    with pytest.raises(InfeasibleBudget, match=r"Gradient accumulation: \d+ micro-batches would fit, but the model "
+                       r"mixes the samples of its batch before the loss: aten\.sum\.dim_IntList \(sum") as refused:
+        autoshard.plan(_BatchNormalized(), **kw, memory_budget=e.value.least_bytes * 17 // 20)
+    import re
+
+    assert re.search(r"--microbatches \d+, trains on micro-batch statistics", str(refused.value)), str(refused.value)
+    assert "does not fit either" not in str(refused.value)
