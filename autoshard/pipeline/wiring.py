@@ -64,7 +64,31 @@ def split_model(model: nn.Module, signature: CallSignature, tensors: Sequence[to
         pipe = tc.split_for_pipeline(_loss_call(model, signature, loss_fn), tuple(tensors), split_spec)
     if stand:
         _meta_again(pipe, stand)
+    for k in range(pipe.num_stages - 1):
+        _contiguous_outputs(pipe.get_stage_module(k))
     return pipe, wiring_of(pipe.split_gm.graph)
+
+
+def _contiguous_outputs(stage: fx.GraphModule) -> None:
+    """Each output of a stage made contiguous in its graph: a stage sends whole buffers and gets back
+    contiguous gradients, so the gradients its program is traced with must be contiguous too (ConvNeXt's
+    layers end in a permute back from channels-last, whose gradient the traced backward would view in the
+    permuted strides it does not have)."""
+    out = stage.graph.find_nodes(op="output")[0]
+    values = out.args[0]
+    single = not isinstance(values, (tuple, list))
+    made = []
+    with stage.graph.inserting_before(out):
+        for v in ((values,) if single else values):
+            val = v.meta.get("val") if isinstance(v, fx.Node) else None
+            if isinstance(val, torch.Tensor) and not val.is_contiguous():
+                c = stage.graph.call_method("contiguous", (v,))
+                c.meta = {**v.meta, "val": val.contiguous()} if "val" in v.meta else dict(v.meta)
+                made.append(c)
+            else:
+                made.append(v)
+    out.args = (made[0] if single else type(values)(made),)
+    stage.recompile()
 
 
 @contextlib.contextmanager
