@@ -295,16 +295,3 @@ def repeated_layers(model: nn.Module) -> tuple[str, int] | None:
                 best = (name, len(mod))
     return best
 
-
-def pipeline_layers(model: nn.Module) -> tuple[str, int] | None:
-    """Where pipeline stages are cut: the repeated layers, else the longest ``nn.ModuleList`` of blocks of one
-    class (T5's first block also holds the relative position table, so its blocks are not identical)."""
-    found = repeated_layers(model)
-    if found is not None:
-        return found
-    best: tuple[str, int] | None = None
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) > 1 and len({type(c) for c in mod}) == 1:
-            if best is None or len(mod) > best[1]:
-                best = (name, len(mod))
-    return best

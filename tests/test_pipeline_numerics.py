@@ -182,7 +182,7 @@ def _no_layers(rank: int, world: int, arg: None) -> str:
 
 def test_pp_axis_on_a_model_without_repeated_layers_is_a_clear_error():
     msg = launch(2, _no_layers, None)[0]
-    assert "MLP has no nn.ModuleList of blocks of one class" in msg and "pp" in msg
+    assert "MLP has none; its containers: layers (nn.ModuleList of 0" in msg and "'pp' axis" in msg, msg
 
 
 @pytest.mark.parametrize(

@@ -116,13 +116,13 @@ def test_pipelined_stages_are_balanced_to_a_tenth(searched) -> None:
 def test_the_plan_without_stages_from_the_kept_capture_is_the_plan() -> None:
     """``StageSolves.plan`` (the plan without stages planned on the search's capture of the whole batch) is what
     ``plan_graph`` makes from a capture of its own, wall-clock fields aside."""
-    from autoshard.ir import pipeline_layers
+    from autoshard.pipeline.blocks import main_sequence
     from autoshard.pipeline.solves import FakeStageMeshes, StageSolves
     from autoshard.search.recompute import plan_graph
 
     model, inputs = _deep()
     cluster, config = get_cluster(CLUSTER), PlanConfig(sample_layers=3, memory_budget=2**30)
-    solves = StageSolves(model, inputs, config, FakeStageMeshes(cluster), pipeline_layers(model)[0])
+    solves = StageSolves(model, inputs, config, FakeStageMeshes(cluster), main_sequence(model)[0])
     assert solves.costs(1, ((16,), ("dp",), 1)) is not None  # the whole batch's graph now has other layouts on it
     assert 1 in solves.captured
     with fake_world(16):

@@ -41,12 +41,11 @@ from autoshard.pipeline.solves import KeyCosts, StageSolves, micro_call
 from autoshard.pipeline.wiring import loss_counter, split_model, stage_examples
 from autoshard.runtime.stage_values import StageWiring
 from autoshard.plans.plan import MeshSpec, Plan
-from autoshard.ir import pipeline_layers
+from autoshard.pipeline.blocks import main_sequence, no_sequence_error
 from autoshard.search.recompute import plan_graph
 from autoshard.runtime.pipelined import EXECUTABLE_SCHEDULES, LossWeighting, PipelinedModule, StageModule, TiedParameter
 from autoshard.compiler.runner import rank_program
 from autoshard.solver.inter_op import SPLIT_BACKWARD, StageSplit
-from autoshard.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -112,12 +111,9 @@ def choose_pipeline(
 ) -> PipelineChoice | None:
     """The fastest (stages, micro-batches, schedule, split) over ``stage_counts`` the stage search found (only
     configurations it solved, with schedules this runtime runs); None when none fits."""
-    found = pipeline_layers(model)
-    if found is None or not found[0]:
-        raise InputError(
-            f"pipeline stages go between repeated layers, and {type(model).__name__} has no nn.ModuleList of "
-            "blocks of one class; compile it without pipeline= (or with a mesh without a 'pp' axis)"
-        )
+    found = main_sequence(model)
+    if found is None:
+        raise no_sequence_error(model, "compile it without pipeline= (or with a mesh without a 'pp' axis)")
     container = found[0]
     solves = StageSolves(model, inputs, config, RealStageMeshes(mesh, cluster), container)
     # boundaries here are whole (Replicate): every device sends the whole activation, not its share

@@ -64,10 +64,10 @@ def evaluate_config(
     recipe = "tp" if tp > 1 else "ddp"
     scheds = (schedule,) if schedule else ("1F1B",) if pp == 1 else MEGATRON_SCHEDULES
     if solves is None:
-        from autoshard.ir import pipeline_layers
+        from autoshard.pipeline.blocks import main_sequence
 
         solves = StageSolves(model, example_inputs, config, FakeStageMeshes(cluster),
-                             (pipeline_layers(model) or ("",))[0], strict_inputs=False)
+                             (main_sequence(model) or ("",))[0], strict_inputs=False)
     kc = solves.costs(pp, (sub, names, microbatches), recipe)
     split, layout = None, ""
     if kc is not None:

@@ -278,10 +278,10 @@ def pipelined_plan(
     if len(names) != len(sub_shape) or "pp" in names:
         raise InputError(f"axis names {names} for sub-mesh {sub_shape}: give one name per axis, none of them 'pp'")
     if solves is None:
-        from autoshard.ir import pipeline_layers
+        from autoshard.pipeline.blocks import main_sequence
 
         solves = StageSolves(model, example_inputs, config, FakeStageMeshes(cluster),
-                             (pipeline_layers(model) or ("",))[0], reuse=False, strict_inputs=False)
+                             (main_sequence(model) or ("",))[0], reuse=False, strict_inputs=False)
     # the stage layout the search costed: the free intra-op plan, or the recipe it fell back to when the free
     # plan's stages did not fit (option.recipe)
     label = FREE if option.recipe == (config.recipe or "") else option.recipe

@@ -140,17 +140,18 @@ def plan_with_pipeline(
     """
     if stages is not None:
         _check_stages(cluster, stages, sub_shape)
-    from autoshard.ir import pipeline_layers, repeated_layers
+    from autoshard.pipeline.blocks import main_sequence, no_sequence_error
 
-    if repeated_layers(model) is None:
-        why = f"{type(model).__name__} has no repeated layers (a ModuleList of identical blocks) to split into stages"
+    found = main_sequence(model)
+    if found is None:
         if stages is not None:
-            raise InputError(f"a pp axis of {stages} stages: {why}; plan it without a pp axis")
-        log.info("pipeline: no stages: %s", why)
+            raise no_sequence_error(model, f"plan it without a pp axis (here one of {stages} stages)")
+        log.info("pipeline: no stages: %s has no sequence of blocks (an nn.ModuleList or nn.Sequential of 2 or "
+                 "more) to split into stages", type(model).__name__)
         return flat(None, True)
     if progress:
         progress("pipeline", 0.0, "")
-    solves = StageSolves(model, example_inputs, config, FakeStageMeshes(cluster), pipeline_layers(model)[0],
+    solves = StageSolves(model, example_inputs, config, FakeStageMeshes(cluster), found[0],
                          strict_inputs=False)
     whole = config.solve_recipes and stages is None
 

@@ -113,9 +113,9 @@ def search_stages(
     out) with its best split: the solved ones fastest first, then the estimated ones (see the module docstring).
     ``config.memory_budget`` is the per-device budget every stage must fit. Both ``autoshard.plan(pipeline="auto")``
     and ``compile`` with stages search here; ``solves`` holds their intra-op solves (``pipeline.solves``)."""
-    from autoshard.ir import pipeline_layers
+    from autoshard.pipeline.blocks import main_sequence
 
-    depth = (pipeline_layers(model) or ("", 1))[1]
+    depth = (main_sequence(model) or ("", 1))[1]
     batch = solves.batch
     configs: list[Config] = []
     options: list[PipelineOption] = []
@@ -260,10 +260,10 @@ def search_pipeline(
     ``stage_options`` limits the stage counts tried; ``microbatch_options`` caps the micro-batch sizes (per
     device) walked per kind of sub-mesh. (``pipeline.megatron.megatron_recipe`` prices Megatron's recipe to
     compare with.)"""
-    from autoshard.ir import pipeline_layers
+    from autoshard.pipeline.blocks import main_sequence
     from autoshard.cluster.meshes import mesh_names
 
-    found = pipeline_layers(model)
+    found = main_sequence(model)
     solves = solves or StageSolves(model, example_inputs, config, FakeStageMeshes(cluster), found[0] if found else "",
                                    strict_inputs=False)
     rungs = [(s, sub, mesh_names(sub)) for s, sub in stage_meshes(cluster)
