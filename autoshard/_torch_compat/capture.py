@@ -354,7 +354,12 @@ def _batch_norm_by_sums(
     new_mean = running_mean * (1 - momentum) + mean.to(running_mean.dtype) * momentum
     unbiased = var * (n / (n - 1)) if n > 1 else var
     new_var = running_var * (1 - momentum) + unbiased.to(running_var.dtype) * momentum
-    return out.to(x.dtype), mean, rstd, new_mean, new_var
+    # in ATen's layout (empty_like(x, x.suggest_memory_format())): contiguous unless x is channels-last; what
+    # follows may draw in memory order (CPU dropout's mask is a bernoulli_ of empty_like: rules/random_draws.py)
+    last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.ndim)
+    channels_last = last is not None and x.is_contiguous(memory_format=last) and not x.is_contiguous()
+    layout = last if channels_last else torch.contiguous_format
+    return out.to(x.dtype).contiguous(memory_format=layout), mean, rstd, new_mean, new_var
 
 
 def _nll_loss_mean_as_sum(

@@ -48,21 +48,32 @@ KINDS = ("dropout", "bernoulli", "uniform", "normal", "exponential", "random", "
 
 @torch.library.custom_op("autoshard::draw", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
 def draw(kind: str, shape: Sequence[int], params: Sequence[float], dtype: torch.dtype, device: torch.device,
-         after: torch.Tensor | None = None) -> torch.Tensor:
+         after: torch.Tensor | None = None, order: Sequence[int] | None = None) -> torch.Tensor:
     """A tensor of ``shape`` filled by one device's ATen kernel for ``kind`` (``KINDS``) with ``params``, from the
     default generator of ``device``. ``"dropout"``: the boolean keep-mask ``native_dropout`` draws with drop
-    probability ``params[0]``. ``after`` is read for nothing: it orders this draw after another (``chain_draws``)."""
-    if kind == "dropout":
+    probability ``params[0]``. ``after`` is read for nothing: it orders this draw after another (``chain_draws``).
+    ``order``: the dims from outermost to innermost in the memory of the tensor one device fills (a permuted
+    layout: ``empty_like`` of a transposed activation, which CPU dropout and ``rand_like`` fill in memory order);
+    the fill runs on a tensor of that layout and the result is returned contiguous."""
+    if kind == "dropout" and not order:
         return torch.native_dropout(torch.ones(shape, dtype=dtype, device=device), params[0], True)[1]
-    out = torch.empty(shape, dtype=dtype, device=device)
-    if kind == "random":
-        return out.random_(*(int(p) for p in params))
-    return getattr(out, kind + "_")(*params)
+    if order:
+        inverse = sorted(range(len(order)), key=order.__getitem__)
+        out = torch.empty([shape[d] for d in order], dtype=dtype, device=device).permute(inverse)
+    else:
+        out = torch.empty(shape, dtype=dtype, device=device)
+    if kind == "dropout":  # the CPU kernel's own: bernoulli_(1 - p) of the input's dtype and layout
+        out = out.bernoulli_(1.0 - params[0]).bool()
+    elif kind == "random":
+        out = out.random_(*(int(p) for p in params))
+    else:
+        out = getattr(out, kind + "_")(*params)
+    return out.contiguous() if order else out
 
 
 @draw.register_fake
 def _(kind: str, shape: Sequence[int], params: Sequence[float], dtype: torch.dtype, device: torch.device,
-      after: torch.Tensor | None = None) -> torch.Tensor:
+      after: torch.Tensor | None = None, order: Sequence[int] | None = None) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.bool if kind == "dropout" else dtype, device=device)
 
 
@@ -77,7 +88,9 @@ def _native_dropout(x: torch.Tensor, p: float, train: bool | None) -> Any:
         return x.clone(), torch.ones_like(x, dtype=torch.bool)
     if p == 1:
         return x * 0, torch.zeros_like(x, dtype=torch.bool)
-    mask = DRAW("dropout", list(x.shape), [float(p)], x.dtype, x.device)
+    # on the CPU, F.dropout's mask is a bernoulli_ of empty_like(x): drawn in x's memory order (a transposed x)
+    order = _memory_order(x) if x.device.type == "cpu" else None
+    mask = DRAW("dropout", list(x.shape), [float(p)], x.dtype, x.device, order=order)
     return x * mask * (1.0 / (1.0 - p)), mask
 
 
@@ -89,9 +102,20 @@ def _fill(kind: str, params: Callable[..., list[float]], dtype_of: Callable[...,
         if generator is not None:
             return NotImplemented  # a generator of the user's own: run as traced (on every rank, whole)
         dtype = dtype_of(x, kwargs) if dtype_of is not None else x.dtype
-        return DRAW(kind, list(x.shape), params(*args), dtype, kwargs.get("device") or x.device)
+        return DRAW(kind, list(x.shape), params(*args), dtype, kwargs.get("device") or x.device,
+                    order=_memory_order(x))
 
     return decomposed
+
+
+def _memory_order(x: torch.Tensor) -> list[int] | None:
+    """The dims of ``x`` (the tensor one device fills) from outermost to innermost in memory when that is not their
+    order (a fill runs in memory order), else None; dims of size 1 first, as they do not move the order."""
+    big = [d for d in range(x.ndim) if x.shape[d] != 1]
+    by_stride = sorted(big, key=lambda d: -x.stride(d))
+    if by_stride == big:
+        return None
+    return [d for d in range(x.ndim) if x.shape[d] == 1] + by_stride
 
 
 def _factory(kind: str, params: Callable[..., list[float]], default: torch.dtype | None = None) -> Callable[..., Any]:
