@@ -222,3 +222,12 @@ def test_a_gradient_that_is_rounding_noise_is_compared_at_its_rounding() -> None
     wrong = Trajectory(ref.losses, {**ref.grads, weight: ref.grads[weight] * 1.001},
                        {**ref.params, weight: ref.params[weight] + 1e-3})
     assert [p.split(":")[0] for p in compare(ref, wrong)] == [f"grad {weight}", f"param {weight}"]
+
+
+def test_an_element_whose_gradient_is_rounding_noise_may_step_by_it() -> None:
+    # seed 7001 case 47 (issue 43): proj.bias[1]'s gradient was 4.7e-8 on one device and 1.3e-8 on the mesh (both
+    # rounding, near AdamW's eps), the other elements ~0.1: AdamW stepped them 2.6e-4 apart in 3 steps
+    grads = {"b": torch.tensor([0.1, 4.7e-8, -0.05])}
+    ref = Trajectory((1.0,), grads, {"b": torch.zeros(3)}, noise={"b": 2e-7})
+    assert compare(ref, Trajectory((1.0,), grads, {"b": torch.tensor([0.0, 2.6e-4, 0.0])})) == []
+    assert compare(ref, Trajectory((1.0,), grads, {"b": torch.tensor([2.6e-4, 0.0, 0.0])})) != []
