@@ -71,7 +71,7 @@ def _train(rank: int, world: int, name: str) -> dict:
 
 def _check(name: str, container: str) -> list[list[str]]:
     """Train ``name`` in 2 stages on 2 gloo ranks; every rank's loss, gradients and parameters equal one
-    device's, and every block of ``container`` is in exactly one stage. Returns each stage's blocks."""
+    device's, and every block of ``container`` is in exactly one stage. Returns what each stage lists."""
     results = launch(2, _train, name)
     ref = single_device_reference(lambda: _make(name), _batch(name), steps=STEPS, lr=LR)
     held: set[str] = set()
@@ -86,7 +86,7 @@ def _check(name: str, container: str) -> list[list[str]]:
     depth = main_sequence(_make(name))[1]
     assert sorted(n for s in stages for n in s) == sorted(f"{container}.{i}" for i in range(depth))
     assert len(stages) == 2 and all(stages), stages
-    return stages
+    return results[0]["layers"]
 
 
 def test_stock_jamba_trains_in_two_stages_like_one_device() -> None:
@@ -94,7 +94,8 @@ def test_stock_jamba_trains_in_two_stages_like_one_device() -> None:
     blocks of one class"); each stage holds blocks of both classes or not, as the priced costs split them."""
     classes = [type(b).__name__ for b in make_jamba("meta").model.layers]
     assert classes == ["JambaMambaDecoderLayer", "JambaAttentionDecoderLayer"] * 2
-    _check("jamba", "model.layers")
+    stages = _check("jamba", "model.layers")
+    assert stages[0][0] == "model.embed_tokens" and stages[1][-2:] == ["model.final_layernorm", "lm_head"], stages
 
 
 def test_convnext_splits_into_two_stages() -> None:
@@ -103,7 +104,8 @@ def test_convnext_splits_into_two_stages() -> None:
     stage graph makes its outputs contiguous (``pipeline/wiring.py``); before, the traced backward viewed the
     received gradient in strides it did not have."""
     stages = _check("convnext", "convnext.encoder.stages")
-    assert stages == [["convnext.encoder.stages.0"], ["convnext.encoder.stages.1"]]
+    assert stages == [["convnext.embeddings", "convnext.encoder.stages.0"],
+                      ["convnext.encoder.stages.1", "convnext.layernorm", "classifier"]], stages
 
 
 class _Light(nn.Module):
