@@ -2,7 +2,7 @@
 ship them (dropout on).
 
 - A sharded step draws the numbers one device draws after the same ``torch.manual_seed``: stock GPT-2, BERT
-  (masked LM), T5, ViT and Phi-MoE (whose training router samples with ``exponential_`` and ``rand_like``)
+  (masked LM), T5 and Phi-MoE (whose training router samples with ``exponential_`` and ``rand_like``)
   equal the unsharded model's loss, every gradient and the parameters after AdamW steps, on dp=2 and
   dp=2 x tp=2, interpreted (LocalTensorMode), lowered (eager FX graphs, with recomputation: a replayed layer
   reuses its mask), compiled by Inductor, and through the ``torch.compile`` backend (gloo ranks).
@@ -21,7 +21,7 @@ import autoshard
 from autoshard.runtime.stage_random import StageStreams
 from autoshard.testing.launch import launch
 from harness import case_result, local_ranks, run_two_at_a_time, selected_cases
-from numerics_utils import LR, _full, _scalar
+from numerics_utils import LR, PARAM_ATOL, _full, _scalar
 
 pytest.importorskip("transformers")
 
@@ -71,21 +71,24 @@ def reference(name: str, steps: int = STEPS, layers: int | None = None) -> dict:
 
 
 def _check(ref: dict, got: dict, what: str, rtol: float = 2e-4) -> None:
-    """Losses to 1e-5, gradients and parameters to ``rtol`` of each tensor's largest element: another summation
-    order moves the last bits; one other dropout mask moves them by percents."""
+    """Losses to 1e-5, gradients to ``rtol`` of each tensor's largest element (another summation order moves the
+    last bits; one other dropout mask moves them by percents), parameters after AdamW also to ``PARAM_ATOL`` (it
+    turns last-bit differences of near-zero gradients into steps of up to lr)."""
     assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-5), f"{what}: losses"
     for kind in ("grads", "params"):
         missing = set(ref[kind]) - set(got[kind])
         assert not missing, f"{what}: no {kind} for {sorted(missing)[:3]}"
         for n, want in ref[kind].items():
             err = (got[kind][n].float() - want.float()).abs().max().item()
-            assert err <= rtol * max(want.abs().max().item(), 1e-3), f"{what}: {kind} {n} off by {err:.2e}"
+            tol = rtol * max(want.abs().max().item(), 1e-3) + (PARAM_ATOL if kind == "params" else 0.0)
+            assert err <= tol, f"{what}: {kind} {n} off by {err:.2e}"
 
 
 # ------------------------------------------------------------- simulated ranks (LocalTensorMode): many models
 
-LOCAL = [("gpt2", (2,)), ("gpt2", (2, 2)), ("bert", (2, 2)), ("t5", (2, 2)), ("vit", (2, 2)), ("phimoe", (2, 2))]
-COST = {("t5", (2, 2)): 12.0, ("bert", (2, 2)): 7.0, ("phimoe", (2, 2)): 6.0, ("vit", (2, 2)): 4.0}
+# (ViT's config ships with dropout 0: test_hf_models trains it; the test below checks that it draws nothing)
+LOCAL = [("gpt2", (2, 2)), ("bert", (2, 2)), ("t5", (2, 2)), ("phimoe", (2, 2))]
+COST = {("t5", (2, 2)): 12.0, ("bert", (2, 2)): 7.0, ("phimoe", (2, 2)): 6.0, ("gpt2", (2, 2)): 4.0}
 
 
 def _local_case(case: tuple[str, tuple[int, ...]]) -> tuple[dict, dict]:
@@ -145,6 +148,7 @@ def _gloo(rank: int, world: int, arg: tuple) -> dict:
     model, batch = hf.build(name, layers=layers)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp")[: len(shape)])
     if kw.pop("torch_compile", False):  # the backend: parameters hold this rank's shards, each rank its batch rows
+        model.loss_type = "ForCausalLM"  # (unset, transformers logs a warning inside forward: a graph break)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         compiled = torch.compile(model, backend="autoshard", options={"mesh": mesh, **kw})
         rows = batch["input_ids"].shape[0] // mesh.size(0)

@@ -333,6 +333,10 @@ def redistribute(t: DTensor, mesh: DeviceMesh, placements: Sequence[Placement]) 
     """``DTensor.redistribute`` that also makes Partial targets (R -> P), which the public API refuses but
     DTensor's own dispatch does when an op wants a Partial input (a zeroed copy on all but one rank)."""
     placements = tuple(placements)
+    if t.dtype == torch.bool and any(isinstance(h, (Shard, Partial)) and h != w for h, w in zip(t.placements, placements)):
+        # moved as bytes: Inductor's C++ code types a collective's boolean result as int64 (torch 2.13: "expected
+        # predicate to be bool, got torch.int64" where a gathered padding mask is read)
+        return redistribute(t.to(torch.uint8), mesh, placements).to(torch.bool)
     summed = _summed_axes(t.placements, placements)
     if len(summed) > 1 and mesh.mesh_dim_names:  # one all-reduce over the flattened axes, not one per axis
         import torch.distributed._functional_collectives as funcol

@@ -23,6 +23,7 @@ from autoshard.compiler.solve_recipes import best_recipe, recipe_pins, solve_rec
 from autoshard.compiler.solve_reuse import program_fingerprint, reused_solution
 from autoshard.solver.intra_op import IntraOpProblem, Solution
 from autoshard.errors import InfeasibleBudget, InputError
+from autoshard.rules import random_draws
 from autoshard.messages import warn
 
 log = logging.getLogger(__name__)
@@ -152,3 +153,4 @@ def annotate(gm: fx.GraphModule, ctx: PassContext, solution=None) -> None:
     nodes = {n.name: n for n in gm.graph.nodes}
     for name, sh in layouts_of(ctx, sol).items():
         nodes[name].meta["autoshard"] = sh
+    random_draws.place_as_read(gm)  # (each rank draws its piece, which is what the backward saves)

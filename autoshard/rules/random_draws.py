@@ -27,6 +27,7 @@ priced as ``DRAW_FLOPS`` per element of the global shape.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -269,6 +270,28 @@ def _flops() -> Mapping[Any, Callable[..., int]]:
 RULE = OpRule("random_draws", _ops, candidates=candidates, runs_local=runs_local, flops=_flops, local_call=local_call)
 
 
+def place_as_read(gm: fx.GraphModule) -> int:
+    """Give every draw the placement all its readers want of it, where they agree (the solver may leave it whole:
+    a whole draw cut by its reader costs the same time). Then each rank's draw is its own piece, a fresh tensor,
+    and that piece is what the backward saves and a replayed layer reads (cut by a recomputed reader, the whole
+    draw would be saved). Returns how many draws changed."""
+    changed = 0
+    for n in gm.graph.nodes:
+        sh = n.meta.get("autoshard")
+        if not (n.op == "call_function" and is_draw(n) and sh is not None and n.users):
+            continue
+        wanted = set()
+        for u in n.users:
+            ush = u.meta.get("autoshard")
+            ins = tensor_args(u)
+            wanted |= {tuple(ush.inputs[k]) if ush is not None and k < len(ush.inputs) and ush.inputs[k] else None
+                       for k, a in enumerate(ins) if a is n}
+        if len(wanted) == 1 and None not in wanted and tuple(sh.outputs[0] or ()) != next(iter(wanted)):
+            n.meta["autoshard"] = dataclasses.replace(sh, outputs=(next(iter(wanted)),))
+            changed += 1
+    return changed
+
+
 # ------------------------------------------------------------------------------------ lowering: the draws' order
 
 
@@ -288,4 +311,4 @@ def chain_draws(gm: fx.GraphModule) -> int:
     return count
 
 
-__all__ = ["DECOMPOSITIONS", "DRAW", "KINDS", "READS_VALUES", "RULE", "chain_draws", "draw", "is_draw"]
+__all__ = ["DECOMPOSITIONS", "DRAW", "KINDS", "READS_VALUES", "RULE", "chain_draws", "draw", "is_draw", "place_as_read"]
