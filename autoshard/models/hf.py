@@ -7,9 +7,10 @@ arguments the way the model is called in training: ``input_ids``, an ``attention
 padding and ``labels`` (-100 on the padding) for language models, ``pixel_values`` and ``labels`` for the
 vision models (ViT, ResNet, ConvNeXt, EfficientNet, Swin).
 
-``dropout=False`` sets the configs' dropout probabilities to 0: a sharded run draws other random masks than a
-single device does, so comparisons with one device turn dropout off (``transformers`` is imported lazily; it
-is in the ``test`` extra).
+``dropout=False`` sets the configs' dropout probabilities to 0: for comparisons with one device that do not seed
+each step (a sharded step draws one device's masks only from the same generator state, docs/guide/api.md "Random
+numbers") and for pipeline stages, which draw from streams of their own (``transformers`` is imported lazily; it is
+in the ``test`` extra).
 """
 
 from __future__ import annotations

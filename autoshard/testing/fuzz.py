@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from autoshard import _torch_compat as tc
 from autoshard.cluster.meshes import fake_world, mesh_names
 from autoshard.errors import AutoshardError
-from autoshard.testing.fuzz_cases import FuzzCase
+from autoshard.testing.fuzz_cases import RANDOM_BLOCKS, FuzzCase
 from autoshard.testing.fuzz_model import build_model, example_inputs
 
 logger = logging.getLogger(__name__)
@@ -197,7 +197,22 @@ def compare(ref: Trajectory, got: Trajectory) -> list[str]:
     return problems
 
 
-def _sharded_run(case: FuzzCase, inputs: tuple[Tensor, ...], stage: list[str]) -> Trajectory:
+def _accumulated(model: nn.Module, accumulation: Any) -> Callable[..., Tensor]:
+    """One device's step as the same micro-batches, each loss weighted as ``ShardedModule.step`` weights it."""
+
+    def step(*inputs: Tensor) -> Tensor:
+        micro = accumulation.split([f"input[{i}]" for i in range(len(inputs))], list(inputs))
+        total = torch.zeros(())
+        for piece, weight in zip(micro, accumulation.weights(micro)):
+            loss = model(*piece) * weight
+            loss.backward()
+            total = total + loss.detach()
+        return total
+
+    return step
+
+
+def _sharded_run(case: FuzzCase, inputs: tuple[Tensor, ...], stage: list[str]) -> tuple[Trajectory, Any]:
     import autoshard
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -213,7 +228,7 @@ def _sharded_run(case: FuzzCase, inputs: tuple[Tensor, ...], stage: list[str]) -
         mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=mesh_names(case.mesh))
         sharded = autoshard.compile(model, mesh, inputs, **compile_options(case))
         stage[0] = "running"
-        return train(sharded, inputs, sharded.step)
+        return train(sharded, inputs, sharded.step), getattr(sharded, "_accumulation", None)
 
 
 def _line(text: str) -> str:
@@ -236,7 +251,12 @@ def run_case(case: FuzzCase) -> FuzzResult:
         ref = train(build_model(case), inputs)
         ref = dataclasses.replace(ref, noise=rounding_noise(case, inputs, ref))
         stage[0] = "planning"
-        got = _sharded_run(case, inputs, stage)
+        got, accumulation = _sharded_run(case, inputs, stage)
+        if accumulation is not None and any(b.kind in RANDOM_BLOCKS for b in case.blocks):
+            # micro-batches draw their own (smaller) random tensors: one device accumulating the same micro-batches
+            # draws the same (docs/guide/api.md, "Random numbers")
+            model = build_model(case)
+            ref = dataclasses.replace(train(model, inputs, _accumulated(model, accumulation)), noise=ref.noise)
     except RanksDisagree as e:
         return result("mismatch", str(e), traceback.format_exc())
     except AutoshardError as e:
