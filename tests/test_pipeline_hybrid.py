@@ -156,6 +156,38 @@ def test_blocks_of_different_classes_are_balanced_by_their_priced_costs() -> Non
     assert max(times) <= 1.25 * min(times), times
 
 
+class _Prelude(nn.Module):
+    """Five small identical layers before the main sequence (more numbered layers, a fiftieth of its
+    parameters), then one heavy and two light blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.ModuleList([nn.Linear(64, 64) for _ in range(5)])
+        self.embed = nn.Linear(64, 256)
+        self.blocks = nn.ModuleList([_Heavy(256), _Light(256), _Light(256)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for p in self.pre:
+            x = p(x)
+        x = self.embed(x)
+        for b in self.blocks:
+            x = b(x)
+        return x.square().mean()
+
+
+def test_an_offline_plan_lists_the_sequence_it_split() -> None:
+    """The offline plan's stages are cut from the main sequence the search priced (not from the list with the
+    most numbered layers), and the modules around it are listed by their top part."""
+    with torch.device("meta"):
+        model = _Prelude()
+    assert main_sequence(model) == ("blocks", 3)
+    plan = autoshard.plan(model, {"pp": 2, "dp": 2}, example_inputs=(torch.randn(256, 64, device="meta"),),
+                          cluster="a100-80gb:2x2", solve_recipes=False)
+    listed = [list(s.layers) for s in plan.stages]
+    assert listed[0][:2] == ["pre", "embed"] and "pre" not in listed[1], listed
+    assert sorted(n for s in listed for n in s if n.startswith("blocks.")) == ["blocks.0", "blocks.1", "blocks.2"]
+
+
 class _Nested(nn.Module):
     """Two different blocks in a list, each holding a longer list of identical blocks inside."""
 

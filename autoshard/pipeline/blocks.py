@@ -68,6 +68,15 @@ def main_sequence(model: nn.Module) -> tuple[str, int] | None:
     return None if best is None else (best[1], best[0][1])
 
 
+def outside_part(module: str, container: str) -> str:
+    """A module outside the main sequence ``container`` as a stage lists it: its path down to one part past
+    what it shares with the sequence's path (``unet.down_blocks`` for every module of a UNet's down-sampling
+    blocks cut between its up-sampling ones; ``model.embed_tokens`` beside ``model.layers``)."""
+    parts, theirs = module.split("."), container.split(".")
+    same = next((i for i, (a, b) in enumerate(zip(parts, theirs)) if a != b), min(len(parts), len(theirs)))
+    return ".".join(parts[: same + 1])
+
+
 def _describe(model: nn.Module) -> list[str]:
     """The model's containers as the error names them: its sequences (and why none qualifies), then its
     top-level modules."""
@@ -106,4 +115,4 @@ def no_sequence_error(model: nn.Module, fix: str) -> InputError:
     )
 
 
-__all__ = ["main_sequence", "no_sequence_error"]
+__all__ = ["main_sequence", "no_sequence_error", "outside_part"]

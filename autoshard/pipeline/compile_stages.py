@@ -41,7 +41,7 @@ from autoshard.pipeline.solves import KeyCosts, StageSolves, micro_call
 from autoshard.pipeline.wiring import loss_counter, split_model, stage_examples
 from autoshard.runtime.stage_values import StageWiring
 from autoshard.plans.plan import MeshSpec, Plan
-from autoshard.pipeline.blocks import main_sequence, no_sequence_error
+from autoshard.pipeline.blocks import main_sequence, no_sequence_error, outside_part
 from autoshard.search.recompute import plan_graph
 from autoshard.runtime.pipelined import EXECUTABLE_SCHEDULES, LossWeighting, PipelinedModule, StageModule, TiedParameter
 from autoshard.compiler.runner import rank_program
@@ -216,7 +216,7 @@ def compile_pipelined(
             holders.setdefault(p, []).append(k)
         start, stop = split.layers[k]
         # the stage's modules outside the repeated layers (embeddings first on stage 0, the head last)
-        extra = list(dict.fromkeys(_outside(p.rpartition(".")[0], choice.container) for p in pnames
+        extra = list(dict.fromkeys(outside_part(p.rpartition(".")[0], choice.container) for p in pnames
                                    if not p.startswith(choice.container + ".")))
         body = [f"{choice.container}.{i}" for i in range(start, stop)]
         layers = tuple(extra + body if k == 0 else body + extra)
@@ -256,14 +256,6 @@ def compile_pipelined(
     return PipelinedModule(combined, local, n, full.get_group("pp"), pp_rank, stage_in, stage_out, sig, weighting,
                            tied, local_index, device, canon, frozenset(model.state_dict()), tree=model,
                            split_backward=combined.schedule in SPLIT_BACKWARD)
-
-
-def _outside(module: str, container: str) -> str:
-    """A module outside the main sequence as a stage lists it: its path down to one part past what it shares
-    with the sequence's path (``unet.down_blocks`` for every module of a UNet's down-sampling blocks)."""
-    parts, theirs = module.split("."), container.split(".")
-    same = next((i for i, (a, b) in enumerate(zip(parts, theirs)) if a != b), min(len(parts), len(theirs)))
-    return ".".join(parts[: same + 1])
 
 
 def _tied_groups(holders: dict[str, list[int]], S: int, k_sub: int) -> list[TiedParameter]:

@@ -38,6 +38,7 @@ from autoshard.cluster.profile import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.notation import format_bytes, format_seconds
 from autoshard.cluster.meshes import mesh_names
+from autoshard.pipeline.blocks import outside_part
 from autoshard.pipeline.costs import container_of, piece_costs
 from autoshard.pipeline.pricing import PipelineOption
 from autoshard.pipeline.costs import optimizer_step_s
@@ -75,11 +76,12 @@ def _container(ctx: Any) -> str:
     return found
 
 
-def _cut(gm: Any, ctx: Any, sub: Plan, solution: Any) -> _Cut:
-    """Assign the sub-mesh plan's tensors, decisions and collectives to head / captured layer / tail pieces."""
+def _cut(gm: Any, ctx: Any, sub: Plan, solution: Any, container: str) -> _Cut:
+    """Assign the sub-mesh plan's tensors, decisions and collectives to head / captured layer / tail pieces
+    (layers of ``container``, the main sequence the search split; when empty, the captured one)."""
     from autoshard.ir import layer_key
 
-    container = _container(ctx)
+    container = container or _container(ctx)
     nodes = {n.name: n for n in gm.graph.nodes}
     position = {name: i for i, name in enumerate(nodes)}
     group_of = {m: g for g in ctx.groups for m in g.members}
@@ -144,9 +146,10 @@ def _cut(gm: Any, ctx: Any, sub: Plan, solution: Any) -> _Cut:
         state[group_piece[g.id]] = (a + s.param_bytes, b + s.grad_bytes, c + s.optimizer_bytes)
     modules: dict[Piece, list[str]] = {HEAD: [], TAIL: []}
     for g in sorted(fwd, key=lambda g: position[g.anchor]):
-        top = g.module.split(".")[0]
+        top = outside_part(g.module, container)
         p = group_piece[g.id]
-        if g.module and top != container and p in modules and top not in modules[p]:
+        # (a module the sequence is inside, JambaModel's own mask ops, is glue: not listed)
+        if g.module and not (container + ".").startswith(top + ".") and p in modules and top not in modules[p]:
             modules[p].append(top)
     captured = sorted({p for p in group_piece.values() if isinstance(p, int)})
     full = captured
@@ -288,7 +291,7 @@ def pipelined_plan(
     gm, ctx, sol = solves.graph(option.stages, (sub_shape, default, split.microbatches), label)
     sub = build_plan(gm, ctx, sol, recipe=option.recipe)
     costs = piece_costs(gm, ctx, sol, container=solves.container)
-    cut = _cut(gm, ctx, sub, sol)
+    cut = _cut(gm, ctx, sub, sol, solves.container)
     depth = split.layers[-1][1] if split.layers else 0
     if len(cut.full) != depth or len(costs[1]) != depth:
         raise InputError(f"the re-planned sub-mesh has {len(cut.full)} layers but the split covers {depth}")

@@ -39,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autoshard.cluster.profile import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.compiler.context import PassContext
+from autoshard.ir import repeated_layers
 from autoshard.pipeline.costs import boundary_node, with_optimizer
 from autoshard.solver.inter_op import PieceCost
 from autoshard.errors import InputError
@@ -176,6 +177,11 @@ class StageSolves:
         self.model, self.inputs, self.meshes, self.container, self.reuse = model, inputs, meshes, container, reuse
         self.micro = micro_call if strict_inputs else micro_inputs
         self.config = dataclasses.replace(config, memory_budget=None, solve_recipes=False)
+        sampled = repeated_layers(model) if config.sample_layers else None
+        if sampled is not None and sampled[0] != container:
+            # sampled capture stands the first layers of ``sampled`` for all of them; the pieces follow
+            # ``container``, another sequence (a hybrid stack beside a list of identical blocks): capture all
+            self.config = dataclasses.replace(self.config, sample_layers=None)
         self.batch = int(signature_of(inputs)[1][0].shape[0])
         self.captured: dict[int, tuple[fx.GraphModule, PassContext]] = {}
         self._keys: dict[Key, _Entry] = {}
