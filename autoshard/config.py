@@ -97,6 +97,10 @@ class PlanConfig:
     # picks the scalar loss out of what forward returns; default: a tensor itself, a ModelOutput's or dict's
     # "loss", a tuple's first element (autoshard/compiler/capture.py: loss_of)
     loss_fn: Callable[[Any], Any] | None = None
+    # random ops (docs/guide/api.md, "Random numbers"): "local", each rank draws only its piece, from a stream of that
+    # piece (replicas alike, the seed honoured); "exact", each rank draws one device's numbers (every random tensor
+    # whole, its piece kept: a fifth of a CPU GPT-2 step at dp=2, benchmarks/random_draws.py)
+    random: str = "local"
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None:
@@ -122,6 +126,9 @@ class PlanConfig:
         if self.offload not in OFFLOAD_MODES:
             raise InputError(f"offload={self.offload!r} is not known; use one of {', '.join(OFFLOAD_MODES)} (auto: "
                              "host memory where device memory forces it, none: never, optimizer/params: always)")
+        if self.random not in ("exact", "local"):
+            raise InputError(f"random={self.random!r} is not known; use 'exact' (one device's numbers, each rank drawing "
+                             "every random tensor whole) or 'local' (each rank draws only its piece: cheaper)")
         if isinstance(self.recompute, str):
             object.__setattr__(self, "recompute", (self.recompute,))
         object.__setattr__(self, "recompute", tuple(self.recompute))

@@ -153,4 +153,4 @@ def annotate(gm: fx.GraphModule, ctx: PassContext, solution=None) -> None:
     nodes = {n.name: n for n in gm.graph.nodes}
     for name, sh in layouts_of(ctx, sol).items():
         nodes[name].meta["autoshard"] = sh
-    random_draws.place_as_read(gm)  # (each rank draws its piece, which is what the backward saves)
+    random_draws.place_as_read(gm, ctx.config.random)  # (each rank draws its piece: what the backward saves)

@@ -1,9 +1,11 @@
-"""Random numbers in a sharded program: every draw is the one one device makes, cut to this rank's shard.
+"""Random numbers in a sharded program: each rank draws its piece, alike on replicas, or one device's numbers.
 
-The semantics (docs/guide/api.md, "Random numbers"): a sharded step draws exactly the numbers the unsharded
-model draws on one device after the same ``torch.manual_seed``, from the same generator (the default generator of
-the tensors' device), in the same order. So ranks that hold replicas of a value hold the same numbers, a shard
-holds its piece of the one-device tensor, and the generator of every rank ends the step where one device's does.
+The semantics (docs/guide/api.md, "Random numbers"), per ``PlanConfig.random``: ``"local"`` (the default), each
+rank draws only its piece of a random tensor, from a generator seeded by one number of the default generator and
+the piece's index (``_local``); ``"exact"``, a sharded step draws exactly the numbers the unsharded model draws on
+one device after the same ``torch.manual_seed``, from the same generator (the default generator of the tensors'
+device), in the same order: each rank draws the whole tensor and keeps its piece. Either way ranks that hold
+replicas of a value hold the same numbers and every rank's generator moves alike.
 
 How: at capture, every ATen op that draws random numbers into a tensor whose values do not depend on other
 tensors' values (dropout's mask, ``rand``/``randn``/``randint`` and their ``_like`` forms, the in-place fills
@@ -21,8 +23,8 @@ Order: one device draws in program order; the lowered graph keeps it (``chain_dr
 before it, which only orders them, so no scheduler can swap two). Random ops are never recomputed
 (``capture_recompute``: a replay would draw again); what they make is saved.
 
-Cost: a rank draws the whole tensor (the one-device numbers need every earlier element on the CPU's generator),
-priced as ``DRAW_FLOPS`` per element of the global shape.
+Cost: priced as ``DRAW_FLOPS`` per element of the global shape (what ``"exact"`` draws on each rank: one device's
+numbers need every earlier element on the CPU's generator).
 """
 
 from __future__ import annotations
@@ -44,37 +46,49 @@ from autoshard.rules.base import OpRule
 
 aten = torch.ops.aten
 DRAW_FLOPS = 16  # per element drawn: a counter-based or Mersenne-twister step and its transform (a price, not a count)
+_GOLDEN = 0x9E3779B97F4A7C15  # spreads pieces over the seed space (Fibonacci hashing)
+_MASK = (1 << 63) - 1
+MODES = ("exact", "local")  # PlanConfig.random
+MODE_KEY = "autoshard_random"  # meta key of a draw: its mode (set with its placement, ``place_as_read``)
 KINDS = ("dropout", "bernoulli", "uniform", "normal", "exponential", "random", "cauchy", "log_normal", "geometric")
 
 
 @torch.library.custom_op("autoshard::draw", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
 def draw(kind: str, shape: Sequence[int], params: Sequence[float], dtype: torch.dtype, device: torch.device,
-         after: torch.Tensor | None = None, order: Sequence[int] | None = None) -> torch.Tensor:
+         after: torch.Tensor | None = None, order: Sequence[int] | None = None, seed: torch.Tensor | None = None,
+         stream: int = 0) -> torch.Tensor:
     """A tensor of ``shape`` filled by one device's ATen kernel for ``kind`` (``KINDS``) with ``params``, from the
     default generator of ``device``. ``"dropout"``: the boolean keep-mask ``native_dropout`` draws with drop
     probability ``params[0]``. ``after`` is read for nothing: it orders this draw after another (``chain_draws``).
     ``order``: the dims from outermost to innermost in the memory of the tensor one device fills (a permuted
     layout: ``empty_like`` of a transposed activation, which CPU dropout and ``rand_like`` fill in memory order);
-    the fill runs on a tensor of that layout and the result is returned contiguous."""
-    if kind == "dropout" and not order:
+    the fill runs on a tensor of that layout and the result is returned contiguous. ``seed`` (``random="local"``):
+    drawn from a generator of its own, seeded by ``seed`` and ``stream`` (the rank's piece), not the default one."""
+    gen = None
+    if seed is not None:
+        gen = torch.Generator(device)
+        gen.manual_seed((int(seed.reshape(-1)[0]) + (stream + 1) * _GOLDEN) & _MASK)
+    if kind == "dropout" and not order and device.type != "cpu" and gen is None:
         return torch.native_dropout(torch.ones(shape, dtype=dtype, device=device), params[0], True)[1]
+    fill = torch.bool if kind == "dropout" else dtype  # (a mask drawn straight into booleans: the same draws)
     if order:
         inverse = sorted(range(len(order)), key=order.__getitem__)
-        out = torch.empty([shape[d] for d in order], dtype=dtype, device=device).permute(inverse)
+        out = torch.empty([shape[d] for d in order], dtype=fill, device=device).permute(inverse)
     else:
-        out = torch.empty(shape, dtype=dtype, device=device)
-    if kind == "dropout":  # the CPU kernel's own: bernoulli_(1 - p) of the input's dtype and layout
-        out = out.bernoulli_(1.0 - params[0]).bool()
+        out = torch.empty(shape, dtype=fill, device=device)
+    if kind == "dropout":  # the CPU kernel's own: bernoulli_(1 - p) (the same draws into a boolean tensor)
+        out = out.bernoulli_(1.0 - params[0], generator=gen)
     elif kind == "random":
-        out = out.random_(*(int(p) for p in params))
+        out = out.random_(*(int(p) for p in params), generator=gen)
     else:
-        out = getattr(out, kind + "_")(*params)
+        out = getattr(out, kind + "_")(*params, generator=gen)
     return out.contiguous() if order else out
 
 
 @draw.register_fake
 def _(kind: str, shape: Sequence[int], params: Sequence[float], dtype: torch.dtype, device: torch.device,
-      after: torch.Tensor | None = None, order: Sequence[int] | None = None) -> torch.Tensor:
+      after: torch.Tensor | None = None, order: Sequence[int] | None = None, seed: torch.Tensor | None = None,
+      stream: int = 0) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.bool if kind == "dropout" else dtype, device=device)
 
 
@@ -248,6 +262,8 @@ def local_call(node: fx.Node, sharding: NodeSharding) -> Callable[[tuple, dict, 
     if not is_draw(node):
         return None
     placements = tuple(sharding.outputs[0] or ())
+    if node.meta.get(MODE_KEY, "local") == "local":
+        return _local(placements)
 
     def call(args: tuple, kwargs: dict, mesh: DeviceMesh) -> Any:
         full = DRAW(*args, **kwargs)
@@ -257,6 +273,30 @@ def local_call(node: fx.Node, sharding: NodeSharding) -> Callable[[tuple, dict, 
         return tc.for_each_rank(_piece)(full, placements, coords, list(mesh.shape))
 
     return call
+
+
+def _local(placements: tuple) -> Callable[[tuple, dict, DeviceMesh], Any]:
+    """``random="local"``: each rank draws only its piece, from a stream of that piece: one number of the default
+    CPU generator per draw (the same on every rank) seeds it with the piece's index."""
+
+    def call(args: tuple, kwargs: dict, mesh: DeviceMesh) -> Any:
+        seed = DRAW("random", [1], [0.0, float(1 << 62)], torch.int64, torch.device("cpu"))
+        coords = [mesh.get_local_rank(a) for a in range(mesh.ndim)]
+        kind, shape, params, dtype, device = args[:5]
+        return tc.for_each_rank(_local_piece)(kind, list(shape), list(params), dtype, device, seed, placements,
+                                              coords, list(mesh.shape))
+
+    return call
+
+
+def _local_piece(kind: str, shape: list[int], params: list[float], dtype: torch.dtype, device: torch.device,
+                 seed: torch.Tensor, placements: tuple, coords: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    piece = _piece(torch.empty(shape, device="meta"), placements, coords, sizes)
+    stream = 0
+    for p, r, n in zip(placements, coords, sizes):  # the piece's index over the axes that split
+        if isinstance(p, Shard):
+            stream = stream * n + r
+    return DRAW(kind, list(piece.shape), params, dtype, device, seed=seed, stream=stream)
 
 
 def _draw_flops(kind: str, shape: Sequence[int], *rest: Any, **kwargs: Any) -> int:
@@ -270,7 +310,7 @@ def _flops() -> Mapping[Any, Callable[..., int]]:
 RULE = OpRule("random_draws", _ops, candidates=candidates, runs_local=runs_local, flops=_flops, local_call=local_call)
 
 
-def place_as_read(gm: fx.GraphModule) -> int:
+def place_as_read(gm: fx.GraphModule, mode: str = "local") -> int:
     """Give every draw the placement all its readers want of it, where they agree (the solver may leave it whole:
     a whole draw cut by its reader costs the same time). Then each rank's draw is its own piece, a fresh tensor,
     and that piece is what the backward saves and a replayed layer reads (cut by a recomputed reader, the whole
@@ -278,7 +318,10 @@ def place_as_read(gm: fx.GraphModule) -> int:
     changed = 0
     for n in gm.graph.nodes:
         sh = n.meta.get("autoshard")
-        if not (n.op == "call_function" and is_draw(n) and sh is not None and n.users):
+        if not (n.op == "call_function" and is_draw(n) and sh is not None):
+            continue
+        n.meta[MODE_KEY] = mode
+        if not n.users:
             continue
         wanted = set()
         for u in n.users:
@@ -311,4 +354,4 @@ def chain_draws(gm: fx.GraphModule) -> int:
     return count
 
 
-__all__ = ["DECOMPOSITIONS", "DRAW", "KINDS", "READS_VALUES", "RULE", "chain_draws", "draw", "is_draw", "place_as_read"]
+__all__ = ["DECOMPOSITIONS", "DRAW", "KINDS", "MODES", "READS_VALUES", "RULE", "chain_draws", "draw", "is_draw", "place_as_read"]
