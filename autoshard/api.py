@@ -253,7 +253,8 @@ def compile(  # noqa: A001 - the one-line API the project promises
     if autotune:
         return _autotune(model, inputs, int(autotune), backend, real_group, lambda: plan_graph(
             model, inputs, mesh, get_cluster(cluster), config, real_group), lambda m, saved: compile(
-            m, mesh, example_inputs, cluster=cluster, backend=backend, parameters=parameters, plan=saved))
+            m, mesh, example_inputs, cluster=cluster, backend=backend, parameters=parameters, plan=saved,
+            random=config.random))
     planned, accumulation = plan_accumulated(model, inputs, mesh, get_cluster(cluster), config, real_group,
                                              microbatches)
     p, ctx = planned.plan, planned.ctx

@@ -297,3 +297,39 @@ def _accumulated(rank: int, world: int, arg: None) -> dict:
 def test_accumulated_micro_batches_replicas_draw_alike() -> None:
     results = launch(2, _accumulated, None, timeout=600)
     _replicas_agree(results)
+
+
+class _Sampler(torch.nn.Module):
+    """Draws that read values: a token sampled from each row's softmax (``multinomial``) and Gaussian noise with
+    per-element scales (``normal`` of two tensors) before a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.head = torch.nn.Linear(8, 6), torch.nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        pick = torch.multinomial(h.detach().softmax(-1), 1)  # [B, 1]
+        h = h + torch.normal(h.detach(), h.detach().abs() + 0.1)
+        return (self.head(h.gather(1, pick.expand(-1, 6))) ** 2).mean()
+
+
+def test_draws_that_read_values_run_whole_and_equal_one_device() -> None:
+    torch.manual_seed(0)
+    model = _Sampler()
+    x = torch.randn(8, 8)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        want = model(x)
+        want.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    with local_ranks(2):
+        sharded = autoshard.compile(model, init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)), (x,),
+                                    constraints={"inputs": {"dp": Shard(0)}}, random="exact")
+        torch.manual_seed(SEED)
+        got = _scalar(sharded.step(x))
+        grads = {n: _full(p.grad) for n, p in sharded.named_parameters()}
+    assert got == pytest.approx(float(want), rel=1e-5)
+    for n, g in ref.items():
+        assert torch.allclose(grads[n], g, rtol=1e-4, atol=1e-6), n
