@@ -233,34 +233,59 @@ def test_stock_gpt2_with_dropout_on_gloo_ranks(backend: str, shape: tuple, kw: d
     _check(ref, results[0], f"gpt2 {backend} on {shape}")
 
 
-def _pipelined(rank: int, world: int, arg: tuple) -> dict:
-    kw = arg
-    model, batch = hf.build("gpt2", batch=8, layers=2)
+def _unpadded(batch: int = 8) -> dict[str, torch.Tensor]:
+    ids = torch.randint(3, hf.VOCAB, (batch, 16), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "labels": ids}  # (no padding: each micro-batch's loss weighs 1 / micro-batches)
+
+
+def _pipelined(rank: int, world: int, arg: None) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    sharded = autoshard.compile(model, mesh, batch, backend="eager", **kw)
-    losses, grads = [], {}
-    for seed in (SEED, SEED, SEED + 1):
-        torch.manual_seed(seed)
-        losses.append(float(sharded.step(**batch)))
-        if not grads:
-            grads = {n: _full(p.grad) for n, p in sharded.named_parameters()}
-        for p in sharded.parameters():
-            p.grad = None
-    return {"losses": losses, "grads": grads}
+    out = {}
+    for mode in ("exact", "local"):
+        model, _ = hf.build("gpt2", batch=8, layers=2)
+        sharded = autoshard.compile(model, mesh, _unpadded(), backend="eager", schedule="1F1B", microbatches=2,
+                                    random=mode)
+        losses, grads = [], {}
+        for seed in (SEED, SEED, SEED + 1):
+            torch.manual_seed(seed)
+            losses.append(float(sharded.step(**_unpadded())))
+            if not grads:
+                grads = {n: _full(p.grad) for n, p in sharded.named_parameters()}
+                after = torch.rand(4)  # where the step left the generator
+            for p in sharded.parameters():
+                p.grad = None
+        out[mode] = {"losses": losses, "grads": grads, "after": after}
+    return out
 
 
-def test_pipeline_stage_replicas_draw_alike() -> None:
-    """GPT-2 with dropout in 2 stages x 2 data-parallel replicas: the replicas of a stage end the step with the
-    same gradients (they drew the same masks), the same seed gives the same loss and another seed another."""
-    results = launch(4, _pipelined, {"schedule": "1F1B", "microbatches": 2}, timeout=600)
-    for stage in ((0, 1), (2, 3)):
-        _replicas_agree([results[r] for r in stage])
-    losses = results[0]["losses"]
-    assert losses[0] == losses[1] and losses[2] != losses[0], losses
+def test_pipeline_stages_draw_as_one_device_accumulating_or_alike_on_replicas() -> None:
+    """GPT-2 with dropout in 2 stages x 2 data-parallel replicas, 2 micro-batches. ``exact``: the loss, every
+    gradient and the generator after the step equal one device running the same 2 micro-batches one after the
+    other (each stage replays the others' draws). ``local``: the replicas of a stage end the step with the same
+    gradients (they drew the same masks); the same seed gives the same loss, another seed another."""
+    results = launch(4, _pipelined, None, timeout=600)
+    model, _ = hf.build("gpt2", batch=8, layers=2)
+    batch = _unpadded()
     with torch.random.fork_rng(devices=[]):
-        model, batch = hf.build("gpt2", batch=8, layers=2)
-        model.eval()  # no dropout: the pipelined loss is not this one
-        assert abs(float(model(**batch).loss) - losses[0]) > 1e-4
+        torch.manual_seed(SEED)
+        loss = 0.0
+        for piece in ({k: v[:4] for k, v in batch.items()}, {k: v[4:] for k, v in batch.items()}):
+            part = model(**piece).loss / 2
+            part.backward()
+            loss += float(part)
+        after = torch.rand(4)
+    for r, got in enumerate(results):
+        exact = got["exact"]
+        assert exact["losses"][0] == pytest.approx(loss, rel=1e-5), f"rank {r}"
+        assert torch.equal(exact["after"], after), f"rank {r}: the step left the generator elsewhere than one device"
+        for n, g in exact["grads"].items():
+            want = dict(model.named_parameters())[n].grad
+            assert (g - want).abs().max() <= 2e-4 * max(want.abs().max().item(), 1e-3), f"rank {r}: {n}"
+    local = [got["local"] for got in results]
+    for stage in ((0, 1), (2, 3)):
+        _replicas_agree([local[r] for r in stage])
+    assert local[0]["losses"][0] == local[0]["losses"][1] != local[0]["losses"][2], local[0]["losses"]
+    assert abs(local[0]["losses"][0] - loss) > 1e-6, "local draws equal one device's"
 
 
 def test_stage_streams_differ_by_stage_and_step_and_leave_the_generator_in_step() -> None:

@@ -201,8 +201,8 @@ def partition_joint(gm: fx.GraphModule, num_fwd_outputs: int) -> tuple[fx.GraphM
     primals = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("primals")]
     tangents = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")]
     fw, bw = default_partition(gm, [primals, tangents], num_fwd_outputs=num_fwd_outputs)
-    for part in (fw, bw):
-        _drop_unused(part)
+    _drop_unused(fw, keep_draws=True)
+    _drop_unused(bw, keep_draws=False)  # (an unread draw copied into the backward would move the generator again)
     return fw, bw
 
 
@@ -231,7 +231,7 @@ def _inline_constant_items(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _drop_unused(gm: fx.GraphModule) -> None:
+def _drop_unused(gm: fx.GraphModule, keep_draws: bool) -> None:
     """Remove ops nothing uses, but collectives. The partitioner leaves a multi-output forward op (attention)
     in the backward when only its saved pieces are used there; FX's own dead-code pass keeps it, as CPU
     flash attention is tagged random (dropout), so it would run twice."""
@@ -239,8 +239,9 @@ def _drop_unused(gm: fx.GraphModule) -> None:
         if n.op != "call_function" or n.users:
             continue
         if isinstance(n.target, torch._ops.OpOverload) and (
-                n.target.namespace in ("_c10d_functional", "autoshard") or n.target._schema.is_mutable):
-            continue  # (an unread autoshard draw still moves the generator, as one device's does)
+                n.target.namespace == "_c10d_functional" or n.target._schema.is_mutable
+                or (keep_draws and n.target.namespace == "autoshard")):
+            continue  # (an unread autoshard draw of the forward still moves the generator, as one device's does)
         gm.graph.erase_node(n)
     gm.recompile()
 

@@ -40,7 +40,8 @@ from autoshard.runtime.deferred_weights import DeferredWeights
 from autoshard.runtime.rebind import rebind_optimizers
 from autoshard.runtime.param_state import ParamStates, scatter_grads
 from autoshard.runtime.sharded_module import distribute_parameters
-from autoshard.runtime.stage_random import StageStreams
+from autoshard.runtime.stage_random import ReplayStreams, StageStreams
+from autoshard.rules import random_draws
 from autoshard.weights.deferred import take_deferred
 from autoshard.weights.init import init_weights
 from autoshard.weights.pretrained import load_pretrained, save_pretrained
@@ -120,8 +121,8 @@ class StageModule(nn.Module):
         self._grad_slots = tuple(slot[n] for n in grad_names)
         self._first_input_slot = base
         self._deferred: DeferredWeights | None = None
-        self._streams: StageStreams | None = None  # this stage's random stream (``runtime/stage_random.py``)
-        self._index = stage.index
+        self._streams: StageStreams | ReplayStreams | None = None  # its random stream (``runtime/stage_random.py``)
+        self._index = 0  # its index in the pipeline (set by PipelinedModule)
 
     def defer_weights(self) -> Callable[[], Callable[[], None]]:
         """Run this stage's backward in two parts from now on (zero-bubble schedules); the stage's
@@ -231,9 +232,9 @@ class PipelinedModule(nn.Module):
         for call, arg in take_deferred(tree) if tree is not None else ():  # autoshard.init_weights(model) before
             getattr(self, call)(arg)
         self._used_inputs = sorted({i for m in stages.values() for kind, i in m._wiring.args if kind == "input"})
-        self._streams = StageStreams(device, sorted(stages))  # each stage's own random stream
-        for m in stages.values():
-            m._streams = self._streams
+        self._streams = _streams(device, stages, pp_group, plan.microbatches)
+        for k, m in stages.items():
+            m._streams, m._index = self._streams, k  # (a stage's own plan numbers its one stage 0)
         pp_size = dist.get_world_size(pp_group)
         self._last_owner = dist.get_global_rank(pp_group, (num_stages - 1) % pp_size)
         self._has_last = num_stages - 1 in stages
@@ -322,7 +323,8 @@ class PipelinedModule(nn.Module):
         if self._has_last:  # the schedule hands each micro-batch's weight to the loss function as its "target"
             target = loss_weights(self._weighting.reduction, self._weighting.counter, tensors, m)
         losses: list[torch.Tensor] = []
-        self._streams.begin_step()
+        if self._streams is not None:
+            self._streams.begin_step()
         self.schedule.step(target=target, losses=losses, **{input_key(i): tensors[i] for i in self._used_inputs})
         self._sum_tied_grads()
         loss = torch.zeros((), dtype=torch.float32)
@@ -406,6 +408,37 @@ class PipelinedModule(nn.Module):
             for name, p in m.named_parameters(prefix="", recurse=recurse, remove_duplicate=remove_duplicate):
                 base = _base_name(name)
                 yield prefix + self._canonical.get(base, base), p
+
+
+def _draw_list(program: Any) -> list[tuple] | None:
+    """The whole-tensor draws of a stage's forward (``random="exact"``) in order, or None when it draws pieces from
+    streams of its own (``"local"``: a draw given a ``seed``)."""
+    graph = getattr(program, "fw_gm", None)
+    if graph is None:
+        return []
+    out = []
+    for n in graph.graph.nodes:
+        if n.op == "call_function" and n.target is random_draws.DRAW:
+            if n.kwargs.get("seed") is not None:
+                return None
+            kind, shape, params, dtype, device = n.args[:5]
+            out.append((kind, list(shape), list(params), dtype, device, n.kwargs.get("order")))
+    return out
+
+
+def _streams(device: torch.device, stages: dict[int, StageModule], pp_group: Any,
+             microbatches: int) -> StageStreams | ReplayStreams | None:
+    """Exact draws (every stage's program draws whole tensors): one device's states replayed; pieces: stage
+    streams; no draws at all: None (the generator left as one device leaves it)."""
+    mine = {k: _draw_list(m._program) for k, m in stages.items()}
+    every: list[Any] = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(every, mine, group=pp_group)
+    lists = {k: v for part in every for k, v in part.items()}
+    if all(v == [] for v in lists.values()):
+        return None
+    if any(v is None for v in lists.values()):
+        return StageStreams(device, sorted(stages))
+    return ReplayStreams(device, sorted(stages), lists, microbatches, random_draws.DRAW)
 
 
 class _Stages(nn.ModuleDict):  # this rank's stages by index; adds no name in torch's state-dict API

@@ -10,14 +10,20 @@ number and ``k``, carried from one micro-batch's forward to the next (``drawing`
 
 - ranks that hold the same stage (its data-parallel and tensor-parallel replicas) draw the same numbers;
 - two stages, two micro-batches, two steps never draw the same numbers;
-- the numbers are not the ones one device draws for the unpipelined model (that needs every stage to replay the
-  draws of the stages before it, and every micro-batch the whole batch's); docs/guide/api.md says so.
+- the numbers are not the ones one device draws for the unpipelined model.
+
+With ``random="exact"`` (the stages' programs draw whole tensors from the default generator, as one device does),
+``ReplayStreams`` instead gives stage ``k``'s forward of micro-batch ``j`` the generator state one device has there
+when it runs the same micro-batches one after another (gradient accumulation): every rank replays, once per step,
+the draws of every stage for every micro-batch in that order (the stages' draw lists are exchanged over the
+pipeline group when the module is built), keeping the states where its own stages start. The step then draws
+what one device accumulating the micro-batches draws, at the price of each rank drawing all of them.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -70,4 +76,50 @@ class StageStreams:
             _set_state(self.device, outside)
 
 
-__all__ = ["StageStreams"]
+DrawSpec = tuple  # (kind, shape, params, dtype, device, order): one draw of a stage's forward, as ``draw`` takes it
+
+
+class ReplayStreams:
+    """One device's generator states at each (stage, micro-batch) forward: see the module docstring. ``draws``: every
+    stage's draw list by stage index; ``stages``: this rank's; ``microbatches``: per step."""
+
+    def __init__(self, device: torch.device, stages: Iterable[int], draws: dict[int, list[DrawSpec]],
+                 microbatches: int, draw: Callable[..., torch.Tensor]) -> None:
+        self.device = torch.device(device)
+        self.stages = tuple(stages)
+        self.draws = dict(draws)
+        self.microbatches = microbatches
+        self._draw = draw
+        self._states: dict[tuple[int, int], torch.Tensor] = {}
+        self._next: dict[int, int] = {}
+        self._end: torch.Tensor | None = None
+
+    def begin_step(self) -> None:
+        """Replay one device's draws of the step from the default generator; it ends where one device's does."""
+        self._states.clear()
+        self._next = {k: 0 for k in self.stages}
+        for j in range(self.microbatches):
+            for k in sorted(self.draws):
+                if k in self.stages:
+                    self._states[(k, j)] = _state(self.device)
+                for kind, shape, params, dtype, device, order in self.draws[k]:
+                    self._draw(kind, shape, params, dtype, device, order=order)
+        self._end = _state(self.device)
+
+    @contextlib.contextmanager
+    def drawing(self, stage: int) -> Iterator[None]:
+        """Inside: the default generator at one device's state for this stage's next micro-batch."""
+        j = self._next.get(stage)
+        state = self._states.get((stage, j)) if j is not None else None
+        if state is None:
+            yield
+            return
+        self._next[stage] = j + 1
+        _set_state(self.device, state)
+        try:
+            yield
+        finally:
+            _set_state(self.device, self._end)
+
+
+__all__ = ["DrawSpec", "ReplayStreams", "StageStreams"]
