@@ -209,7 +209,8 @@ def test_a_gradient_that_is_rounding_noise_is_compared_at_its_rounding() -> None
     case, bias, weight = NOISE_CASE, "blocks.1.proj.bias", "blocks.1.proj.weight"
     inputs = example_inputs(case)
     plain = train(build_model(case), inputs)
-    noise = rounding_noise(case, inputs, plain)
+    noise, loss_noise = rounding_noise(case, inputs, plain)
+    assert loss_noise < 1e-6  # (a well-conditioned loss)
     assert noise[bias] > NOISY * plain.grads[bias].abs().max().item()  # all rounding: 0 in exact arithmetic
     assert noise[weight] < NOISY * plain.grads[weight].abs().max().item()
     ref = dataclasses.replace(plain, noise=noise)
@@ -222,6 +223,19 @@ def test_a_gradient_that_is_rounding_noise_is_compared_at_its_rounding() -> None
     wrong = Trajectory(ref.losses, {**ref.grads, weight: ref.grads[weight] * 1.001},
                        {**ref.params, weight: ref.params[weight] + 1e-3})
     assert [p.split(":")[0] for p in compare(ref, wrong)] == [f"grad {weight}", f"param {weight}"]
+
+
+def test_an_ill_conditioned_loss_is_compared_at_its_own_rounding() -> None:
+    # seed 7002 case 169 (issue 43): GroupNorm over groups of one element (S=1) normalizes rounding, times
+    # 1/sqrt(eps): the fp32 loss is 1.5e-3 off the float64 one, and the mesh's 5e-4 off the fp32 reference
+    case = draw_case(7002, 169)
+    inputs = example_inputs(case)
+    plain = train(build_model(case), inputs)
+    noise, loss_noise = rounding_noise(case, inputs, plain)
+    assert loss_noise > 1e-3 * abs(plain.losses[0])
+    ref = dataclasses.replace(plain, noise=noise, loss_noise=loss_noise)
+    got = Trajectory((plain.losses[0], plain.losses[1] - 4.3e-4, *plain.losses[2:]), plain.grads, plain.params)
+    assert compare(ref, got) == [] and compare(plain, got) != []
 
 
 def test_an_element_whose_gradient_is_rounding_noise_may_step_by_it() -> None:

@@ -98,6 +98,7 @@ class Trajectory:
     grads: dict[str, Tensor]
     params: dict[str, Tensor]
     noise: dict[str, float] = field(default_factory=dict)
+    loss_noise: float = 0.0  # the reference's first loss off its float64 value (an ill-conditioned model's is large)
 
 
 class RanksDisagree(AssertionError):
@@ -143,10 +144,12 @@ def train(model: nn.Module, inputs: tuple[Tensor, ...], step: Callable[..., Tens
     return Trajectory(tuple(losses), grads, params)
 
 
-def rounding_noise(case: FuzzCase, inputs: tuple[Tensor, ...], ref: Trajectory) -> dict[str, float]:
-    """The fp32 rounding of each of ``ref``'s first-step gradients: its max abs distance from the same step in
-    float64 (same init, inputs and seed). Empty when the float64 step drew other random numbers (its loss is not
-    ``ref``'s first) or cannot run in float64."""
+def rounding_noise(case: FuzzCase, inputs: tuple[Tensor, ...], ref: Trajectory) -> tuple[dict[str, float], float]:
+    """The fp32 rounding of each of ``ref``'s first-step gradients (its max abs distance from the same step in
+    float64: same init, inputs and seed) and of its first loss. Empty (and 0) when the step cannot run in float64,
+    or when the model draws random numbers and the float64 step's loss is not ``ref``'s first (it drew others: a
+    float64 ``rand_like`` draws other numbers). Without random blocks the float64 step is the exact one however far
+    the fp32 loss is from it (a normalization over one element amplifies rounding: seed 7002 case 169)."""
     try:
         model = build_model(case).double().train()
         with torch.random.fork_rng(devices=[]):
@@ -156,11 +159,12 @@ def rounding_noise(case: FuzzCase, inputs: tuple[Tensor, ...], ref: Trajectory) 
     except (RuntimeError, TypeError) as e:
         logger.info("fuzz case %d/%d: no float64 step (%s): gradients compared at fixed tolerances",
                     case.seed, case.index, e)
-        return {}
-    if not math.isclose(loss.item(), ref.losses[0], rel_tol=1e-4, abs_tol=ATOL):
-        return {}
-    return {n: (p.grad - ref.grads[n].double()).abs().max().item() for n, p in model.named_parameters()
-            if p.grad is not None and n in ref.grads}
+        return {}, 0.0
+    draws = any(b.kind in RANDOM_BLOCKS for b in case.blocks)
+    if draws and not math.isclose(loss.item(), ref.losses[0], rel_tol=1e-4, abs_tol=ATOL):
+        return {}, 0.0
+    return ({n: (p.grad - ref.grads[n].double()).abs().max().item() for n, p in model.named_parameters()
+             if p.grad is not None and n in ref.grads}, abs(loss.item() - ref.losses[0]))
 
 
 def _atol(what: str, name: str, ref: Trajectory, atol: float) -> float | Tensor:
@@ -182,7 +186,7 @@ def _atol(what: str, name: str, ref: Trajectory, atol: float) -> float | Tensor:
 def compare(ref: Trajectory, got: Trajectory) -> list[str]:
     """Every difference of ``got`` from ``ref`` beyond the tolerances, one line each (empty: equal)."""
     problems = [f"loss step {i}: {g:.8g} != reference {w:.8g}" for i, (g, w) in enumerate(zip(got.losses, ref.losses))
-                if not math.isclose(g, w, rel_tol=RTOL, abs_tol=ATOL)]
+                if not math.isclose(g, w, rel_tol=RTOL, abs_tol=max(ATOL, 4 * ref.loss_noise))]
     for what, want, have, atol in (("grad", ref.grads, got.grads, ATOL), ("param", ref.params, got.params, PARAM_ATOL)):
         if set(want) != set(have):
             problems.append(f"{what}s: missing {sorted(set(want) - set(have))}, "
@@ -249,14 +253,16 @@ def run_case(case: FuzzCase) -> FuzzResult:
 
     try:
         ref = train(build_model(case), inputs)
-        ref = dataclasses.replace(ref, noise=rounding_noise(case, inputs, ref))
+        noise, loss_noise = rounding_noise(case, inputs, ref)
+        ref = dataclasses.replace(ref, noise=noise, loss_noise=loss_noise)
         stage[0] = "planning"
         got, accumulation = _sharded_run(case, inputs, stage)
         if accumulation is not None and any(b.kind in RANDOM_BLOCKS for b in case.blocks):
             # micro-batches draw their own (smaller) random tensors: one device accumulating the same micro-batches
             # draws the same (docs/guide/api.md, "Random numbers")
             model = build_model(case)
-            ref = dataclasses.replace(train(model, inputs, _accumulated(model, accumulation)), noise=ref.noise)
+            ref = dataclasses.replace(train(model, inputs, _accumulated(model, accumulation)), noise=ref.noise,
+                                      loss_noise=ref.loss_noise)
     except RanksDisagree as e:
         return result("mismatch", str(e), traceback.format_exc())
     except AutoshardError as e:
