@@ -264,6 +264,8 @@ def compile(  # noqa: A001 - the one-line API the project promises
                             plan_eval=_eval_planner(mesh, get_cluster(cluster), config, backend, real_group),
                             plan_shapes=_shape_planner(p, mesh, get_cluster(cluster), config, backend, real_group))
     sharded.timings = dict(ctx.timings)
+    if ctx.loss_form is not None:
+        sharded.loss_form = ctx.loss_form
     return sharded
 
 
@@ -320,8 +322,9 @@ def _compile_on_first_call(model: nn.Module, mesh: DeviceMesh, constraints: Mapp
         # pipelines take the global batch on every rank (step): nothing to pin
         return LazyShardedModule(model, mesh, lambda example: compile(model, mesh, example, constraints=user, **options),
                                  pipelined=True)
-    pinned = {**batch_constraint(mesh), **user}
-    return LazyShardedModule(model, mesh, lambda example: compile(model, mesh, example, constraints=pinned, **options))
+    batch_constraint(mesh)  # a mesh with no batch axis is refused now, not at the first call
+    return LazyShardedModule(model, mesh, lambda example: compile(
+        model, mesh, example, constraints={**batch_constraint(mesh, example), **user}, **options))
 
 
 def _compile_pipelined(

@@ -200,8 +200,25 @@ def loss_of(out: Any, model_name: str, loss_fn: Callable[[Any], torch.Tensor] | 
     return loss
 
 
+def loss_form(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> Callable[[torch.Tensor], Any]:
+    """How to return a loss shaped as the model returned it: its ``ModelOutput``/dict class with ``loss`` set
+    (the other fields None: a training program computes the loss alone), a one-element tuple for a tuple, the
+    tensor itself otherwise (or where ``loss_fn`` picked it)."""
+    if loss_fn is not None or isinstance(out, torch.Tensor):
+        return lambda loss: loss
+    if isinstance(out, Mapping):
+        cls = type(out)
+        if cls is dict:
+            return lambda loss: {"loss": loss}
+        return lambda loss: cls(loss=loss)
+    if isinstance(out, (tuple, list)):
+        return lambda loss: (loss,)
+    return lambda loss: loss
+
+
 class _LossOnly(nn.Module):
-    """Calls the model as the example call did and keeps only the loss (see ``loss_of``)."""
+    """Calls the model as the example call did and keeps only the loss (see ``loss_of``); ``form`` is then how
+    the model shaped its output (``loss_form``)."""
 
     def __init__(self, inner: nn.Module, signature: CallSignature, loss_fn: Callable[[Any], torch.Tensor] | None,
                  precision: Callable[[], Any]) -> None:
@@ -210,11 +227,13 @@ class _LossOnly(nn.Module):
         self.signature = signature
         self.loss_fn = loss_fn
         self.precision = precision
+        self.form: Callable[[torch.Tensor], Any] = lambda loss: loss
 
     def forward(self, *tensors: Any) -> torch.Tensor:
         args, kwargs = self.signature.unflatten(tensors)
         with self.precision():
             out = self.inner(*args, **kwargs)
+        self.form = loss_form(out, self.loss_fn)
         return loss_of(out, type(self.inner).__name__, self.loss_fn)
 
 
@@ -329,6 +348,7 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], ctx: PassContext) -
         )
     if not ctx.stage:
         roles[0] = tc.OutputRole("loss", "loss")
+        ctx.loss_form = wrapper.form
     ctx.output_roles = roles
     counts: dict[str, int] = {}
     for node in gm.graph.nodes:

@@ -87,6 +87,7 @@ class PassContext:
     stats: dict[str, Any] = field(default_factory=dict)
     # capture
     signature: CallSignature | None = None  # the example call's structure (autoshard.inputs)
+    loss_form: Callable[[Any], Any] | None = None  # the loss shaped as the model returns it (capture.loss_form)
     output_roles: list[OutputRole] = field(default_factory=list)
     param_modules: dict[str, str] = field(default_factory=dict)  # parameter name -> its module's class name
     # (container path, layers captured, layers in the model) when only some repeated layers were captured

@@ -14,12 +14,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from autoshard import _torch_compat as tc
-from autoshard.inputs import Call
+from autoshard.inputs import Call, signature_of
+from autoshard.runtime.model_face import wear_model_face
 from autoshard.weights import deferred
 from autoshard.weights.pretrained import fqn_modifiers
 from autoshard.errors import CallError, InputError
@@ -44,31 +46,60 @@ def data_parallel_axes(mesh: DeviceMesh) -> tuple[int, ...]:
     )
 
 
-def batch_constraint(mesh: DeviceMesh) -> dict[str, Any]:
-    """Every input split on dim 0 over the data-parallel axes and whole on the others."""
+def batch_constraint(mesh: DeviceMesh, example: Call | None = None) -> dict[str, Any]:
+    """Every input split on dim 0 over the data-parallel axes and whole on the others; a 0-d tensor of
+    ``example`` (a count such as ``num_items_in_batch``) whole on every rank."""
     dp = data_parallel_axes(mesh)
     names = tuple(mesh.mesh_dim_names or (f"d{i}" for i in range(mesh.ndim)))
-    return {"inputs": {names[a]: (Shard(0) if a in dp else Replicate()) for a in range(mesh.ndim)}}
+    pins: dict[str, Any] = {"inputs": {names[a]: (Shard(0) if a in dp else Replicate()) for a in range(mesh.ndim)}}
+    if example is not None:
+        signature, tensors = signature_of(example)
+        for name, t in zip(signature.names, tensors):
+            if t.ndim == 0:
+                pins[name] = {n: Replicate() for n in names}
+    return pins
 
 
-def global_example(args: tuple, kwargs: dict[str, Any], mesh: DeviceMesh) -> Call:
-    """The global call the ranks' shards make: meta tensors with dim 0 scaled by the data-parallel size."""
+def batch_shards(mesh: DeviceMesh) -> int:
+    """How many ranks' batch shards make the global batch: the data-parallel axes' size."""
     size = 1
     for a in data_parallel_axes(mesh):
         size *= mesh.shape[a]
+    return size
+
+
+def global_example(args: tuple, kwargs: dict[str, Any], mesh: DeviceMesh) -> Call:
+    """The global call the ranks' shards make: meta tensors with dim 0 scaled by the data-parallel size; a 0-d
+    tensor (a count, such as Hugging Face's ``num_items_in_batch``) is the same on every rank and stays 0-d."""
+    size = batch_shards(mesh)
 
     def scale(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
         if t.ndim == 0:
-            raise InputError("a 0-d tensor argument has no batch dimension to split over the data-parallel ranks; "
-                             "pass it as a Python number, or compile with global example_inputs")
+            return torch.empty((), dtype=t.dtype, device="meta")
         return torch.empty((t.shape[0] * size, *t.shape[1:]), dtype=t.dtype, device="meta")
 
     with tc.outside_local_tensor_mode():
         leaves, spec = tc.tree_flatten((tuple(args), dict(kwargs)))
         g_args, g_kwargs = tc.tree_unflatten([scale(x) for x in leaves], spec)
     return Call(tuple(g_args), dict(g_kwargs))
+
+
+def same_on_every_rank(values: list[torch.Tensor], mesh: DeviceMesh) -> None:
+    """Refuse 0-d tensor arguments (counts) that differ between ranks: the program takes them whole, as one value."""
+    if tc.in_local_tensor_mode() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    mine = torch.stack([v.detach().reshape(()).to(torch.float64) for v in values]).to(mesh.device_type)
+    low, high = mine.clone(), mine.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    if not torch.equal(low, high):
+        raise InputError(
+            f"0-d tensor arguments (counts such as num_items_in_batch) differ between ranks: from {low.tolist()} to "
+            f"{high.tolist()}. autoshard computes the loss of the global batch, with one value of each: pass the "
+            "count over every rank's batch (Hugging Face's TrainingArguments(average_tokens_across_devices=True), "
+            "the default)")
 
 
 class LazyShardedModule(nn.Module):
@@ -84,6 +115,7 @@ class LazyShardedModule(nn.Module):
         super().__init__()
         self.module = model
         self.mesh = mesh
+        wear_model_face(self, model)
         self._build = build
         self._compiled: nn.Module | None = None
         self._pipelined = pipelined
@@ -107,11 +139,44 @@ class LazyShardedModule(nn.Module):
             self._compiled = self._build(example)
         return self._compiled
 
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """This rank's batch shard, called as the model is. Training: the global batch's loss, shaped as the
+        model returns it (its ``ModelOutput`` with ``loss`` set, a tuple, or the tensor); evaluation (``eval()``):
+        the model's output for this rank's rows (``ShardedModule.evaluate`` computes them, this cuts them).
+
+        ``num_items_in_batch`` (Hugging Face's count of the targets in the whole step, over every rank, which
+        its models divide their summed loss by) is the same on every rank; each rank gets its share of the loss,
+        1/N of it for N batch shards, which DDP's gradient averaging expects: the Trainer multiplies it by its
+        number of processes, and the gradients are the global batch's."""
         if self._pipelined:
             raise CallError("a pipelined model trains one step at a time over micro-batches: call "
-                            "sharded.step(...) with the global batch, as you call the model (it returns the loss)")
-        return self._ensure(global_example(args, kwargs, self.mesh))(*args, **kwargs)
+                            "sharded.step(...) with the global batch, as you call the model (it returns the loss); "
+                            "a loop that calls the model's forward (the Hugging Face Trainer, Lightning) needs a mesh "
+                            "without a 'pp' axis")
+        compiled = self._ensure(global_example(args, kwargs, self.mesh))
+        counts = [t for t in tc.tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.ndim == 0]
+        if counts:
+            same_on_every_rank(counts, self.mesh)
+        out = compiled(*args, **kwargs)
+        if not self.training:
+            return self._my_rows(compiled, out, args, kwargs)
+        if "num_items_in_batch" in kwargs and kwargs["num_items_in_batch"] is not None:
+            out = out / batch_shards(self.mesh)
+        return compiled.loss_form(out)
+
+    def _my_rows(self, compiled: nn.Module, out: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The evaluation output's tensors whose dim 0 is the global batch, cut to this rank's rows (the rows its
+        shard of the call produced); the others (a loss) as they are."""
+        batch = [t.shape[0] for t in tc.tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.ndim]
+        if not batch:
+            return out
+        whole = batch[0] * batch_shards(self.mesh)
+        dp = data_parallel_axes(self.mesh)
+        rows = [Shard(0) if a in dp else Replicate() for a in range(self.mesh.ndim)]
+        leaves, spec = tc.tree_flatten(out)
+        cut = [compiled._cut(t, rows) if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == whole else t
+               for t in leaves]
+        return tc.tree_unflatten(cut, spec)
 
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self._ensure(Call(tuple(args), dict(kwargs))).step(*args, **kwargs)

@@ -28,6 +28,7 @@ from autoshard.runtime.rank_failures import one_fails_all
 from autoshard.runtime.accumulate import Accumulation
 from autoshard.runtime.evaluate import Evaluator, PlanEval
 from autoshard.runtime.lazy import data_parallel_axes
+from autoshard.runtime.model_face import wear_model_face
 from autoshard.runtime.param_state import ParamStates, scatter_grads
 from autoshard.runtime.rebind import rebind_optimizers, retire
 from autoshard.runtime.shapes import PlanShapes, ShapePrograms
@@ -184,6 +185,10 @@ def _named_buffers(module: nn.Module, names: Sequence[str]) -> list[tuple[str, t
     return [(n, bufs[n]) for n in names]
 
 
+def _as_is(loss: torch.Tensor) -> torch.Tensor:
+    return loss
+
+
 def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
     stride, acc = [], 1
     for n in reversed(tuple(shape)):
@@ -200,6 +205,7 @@ class ShardedModule(nn.Module):
                  plan_eval: PlanEval | None = None, plan_shapes: PlanShapes | None = None) -> None:
         super().__init__()
         self.plan = plan
+        self.loss_form: Any = _as_is  # the loss shaped as the model returns it (the lazy module returns that)
         self._accumulation = accumulation  # microbatches > 1: step runs the global batch as micro-batches
         self.signature = signature
         self.mesh = mesh
@@ -239,6 +245,7 @@ class ShardedModule(nn.Module):
         self._evaluator = None if plan_eval is None else Evaluator(
             model, mesh, {n: self._layouts[n] for n in self._param_names}, self._states.master_placements(),
             dict(zip(self._param_names, self._states.offload)), plan_eval, self._global_view)
+        wear_model_face(self, model)
         for call, arg in take_deferred(model):  # init_weights / load_pretrained called on the meta model
             getattr(self, call)(arg)
         if meta:
