@@ -194,8 +194,8 @@ def _plan(root: nn.Module, gm: fx.GraphModule, mesh: DeviceMesh, opts: dict[str,
             "autoshard.load_pretrained(model, path) on it (they run on this rank's shards once the backend has "
             "planned), with the process group already initialized"
         )
-    constraints = {**batch_constraint(mesh), **dict(opts.pop("constraints", None) or {})}
     example = global_example(args, kwargs, mesh)
+    constraints = {**batch_constraint(mesh, example), **dict(opts.pop("constraints", None) or {})}
     # the module itself is planned at global shapes (dynamo's graph is specialized to this rank's shapes)
     # the parameter objects dynamo traced hold their compute shard, which the user's optimizer steps: no ZeRO-1/2
     # masters sharded further than that (see runtime/param_state.py)

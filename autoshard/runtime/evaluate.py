@@ -118,7 +118,7 @@ class Evaluator:
 
         wrapper = _FlatOutputs(self._view(), record)
         example = global_example(args, kwargs, self.mesh)
-        pins: dict[str, Any] = {**batch_constraint(self.mesh)}
+        pins: dict[str, Any] = {**batch_constraint(self.mesh, example)}
         pins.update({f"model.{n}": p for n, p in self._compute.items()})
         with torch.enable_grad():
             plan, program = self._plan_eval(wrapper, example, pins)

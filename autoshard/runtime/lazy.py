@@ -10,7 +10,7 @@ that layout, so each rank's shard is exactly its local piece and later calls pas
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -158,11 +158,22 @@ class LazyShardedModule(nn.Module):
         if counts:
             same_on_every_rank(counts, self.mesh)
         out = compiled(*args, **kwargs)
+        share = kwargs.get("num_items_in_batch") is not None
         if not self.training:
-            return self._my_rows(compiled, out, args, kwargs)
-        if "num_items_in_batch" in kwargs and kwargs["num_items_in_batch"] is not None:
-            out = out / batch_shards(self.mesh)
-        return compiled.loss_form(out)
+            out = self._my_rows(compiled, out, args, kwargs)
+            return self._share_of(out) if share else out
+        return compiled.loss_form(self._share_of(out) if share else out)
+
+    def _share_of(self, out: Any) -> Any:
+        """This rank's share of the loss in ``out`` (a tensor, a mapping's ``loss``, a tuple's first element)."""
+        n = batch_shards(self.mesh)
+        if isinstance(out, torch.Tensor):
+            return out / n
+        if isinstance(out, Mapping) and out.get("loss") is not None:
+            out["loss"] = out["loss"] / n  # type: ignore[index]
+        elif isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor) and out[0].ndim == 0:
+            out = (out[0] / n, *out[1:])
+        return out
 
     def _my_rows(self, compiled: nn.Module, out: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
         """The evaluation output's tensors whose dim 0 is the global batch, cut to this rank's rows (the rows its
