@@ -20,6 +20,7 @@ from autoshard.compiler.runner import check_disabled, rank_program
 from autoshard.config import PlanConfig
 from autoshard.errors import InputError
 from autoshard.inputs import Call, example_call
+from autoshard.integrations import install_loaded
 from autoshard.plans.html.page import write_html
 from autoshard.plans.plan import Plan
 from autoshard.runtime.evaluate import PlanEval
@@ -207,6 +208,7 @@ def compile(  # noqa: A001 - the one-line API the project promises
     ``report="plan.html"`` writes the plan's page (``autoshard/plans/html/page.py``) from rank 0 once it is planned
     (without ``example_inputs``: at the first call).
     """
+    install_loaded()  # the loops this process imported (the Hugging Face Trainer) checkpoint it by rank
     if parameters != "local":  # (the local path keeps the objects dynamo traced: it shards the stand-ins in place)
         restore_meta(model)  # init_weights / load_pretrained on a meta model left stand-ins (weights/shards.py)
     if report is not None and example_inputs is not None:
@@ -321,10 +323,10 @@ def _compile_on_first_call(model: nn.Module, mesh: DeviceMesh, constraints: Mapp
     if "pp" in tuple(mesh.mesh_dim_names or ()) or options.get("pipeline") == "auto":
         # pipelines take the global batch on every rank (step): nothing to pin
         return LazyShardedModule(model, mesh, lambda example: compile(model, mesh, example, constraints=user, **options),
-                                 pipelined=True)
+                                 pipelined=True, options=options)
     batch_constraint(mesh)  # a mesh with no batch axis is refused now, not at the first call
     return LazyShardedModule(model, mesh, lambda example: compile(
-        model, mesh, example, constraints={**batch_constraint(mesh, example), **user}, **options))
+        model, mesh, example, constraints={**batch_constraint(mesh, example), **user}, **options), options=options)
 
 
 def _compile_pipelined(

@@ -111,10 +111,14 @@ class LazyShardedModule(nn.Module):
     """
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, build: Callable[[Call], nn.Module],
-                 pipelined: bool = False) -> None:
+                 pipelined: bool = False, options: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.module = model
         self.mesh = mesh
+        # compile's options, which ``build`` reads when it runs: an integration may still set one the user left
+        # unset (the trainer's mixed precision: autoshard/integrations/)
+        self.plan_options: dict[str, Any] = options if options is not None else {}
+        self._after_compile: list[Callable[[nn.Module], None]] = []
         wear_model_face(self, model)
         self._build = build
         self._compiled: nn.Module | None = None
@@ -137,7 +141,18 @@ class LazyShardedModule(nn.Module):
         if self._compiled is None:
             log.info("compile: planning on the first call, global inputs %s", example)
             self._compiled = self._build(example)
+            for action in self._after_compile:
+                action(self._compiled)
+            self._after_compile.clear()
         return self._compiled
+
+    def when_compiled(self, action: Callable[[nn.Module], None]) -> None:
+        """Run ``action(compiled module)`` once its shards exist: now if compiled, else right after the first
+        call plans and compiles it, before its program runs (a checkpoint to resume from)."""
+        if self._compiled is not None:
+            action(self._compiled)
+        else:
+            self._after_compile.append(action)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """This rank's batch shard, called as the model is. Training: the global batch's loss, shaped as the

@@ -11,6 +11,8 @@ and is distributed already, so it says both:
   (the call itself is the sharded module's own);
 - the model's ``config``, ``main_input_name``, ``loss_type``, ``accepts_loss_kwargs``, ``name_or_path`` and
   ``generation_config`` are the module's, where the model has them;
+- ``gradient_checkpointing_enable`` (the Trainer's ``gradient_checkpointing=True``) warns that the plan chooses
+  recomputation itself;
 - ``_is_accelerate_prepared`` is True: ``Accelerator.prepare`` returns it as it is, with no DDP and no autocast
   around it (mixed precision is the plan's: ``autoshard/integrations/accelerate.py`` reads the Accelerator's).
 """
@@ -22,6 +24,8 @@ import logging
 from typing import Any
 
 from torch import nn
+
+from autoshard.messages import warn
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +49,19 @@ def _face_class(base: type, model_cls: type) -> type:
         forward.__signature__ = signature  # type: ignore[attr-defined]
         forward.__doc__ = base.forward.__doc__
         forward.__qualname__ = f"{base.__qualname__}.forward"
-        _FACES[key] = type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__,
-                                                      "__qualname__": base.__qualname__,
-                                                      "_autoshard_model_class": model_cls})
+        _FACES[key] = type(base.__name__, (base,), {
+            "forward": forward, "__module__": base.__module__, "__qualname__": base.__qualname__,
+            "_autoshard_model_class": model_cls, "gradient_checkpointing_enable": _planned_recomputation,
+            "activation_checkpointing_enable": _planned_recomputation})
     return _FACES[key]
+
+
+def _planned_recomputation(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+    """A loop's ``gradient_checkpointing=True`` (``model.gradient_checkpointing_enable()``): the plan decides what is
+    recomputed, layer by layer, to fit the memory budget; this changes nothing, and says so."""
+    warn(log, "gradient checkpointing was asked for (gradient_checkpointing=True, or gradient_checkpointing_enable()): "
+              "autoshard chooses what to recompute itself, per layer, to fit the memory budget (compile's "
+              "memory_budget=; recompute=[module paths] forces it); the request changes nothing")
 
 
 def wear_model_face(module: nn.Module, model: nn.Module) -> None:

@@ -13,24 +13,26 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from autoshard.errors import InputError
+
 log = logging.getLogger(__name__)
 
 
-def rebind_optimizers(owner: object, replaced: Mapping[int, tuple[nn.Parameter, nn.Parameter]]) -> None:
+def rebind_optimizers(owner: object, replaced: Mapping[int, tuple[nn.Parameter, nn.Parameter]]
+                      ) -> Callable[[torch.optim.Optimizer], None]:
     """At the next step of any optimizer holding an old parameter (id -> (old, new)), swap in the new one.
-    The hook lives as long as ``owner`` (the sharded module)."""
-    if not replaced:
-        return
+    The hook lives as long as ``owner`` (the sharded module). Returns the swap itself, to apply to an optimizer
+    now (before loading its state from a checkpoint)."""
     table = dict(replaced)
 
-    def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def swap(optimizer: torch.optim.Optimizer) -> None:
         swapped = 0
         for group in optimizer.param_groups:
             params = group["params"]
@@ -41,7 +43,7 @@ def rebind_optimizers(owner: object, replaced: Mapping[int, tuple[nn.Parameter, 
                 pair = table.get(id(p))
                 if pair is not None and pair[0] is p:
                     if p in optimizer.state and optimizer.state[p]:
-                        raise RuntimeError(
+                        raise InputError(
                             f"{type(optimizer).__name__} holds state for a parameter autoshard has since sharded; "
                             "build the optimizer before its first step on the original parameters or after "
                             "autoshard.compile (sharded.parameters())"
@@ -54,8 +56,10 @@ def rebind_optimizers(owner: object, replaced: Mapping[int, tuple[nn.Parameter, 
             log.info("autoshard: %s now steps the %d sharded parameters it was built with", type(optimizer).__name__,
                      swapped)
 
-    handle = register_optimizer_step_pre_hook(hook)
-    weakref.finalize(owner, handle.remove)
+    if table:
+        handle = register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: swap(optimizer))
+        weakref.finalize(owner, handle.remove)
+    return swap
 
 
 def retire(old: nn.Parameter) -> None:

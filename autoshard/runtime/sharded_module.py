@@ -228,6 +228,9 @@ class ShardedModule(nn.Module):
             local = whole and not self._states.sharded_masters() and not tc.in_local_tensor_mode()
             parameters = "local" if local else "dtensor"
         self._local_params = parameters == "local"
+        # an optimizer built on the parameters before they were sharded steps the sharded ones from its next step
+        # (runtime/rebind.py); this makes it hold them now (before loading its state from a checkpoint)
+        self.adopt_optimizer: Any = lambda optimizer: None
         meta = [n for n, q in model.named_parameters() if is_unfilled(q)]
         self._unfilled = Unfilled()  # what was built on meta and awaits values (init_weights, a checkpoint)
         self._unfilled.watch((n, b) for n, b in _named_buffers(model, materialize_buffers(model, mesh.device_type)))
@@ -240,7 +243,8 @@ class ShardedModule(nn.Module):
                 )
             shard_parameters_in_place(model, mesh, placements)
         else:
-            rebind_optimizers(self, distribute_parameters(model, mesh, placements, host=self._states.offloaded()))
+            self.adopt_optimizer = rebind_optimizers(
+                self, distribute_parameters(model, mesh, placements, host=self._states.offloaded()))
         self._unfilled.watch((n, q) for n, q in model.named_parameters() if n in set(meta))
         self._evaluator = None if plan_eval is None else Evaluator(
             model, mesh, {n: self._layouts[n] for n in self._param_names}, self._states.master_placements(),

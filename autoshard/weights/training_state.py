@@ -1,0 +1,52 @@
+"""A training run's state (the model's shards and its optimizer's) in a ``torch.distributed.checkpoint`` folder.
+
+Every rank writes its own shards, keyed by the model's own parameter names (``get_state_dict`` through the sharded
+module's ``_fqn_modifiers``), so the folder loads onto any number of ranks and any plan: DCP reshards on load.
+Loading needs the optimizer's state to exist (its layout is what DCP reads into): ``get_state_dict`` makes it
+with a step at learning rate 0. The integrations (``autoshard/integrations/``) call these for the trainers'
+checkpoint folders; a loop of one's own can too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from autoshard.errors import InputError
+
+log = logging.getLogger(__name__)
+
+
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside a wrapper (Accelerate's ``AcceleratedOptimizer``, Lightning's)."""
+    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def save_training_state(module: nn.Module, optimizer: Any, path: str | os.PathLike) -> None:
+    """Write ``module``'s parameters and ``optimizer``'s state into the DCP folder ``path``; every rank calls it."""
+    model_state, optim_state = get_state_dict(module, unwrap_optimizer(optimizer))
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.fspath(path))
+    log.info("autoshard: model and optimizer state written to %s", os.fspath(path))
+
+
+def load_training_state(module: nn.Module, optimizer: Any, path: str | os.PathLike) -> None:
+    """Read a ``save_training_state`` folder (of any mesh and plan) into ``module``'s shards and ``optimizer``'s
+    state; every rank calls it."""
+    path = os.fspath(path)
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        raise InputError(f"{path} is not a complete autoshard training-state checkpoint (no .metadata): it was not "
+                         "written, or its writing was interrupted; resume from another checkpoint")
+    opt = unwrap_optimizer(optimizer)
+    model_state, optim_state = get_state_dict(module, opt)  # allocates the optimizer's state: the layout to read into
+    state: dict[str, Any] = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(module, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    log.info("autoshard: model and optimizer state read from %s", path)
