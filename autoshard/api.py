@@ -20,11 +20,11 @@ from autoshard.compiler.runner import check_disabled, rank_program
 from autoshard.config import PlanConfig
 from autoshard.errors import InputError
 from autoshard.inputs import Call, example_call
-from autoshard.integrations import install_loaded
+from autoshard.integrations import install_loaded, loop_defaults
 from autoshard.plans.html.page import write_html
 from autoshard.plans.plan import Plan
 from autoshard.runtime.evaluate import PlanEval
-from autoshard.runtime.lazy import LazyShardedModule, batch_constraint
+from autoshard.runtime.lazy import LazyShardedModule
 from autoshard.runtime.pipelined import PipelinedModule
 from autoshard.runtime.shapes import PlanShapes
 from autoshard.runtime.sharded_module import ShardedModule
@@ -205,6 +205,11 @@ def compile(  # noqa: A001 - the one-line API the project promises
     refused naming what differs (``autoshard/compiler/solve_reuse.py``). ``autotune=k``: the solver's k best distinct plans and
     the recipes that fit are timed on the mesh and the fastest kept, cached on disk (``autoshard/search/autotune.py``).
 
+    ``batch_axes`` (without ``example_inputs``): the mesh axes whose ranks pass different rows, the others
+    passing the same ones: None (default) for the data-parallel axes (DDP's convention), ``"all"`` when every
+    process passes its own rows (a loader sharded over all processes). Under an Accelerator or a Hugging Face
+    Trainer it is ``"all"`` (their loaders shard over all processes: ``autoshard/integrations/``).
+
     ``report="plan.html"`` writes the plan's page (``autoshard/plans/html/page.py``) from rank 0 once it is planned
     (without ``example_inputs``: at the first call).
     """
@@ -227,6 +232,9 @@ def compile(  # noqa: A001 - the one-line API the project promises
         options.setdefault("shard_state", False)
     if options.get("plan") is not None and options["plan"].microbatches > 1:
         microbatches = microbatches or options["plan"].microbatches
+    if example_inputs is not None and "batch_axes" in options:
+        raise InputError("batch_axes= says how each rank's rows make the global batch when compile is called without "
+                         "example_inputs; with global example_inputs the plan places the inputs itself")
     if example_inputs is None:
         if microbatches is not None and "pp" not in tuple(mesh.mesh_dim_names or ()) and pipeline != "auto":
             raise InputError(
@@ -320,13 +328,14 @@ def _compile_on_first_call(model: nn.Module, mesh: DeviceMesh, constraints: Mapp
             "compile without example_inputs splits every input over the data-parallel ranks (each rank passes its "
             "batch shard); to place inputs otherwise, pass global-shaped example_inputs with your input constraints"
         )
+    batch_axes = options.pop("batch_axes", None)
     if "pp" in tuple(mesh.mesh_dim_names or ()) or options.get("pipeline") == "auto":
         # pipelines take the global batch on every rank (step): nothing to pin
-        return LazyShardedModule(model, mesh, lambda example: compile(model, mesh, example, constraints=user, **options),
-                                 pipelined=True, options=options)
-    batch_constraint(mesh)  # a mesh with no batch axis is refused now, not at the first call
-    return LazyShardedModule(model, mesh, lambda example: compile(
-        model, mesh, example, constraints={**batch_constraint(mesh, example), **user}, **options), options=options)
+        return LazyShardedModule(model, mesh, lambda example, pins: compile(
+            model, mesh, example, constraints=user, **options), pipelined=True, options=options)
+    return LazyShardedModule(model, mesh, lambda example, pins: compile(
+        model, mesh, example, constraints={**pins, **user}, **options), options=options, batch_axes=batch_axes,
+        before_plan=loop_defaults)
 
 
 def _compile_pipelined(

@@ -86,6 +86,10 @@ def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext,
             relaxed = even_prefix(target, shape, ms)
             keep = matching(relaxed, "")
             bent += bool(keep)
+        if not keep and role.kind == "input" and _pinned_input(ctx, role.name):
+            # the caller placed this input (compile without example inputs: each rank's rows): it stays as given and
+            # moves to the recipe's layout where its first op reads it (the batch ops below keep the recipe's)
+            keep = set(range(len(cands)))
         if not keep:
             names = ctx.mesh_names
             want = ", ".join(f"{a}: {placement_str(p)}" for a, p in zip(names, target))
@@ -122,6 +126,14 @@ def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext,
     if kept_whole:
         notes.append(f"{kept_whole} parameters keep whole optimizer state (no even shard)")
     return pins, notes
+
+
+def _pinned_input(ctx: PassContext, name: str) -> bool:
+    """Whether a constraint places input ``name`` (``input[i]``), by its place or by its argument's name."""
+    i = int(name[len("input[") : -1])
+    names = ctx.signature.names if ctx.signature is not None else ()
+    alias = names[i] if i < len(names) else ""
+    return ctx.config.constraint_for(name, "input", ctx.mesh_names, alias) is not None
 
 
 def has_experts(gm: fx.GraphModule, ctx: PassContext) -> bool:

@@ -10,6 +10,7 @@ takes the loop's own path.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 
 def install_loaded() -> None:
@@ -18,3 +19,11 @@ def install_loaded() -> None:
         from autoshard.integrations.hf_trainer import install
 
         install()
+
+
+def loop_defaults(module: Any) -> None:
+    """Just before a lazy module is planned: what the process's training loop decides (its data loader's rows,
+    its mixed precision; ``autoshard/integrations/accelerate.py``)."""
+    from autoshard.integrations.accelerate import loop_defaults as from_accelerate
+
+    from_accelerate(module)

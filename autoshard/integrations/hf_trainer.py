@@ -79,10 +79,15 @@ def install() -> None:
 # --------------------------------------------------------------------------- arguments
 def check_arguments(args: Any, model: nn.Module) -> None:
     """Refuse what autoshard cannot honour; make ``bf16=True`` the plan's mixed precision."""
-    if isinstance(model, PipelinedModule):
+    if isinstance(model, PipelinedModule) or getattr(model, "_pipelined", False):
         raise InputError("the Trainer calls the model's forward once per micro-batch; a pipelined module trains with "
                          "step() over its micro-batches. Compile without a 'pp' mesh axis and without "
                          "pipeline='auto' for the Trainer")
+    if isinstance(model, ShardedModule):
+        raise InputError("the Trainer passes each process its own rows and calls the model as it is called: compile "
+                         "the model for it without example_inputs (autoshard.compile(model, mesh)), which plans at "
+                         "the first call from those rows")
+    model.split_batch_over_every_rank("the Trainer's data loader")
     refused = {
         "deepspeed": "DeepSpeed shards the model itself; autoshard has sharded it already: drop deepspeed=",
         "fsdp": "FSDP shards the model itself; autoshard has sharded it already (the plan may be FSDP's: "

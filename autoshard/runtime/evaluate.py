@@ -17,7 +17,7 @@ tuple or tensor); values that are not tensors (a KV cache object) come back as `
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,12 +94,14 @@ class Evaluator:
         self._programs: dict[tuple, _EvalProgram] = {}
         self._warned: set[str] = set()
 
-    def __call__(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+    def __call__(self, args: tuple, kwargs: dict[str, Any], axes: Sequence[int] | None = None) -> Any:
+        """The output for this rank's pieces (dim 0 split over the batch ``axes``, default the data-parallel
+        ones)."""
         signature, pieces = signature_of(Call(tuple(args), dict(kwargs)))
         key = (signature.names, tuple((tuple(t.shape), t.dtype) for t in pieces))
         ev = self._programs.get(key)
         if ev is None:
-            ev = self._programs[key] = self._build(args, kwargs)
+            ev = self._programs[key] = self._build(args, kwargs, axes)
         params = dict(self.model.named_parameters(remove_duplicate=False))
         bufs = dict(self.model.named_buffers(remove_duplicate=False))
         flat = [params[n] for n in ev.params] + [bufs[n] for n in ev.buffers] + list(pieces)
@@ -110,15 +112,15 @@ class Evaluator:
             leaves[i] = value
         return tc.tree_unflatten(leaves, ev.spec)
 
-    def _build(self, args: tuple, kwargs: dict[str, Any]) -> _EvalProgram:
+    def _build(self, args: tuple, kwargs: dict[str, Any], axes: Sequence[int] | None) -> _EvalProgram:
         seen: dict[str, Any] = {}
 
         def record(spec: Any, keep: list[int]) -> None:
             seen["spec"], seen["keep"] = spec, keep
 
         wrapper = _FlatOutputs(self._view(), record)
-        example = global_example(args, kwargs, self.mesh)
-        pins: dict[str, Any] = {**batch_constraint(self.mesh, example)}
+        example = global_example(args, kwargs, self.mesh, axes)
+        pins: dict[str, Any] = {**batch_constraint(self.mesh, example, axes)}
         pins.update({f"model.{n}": p for n, p in self._compute.items()})
         with torch.enable_grad():
             plan, program = self._plan_eval(wrapper, example, pins)

@@ -10,7 +10,7 @@ that layout, so each rank's shard is exactly its local piece and later calls pas
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -46,10 +46,28 @@ def data_parallel_axes(mesh: DeviceMesh) -> tuple[int, ...]:
     )
 
 
-def batch_constraint(mesh: DeviceMesh, example: Call | None = None) -> dict[str, Any]:
-    """Every input split on dim 0 over the data-parallel axes and whole on the others; a 0-d tensor of
-    ``example`` (a count such as ``num_items_in_batch``) whole on every rank."""
-    dp = data_parallel_axes(mesh)
+def batch_axes_of(mesh: DeviceMesh, axes: str | Sequence[str] | None) -> tuple[int, ...]:
+    """The mesh axes a lazy module's batch is split over: ``None`` for the data-parallel ones
+    (``data_parallel_axes``), ``"all"`` for every axis (every process passes its own rows: a loader sharded over
+    all processes, as Accelerate's and the Trainer's are), or axis names."""
+    if axes is None:
+        return data_parallel_axes(mesh)
+    if axes == "all":
+        return tuple(range(mesh.ndim))
+    names = tuple(mesh.mesh_dim_names or ())
+    wanted = (axes,) if isinstance(axes, str) else tuple(axes)
+    missing = [a for a in wanted if a not in names]
+    if missing or not wanted:
+        raise InputError(f"batch_axes={axes!r}: the mesh's axes are {names}; give some of them, 'all', or None (the "
+                         "data-parallel ones)")
+    return tuple(sorted(names.index(a) for a in wanted))
+
+
+def batch_constraint(mesh: DeviceMesh, example: Call | None = None,
+                     axes: Sequence[int] | None = None) -> dict[str, Any]:
+    """Every input split on dim 0 over the batch ``axes`` (default: the data-parallel ones) and whole on the
+    others; a 0-d tensor of ``example`` (a count such as ``num_items_in_batch``) whole on every rank."""
+    dp = data_parallel_axes(mesh) if axes is None else tuple(axes)
     names = tuple(mesh.mesh_dim_names or (f"d{i}" for i in range(mesh.ndim)))
     pins: dict[str, Any] = {"inputs": {names[a]: (Shard(0) if a in dp else Replicate()) for a in range(mesh.ndim)}}
     if example is not None:
@@ -60,18 +78,18 @@ def batch_constraint(mesh: DeviceMesh, example: Call | None = None) -> dict[str,
     return pins
 
 
-def batch_shards(mesh: DeviceMesh) -> int:
-    """How many ranks' batch shards make the global batch: the data-parallel axes' size."""
+def batch_shards(mesh: DeviceMesh, axes: Sequence[int] | None = None) -> int:
+    """How many ranks' batch shards make the global batch: the batch axes' size (default: data-parallel ones)."""
     size = 1
-    for a in data_parallel_axes(mesh):
+    for a in data_parallel_axes(mesh) if axes is None else axes:
         size *= mesh.shape[a]
     return size
 
 
-def global_example(args: tuple, kwargs: dict[str, Any], mesh: DeviceMesh) -> Call:
-    """The global call the ranks' shards make: meta tensors with dim 0 scaled by the data-parallel size; a 0-d
+def global_example(args: tuple, kwargs: dict[str, Any], mesh: DeviceMesh, axes: Sequence[int] | None = None) -> Call:
+    """The global call the ranks' shards make: meta tensors with dim 0 scaled by the batch axes' size; a 0-d
     tensor (a count, such as Hugging Face's ``num_items_in_batch``) is the same on every rank and stays 0-d."""
-    size = batch_shards(mesh)
+    size = batch_shards(mesh, axes)
 
     def scale(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
@@ -102,6 +120,36 @@ def same_on_every_rank(values: list[torch.Tensor], mesh: DeviceMesh) -> None:
             "the default)")
 
 
+def alike_off_the_batch_axes(args: tuple, kwargs: dict[str, Any], mesh: DeviceMesh, axes: Sequence[int]) -> None:
+    """At the first call: refuse ranks that differ along a mesh axis the batch is not split over (they must pass
+    the same rows): a loader that gives every process its own rows with a mesh whose other axes (tp) expect the
+    same rows would otherwise train on one of them silently."""
+    others = [a for a in range(mesh.ndim) if a not in axes and mesh.shape[a] > 1]
+    if not others or tc.in_local_tensor_mode() or not dist.is_initialized():
+        return
+    tensors = [t for t in tc.tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    if not tensors:
+        return
+    marks = []
+    for t in tensors:
+        flat = t.detach().reshape(-1).to(torch.float64)
+        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
+        marks += [flat.sum(), (flat * weights).sum()]
+    mine = torch.stack(marks).to(mesh.device_type)
+    names = tuple(mesh.mesh_dim_names or (f"d{i}" for i in range(mesh.ndim)))
+    for a in others:
+        low, high = mine.clone(), mine.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=mesh.get_group(a))
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=mesh.get_group(a))
+        if not torch.equal(low, high):
+            raise InputError(
+                f"the ranks along mesh axis {names[a]!r} passed different rows, but the batch is split over "
+                f"{[names[i] for i in axes]} only, so they must pass the same ones. A loader that gives every process "
+                "its own rows (a DistributedSampler over all processes, Accelerate's prepare) needs "
+                "autoshard.compile(model, mesh, batch_axes='all'); a loader of your own must give the ranks of "
+                f"{names[a]!r} the same rows")
+
+
 class LazyShardedModule(nn.Module):
     """What ``compile(model, mesh)`` returns without example inputs; the ``ShardedModule`` once called.
 
@@ -110,8 +158,12 @@ class LazyShardedModule(nn.Module):
     ``pipelined=True`` (a mesh with a ``pp`` axis): only ``step`` applies, as for a ``PipelinedModule``.
     """
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh, build: Callable[[Call], nn.Module],
-                 pipelined: bool = False, options: dict[str, Any] | None = None) -> None:
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, build: Callable[[Call, dict[str, Any]], nn.Module],
+                 pipelined: bool = False, options: dict[str, Any] | None = None,
+                 batch_axes: str | Sequence[str] | None = None,
+                 before_plan: Callable[[LazyShardedModule], None] | None = None) -> None:
+        """``build(global example, input pins)`` plans and compiles; ``before_plan(self)`` runs just before it
+        (the loops' defaults: ``autoshard/integrations/``)."""
         super().__init__()
         self.module = model
         self.mesh = mesh
@@ -119,12 +171,29 @@ class LazyShardedModule(nn.Module):
         # unset (the trainer's mixed precision: autoshard/integrations/)
         self.plan_options: dict[str, Any] = options if options is not None else {}
         self._after_compile: list[Callable[[nn.Module], None]] = []
+        self._before_plan = before_plan
         wear_model_face(self, model)
         self._build = build
         self._compiled: nn.Module | None = None
         self._pipelined = pipelined
-        if not pipelined:
-            data_parallel_axes(mesh)  # a mesh with no batch axis is refused now, not at the first step
+        self.batch_axes_given = batch_axes is not None
+        self.batch_axes: tuple[int, ...] = () if pipelined else batch_axes_of(mesh, batch_axes)  # refused now if none
+
+    def split_batch_over_every_rank(self, why: str) -> None:
+        """Every process passes its own rows (``why``: the loader that shards them); before the first call."""
+        every = tuple(range(self.mesh.ndim))
+        if self.batch_axes == every or self._pipelined:
+            return
+        if self._compiled is not None:
+            raise InputError(f"{why} gives every process its own rows, but this module was planned at its first call "
+                             f"with the batch split over mesh axes {self.batch_axes} only: compile it again, with "
+                             "batch_axes='all'")
+        if self.batch_axes_given:
+            raise InputError(f"{why} gives every process its own rows, but compile was given batch_axes over mesh "
+                             f"axes {self.batch_axes}: drop batch_axes= (or pass 'all')")
+        log.info("autoshard: %s gives every process its own rows: the global batch is all %d ranks' rows",
+                 why, self.mesh.size())
+        self.batch_axes = every
 
     @property
     def compiled(self) -> nn.Module:
@@ -137,10 +206,20 @@ class LazyShardedModule(nn.Module):
     def plan(self) -> Any:
         return self.compiled.plan
 
-    def _ensure(self, example: Call) -> nn.Module:
+    def _ensure(self, args: tuple, kwargs: dict[str, Any], whole: bool = False) -> nn.Module:
+        """The compiled module, planned now from this call if it is the first: this rank's shard of the batch,
+        or (``whole``: ``step``) the global batch."""
         if self._compiled is None:
+            if self._before_plan is not None:
+                self._before_plan(self)
+            if whole:
+                example = Call(tuple(args), dict(kwargs))
+            else:
+                example = global_example(args, kwargs, self.mesh, self.batch_axes)
+                alike_off_the_batch_axes(args, kwargs, self.mesh, self.batch_axes)
             log.info("compile: planning on the first call, global inputs %s", example)
-            self._compiled = self._build(example)
+            self._compiled = self._build(example, batch_constraint(self.mesh, example, self.batch_axes))
+            self._compiled.batch_axes = self.batch_axes
             for action in self._after_compile:
                 action(self._compiled)
             self._after_compile.clear()
@@ -168,7 +247,7 @@ class LazyShardedModule(nn.Module):
                             "sharded.step(...) with the global batch, as you call the model (it returns the loss); "
                             "a loop that calls the model's forward (the Hugging Face Trainer, Lightning) needs a mesh "
                             "without a 'pp' axis")
-        compiled = self._ensure(global_example(args, kwargs, self.mesh))
+        compiled = self._ensure(args, kwargs)
         counts = [t for t in tc.tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.ndim == 0]
         if counts:
             same_on_every_rank(counts, self.mesh)
@@ -181,7 +260,7 @@ class LazyShardedModule(nn.Module):
 
     def _share_of(self, out: Any) -> Any:
         """This rank's share of the loss in ``out`` (a tensor, a mapping's ``loss``, a tuple's first element)."""
-        n = batch_shards(self.mesh)
+        n = batch_shards(self.mesh, self.batch_axes)
         if isinstance(out, torch.Tensor):
             return out / n
         if isinstance(out, Mapping) and out.get("loss") is not None:
@@ -196,16 +275,15 @@ class LazyShardedModule(nn.Module):
         batch = [t.shape[0] for t in tc.tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.ndim]
         if not batch:
             return out
-        whole = batch[0] * batch_shards(self.mesh)
-        dp = data_parallel_axes(self.mesh)
-        rows = [Shard(0) if a in dp else Replicate() for a in range(self.mesh.ndim)]
+        whole = batch[0] * batch_shards(self.mesh, self.batch_axes)
+        rows = [Shard(0) if a in self.batch_axes else Replicate() for a in range(self.mesh.ndim)]
         leaves, spec = tc.tree_flatten(out)
         cut = [compiled._cut(t, rows) if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == whole else t
                for t in leaves]
         return tc.tree_unflatten(cut, spec)
 
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self._ensure(Call(tuple(args), dict(kwargs))).step(*args, **kwargs)
+        return self._ensure(args, kwargs, whole=True).step(*args, **kwargs)
 
     def shard_inputs(self, *args: Any, **kwargs: Any) -> Any:
         return self.compiled.shard_inputs(*args, **kwargs)

@@ -205,6 +205,9 @@ class ShardedModule(nn.Module):
                  plan_eval: PlanEval | None = None, plan_shapes: PlanShapes | None = None) -> None:
         super().__init__()
         self.plan = plan
+        # the mesh axes a call's rows are split over in evaluation (None: the data-parallel ones; the lazy module
+        # sets its own)
+        self.batch_axes: tuple[int, ...] | None = None
         self.loss_form: Any = _as_is  # the loss shaped as the model returns it (the lazy module returns that)
         self._accumulation = accumulation  # microbatches > 1: step runs the global batch as micro-batches
         self.signature = signature
@@ -269,7 +272,7 @@ class ShardedModule(nn.Module):
         (``sharded(**pieces)``), or ``(args, kwargs)`` for both. In ``eval()`` mode: any call, each tensor split
         on dim 0 over the data-parallel axes (what ``evaluate`` takes)."""
         if not self.training:
-            dp = data_parallel_axes(self.mesh)
+            dp = data_parallel_axes(self.mesh) if self.batch_axes is None else self.batch_axes
             batch = [Shard(0) if a in dp else Replicate() for a in range(self.mesh.ndim)]
             signature, tensors = signature_of(Call(args, kwargs))
             return _shaped(*signature.unflatten([self._cut(t, batch) for t in tensors]))
@@ -368,7 +371,7 @@ class ShardedModule(nn.Module):
         if self._unfilled.missing():
             self._recompute_unsaved()
             self._unfilled.check()
-        return self._evaluator(args, kwargs)
+        return self._evaluator(args, kwargs, self.batch_axes)
 
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """One training step's forward and backward on a global-shaped call (as ``PipelinedModule.step``):
