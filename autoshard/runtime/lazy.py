@@ -218,10 +218,14 @@ class LazyShardedModule(nn.Module):
                 example = global_example(args, kwargs, self.mesh, self.batch_axes)
                 alike_off_the_batch_axes(args, kwargs, self.mesh, self.batch_axes)
             log.info("compile: planning on the first call, global inputs %s", example)
-            self._compiled = self._build(example, batch_constraint(self.mesh, example, self.batch_axes))
-            self._compiled.batch_axes = self.batch_axes
-            for action in self._after_compile:
-                action(self._compiled)
+            # the training step is planned (and a checkpoint read into it) whatever mode the first call comes in:
+            # an evaluation first (a loop's sanity check, under no_grad or inference_mode) would otherwise trace a
+            # joint graph with no gradients, and the module would never train
+            with torch.inference_mode(False), torch.enable_grad():
+                self._compiled = self._build(example, batch_constraint(self.mesh, example, self.batch_axes))
+                self._compiled.batch_axes = self.batch_axes
+                for action in self._after_compile:
+                    action(self._compiled)
             self._after_compile.clear()
         return self._compiled
 
