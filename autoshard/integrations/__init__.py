@@ -15,7 +15,7 @@ from typing import Any
 
 def install_loaded() -> None:
     """Install the integration of every loop package already imported (cheap when done)."""
-    if "transformers" in sys.modules:
+    if "transformers" in sys.modules or "trl" in sys.modules:
         from autoshard.integrations.hf_trainer import install
 
         install()

@@ -19,6 +19,10 @@ transformers:
 - ``_load_from_checkpoint`` / ``_load_optimizer_and_scheduler`` (``resume_from_checkpoint``): that folder read
   back, at the first call for a module planned on its first call;
 - ``get_decay_parameter_names``: the weight-decay groups by the model's own parameter names;
+- TRL's ``SFTTrainer.compute_loss``: TRL computes the loss outside the model from per-token log-probabilities of
+  a fused LM head it patches in; a sharded training program returns the loss alone, so for an autoshard module the
+  loss is the model's own (``Trainer.compute_loss``: the same negative log-likelihood, over ``num_items_in_batch``)
+  and TRL's per-token metrics (``entropy``, ``mean_token_accuracy``) are not logged (said once);
 - ``_wrap_model``: the arguments autoshard cannot honour refused at ``train()`` naming the argument and the fix
   (``deepspeed``, ``fsdp``, ``fp16``, ``load_best_model_at_end``, ``parallelism_config``), and ``bf16=True``
   made the plan's mixed precision (a module not planned yet is planned so; one planned otherwise is refused).
@@ -29,6 +33,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -74,6 +79,10 @@ def install() -> None:
     _replace(Trainer, "_save_optimizer_and_scheduler", _save_optimizer_and_scheduler)
     _replace(Trainer, "_load_from_checkpoint", _load_from_checkpoint)
     _replace(Trainer, "_load_optimizer_and_scheduler", _load_optimizer_and_scheduler)
+    if "trl" in sys.modules:
+        from trl import SFTTrainer
+
+        _replace(SFTTrainer, "compute_loss", _sft_loss)
 
 
 # --------------------------------------------------------------------------- arguments
@@ -127,6 +136,7 @@ def _wrap_model(original: Callable[..., Any]) -> Callable[..., Any]:
     def wrap(self: Any, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         if not is_autoshard_module(model):
             return original(self, model, training, dataloader)
+        install()  # a trainer class imported after compile (TRL's) gets its replacements before the first step
         check_arguments(self.args, model)
         return model  # distributed already: no DDP, no DataParallel
 
@@ -223,3 +233,22 @@ def _load_optimizer_and_scheduler(original: Callable[..., Any]) -> Callable[...,
         return None
 
     return load
+
+
+def _sft_loss(original: Callable[..., Any]) -> Callable[..., Any]:
+    def compute_loss(self: Any, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        if not is_autoshard_module(self.model):
+            return original(self, model, inputs, return_outputs, num_items_in_batch)
+        from transformers import Trainer
+
+        if not getattr(self, "_autoshard_said_metrics", False):
+            self._autoshard_said_metrics = True
+            warn(log, "TRL's %s with an autoshard module: the loss is the model's own (the same negative "
+                      "log-likelihood); TRL's per-token metrics (entropy, mean_token_accuracy) need per-token outputs "
+                      "a sharded training program does not return, and are not logged", type(self).__name__)
+        inputs = {**inputs, "use_cache": False}
+        return Trainer.compute_loss(self, model, inputs, return_outputs=return_outputs,
+                                    num_items_in_batch=num_items_in_batch)
+
+    return compute_loss

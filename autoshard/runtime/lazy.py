@@ -150,6 +150,52 @@ def alike_off_the_batch_axes(args: tuple, kwargs: dict[str, Any], mesh: DeviceMe
                 f"{names[a]!r} the same rows")
 
 
+# Padding of a rank's rows to the longest rank's length, by argument name (Hugging Face's conventions): positions
+# past a row's end are masked (attention_mask 0) and count no target (labels -100), so the real tokens' outputs and
+# the loss are those of the unpadded rows.
+PAD_VALUES = {"input_ids": 0, "attention_mask": 0, "labels": -100, "token_type_ids": 0, "decoder_input_ids": 0,
+              "decoder_attention_mask": 0, "completion_mask": 0, "assistant_masks": 0}
+
+
+def same_lengths(args: tuple, kwargs: dict[str, Any], mesh: DeviceMesh) -> tuple[tuple, dict[str, Any]]:
+    """The call with every rank's tensors the same shape past dim 0: a collator that pads each batch to its own
+    longest row (Hugging Face's default) gives ranks different lengths, and the global batch stacks them. Known
+    arguments (``PAD_VALUES``) are padded at the end of dim 1 to the longest rank's; others must agree."""
+    if tc.in_local_tensor_mode() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return args, kwargs
+    leaves, spec = tc.tree_flatten((tuple(args), dict(kwargs)))
+    shaped = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.ndim >= 2]
+    if not shaped:
+        return args, kwargs
+    dims = torch.tensor([d for i in shaped for d in leaves[i].shape[1:]], dtype=torch.int64)
+    longest = dims.clone().to(mesh.device_type)
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+    longest = longest.cpu()
+    if torch.equal(longest, dims):
+        return args, kwargs
+    names = dict(zip(range(len(leaves)), signature_of(Call(tuple(args), dict(kwargs)))[0].leaf_names))
+    if "attention_mask" not in kwargs:
+        raise InputError("the ranks' batches have different lengths (a collator padding each batch to its own "
+                         "longest row) and the call has no attention_mask to mask the padding autoshard would add: "
+                         "pad every batch to one length (the collator's padding='max_length' or pad_to_multiple_of)")
+    at, out = 0, list(leaves)
+    for i in shaped:
+        t = leaves[i]
+        want = longest[at : at + t.ndim - 1].tolist()
+        at += t.ndim - 1
+        if list(t.shape[1:]) == want:
+            continue
+        name = names.get(i, "")
+        if name not in PAD_VALUES or list(t.shape[2:]) != want[1:]:
+            raise InputError(
+                f"argument {name or i} has shape {tuple(t.shape)} on this rank and up to {tuple(want)} past dim 0 on "
+                "others; autoshard stacks the ranks' rows into one batch and pads only "
+                f"{', '.join(PAD_VALUES)} at the end of dim 1: pad every batch to one length in the collator")
+        out[i] = torch.nn.functional.pad(t, (0, want[0] - t.shape[1]), value=PAD_VALUES[name])
+    new_args, new_kwargs = tc.tree_unflatten(out, spec)
+    return tuple(new_args), dict(new_kwargs)
+
+
 class LazyShardedModule(nn.Module):
     """What ``compile(model, mesh)`` returns without example inputs; the ``ShardedModule`` once called.
 
@@ -251,6 +297,7 @@ class LazyShardedModule(nn.Module):
                             "sharded.step(...) with the global batch, as you call the model (it returns the loss); "
                             "a loop that calls the model's forward (the Hugging Face Trainer, Lightning) needs a mesh "
                             "without a 'pp' axis")
+        args, kwargs = same_lengths(args, kwargs, self.mesh)
         compiled = self._ensure(args, kwargs)
         counts = [t for t in tc.tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.ndim == 0]
         if counts:

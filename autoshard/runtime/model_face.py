@@ -11,6 +11,7 @@ and is distributed already, so it says both:
   (the call itself is the sharded module's own);
 - the model's ``config``, ``main_input_name``, ``loss_type``, ``accepts_loss_kwargs``, ``name_or_path`` and
   ``generation_config`` are the module's, where the model has them;
+- the model's ``add_model_tags`` (TRL tags the model card with it) is the module's;
 - ``gradient_checkpointing_enable`` (the Trainer's ``gradient_checkpointing=True``) warns that the plan chooses
   recomputation itself;
 - ``_is_accelerate_prepared`` is True: ``Accelerator.prepare`` returns it as it is, with no DDP and no autocast
@@ -29,6 +30,8 @@ from autoshard.messages import warn
 
 log = logging.getLogger(__name__)
 
+# the model's own methods a loop may call that only read or label the model (TRL tags the model card)
+MODEL_METHODS = ("add_model_tags",)
 MODEL_ATTRIBUTES = ("config", "main_input_name", "loss_type", "accepts_loss_kwargs", "name_or_path",
                     "generation_config")
 _FACES: dict[tuple[type, type], type] = {}
@@ -52,8 +55,17 @@ def _face_class(base: type, model_cls: type) -> type:
         _FACES[key] = type(base.__name__, (base,), {
             "forward": forward, "__module__": base.__module__, "__qualname__": base.__qualname__,
             "_autoshard_model_class": model_cls, "gradient_checkpointing_enable": _planned_recomputation,
-            "activation_checkpointing_enable": _planned_recomputation})
+            "activation_checkpointing_enable": _planned_recomputation,
+            **{name: _delegate(name) for name in MODEL_METHODS if hasattr(model_cls, name)}})
     return _FACES[key]
+
+
+def _delegate(name: str) -> Any:
+    def method(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.module, name)(*args, **kwargs)
+
+    method.__name__ = name
+    return method
 
 
 def _planned_recomputation(self: nn.Module, *args: Any, **kwargs: Any) -> None:
