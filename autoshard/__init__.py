@@ -16,7 +16,8 @@ from autoshard.errors import (AutoshardError, CallError, DataDependentError, Inf
 from autoshard.plans.html.page import write_html
 from autoshard.plans.plan import Plan
 from autoshard.plans.report import report
-from autoshard.runtime.sharded_module import ShardedModule, as_dtensor, clip_grad_norm_
+from autoshard.runtime.param_takeover import as_dtensor, clip_grad_norm_
+from autoshard.runtime.sharded_module import ShardedModule
 from autoshard.weights.deferred import init_weights, load_pretrained, save_pretrained
 
 __all__ = ["clip_grad_norm_", "compile", "init_weights", "load_pretrained", "plan", "recipe", "save_pretrained", "Plan",

@@ -39,7 +39,7 @@ from autoshard.plans.plan import Plan
 from autoshard.runtime.deferred_weights import DeferredWeights
 from autoshard.runtime.rebind import rebind_optimizers
 from autoshard.runtime.param_state import ParamStates, scatter_grads
-from autoshard.runtime.sharded_module import distribute_parameters
+from autoshard.runtime.param_takeover import distribute_parameters
 from autoshard.runtime.stage_random import ReplayStreams, StageStreams
 from autoshard.rules import random_draws
 from autoshard.weights.deferred import take_deferred

@@ -1,7 +1,7 @@
 """ShardedModule: the user-facing result of ``autoshard.compile``.
 
-It takes over the model's parameters in place (as ``fully_shard`` does): every parameter becomes an
-``nn.Parameter`` holding a DTensor with the solved placements, under the model's own names, so any
+It takes over the model's parameters in place (as ``fully_shard`` does; ``runtime/param_takeover.py``): every
+parameter becomes an ``nn.Parameter`` holding a DTensor with the solved placements, under the model's own names, so any
 ``torch.optim`` optimizer works (its state is sharded like the parameters) and ``state_dict()`` is a DTensor
 state dict that ``torch.distributed.checkpoint`` saves. Calling it runs this rank's program: forward now,
 backward when autograd reaches the loss.
@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autoshard import _torch_compat as tc
@@ -29,13 +29,15 @@ from autoshard.runtime.accumulate import Accumulation
 from autoshard.runtime.evaluate import Evaluator, PlanEval
 from autoshard.runtime.lazy import data_parallel_axes
 from autoshard.runtime.model_face import wear_model_face
+from autoshard.runtime.param_takeover import (as_dtensor, contiguous_strides, distribute_parameters,
+                                              shard_parameters_in_place)
 from autoshard.runtime.param_state import ParamStates, scatter_grads
-from autoshard.runtime.rebind import rebind_optimizers, retire
+from autoshard.runtime.rebind import rebind_optimizers
 from autoshard.runtime.shapes import PlanShapes, ShapePrograms
 from autoshard.weights.deferred import take_deferred
 from autoshard.weights.init import init_weights
 from autoshard.weights.pretrained import fqn_modifiers, load_pretrained, save_pretrained
-from autoshard.weights.shards import Unfilled, drop_stand_in, empty_shard, is_unfilled, materialize_buffers
+from autoshard.weights.shards import Unfilled, is_unfilled, materialize_buffers
 from autoshard.errors import CallError, InputError
 
 log = logging.getLogger(__name__)
@@ -60,98 +62,6 @@ class _RunProgram(torch.autograd.Function):
         grads = ctx.program.backward(ctx.saved, grad_loss)
         ctx.saved = None
         return (None, None, None, None, *scatter_grads(grads, ctx.grad_slots, ctx.like, ctx.states))
-
-
-def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
-    path, _, leaf = name.rpartition(".")
-    return (module.get_submodule(path) if path else module), leaf
-
-
-def distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: Mapping[str, Sequence[Placement]],
-                          host: Collection[str] = ()) -> dict[int, tuple[nn.Parameter, nn.Parameter]]:
-    """Replace every parameter named in ``placements`` by an ``nn.Parameter`` holding a DTensor with those
-    placements (a copy of its value), in place, as ``fully_shard`` does; aliases of one parameter (tied weights)
-    all get the same new parameter; one on the meta device gets only this rank's shard, uninitialized (in host
-    memory if its name is in ``host``: an offloaded master). Returns id(old) -> (old, new); the old objects keep no storage
-    (``runtime/rebind.py`` points optimizers built on them at the new ones)."""
-    seen: set[int] = set()
-    replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
-    for name, p in list(module.named_parameters(remove_duplicate=False)):
-        if id(p) in seen or name not in placements:
-            continue
-        seen.add(id(p))
-        if p.device.type == "meta":  # built without values: this rank's shard only, filled later (weights/)
-            dt = empty_shard(p.shape, p.dtype, mesh, placements[name], host=name in host)
-        else:
-            dt = distribute_tensor(p.detach().to(mesh.device_type), mesh, placements[name])
-        if tc.in_local_tensor_mode() and p.device.type != "meta":
-            # simulated ranks of a replicated tensor share one storage: an in-place optimizer step would
-            # update it once per rank. Each rank gets its own copy, as each process has on a real group.
-            dt = tc.dtensor_like(tc.per_rank_copies(dt.to_local()), dt)
-        new = nn.Parameter(dt, requires_grad=p.requires_grad)
-        for alias, q in module.named_parameters(remove_duplicate=False):
-            if q is p:
-                owner, leaf = _owner(module, alias)
-                setattr(owner, leaf, new)
-        replaced[id(p)] = (p, new)
-    for old, _ in replaced.values():
-        retire(old)
-    return replaced
-
-
-def shard_parameters_in_place(module: nn.Module, mesh: DeviceMesh, placements: Mapping[str, Sequence[Placement]]) -> None:
-    """Keep every parameter object and make it hold this rank's shard (a plain tensor) under ``placements``.
-    For the ``torch.compile`` backend: dynamo guards the parameter objects it traced, and an optimizer built
-    before the call keeps stepping them (elementwise optimizers are exact on shards; a global gradient norm is
-    not: ``ShardedModule.state_dict`` gives DTensors)."""
-    seen: set[int] = set()
-    for name, p in list(module.named_parameters(remove_duplicate=False)):
-        if id(p) in seen or name not in placements:
-            continue
-        seen.add(id(p))
-        if is_unfilled(p):  # built on meta (or its stand-in, traced by dynamo): this rank's shard only
-            dt = empty_shard(p.shape, p.dtype, mesh, placements[name])
-        else:
-            dt = distribute_tensor(p.detach().to(mesh.device_type), mesh, placements[name])
-        with torch.no_grad():
-            if p.device.type == "meta":  # set_data cannot change a meta tensor's kind: swap the objects' contents
-                torch.utils.swap_tensors(p, nn.Parameter(tc.per_rank_copies(dt.to_local()), p.requires_grad))
-            else:
-                p.data = tc.per_rank_copies(dt.to_local())
-                drop_stand_in(p)
-        p._autoshard_layout = (mesh, tuple(dt.placements), dt.shape)  # type: ignore[attr-defined]
-
-
-def as_dtensor(param: torch.Tensor, value: torch.Tensor | None = None) -> DTensor:
-    """A parameter held as this rank's shard (``parameters="local"``, the ``torch.compile`` backend), or a
-    tensor laid out like it (``value``, e.g. ``param.grad``), as the DTensor it is a piece of:
-    ``as_dtensor(p).full_tensor()`` is the whole parameter."""
-    layout = getattr(param, "_autoshard_layout", None)
-    if layout is None:
-        if isinstance(param, DTensor):
-            return param if value is None else tc.dtensor_like(value, param)
-        raise InputError("as_dtensor takes a parameter autoshard holds as a local shard (parameters='local' or the "
-                         "torch.compile backend); this one is not")
-    mesh, placements, shape = layout
-    return DTensor.from_local(param.detach() if value is None else value, mesh, placements, run_check=False,
-                              shape=shape, stride=_contiguous(shape))
-
-
-def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` for sharded parameters, DTensor or held as local shards (the
-    ``torch.compile`` backend's): the norm is the whole model's on every rank, not this rank's part."""
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    grads = [as_dtensor(p, p.grad) if hasattr(p, "_autoshard_layout") else p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.tensor(0.0)
-    total = torch.nn.utils.get_total_norm(grads, norm_type)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.device) if not isinstance(p.grad, DTensor) else coef.item())
-    return total
 
 
 def _my_piece(t: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> torch.Tensor | None:
@@ -187,14 +97,6 @@ def _named_buffers(module: nn.Module, names: Sequence[str]) -> list[tuple[str, t
 
 def _as_is(loss: torch.Tensor) -> torch.Tensor:
     return loss
-
-
-def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= n
-    return tuple(reversed(stride))
 
 
 class ShardedModule(nn.Module):
@@ -429,7 +331,7 @@ class ShardedModule(nn.Module):
                 if key in state and not isinstance(state[key], DTensor):
                     state[key] = DTensor.from_local(state[key], self.mesh, self._layouts[name],
                                                     run_check=False, shape=torch.Size(t.shape),
-                                                    stride=_contiguous(t.shape))
+                                                    stride=contiguous_strides(t.shape))
         return state
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
