@@ -24,8 +24,7 @@ call from each rank's batch shard, and the AdamW optimizer built before that cal
 parameters. ``--torch-compile`` uses ``torch.compile(model, backend="autoshard", options={"mesh": mesh})``
 instead (the parameter objects then hold this rank's shards; ``autoshard.as_dtensor(p)`` is the DTensor).
 Either is called as HF users call the model, ``sharded(input_ids=..., attention_mask=..., labels=...)``;
-``autoshard.compile`` returns the loss (equal on every rank), ``torch.compile`` the model's output whose
-``.loss`` it is.
+both return the model's output, whose ``.loss`` (equal on every rank) is the global batch's.
 
 ``--pp N`` cuts the model into N pipeline stages (the mesh's outermost axis, "pp"; the stage mesh is the
 rest). A pipelined model trains a step at a time over micro-batches: ``sharded.step(**global_batch)`` runs
