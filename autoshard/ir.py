@@ -240,6 +240,14 @@ def is_parameter(node: fx.Node) -> bool:
     return role is not None and role.kind == "parameter"
 
 
+def is_frozen(node: fx.Node) -> bool:
+    """A parameter placeholder the loss takes no gradient of (``requires_grad=False``: a LoRA adapter's base
+    weight), as ``capture`` marks it (``meta["autoshard_frozen"]``). It holds no gradient and no optimizer state
+    (nor their ZeRO shards, master copy or host offload), and its layout serves the forward and the gradients of
+    the activations only."""
+    return bool(node.meta.get("autoshard_frozen"))
+
+
 def is_state(node: fx.Node) -> bool:
     """A parameter or buffer placeholder, or a view of one (the ``t`` before a matmul). The solver charges no
     ``autoshard.cluster.profile.Link.sync`` for such a move when the lowering gathers it ahead with its layer's others

@@ -43,6 +43,7 @@ __all__ = [
     "mesh_str",
     "dtype_str",
     "dtype_name",
+    "dtype_bytes",
     "tensor_str",
     "local_shape",
     "op_str",
@@ -220,6 +221,14 @@ def dtype_name(dtype: torch.dtype | str) -> str:
     if dt is None:
         raise InputError(f"unknown dtype {dtype!r}; use a torch dtype such as torch.float32 or text like 'float32'")
     return str(dt).removeprefix("torch.")
+
+
+def dtype_bytes(dtype: torch.dtype | str) -> int:
+    """Bytes per element: ``"bfloat16"`` / ``torch.bfloat16`` -> 2."""
+    dt = _to_dtype(dtype)
+    if dt is None:
+        raise InputError(f"unknown dtype {dtype!r}; use a torch dtype such as torch.float32 or text like 'float32'")
+    return dt.itemsize
 
 
 def tensor_str(dtype: torch.dtype | str, shape: Sequence[int | str]) -> str:

@@ -3,6 +3,7 @@
     python benchmarks/memory_truth.py                       # GPT and HF GPT-2, every row, Inductor backend
     python benchmarks/memory_truth.py --model gpt --backend eager
     python benchmarks/memory_truth.py --rows solved,ddp     # a subset of the rows
+    python benchmarks/memory_truth.py --model lora          # PEFT LoRA on a stock Llama: frozen base weights
 
 Each row is one ``autoshard.testing.launch`` of 2 forked gloo ranks (1 thread each; mesh (2,) "dp"): the model is built
 with fixed weights, ``autoshard.compile``d (the solved plan, a forced ``recipe=``, or the solved plan under a
@@ -34,6 +35,15 @@ Columns (MiB per device; measured = max over the 2 ranks):
   other allocations (temporaries, gathered weights, communication buffers), ``opt`` = the optimizer's;
 - the second line: the profiler's own categories at the peak, each rank's peak, compile and step time;
 - budget rows: the budget and whether the measured peak is within it.
+
+LoRA (``--model lora``): a stock ``transformers`` LlamaForCausalLM (``LORA_CFG``: 2 layers, d 512, ffn 2048, vocab
+2048, seq 128, batch ``LORA_BATCH``) wrapped by ``peft.get_peft_model`` with rank-8 adapters on every linear layer
+of the blocks; the base weights frozen (``requires_grad=False``), the adapters fp32. Rows: ``full`` (the same
+model with every weight trained, for comparison), ``lora`` (solved), ``lora fsdp`` (the base weights sharded over
+the 2 ranks), ``bf16 base`` (frozen bf16 base weights, fp32 adapters: the usual fine-tuning setup) and ``budget
+1.5`` (solved under a budget of ``LORA_BUDGET`` times the base weights' bytes, which full training's state alone,
+16 bytes per parameter, exceeds on one rank and, sharded as far as it goes, on each of the 2). The optimizer is given
+every parameter, as a fine-tuning script gives it; it keeps state only for those with a gradient.
 
 Recipes: ``RECIPES`` below (add ``zero1``, ``zero2``, ``hsdp`` there once ``autoshard.config.RECIPES`` knows
 them; a recipe the installed autoshard does not know is skipped with a note, not run). A row that fails
@@ -74,6 +84,9 @@ WARMUP = 2
 # ---- the recipes measured: extend this list as autoshard gains recipes (zero1, zero2, hsdp: issue 13) ----
 RECIPES: tuple[str, ...] = ("ddp", "fsdp", "zero1", "zero2", "hsdp")
 BUDGET_FRACTIONS: tuple[float, ...] = (0.9, 0.85)  # of the no-budget solved plan's predicted peak (below ~0.82 nothing fits these models on 2 ranks)
+LORA_CFG = GPTConfig(n_layer=2, d_model=512, n_head=8, vocab=2048, seq_len=128, bias=False)  # sizes of make_lora's Llama
+LORA_BATCH = 4
+LORA_BUDGET = 1.5  # the lora budget row's, in base weights' bytes (fp32): 60 MiB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,13 +98,35 @@ class RowSpec:
     backend: str
     recompute: bool = False  # every repeated layer's forward run again in the backward (PlanConfig.recompute)
     mixed_precision: bool = False  # autocast to bf16 (PlanConfig.mixed_precision), fp32 master weights and state
+    train_all: bool = False  # lora: every weight trained (the base weights are frozen otherwise)
+    base_bf16: bool = False  # lora: the frozen base weights in bf16 (the adapters stay fp32)
 
 
-def make_model(kind: str) -> nn.Module:
-    """The zoo GPT, or a stock ``transformers`` GPT2LMHeadModel of the same sizes (dropout 0), fixed weights."""
+def make_lora(spec: RowSpec) -> nn.Module:
+    """A stock ``LlamaForCausalLM`` of ``LORA_CFG`` under PEFT LoRA (rank 8 on every linear layer of the blocks):
+    base weights frozen (bf16 with ``spec.base_bf16``), adapters fp32 (PEFT's ``autocast_adapter_dtype``); with
+    ``spec.train_all`` every weight trained."""
+    import peft
+    import transformers
+
+    c = LORA_CFG
+    cfg = transformers.LlamaConfig(vocab_size=c.vocab, hidden_size=c.d_model, intermediate_size=4 * c.d_model,
+                                   num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
+                                   num_key_value_heads=c.n_head, max_position_embeddings=c.seq_len)
+    base = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16 if spec.base_bf16 else torch.float32)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
+                                                      lora_dropout=0.0))
+    return model.requires_grad_(True) if spec.train_all else model
+
+
+def make_model(kind: str, spec: RowSpec | None = None) -> nn.Module:
+    """The zoo GPT, or a stock ``transformers`` GPT2LMHeadModel of the same sizes (dropout 0), or (``lora``)
+    ``make_lora(spec)``; fixed weights."""
     torch.manual_seed(0)
     if kind == "gpt":
         return GPT(GPT_CFG)
+    if kind == "lora":
+        return make_lora(spec)
     import transformers
 
     c = GPT_CFG
@@ -102,7 +137,7 @@ def make_model(kind: str) -> nn.Module:
 
 
 def global_inputs(kind: str) -> Any:
-    tokens, targets = gpt_example_inputs(GPT_CFG, BATCH)
+    tokens, targets = gpt_example_inputs(LORA_CFG, LORA_BATCH) if kind == "lora" else gpt_example_inputs(GPT_CFG, BATCH)
     return (tokens, targets) if kind == "gpt" else {"input_ids": tokens, "labels": tokens.clone()}
 
 
@@ -129,7 +164,9 @@ def _row_worker(rank: int, world: int, spec: RowSpec) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     inputs = global_inputs(spec.model)
     t0 = time.perf_counter()
-    model = make_model(spec.model)
+    model = make_model(spec.model, spec)
+    weights = {k: sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad == k)
+               for k in (False, True)}  # (global bytes: frozen, trained)
     redo = {"recompute": (repeated_layers(model)[0],)} if spec.recompute else {}
     if spec.mixed_precision:
         redo["mixed_precision"] = "bf16"
@@ -184,6 +221,8 @@ def _row_worker(rank: int, world: int, spec: RowSpec) -> dict[str, Any]:
         "compile_s": compile_s,
         "step_s": step_s,
         "params_placements": sorted(set(map(str, sharded.plan.parameter_placements().values()))),
+        "frozen_bytes": weights[False],
+        "trained_bytes": weights[True],
     }
 
 
@@ -259,13 +298,47 @@ def format_categories(r: dict[str, Any]) -> str:
             f"{' '.join(r['params_placements'])}")
 
 
+def _print_row(r: dict[str, Any]) -> None:
+    print(format_row(r), f"[{r['wall_s']:.0f} s]\n" + format_categories(r), flush=True)
+
+
+def lora_rows(backend: str, wanted: set[str], timeout: float) -> None:
+    """The LoRA rows (module docstring), then what they show: the base weights, the adapters, full training's
+    state, and each row's predicted and measured peak against the base weights over the ranks."""
+    specs = [RowSpec("lora", "full", None, None, backend, train_all=True),
+             RowSpec("lora", "lora", None, None, backend),
+             RowSpec("lora", "lora fsdp", "fsdp", None, backend),
+             RowSpec("lora", "bf16 base", None, None, backend, base_bf16=True)]
+    results = []
+    for spec in specs:
+        if not wanted or spec.label in wanted:
+            results.append(run_row(spec, timeout))
+            _print_row(results[-1])
+    lora = next((r for r in results if r["spec"].label == "lora" and "error" not in r), None)
+    if lora is not None and (not wanted or "budget" in wanted):
+        budget = int(LORA_BUDGET * lora["frozen_bytes"])
+        results.append(run_row(RowSpec("lora", f"budget {LORA_BUDGET}", None, budget, backend), timeout))
+        _print_row(results[-1])
+    if lora is None:
+        return
+    frozen, trained = lora["frozen_bytes"], lora["trained_bytes"]
+    state = 16 * (frozen + trained) // 4  # fp32 weights, gradients, AdamW's two moments: 16 bytes per parameter
+    print(f"lora: base weights {_m(frozen).strip()} MiB frozen, adapters {_m(trained).strip()} MiB; full training's "
+          f"state {_m(state).strip()} MiB on one rank, {_m(state / WORLD).strip()} MiB per rank sharded over {WORLD}")
+    for r in (r for r in results if "error" not in r):
+        base = f" (base / {WORLD} = {_m(r['frozen_bytes'] / WORLD)})" if r["frozen_bytes"] else ""
+        print(f"  {r['spec'].label:10} predicted {_m(r['pred']['total'])} measured {_m(r['peak'])} ratio "
+              f"{r['pred']['total'] / r['peak']:.2f}; predicted params {_m(r['pred']['params'])}{base} acts "
+              f"{_m(r['pred']['acts'])}")
+
+
 def main(argv: list[str] | None = None) -> int:
     global GPT_CFG  # --layers: read by the forked ranks (make_model, global_inputs)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", choices=("gpt", "hf", "both"), default="both")
+    ap.add_argument("--model", choices=("gpt", "hf", "both", "lora"), default="both")
     ap.add_argument("--backend", choices=("inductor", "eager"), default="inductor")
     ap.add_argument("--rows", default="", help="comma-separated subset of: solved, recompute, bf16, 'bf16 fsdp', "
-                    "<recipes>, budget")
+                    "<recipes>, budget; with --model lora: full, lora, 'lora fsdp', 'bf16 base', budget")
     ap.add_argument("--timeout", type=float, default=240.0)
     ap.add_argument("--layers", type=int, default=GPT_CFG.n_layer, help="transformer layers of both models")
     ap.add_argument("--budgets", default=",".join(map(str, BUDGET_FRACTIONS)),
@@ -277,10 +350,15 @@ def main(argv: list[str] | None = None) -> int:
     wanted = set(filter(None, args.rows.split(",")))
     known = _known_recipes()
     kinds = ("gpt", "hf") if args.model == "both" else (args.model,)
-    print(f"memory truth: {WORLD} gloo ranks, mesh (2,) dp, backend {args.backend}, AdamW foreach, "
-          f"GPT {GPT_CFG}, batch {BATCH}; MiB per device")
+    what = f"LoRA on a stock Llama of {LORA_CFG}, batch {LORA_BATCH}" if args.model == "lora" else \
+        f"GPT {GPT_CFG}, batch {BATCH}"
+    print(f"memory truth: {WORLD} gloo ranks, mesh (2,) dp, backend {args.backend}, AdamW foreach, {what}; MiB per "
+          "device")
     print(HEADER)
     t_all = time.perf_counter()
+    if args.model == "lora":
+        lora_rows(args.backend, wanted, args.timeout)
+        kinds = ()
     for kind in kinds:
         results = []
         specs = [RowSpec(kind, "solved", None, None, args.backend),

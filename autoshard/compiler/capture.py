@@ -12,7 +12,9 @@ Guarantees on exit:
   ``meta["autoshard_role"]`` (an ``InputRole``: kind, name);
 - every call node carries ``meta["autoshard_module"]`` (the module path it ran in, forward and backward alike,
   "" at top level) and ``meta["autoshard_phase"]`` ("forward" | "backward");
-- ``ctx.output_roles`` lists the graph outputs: the loss, other forward outputs, one gradient per parameter.
+- ``ctx.output_roles`` lists the graph outputs: the loss, other forward outputs, one gradient per parameter that
+  requires grad; a parameter that has none (``requires_grad=False``, a LoRA base weight) is marked
+  ``meta["autoshard_frozen"]`` (``ir.is_frozen``).
 
 Modules built on the meta device are materialized as fake tensors on a copy (tracing on bare meta tensors
 silently drops the backward).
@@ -372,6 +374,10 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], ctx: PassContext) -
         tc.OutputRole(r.kind, r.name[len("inner.") :]) if r.kind in ("grad", "buffer") and r.name.startswith("inner.")
         else r for r in ctx.output_roles
     ]
+    trained = {r.name for r in ctx.output_roles if r.kind == "grad"}
+    for node in gm.graph.find_nodes(op="placeholder"):  # a parameter without a gradient is frozen (ir.is_frozen)
+        role = node.meta["autoshard_role"]
+        node.meta["autoshard_frozen"] = role.kind == "parameter" and role.name not in trained
     ctx.stats["nodes_captured"] = sum(1 for n in gm.graph.nodes if n.op == "call_function")
     log.info("capture: %d ops, %d placeholders", ctx.stats["nodes_captured"], sum(counts.values()))
     return gm

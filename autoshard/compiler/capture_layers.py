@@ -3,8 +3,9 @@
 Part of ``capture`` (not a pass of its own). With ``PlanConfig.sample_layers`` = k and a model whose largest
 ``nn.ModuleList`` of identical blocks (``ir.repeated_layers``) is longer than k, a shallow copy of the model with
 only the first k blocks is captured, and ``share_layers`` weighs them to stand for all (the plan's costs and
-memory count every layer). A constraint that pins some of those layers but not the others, or a forward that
-needs all its layers, makes it capture every layer instead.
+memory count every layer). A constraint that pins some of those layers but not the others, layers frozen unlike
+the others (``requires_grad=False`` on some of their weights only), or a forward that needs all its layers, makes
+it capture every layer instead.
 """
 
 from __future__ import annotations
@@ -71,6 +72,13 @@ def constraints_uneven(model: nn.Module, path: str, total: int, config: PlanConf
     return None
 
 
+def _frozen_alike(model: nn.Module, path: str) -> bool:
+    """Whether every block of the ModuleList at ``path`` has the same parameters frozen (a block with frozen
+    weights holds no gradient or optimizer state for them: captured blocks stand only for blocks frozen alike)."""
+    blocks = model.get_submodule(path)
+    return len({tuple(p.requires_grad for _, p in b.named_parameters()) for b in blocks}) <= 1
+
+
 def capture_model(model: nn.Module, ctx: PassContext) -> fx.GraphModule:
     """The capture pass: ``model`` called with ``ctx.example_inputs``, whole or (``config.sample_layers``) with
     only the first few of its repeated layers; then the constraints are checked against the model's parameter
@@ -114,6 +122,10 @@ def _capture_some(model: nn.Module, ctx: PassContext) -> fx.GraphModule:
         if uneven is not None:
             log.info("capture: constraint %r pins some of the layers in %s but not others; capturing every layer",
                      uneven, found[0])
+            found = None
+        elif not _frozen_alike(model, found[0]):
+            log.info("capture: some of the layers in %s are frozen (requires_grad=False) where others train; "
+                     "capturing every layer", found[0])
             found = None
     if found is not None and found[1] > k and found[0]:
         path, total = found

@@ -5,9 +5,10 @@ Needs: ``coarsen`` (groups with module paths).
 Guarantees on exit: ``ctx.layer_of_group`` maps every group id to its canonical group id (itself when not
 shared). Layers are the numbered children of a container (``layers.0``, ``layers.1`` ... found from module
 paths); a group belongs to the layer of its anchor's module. Two layers are identical when their groups, in
-order, have the same kind, phase, module path relative to the layer, member ops and member shapes; then the
-i-th group of every such layer maps to the i-th group of the first one. A container whose layers differ (e.g.
-a different width) is left unshared and logged. ``ctx.stats["shared_layers"]`` counts layers folded away.
+order, have the same kind, phase, module path relative to the layer, member ops and member shapes, and the same
+weights frozen; then the i-th group of every such layer maps to the i-th group of the first one. A container
+whose layers differ (e.g. a different width) is left unshared and logged. ``ctx.stats["shared_layers"]`` counts
+layers folded away.
 
 The solver gives shared groups one set of variables and multiplies their costs; strategies are computed
 once per canonical group. When the planner captured only some of a container's layers
@@ -21,7 +22,7 @@ from collections import defaultdict
 
 import torch.fx as fx
 
-from autoshard.ir import layer_key
+from autoshard.ir import is_frozen, layer_key
 from autoshard.compiler.context import PassContext
 from autoshard.compiler.capture_recompute import layer_modes, sampled_specs
 
@@ -36,7 +37,8 @@ def _signature(group, nodes: dict[str, fx.Node], prefix: str) -> tuple:
         v = n.meta.get("val")
         shape = tuple(v.shape) if hasattr(v, "shape") else tuple(tuple(x.shape) if hasattr(x, "shape") else None for x in (v or ()))
         members.append((n.op if n.op == "placeholder" else str(n.target), shape, n.meta.get("autoshard_follow"),
-                        n.meta.get("recompute")))  # a recomputed layer is not like one that saves
+                        n.meta.get("recompute"),  # a recomputed layer is not like one that saves
+                        is_frozen(n)))  # nor a frozen weight like a trained one (it holds no gradient or state)
     return (group.kind, group.phase, rel, tuple(members))
 
 

@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
 from autoshard.config import normalize
-from autoshard.ir import tensor_args, view_root
+from autoshard.ir import is_frozen, tensor_args, view_root
 from autoshard.rules import attention
 from autoshard.compiler.context import PassContext
 from autoshard.compiler.solve_memory import solve_within
@@ -68,11 +68,12 @@ def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext,
         kinds = [candidate_state_kind(s.grad_placements, s.state_placements) for s in cands]
         whole = [s.state_placements is None or all(isinstance(p, Shard) or n == 1
                                                    for p, n in zip(s.state_placements, ms)) for s in cands]
-        want = state_kind(recipe) if role.kind == "parameter" else ""
+        trained = role.kind == "parameter" and not is_frozen(node)  # (a frozen one has no state to shard or offload)
+        want = state_kind(recipe) if trained else ""
         # a recipe keeps its state on the device, unless PlanConfig.offload forces every parameter's to the host:
         # then the recipe's layouts are pinned with their offloaded forms (ZeRO-Offload over ddp, fsdp, ...)
         offloaded = [bool(s.offload) for s in cands]
-        host = forced and role.kind == "parameter"
+        host = forced and trained
 
         def matching(layout: tuple, kind: str) -> set[int]:  # the state sharded over every axis it can be
             return {i for i, pl in enumerate(layouts) if tuple(pl) == layout and offloaded[i] == host

@@ -17,11 +17,13 @@ Guarantees on exit: ``ctx.strategies[g]`` is a non-empty list of ``GroupStrategy
 Costs per candidate (one device): compute = roofline over local FLOPs and bytes; activation bytes = outputs of
 forward nodes that the backward reads; state bytes = parameter + gradient + optimizer state.
 
-A parameter's candidates also come in ZeRO-1/2 forms (``state_variants``: gradient and optimizer state sharded
-further) and, per ``PlanConfig.offload``, in a ZeRO-Offload form (``offload_variants``: master and optimizer state
-in host memory, the host link's copies and the host's optimizer step in ``compute_s``); "optimizer"/"params" keep
-only offloaded candidates, "auto" lets the solver weigh them (never on a CPU cluster, whose host memory is the
-device's), "none" offers none.
+A trained parameter's candidates also come in ZeRO-1/2 forms (``state_variants``: gradient and optimizer state
+sharded further) and, per ``PlanConfig.offload``, in a ZeRO-Offload form (``offload_variants``: master and optimizer
+state in host memory, the host link's copies and the host's optimizer step in ``compute_s``); "optimizer"/"params"
+keep only offloaded candidates, "auto" lets the solver weigh them (never on a CPU cluster, whose host memory is the
+device's), "none" offers none. A frozen parameter (``ir.is_frozen``: ``requires_grad=False``, a LoRA base weight)
+holds no gradient and no optimizer state: its state bytes are its own, its candidates its layouts alone (no ZeRO or
+offloaded form, whatever ``offload`` says), and, having no gradient edge, it pays no gradient reduction.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ from autoshard.buckets import gather_axes
 from autoshard.cost.comm import axis_collective_time, point_to_point_time
 from autoshard.cost.compute import compute_time, op_flops
 from autoshard.cost.offload import OffloadSummary, host_is_device, offload_cost
-from autoshard.ir import Group, GroupStrategy, NodeOut, gather_group, gather_group_sizes, is_state, output_vals, tensor_args
+from autoshard.ir import (Group, GroupStrategy, NodeOut, gather_group, gather_group_sizes, is_frozen, is_state,
+                          output_vals, tensor_args)
 from autoshard.compiler.candidates import CandidateEnumerator, evenly_divisible, shard_factor, summed
 from autoshard.compiler.context import PassContext
 from autoshard.compiler.follow import follow_members
@@ -170,8 +173,8 @@ def _cost(
     if group.kind == "parameter":
         v = nodes[group.anchor].meta["val"]
         param = v.numel() * v.element_size() // shard_factor(outs[0][0], ms)
-        grad = param
-        opt = param * ctx.config.optimizer_factor
+        grad = 0 if is_frozen(nodes[group.anchor]) else param  # a frozen weight: no gradient, no optimizer state
+        opt = grad * ctx.config.optimizer_factor
         state = param + grad + opt
     elif group.kind == "buffer":
         v = nodes[group.anchor].meta["val"]
@@ -318,19 +321,20 @@ def group_strategies(group: Group, nodes: dict[str, fx.Node], ctx: PassContext, 
         cands = en.anchor(anchor)
     pos = {name: i for i, name in enumerate(group.members)}
     result: dict[tuple, GroupStrategy] = {}
+    trained = group.kind == "parameter" and not is_frozen(anchor)  # (a frozen one has no state to shard or offload)
     for cand in cands:
         for outs, ins, comm in follow_members(group, nodes, pos, cand, en, ctx, gather_sizes):
             s = _cost(group, nodes, outs, ins, comm, ctx, en.facts, en.layouts)
             key = (s.outputs, s.inputs)
             if key not in result:
                 result[key] = s
-                if group.kind == "parameter" and ctx.config.shard_state:
+                if trained and ctx.config.shard_state:
                     for v in state_variants(s, anchor.meta["val"], ctx):
                         result[(*key, v.grad_placements, v.state_placements)] = v
-                if group.kind == "parameter":
+                if trained:
                     for v in offload_variants(s, anchor.meta["val"], ctx):
                         result[(*key, v.grad_placements, v.state_placements, v.offload)] = v
-    if group.kind == "parameter" and ctx.config.offload in ("optimizer", "params"):
+    if trained and ctx.config.offload in ("optimizer", "params"):
         result = _forced_offload(result, ctx.config.offload, ms, anchor.meta["autoshard_role"].name)
     result = _prune_dominated(group, nodes, result)
     if not result:

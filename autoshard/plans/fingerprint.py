@@ -1,10 +1,10 @@
 """What a plan was made for, so that a saved plan is only run on the program it fits, and a plan's digest.
 
 ``fingerprint`` names, part by part, what decides a plan: the traced program (every op in order, the parameters'
-names, shapes and dtypes), the call's inputs (names, shapes, dtypes), the mesh, the cluster profile (its numbers,
-hashed), the options that change the program (mixed precision, recomputation, the optimizer's state) and the torch
-and autoshard versions (which change how a model traces and which candidates an op has). ``mismatch`` says which
-parts of two fingerprints differ, for the error of ``compile(..., plan=saved)``.
+names, shapes, dtypes and which are frozen), the call's inputs (names, shapes, dtypes), the mesh, the cluster
+profile (its numbers, hashed), the options that change the program (mixed precision, recomputation, the optimizer's
+state) and the torch and autoshard versions (which change how a model traces and which candidates an op has).
+``mismatch`` says which parts of two fingerprints differ, for the error of ``compile(..., plan=saved)``.
 
 ``canonical_json`` / ``digest``: the plan's JSON without its wall-clock fields (the solver's ``wall_s``), so that
 the same inputs give byte-identical text and the same digest.
@@ -12,7 +12,6 @@ the same inputs give byte-identical text and the same digest.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from collections.abc import Sequence
@@ -56,7 +55,7 @@ def fingerprint(gm: fx.GraphModule, mesh_shape: Sequence[int], mesh_names: Seque
             role = n.meta.get("autoshard_role")
             if role is None or role.kind == "tangent":
                 continue
-            item = f"{role.name} {_tensor(n.meta.get('val'))}"
+            item = f"{role.name} {_tensor(n.meta.get('val'))}" + (" frozen" if n.meta.get("autoshard_frozen") else "")
             if role.kind == "input":
                 alias = input_names[role.index] if role.index < len(input_names) else ""
                 inputs.append(f"{alias or role.name} {_tensor(n.meta.get('val'))}")
@@ -93,7 +92,7 @@ def canonical_json(plan: Any) -> str:
             return [strip(x) for x in d]
         return d
 
-    return json.dumps(strip(dataclasses.asdict(plan)), indent=1)
+    return json.dumps(strip(json.loads(plan.to_json())), indent=1)
 
 
 def digest(plan: Any) -> str:

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from autoshard.notation import dtype_name, local_shape, mesh_str, placements_str, placements_tuple
+from autoshard.notation import dtype_bytes, dtype_name, local_shape, mesh_str, placements_str, placements_tuple
 from autoshard.errors import InputError
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,8 @@ class TensorLayout:
     """Where one parameter, buffer or program input lives: global shape plus one placement per mesh axis.
 
     A parameter whose gradient or optimizer state is sharded further than it is computed with (ZeRO-1/2) also
-    gives ``grad_placements`` / ``state_placements`` (empty: the same as ``placements``)."""
+    gives ``grad_placements`` / ``state_placements`` (empty: the same as ``placements``). ``frozen``: a parameter
+    the step takes no gradient of (``requires_grad=False``), which holds no gradient and no optimizer state."""
 
     name: str
     role: str
@@ -74,15 +75,19 @@ class TensorLayout:
     grad_placements: tuple[str, ...] = ()
     state_placements: tuple[str, ...] = ()
     offload: str = ""  # "optimizer" / "params": master and optimizer state in host memory (ZeRO-Offload)
+    frozen: bool = False  # (left out of the JSON when False: plans of trainable models read as before)
 
     def __post_init__(self) -> None:
         _check(self.role, TENSOR_ROLES, "role", f"tensor {self.name!r}")
         _check(self.offload, ("", "optimizer", "params"), "offload", f"tensor {self.name!r}")
-        _set(self, shape=tuple(int(d) for d in self.shape), dtype=dtype_name(self.dtype))
+        _set(self, shape=tuple(int(d) for d in self.shape), dtype=dtype_name(self.dtype), frozen=bool(self.frozen))
         _set(self, placements=placements_tuple(self.placements), grad_placements=placements_tuple(self.grad_placements),
              state_placements=placements_tuple(self.state_placements))
         if any(w and len(w) != len(self.placements) for w in (self.grad_placements, self.state_placements)):
             raise InputError(f"tensor {self.name!r}: grad/state placements need one placement per mesh axis")
+        if self.frozen and (self.role != "parameter" or self.offload or self.zero):
+            raise InputError(f"tensor {self.name!r}: only a parameter can be frozen, and a frozen one has no optimizer "
+                             "state to shard (ZeRO) or offload; drop its state_placements and offload")
 
     @property
     def zero(self) -> str:
@@ -340,8 +345,13 @@ class Plan:
         """Collectives per step over all stages by (kind, axis), most expensive first."""
         return summarize_collectives(c for s in self.stages for c in s.collectives)
 
+    def frozen_parameters(self) -> tuple[int, int]:
+        """(how many, bytes) of the parameters the step takes no gradient of, over all stages (each name once)."""
+        seen = {t.name: t for stage in self.stages for t in stage.tensors if t.role == "parameter" and t.frozen}
+        return len(seen), sum(math.prod(t.shape) * dtype_bytes(t.dtype) for t in seen.values())
+
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1)
+        return json.dumps(_defaults_left_out(dataclasses.asdict(self)), indent=1)
 
     @classmethod
     def from_json(cls, s: str) -> Plan:
@@ -354,6 +364,17 @@ class Plan:
         plan = _build(cls, d, "plan")
         logger.debug("loaded plan: mesh %s, %d stage(s)", plan.mesh, len(plan.stages))
         return plan
+
+
+_LEFT_OUT = {"frozen": False}  # fields newer than FORMAT_VERSION 1, written only where not at their default
+
+
+def _defaults_left_out(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {k: _defaults_left_out(v) for k, v in d.items() if k not in _LEFT_OUT or v != _LEFT_OUT[k]}
+    if isinstance(d, (list, tuple)):  # (asdict keeps a field's tuples)
+        return [_defaults_left_out(v) for v in d]
+    return d
 
 
 def _nested(key: str) -> tuple[type, bool] | None:

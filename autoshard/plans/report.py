@@ -93,9 +93,11 @@ def _tensor_rows(stage: StagePlan, role: str) -> list[_Row]:
             where += f" offload: state {placements_str(t.state_placements or t.placements)} on the host"
         elif t.zero:  # the optimizer steps a shard of it (ZeRO-1/2)
             where += f" {t.zero}: state {placements_str(t.state_placements)}"
+        elif t.frozen:  # no gradient, no optimizer state
+            where += " frozen"
         cells = (tensor_str(t.dtype, t.shape), where, local)
         rows.append(_Row(t.name, header, label, (t.shape, t.dtype, t.placements, t.state_placements,
-                                                 t.grad_placements, offload), cells))
+                                                 t.grad_placements, offload, t.frozen), cells))
     return rows
 
 
@@ -159,6 +161,17 @@ def _offload_lines(plan: Plan) -> list[str]:
     mode = max(t.offload for t in off)
     return [offload_text(mode, len(off), total, getattr(stage.memory, "host", 0), getattr(stage, "offload_s", 0.0),
                          "the host link")]
+
+
+def _frozen_lines(plan: Plan) -> list[str]:
+    """One line when some parameters take no gradient (``TensorLayout.frozen``: a LoRA model's base weights)."""
+    count, nbytes = plan.frozen_parameters()
+    if not count:
+        return []
+    total = len({t.name for s in plan.stages for t in s.tensors if t.role == "parameter"})
+    return [f"frozen: {count} of {total} parameters ({format_bytes(nbytes)}, requires_grad=False) hold no gradient "
+            "and no optimizer state and take no gradient reduction; their layouts serve the forward and the "
+            "activations' gradients"]
 
 
 def _pipelined(plan: Plan) -> bool:
@@ -316,6 +329,7 @@ def _report_lines(plan: Plan, *, collapse: bool, max_rows: int) -> list[str]:
     elif plan.recipe:
         lines.append(f"manual recipe: {plan.recipe} (parameter and batch layouts pinned, the rest solved)")
     lines += _offload_lines(plan)
+    lines += _frozen_lines(plan)
     if plan.tokens_per_step and plan.step_time_s > 0:
         mfu = f"  MFU {plan.mfu:.1%}" if plan.peak_flops_per_device and plan.model_flops_per_step else ""
         lines.append(f"throughput {plan.tokens_per_s:,.0f} tokens/s ({plan.tokens_per_step:,} tokens per step){mfu}")

@@ -35,6 +35,7 @@ from autoshard.compiler.solve import annotate
 from autoshard.compiler.solve_reuse import program_fingerprint
 from autoshard.config import PlanConfig
 from autoshard.cost.memory import GraphWalk, graph_walk, temporaries, transients
+from autoshard.ir import is_frozen
 from autoshard.notation import placements_tuple
 from autoshard.plans.explain import headline
 from autoshard.compiler.plan_collectives import plan_collectives, weight_of
@@ -89,7 +90,8 @@ def build_plan(gm: fx.GraphModule, ctx: PassContext, solution: Any = None, recip
         v = n.meta["val"]
         sh = n.meta["autoshard"]
         tensors.append(TensorLayout(role.name, role.kind, tuple(v.shape), _dtype(v), placements_tuple(sh.outputs[0]),
-                                    placements_tuple(sh.grad) if sh.state is not None else (), placements_tuple(sh.state), sh.offload))
+                                    placements_tuple(sh.grad) if sh.state is not None else (), placements_tuple(sh.state), sh.offload,
+                                    frozen=is_frozen(n)))
     ops = []
     compute = 0.0
     params = grads = opt = acts = host = offload_s = 0.0

@@ -126,9 +126,11 @@ def _folded(rows: list[tuple[str, tuple]], draw: Callable[[int, str], Svg], dept
 def layouts_view(stage: StagePlan) -> str:
     """The parameters and the forward activations of ``stage``, each as its tiles, repeated layers folded."""
     params = [t for t in stage.tensors if t.role in ("parameter", "input")]
-    prow = [(t.name, (t.placements, t.shape)) for t in params]
+    prow = [(t.name, (t.placements, t.shape, t.frozen)) for t in params]
+    notes = [(t.zero and f"optimizer state: {t.zero}") or ("frozen: no gradient, no optimizer state" if t.frozen else "")
+             for t in params]
     pcards = _folded(prow, lambda i, name: tensor_tiles(name, params[i].shape, params[i].placements, stage.mesh,
-                                                        params[i].zero and f"optimizer state: {params[i].zero}"), 2)
+                                                        notes[i]), 2)
     acts = [o for o in stage.ops if o.phase == "forward" and o.shape]
     arow = [(o.module or o.node, (o.op, o.output, o.shape)) for o in acts]
     acards = _folded(arow, lambda i, name: tensor_tiles(f"{name}: {acts[i].op.split('.')[-2]}", acts[i].shape,
