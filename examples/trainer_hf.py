@@ -17,14 +17,15 @@ machine without CUDA. The one autoshard line is
 
 (left out by ``--reference``, which trains the same job under the Trainer's own DistributedDataParallel). The
 Trainer's data loader gives every process its own rows; autoshard takes them as the global batch over every
-mesh axis (``autoshard/integrations/``). ``--sft`` trains TRL's ``SFTTrainer`` on a chat dataset built here
+mesh axis (``autoshard/integrations/``). ``--lora`` wraps the model in PEFT LoRA adapters first (the base frozen;
+``save_model`` then writes the adapters as PEFT does). ``--sft`` trains TRL's ``SFTTrainer`` on a chat dataset built here
 (``messages`` rendered by a chat template of a word-level tokenizer built here, nothing downloaded).
 
 Rank 0 prints one line ``history {json}`` at the end: the Trainer's log history (loss and grad_norm per step,
 eval losses), which the tests compare between the two runs. ``--out`` with ``--save-steps`` writes the Trainer's
 ``checkpoint-N`` folders (a ``from_pretrained`` folder, the model's and optimizer's shards in
-``autoshard-state/``, the scheduler and RNG states); ``--resume`` continues from the latest, on any number of
-ranks; ``--save-model`` writes the final model with ``trainer.save_model()``.
+``autoshard-state/``, the scheduler and RNG states); ``--resume`` continues from the latest (``--resume DIR``: from
+that one), on any number of ranks; ``--save-model`` writes the final model with ``trainer.save_model()``.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--recipe", help="a recipe instead of the solved plan (fsdp, fsdp+tp, ddp, ...)")
     ap.add_argument("--mesh", help="mesh shape over the world, e.g. 2 or 2x2 (axes dp, tp); default (world,)")
     ap.add_argument("--sft", action="store_true", help="TRL's SFTTrainer on a chat dataset")
+    ap.add_argument("--lora", action="store_true", help="PEFT LoRA adapters on q/v projections, the base frozen")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=8, help="global batch: rows per step over all processes")
     ap.add_argument("--seq", type=int, default=16)
@@ -111,7 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--eval-steps", type=int, default=0, help="evaluate every N steps on held-out rows (0: never)")
     ap.add_argument("--out", default="trainer_hf_out")
     ap.add_argument("--save-steps", type=int, default=0, help="write a checkpoint-N folder every N steps")
-    ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    ap.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
+                    help="continue from the latest checkpoint in --out, or from the checkpoint-N folder given")
     ap.add_argument("--save-model", action="store_true", help="trainer.save_model(--out/final) at the end")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
@@ -129,6 +132,11 @@ def main(argv: list[str] | None = None) -> None:
 
     tokenizer = chat_tokenizer() if args.sft else None
     model = build_model(args.seed, len(tokenizer) if tokenizer is not None else VOCAB)
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                 lora_dropout=0.0))
     if not args.reference:
         shape = tuple(int(x) for x in args.mesh.split("x")) if args.mesh else (world,)
         mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", shape,
@@ -157,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         trainer = Trainer(model=model, args=training, train_dataset=token_rows(256, args.seq, args.seed + 1),
                           eval_dataset=token_rows(32, args.seq, args.seed + 2) if args.eval_steps else None)
-    trainer.train(resume_from_checkpoint=True if args.resume else None)
+    trainer.train(resume_from_checkpoint=args.resume)
     if args.save_model:
         trainer.save_model(os.path.join(args.out, "final"))
     if dist.get_rank() == 0:

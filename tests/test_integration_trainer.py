@@ -6,7 +6,6 @@ the loss, gradient norm and evaluation loss per step equal; a checkpoint written
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -69,8 +68,8 @@ def test_trainer_trains_the_solved_plan_as_its_ddp_run_and_checkpoints_by_rank(r
     final = LlamaForCausalLM.from_pretrained(out / "final")
     assert sum(p.numel() for p in final.parameters()) > 0 and all(torch.isfinite(p).all() for p in final.parameters())
 
-    resumed = _history(["--steps", "12", "--grad-accum", "2", "--eval-steps", "6", "--out", str(out), "--resume"],
-                       nproc=1)
+    resumed = _history(["--steps", "12", "--grad-accum", "2", "--eval-steps", "6", "--out", str(tmp_path / "again"),
+                        "--resume", str(ck)], nproc=1)
     later = {s: v for s, v in _series(resumed, "loss").items() if s > 6}
     assert later.keys() == {7, 8, 9, 10, 11, 12}
     for step, value in later.items():
@@ -91,3 +90,26 @@ def test_trl_sft_trainer_on_chats_as_its_ddp_run() -> None:
     want = _history(["--sft", "--reference", "--steps", "8"])
     got = _history(["--sft", "--steps", "8", "--recipe", "fsdp"])
     _assert_same_run(got, want, keys=("loss", "grad_norm"))
+
+
+def test_trainer_trains_peft_lora_as_its_ddp_run_and_saves_the_adapters_peft_loads(tmp_path: Path) -> None:
+    """A PEFT LoRA model (the base frozen) compiled and trained by the Trainer: its losses equal the Trainer's DDP
+    run; save_model writes adapter_config.json and adapter_model.safetensors, equal to DDP's, which
+    PeftModel.from_pretrained loads onto the base."""
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    want = _history(["--lora", "--reference", "--steps", "6", "--out", str(tmp_path / "ddp"), "--save-model"])
+    got = _history(["--lora", "--recipe", "fsdp", "--steps", "6", "--out", str(tmp_path / "as"), "--save-model"])
+    _assert_same_run(got, want, keys=("loss", "grad_norm"))
+    a = load_file(tmp_path / "as" / "final" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "ddp" / "final" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and any("lora_B" in k for k in a)
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+    sys.path.insert(0, str(SCRIPT.parent))
+    from trainer_hf import build_model
+
+    loaded = peft.PeftModel.from_pretrained(build_model(0, 128), tmp_path / "as" / "final")
+    lora = {n: p for n, p in loaded.named_parameters() if "lora_B" in n}
+    assert lora and any(p.abs().sum() > 0 for p in lora.values())  # trained (lora_B starts at zero)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from autoshard import _torch_compat as tc
 from autoshard.weights.shards import global_shape, local_of
@@ -185,6 +186,9 @@ def save_pretrained(sharded: nn.Module, model: nn.Module, path: str | os.PathLik
 
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+        _save_adapters(model, path, dtype)
+        return
     state, _ = _unique_state(sharded)
     skip = _ignored(model, "_keys_to_ignore_on_save")
     state = {k: v for k, v in state.items() if not any(p.search(k) for p in skip)}
@@ -212,6 +216,23 @@ def save_pretrained(sharded: nn.Module, model: nn.Module, path: str | os.PathLik
         gen = getattr(model, "generation_config", None)
         if gen is not None and hasattr(gen, "save_pretrained"):
             gen.save_pretrained(path)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _save_adapters(model: nn.Module, path: str, dtype: torch.dtype | None) -> None:
+    """A PEFT model: its adapters as PEFT writes and loads them (``adapter_config.json``,
+    ``adapter_model.safetensors``), not the frozen base. Each trained tensor is gathered whole on every rank (they
+    are small), and rank 0 writes them through PEFT's own ``save_pretrained``."""
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    state = {}
+    for key, value in model.state_dict().items():
+        if key in trained:
+            whole = value.full_tensor() if isinstance(value, DTensor) else value
+            state[key] = whole.to(dtype) if dtype is not None and whole.is_floating_point() else whole
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        model.save_pretrained(path, state_dict=state)
+    log.info("save_pretrained: %d adapter tensors of %s written to %s", len(state), type(model).__name__, path)
     if dist.is_initialized():
         dist.barrier()
 
