@@ -13,6 +13,7 @@ import contextlib
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -254,8 +255,16 @@ def torchrun_example(script: Any, nproc: int, args: Sequence[str], timeout: floa
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(script),
            *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    out = subprocess.run(cmd, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True,
-                         text=True, timeout=timeout, env=env)
+    # its own session: on a timeout the ranks are killed with torchrun (else they linger, holding their cores)
+    proc = subprocess.Popen(cmd, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd[3:])} ran past {timeout} s:\n{(stdout + stderr)[-6000:]}") from None
+    out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     text = out.stdout + out.stderr
     assert out.returncode == 0, f"{' '.join(cmd[3:])} exited {out.returncode}:\n{text[-6000:]}"
     losses: dict[int, float] = {}

@@ -21,7 +21,7 @@ pytest.importorskip("accelerate")
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "trainer_hf.py"
 
 
-def _history(args: list[str], nproc: int = 2, timeout: float = 400) -> list[dict[str, Any]]:
+def _history(args: list[str], nproc: int = 2, timeout: float = 600) -> list[dict[str, Any]]:
     text, out, _ = torchrun_example(SCRIPT, nproc, args, timeout=timeout)
     lines = [ln for ln in out.splitlines() if ln.startswith("history ")]
     assert lines, text[-4000:]

@@ -78,7 +78,10 @@ def _planned_recomputation(self: nn.Module, *args: Any, **kwargs: Any) -> None:
 
 def wear_model_face(module: nn.Module, model: nn.Module) -> None:
     """Give ``module`` (a ``ShardedModule`` or the lazy one) ``model``'s face (see the module docstring)."""
-    model_cls = type(model)
+    # a PEFT model's forward takes (*args, **kwargs) on to its base model, whose signature is the call's (as the
+    # Trainer reads it for a PEFT model)
+    peft = hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+    model_cls = type(model.get_base_model()) if peft else type(model)
     module.__class__ = _face_class(type(module).__mro__[0] if not hasattr(type(module), "_autoshard_model_class")
                                    else type(module).__mro__[1], model_cls)
     for name in MODEL_ATTRIBUTES:
