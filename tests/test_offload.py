@@ -80,8 +80,9 @@ def test_forced_offload_modes():
         plan, off, ctx = _plan(offload="optimizer", recipes=True)
         assert len(off) == 4 and set(off.values()) == {"optimizer"}
         assert plan.peak_memory.optimizer == 0  # every optimizer state on the host
-        # the recipes are pinned with their layouts' offloaded forms (their batch layouts as usual)
-        assert {r.name for r in ctx.recipes if r.solution is not None} == {"ddp", "zero1", "zero2", "fsdp"}
+        # the recipes are pinned with their layouts' offloaded forms (their batch layouts as usual); tp keeps the
+        # batch where the constraint placed it (split on "dp") and gathers it at its first op
+        assert {r.name for r in ctx.recipes if r.solution is not None} == {"ddp", "zero1", "zero2", "fsdp", "tp"}
         params, off, ctx = _plan(offload="params")
         assert set(off.values()) == {"params"} and len(off) == 4
         # the device holds a shard of each parameter (ZeRO-3 layouts), the master and state on the host
