@@ -28,7 +28,7 @@ from autoshard.runtime.lazy import LazyShardedModule
 from autoshard.runtime.pipelined import PipelinedModule
 from autoshard.runtime.shapes import PlanShapes
 from autoshard.runtime.sharded_module import ShardedModule
-from autoshard.search.accumulate import plan_accumulated
+from autoshard.search.recipes_alone import plan_flat
 from autoshard.search.autotune import autotune as _autotune
 from autoshard.search.recompute import plan_graph
 from autoshard.weights.shards import restore_meta
@@ -110,7 +110,7 @@ def plan(
             found = repeated_layers(model)
             long = found is not None and found[1] >= 2 * DEFAULT_SAMPLE_LAYERS
             options["sample_layers"] = DEFAULT_SAMPLE_LAYERS if long else None
-        planned, _ = plan_accumulated(model, example_call(example_inputs), mesh, get_cluster(cluster),
+        planned, _ = plan_flat(model, example_call(example_inputs), mesh, get_cluster(cluster),
                                       _config(memory_budget, constraints, **options), False, microbatches,
                                       weigh_next=True, progress=progress)
         return dataclasses.replace(planned.plan, model=type(model).__name__)
@@ -265,7 +265,7 @@ def compile(  # noqa: A001 - the one-line API the project promises
             model, inputs, mesh, get_cluster(cluster), config, real_group), lambda m, saved: compile(
             m, mesh, example_inputs, cluster=cluster, backend=backend, parameters=parameters, plan=saved,
             random=config.random))
-    planned, accumulation = plan_accumulated(model, inputs, mesh, get_cluster(cluster), config, real_group,
+    planned, accumulation = plan_flat(model, inputs, mesh, get_cluster(cluster), config, real_group,
                                              microbatches)
     p, ctx = planned.plan, planned.ctx
     program = rank_program(planned.graph, ctx, backend)

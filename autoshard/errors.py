@@ -24,12 +24,24 @@ class CallError(AutoshardError, TypeError):
 class InfeasibleBudget(InputError):
     """No plan fits the memory budget (proven); ``least_bytes`` is the smallest per-device memory any plan needs
     (None when unknown); ``accumulation`` says which micro-batch counts were tried, when gradient accumulation
-    was (``autoshard/search/accumulate.py``)."""
+    was (``autoshard/search/accumulate.py``). ``fixed_bytes``: of ``least_bytes``, the part no smaller batch
+    shrinks (parameters, gradients, optimizer state), when known: then one of k micro-batches needs at least
+    ``fixed + (least - fixed) / k`` (``micro_floor``)."""
 
-    def __init__(self, message: str, least_bytes: int | None = None, accumulation: str = "") -> None:
+    def __init__(self, message: str, least_bytes: int | None = None, accumulation: str = "",
+                 fixed_bytes: int | None = None) -> None:
         super().__init__(message)
         self.least_bytes = least_bytes
         self.accumulation = accumulation
+        self.fixed_bytes = fixed_bytes
+
+    def micro_floor(self, k: int) -> float | None:
+        """The least memory a plan of one of ``k`` micro-batches can need (None when unknown): what does not
+        shrink with the batch, plus the rest divided by k (saved activations and temporaries are at most
+        proportional to the batch)."""
+        if self.least_bytes is None or self.fixed_bytes is None:
+            return None
+        return self.fixed_bytes + (self.least_bytes - self.fixed_bytes) / k
 
 
 class SolverTimeout(AutoshardError, RuntimeError):

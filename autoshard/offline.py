@@ -26,7 +26,7 @@ from autoshard.cluster.meshes import default_mesh, fake_world, mesh_names
 from autoshard.models.zoo import ZooModel, get_model
 from autoshard.notation import format_bytes
 from autoshard.plans.plan import Plan
-from autoshard.search.accumulate import plan_accumulated
+from autoshard.search.recipes_alone import plan_flat
 from autoshard.errors import InfeasibleBudget, InputError
 
 log = logging.getLogger(__name__)
@@ -265,7 +265,7 @@ def _plan_flat(
         try:
             if solves is not None:
                 return solves.plan(dm, prof, cfg, progress)
-            planned, _ = plan_accumulated(job.module, job.inputs, dm, prof, cfg, False, microbatches, weigh_next=True,
+            planned, _ = plan_flat(job.module, job.inputs, dm, prof, cfg, False, microbatches, weigh_next=True,
                                           progress=progress)
             _say_offload(planned.graph, planned.ctx, progress)
             return planned.plan

@@ -87,12 +87,12 @@ def capture_model(model: nn.Module, ctx: PassContext) -> fx.GraphModule:
     cache = ctx.cache
     if cache is not None and cache.captured is not None:
         gm, ctx.signature, roles, modules, ctx.sampled_layers, nodes = cache.captured
-        gm, ctx.output_roles, ctx.param_modules = _copy(gm), list(roles), dict(modules)
+        gm, ctx.output_roles, ctx.param_modules = copy_graph(gm), list(roles), dict(modules)
         ctx.stats["nodes_captured"] = nodes
     else:
         gm = _capture_some(model, ctx)
         if cache is not None:
-            cache.captured = (_copy(gm), ctx.signature, list(ctx.output_roles), dict(ctx.param_modules),
+            cache.captured = (copy_graph(gm), ctx.signature, list(ctx.output_roles), dict(ctx.param_modules),
                               ctx.sampled_layers, ctx.stats.get("nodes_captured"))
     specs = ctx.config.recompute
     if specs and ctx.sampled_layers is not None:  # the captured layers stand for all: their modes too
@@ -104,7 +104,7 @@ def capture_model(model: nn.Module, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
-def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
     """A graph of new nodes with the same names, arguments and (shallow-copied) meta: the passes write only
     top-level meta keys, so the copy's annotations never reach the original."""
     graph = fx.Graph()

@@ -62,14 +62,17 @@ class RankProgram(Protocol):
 
 @dataclass
 class PlanningCache:
-    """What the planning attempts of one ``plan_graph`` call share (the recomputation mixes under a budget, which
-    differ only in ``config.recompute``): the capture as traced, before any recomputation is tagged
+    """What the planning attempts on one example share (the recomputation mixes under a budget, which differ only
+    in ``config.recompute``; the recipes planned alone, which differ only in what the solve pins): the capture as traced, before any recomputation is tagged
     (``capture_layers``), and the candidate enumerator and priced groups of ``strategies`` (a group's signature
     holds its recomputation flags, so a group priced under one tagging is reused only where it is tagged alike)."""
 
     captured: tuple | None = None
     enumerator: Any = None
     alike: dict = field(default_factory=dict)
+    # by recomputation tagging: the graph and context after the strategies pass, with the integer program once
+    # built (``search/planned.py: _solved``)
+    prepared: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -91,18 +91,22 @@ def solve(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
     t0 = time.perf_counter()
-    ctx.problem = IntraOpProblem(
-        gm, ctx.groups, ctx.strategies, canon, ctx.output_roles, ctx.mesh_shape, ctx.cluster, ctx.group_weight,
-        grad_itemsize=ctx.config.reduce_itemsize,
-    )
+    if ctx.problem is None:  # (a planning attempt on a copy of an earlier one's context has it: search/planned.py)
+        ctx.problem = IntraOpProblem(
+            gm, ctx.groups, ctx.strategies, canon, ctx.output_roles, ctx.mesh_shape, ctx.cluster, ctx.group_weight,
+            grad_itemsize=ctx.config.reduce_itemsize,
+        )
     _add_time(ctx, "problem", t0)
     if ctx.config.reuse is not None:  # compile(..., plan=saved): its choices, checked against this program
         return reused_solution(gm, ctx, ctx.config.reuse)
     pins = None
     if ctx.config.recipe is not None:
         pins, notes = recipe_pins(ctx.config.recipe, gm, ctx)
-        for note in notes:
-            warn(log, "recipe %s: %s", ctx.config.recipe, note)
+        for note in notes:  # (a recipe priced for a plan's comparison has them in its row: search/recipes_alone.py)
+            if ctx.config.solve_recipes:
+                warn(log, "recipe %s: %s", ctx.config.recipe, note)
+            else:
+                log.info("recipe %s: %s", ctx.config.recipe, note)
 
     def own() -> Solution:
         t1 = time.perf_counter()

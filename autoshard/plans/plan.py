@@ -246,15 +246,27 @@ class RecipeSummary:
     measured_s: float = 0.0  # autotune: its median step measured on the mesh (0: not measured)
     differences: tuple[str, ...] = ()  # the largest terms of its difference with the plan (plans/explain.py)
     measured_peak_bytes: int = 0  # autotune on CUDA: the largest rank's peak device memory (0: not measured)
+    # how it was priced: its recomputation (notation.describe; "" none), its gradient-accumulation micro-batches,
+    # and its parameters, gradients and optimizer state per device (what neither of the two frees)
+    recompute: str = ""
+    microbatches: int = 1
+    state_bytes: int = 0
 
     def __post_init__(self) -> None:
         _set(self, step_time_s=float(self.step_time_s), peak_memory_bytes=int(self.peak_memory_bytes),
              measured_s=float(self.measured_s), differences=tuple(str(d) for d in self.differences),
-             measured_peak_bytes=int(self.measured_peak_bytes))
+             measured_peak_bytes=int(self.measured_peak_bytes), microbatches=int(self.microbatches),
+             state_bytes=int(self.state_bytes))
 
     @property
     def applies(self) -> bool:
         return math.isfinite(self.step_time_s)
+
+    @property
+    def how(self) -> str:
+        """How it was priced, in words: ``layers.0-9 full, layers.10-31 selective; 2 micro-batches``."""
+        return "; ".join(x for x in (self.recompute and f"recomputing {self.recompute}",
+                                     self.microbatches > 1 and f"{self.microbatches} micro-batches") if x)
 
 
 @dataclass(frozen=True)
@@ -366,7 +378,8 @@ class Plan:
         return plan
 
 
-_LEFT_OUT = {"frozen": False}  # fields newer than FORMAT_VERSION 1, written only where not at their default
+# fields newer than FORMAT_VERSION 1, written only where not at their default
+_LEFT_OUT = {"frozen": False, "recompute": "", "state_bytes": 0}
 
 
 def _defaults_left_out(d: Any) -> Any:

@@ -187,8 +187,12 @@ def _recipe_lines(plan: Plan) -> list[str]:
     piped = _pipelined(plan)
     timed = plan.measured_s > 0
     own = "autoshard" if piped or not plan.recipe else plan.recipe
-    rows = [(own, plan.step_time_s, plan.peak_memory.total, True, "", plan.measured_s)]
-    rows += [(b.name, b.step_time_s, b.peak_memory_bytes, b.fits, b.note, b.measured_s) for b in plan.recipes]
+    mine = "; ".join(x for x in (plan.recompute_layers and f"recomputing {describe(plan.recompute_layers)}",
+                                 plan.microbatches > 1 and f"{plan.microbatches} micro-batches") if x)
+    rows = [(own, plan.step_time_s, plan.peak_memory.total, True, mine, plan.measured_s)]
+    # each recipe as it was priced (its own recomputation and micro-batches: search/recipes_alone.py), then why
+    rows += [(b.name, b.step_time_s, b.peak_memory_bytes, b.fits, "; ".join(x for x in (b.how, b.note) if x),
+              b.measured_s) for b in plan.recipes]
     w = max(len(r[0]) for r in rows) + 2
     head = f"{'vs manual recipes':<{w}}{'step':>12}{'x plan':>9}{'memory/device':>16}  fits  note"
     lines = ["", head.replace("  fits", f"{'measured':>12}{'x plan':>9}  fits") if timed else head]

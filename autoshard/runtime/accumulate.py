@@ -215,7 +215,7 @@ def accumulated_plan(plan: Any, k: int) -> Any:
                         for c in stage.collectives)
     stage = dataclasses.replace(stage, collectives=collectives, compute_s=stage.compute_s * k,
                                 comm_s=(stage.comm_s - once) * k + once, microbatch_time_s=plan.step_time_s)
-    recipes = tuple(dataclasses.replace(r, step_time_s=r.step_time_s * k) for r in plan.recipes)
+    recipes = tuple(dataclasses.replace(r, step_time_s=r.step_time_s * k, microbatches=k) for r in plan.recipes)
     return dataclasses.replace(plan, stages=(stage,), microbatches=k, step_time_s=(plan.step_time_s - once) * k + once,
                                hidden_comm_s=plan.hidden_comm_s * k, recipes=recipes)
 

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from autoshard.cluster.profile import ClusterProfile
+from autoshard.compiler.context import PlanningCache
 from autoshard.config import PlanConfig
 from autoshard.errors import InfeasibleBudget
 from autoshard.inputs import Call, signature_of
@@ -28,21 +29,26 @@ from autoshard.runtime.lazy import DATA_PARALLEL_NAMES
 from autoshard.search.planned import Planned
 from autoshard.search.recompute import plan_graph
 from autoshard.search.sample_coupling import Coupling, coupling
+from autoshard.solver.recipes import recipe_placements
 from autoshard.messages import warn
 
 log = logging.getLogger(__name__)
 
+Caches = dict[int, PlanningCache]  # the planning cache of each micro-batch count (one example shape each)
+
 
 def plan_accumulated(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
                      config: PlanConfig, real_group: bool, microbatches: int | None, weigh_next: bool = False,
-                     progress: Any = None) -> tuple[Planned, Accumulation | None]:
+                     progress: Any = None, caches: Caches | None = None) -> tuple[Planned, Accumulation | None]:
     """The plan of the whole batch, or of one of ``microbatches`` micro-batches (given, or the fewest that fit the
     memory budget when the whole batch does not), with the Accumulation that ``ShardedModule.step`` runs.
     ``weigh_next``: the next count after the fewest that fit is planned too and the faster step kept (the fewest
     may fit only by sharding or recomputing more than twice as many micro-batches need). ``progress`` reaches
-    the planner (``autoshard.plan``'s callback)."""
+    the planner (``autoshard.plan``'s callback); ``caches``: the captures by micro-batch count, shared with other
+    searches of the same call (``search/recipes_alone.py``)."""
+    caches = caches if caches is not None else {}
     if microbatches is not None:
-        found = _plan_micro(model, inputs, mesh, cluster, config, real_group, int(microbatches), progress)
+        found = plan_micro(model, inputs, mesh, cluster, config, real_group, int(microbatches), progress, caches)
         if int(microbatches) > 1:
             found_coupling = coupling(found[0], batched_inputs(signature_of(inputs)[1]))
             if found_coupling.mixes:
@@ -53,16 +59,21 @@ def plan_accumulated(model: nn.Module, inputs: tuple | dict | Call, mesh: Device
                 _warn_unknown(found_coupling, int(microbatches))
         return found
     if config.memory_budget is None:
-        return plan_graph(model, inputs, mesh, cluster, config, real_group, progress=progress), None
+        return plan_micro(model, inputs, mesh, cluster, config, real_group, 1, progress, caches)
     whole_plan, whole = _agreed(real_group,
-                                lambda: _plan_micro(model, inputs, mesh, cluster, config, real_group, 1, progress))
+                                lambda: plan_micro(model, inputs, mesh, cluster, config, real_group, 1, progress, caches))
     if whole is None:
         return whole_plan
     least = whole.least_bytes
     tried: list[str] = []
     for k in _microbatch_counts(inputs, mesh, config):
-        found, err = _agreed(real_group, lambda k=k: _plan_micro(model, inputs, mesh, cluster, config, real_group, k,
-                                                                 progress))
+        floor = whole.micro_floor(k)
+        if floor is not None and floor > config.memory_budget:  # (proven from the whole batch's solves)
+            tried.append(f"{k}: at least {format_bytes(floor)}")
+            least = int(floor) if least is None or floor < least else least
+            continue
+        found, err = _agreed(real_group, lambda k=k: plan_micro(model, inputs, mesh, cluster, config, real_group, k,
+                                                                progress, caches))
         if err is not None:
             tried.append(f"{k}: {format_bytes(err.least_bytes) if err.least_bytes else 'none fits'}")
             least = err.least_bytes if err.least_bytes and (least is None or err.least_bytes < least) else least
@@ -88,7 +99,7 @@ def plan_accumulated(model: nn.Module, inputs: tuple | dict | Call, mesh: Device
                  "micro-batches fits (predicted peak %s per device)", format_bytes(config.memory_budget),
                  whole, k, format_bytes(peak))
         if weigh_next:
-            found = _faster_of(found, _next_fit(model, inputs, mesh, cluster, config, real_group, k, progress))
+            found = _faster_of(found, _next_fit(model, inputs, mesh, cluster, config, real_group, k, progress, caches))
         return found
     smallest = f"; the smallest budget any plan needs is {format_bytes(least)}" if least else ""
     counts = f"micro-batches tried: {'; '.join(tried) or 'none, the batch does not split further'}"
@@ -107,14 +118,14 @@ def _warn_unknown(found: Coupling, k: int) -> None:
 
 
 def _next_fit(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
-              config: PlanConfig, real_group: bool, k: int, progress: Any = None
+              config: PlanConfig, real_group: bool, k: int, progress: Any = None, caches: Caches | None = None
               ) -> tuple[Planned, Accumulation | None] | None:
     """The plan of the next micro-batch count after ``k`` when one exists and it fits the budget, else None."""
     later = [n for n in _microbatch_counts(inputs, mesh, config) if n > k]
     if not later:
         return None
-    found, err = _agreed(real_group, lambda: _plan_micro(model, inputs, mesh, cluster, config, real_group, later[0],
-                                                         progress))
+    found, err = _agreed(real_group, lambda: plan_micro(model, inputs, mesh, cluster, config, real_group, later[0],
+                                                        progress, caches))
     if err is not None or found[0].plan.peak_memory.total > config.memory_budget:
         return None
     return found
@@ -153,21 +164,25 @@ def _agreed(real_group: bool, attempt: Callable[[], Any]) -> tuple[Any, Infeasib
     return result, None
 
 
-def _plan_micro(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
-                config: PlanConfig, real_group: bool, k: int, progress: Any = None
-                ) -> tuple[Planned, Accumulation | None]:
-    """Plan one of ``k`` micro-batches of ``inputs``; the plan says ``microbatches=k``."""
+def plan_micro(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
+               config: PlanConfig, real_group: bool, k: int, progress: Any = None, caches: Caches | None = None
+               ) -> tuple[Planned, Accumulation | None]:
+    """Plan one of ``k`` micro-batches of ``inputs``; the plan says ``microbatches=k``. ``caches``: the capture of
+    each count, kept for the next plan of the same count."""
+    cache = caches.setdefault(k, PlanningCache()) if caches is not None else None
     if k == 1:
-        return plan_graph(model, inputs, mesh, cluster, config, real_group, progress=progress), None
+        return plan_graph(model, inputs, mesh, cluster, config, real_group, progress=progress, cache=cache), None
     sig, tensors = signature_of(inputs)
-    one = plan_graph(model, micro_example(sig, tensors, k), mesh, cluster, config, real_group, progress=progress)
+    one = plan_graph(model, micro_example(sig, tensors, k), mesh, cluster, config, real_group, progress=progress,
+                     cache=cache)
     weighting = loss_weighting(one.graph, one.ctx.output_roles)
     return one.with_plan(accumulated_plan(one.plan, k)), Accumulation(k, batched_inputs(tensors), weighting)
 
 
 def _microbatch_counts(inputs: tuple | dict | Call, mesh: DeviceMesh, config: PlanConfig) -> list[int]:
     """2, 4, 8, ... micro-batches that divide every batched input's dim 0 and leave each data-parallel shard of
-    a micro-batch non-empty and even (inputs pinned ``Shard(0)`` on mesh axes, or the mesh's data-parallel axes)."""
+    a micro-batch non-empty and even (inputs pinned ``Shard(0)`` on mesh axes, or the mesh's data-parallel axes;
+    a recipe's batch axes: ``solver/recipes.py``)."""
     sig, tensors = signature_of(inputs)
     names = tuple(mesh.mesh_dim_names or (f"d{i}" for i in range(mesh.ndim)))
     batched = [(i, t) for i, (t, b) in enumerate(zip(tensors, batched_inputs(tensors))) if b]
@@ -178,6 +193,10 @@ def _microbatch_counts(inputs: tuple | dict | Call, mesh: DeviceMesh, config: Pl
     for i, t in batched:
         pinned = config.constraint_for(f"input[{i}]", "input", names, alias=sig.names[i]) or ()
         split = math.prod(s for p, s in zip(pinned, mesh.shape) if isinstance(p, Shard) and p.dim == 0)
+        if config.recipe is not None and t.dim():  # a recipe splits the batch its own way (ddp: over every axis)
+            target, _ = recipe_placements(config.recipe, "", "input", "", tuple(t.shape), tuple(mesh.shape))
+            split = math.lcm(max(split, 1), math.prod(s for p, s in zip(target, mesh.shape)
+                                                      if isinstance(p, Shard) and p.dim == 0))
         need.append((t.shape[0], max(split, 1), dp))
     out, k = [], 2
     while all(b // k >= 1 for b, _, _ in need):
@@ -187,4 +206,4 @@ def _microbatch_counts(inputs: tuple | dict | Call, mesh: DeviceMesh, config: Pl
     return out
 
 
-__all__ = ["plan_accumulated"]
+__all__ = ["Caches", "plan_accumulated", "plan_micro"]

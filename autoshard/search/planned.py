@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoshard.cluster.profile import ClusterProfile
+from autoshard.compiler.capture_layers import copy_graph
 from autoshard.compiler.capture_recompute import replay_time
 from autoshard.compiler.context import PassContext, PlanningCache
 from autoshard.compiler.runner import PLANNING, run_passes
@@ -36,7 +37,7 @@ from autoshard.compiler.solve_reuse import program_fingerprint
 from autoshard.config import PlanConfig
 from autoshard.cost.memory import GraphWalk, graph_walk, temporaries, transients
 from autoshard.ir import is_frozen
-from autoshard.notation import placements_tuple
+from autoshard.notation import describe, placements_tuple
 from autoshard.plans.explain import headline
 from autoshard.compiler.plan_collectives import plan_collectives, weight_of
 from autoshard.plans.plan import (
@@ -187,7 +188,9 @@ def recipe_summaries(gm: fx.GraphModule, ctx: PassContext, against: Plan | None 
         annotate(gm, ctx, r.solution)
         p = build_plan(gm, ctx, r.solution, recipe=r.name, walk=walk)
         differences = headline(against, p) if against is not None else ()
-        out.append(RecipeSummary(r.name, p.step_time_s, p.peak_memory.total, r.fits, r.note, differences=differences))
+        m = p.peak_memory
+        out.append(RecipeSummary(r.name, p.step_time_s, m.total, r.fits, r.note, differences=differences,
+                                 recompute=describe(ctx.config.recompute), state_bytes=m.parameters + m.gradients + m.optimizer))
     annotate(gm, ctx)
     return tuple(out)
 
@@ -228,6 +231,27 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
+def _solved(model: nn.Module, ctx: PassContext) -> tuple[fx.GraphModule, PassContext]:
+    """The planning passes on ``model``: capture .. strategies once per recomputation tagging of a planning cache
+    (``PlanningCache.prepared``), then the solve, on a copy of that graph and context for every later attempt
+    alike (a recipe planned alone, the plan at a recipe's recomputation): they differ only in what the solve
+    pins and compares, and the integer program itself (``ctx.problem``) is built once too."""
+    cache = ctx.cache
+    key = tuple(ctx.config.recompute)
+    if cache is None or key not in cache.prepared:
+        gm = run_passes(model, ctx, PLANNING[0], "strategies")
+        if cache is not None:
+            cache.prepared[key] = (copy_graph(gm), dataclasses.replace(ctx, stats=dict(ctx.stats), timings={}))
+        gm = run_passes(gm, ctx, "solve", PLANNING[1])
+        if cache is not None:
+            cache.prepared[key][1].problem = ctx.problem
+        return gm, ctx
+    gm0, ctx0 = cache.prepared[key]
+    ctx = dataclasses.replace(ctx0, config=ctx.config, broadcast_solution=ctx.broadcast_solution,
+                              progress=ctx.progress, timings={}, stats=dict(ctx0.stats), solution=None, recipes=[])
+    return run_passes(copy_graph(gm0), ctx, "solve", PLANNING[1]), ctx
+
+
 def plan_once(model: nn.Module, example_inputs: Sequence[Any], mesh: DeviceMesh, cluster: ClusterProfile,
               config: PlanConfig, *, broadcast_solution: bool = False, progress: Any = None, stage: bool = False,
               cache: PlanningCache | None = None) -> Planned:
@@ -237,7 +261,7 @@ def plan_once(model: nn.Module, example_inputs: Sequence[Any], mesh: DeviceMesh,
     ctx = PassContext(mesh=mesh, cluster=cluster, config=config, broadcast_solution=broadcast_solution,
                       progress=progress, stage=stage, example_inputs=example_inputs, cache=cache)
     with _collector_paused():
-        gm = run_passes(model, ctx, *PLANNING)
+        gm, ctx = _solved(model, ctx)
         ctx.cache = None  # (shared with the other attempts only while planning: a Planned does not hold it)
         plan = build_plan(gm, ctx, recipe=ctx.config.recipe or "")
         if ctx.recipes:

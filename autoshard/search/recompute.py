@@ -43,6 +43,7 @@ def plan_graph(
     broadcast_solution: bool = False,
     progress: Any = None,
     stage: bool = False,
+    cache: PlanningCache | None = None,
 ) -> Planned:
     """Plan ``model``; ``stage=True`` plans a pipeline stage (tensor outputs, input gradients; see capture).
 
@@ -54,11 +55,13 @@ def plan_graph(
     fastest that fits is kept: the budget may have forced the plan that saves everything into slower layouts, and
     recomputing only some layers, or only their cheap ops, may be enough. A plan that saves everything and peaks
     below ``SLACK`` of the budget is not bound by it and is kept without the others. The plan's recipes are each
-    recipe's faster fitting form of saving everything and recomputing every layer."""
+    recipe's faster fitting form of saving everything and recomputing every layer (``search/recipes_alone.py``
+    then prices each as it runs alone). ``cache``: shared with other calls on the same example (the recipes'
+    searches), else one of its own."""
     layers = repeated_layers(model) if config.memory_budget is not None and not stage and not config.recompute else None
     # the attempts below differ only in the recomputation tagged: one capture and one candidate cache serve all
     once = functools.partial(plan_once, model, example_inputs, mesh, cluster, broadcast_solution=broadcast_solution,
-                             progress=progress, stage=stage, cache=PlanningCache())
+                             progress=progress, stage=stage, cache=cache or PlanningCache())
     if layers is None or not layers[0]:
         return once(config)
     container, total = layers
@@ -122,7 +125,10 @@ def plan_graph(
                 break
             counts = found[0]
     if not plans:
-        raise min(failed, key=lambda e: e.least_bytes or math.inf)
+        least = min(failed, key=lambda e: e.least_bytes or math.inf)
+        fixed = [e.fixed_bytes for e in failed]  # (a floor for micro-batches: the lowest of every attempt's)
+        least.fixed_bytes = min(fixed) if None not in fixed else None  # type: ignore[type-var]
+        raise least
     best = min(plans, key=lambda p: p.plan.step_time_s)
     best = best.with_plan(dataclasses.replace(best.plan, recipes=_recipes_of([r for r in (saving, full) if r is not None])))
     if best.plan.recompute:
@@ -145,8 +151,6 @@ def _recipes_of(runs: Sequence[Planned]) -> tuple[RecipeSummary, ...]:
     best: dict[str, RecipeSummary] = {}
     for run in runs:
         for r in run.plan.recipes:
-            if run.ctx.config.recompute and r.applies:
-                r = dataclasses.replace(r, note="; ".join(x for x in (r.note, "every layer recomputed") if x))
             cur = best.get(r.name)
             if cur is None or (r.fits, -r.step_time_s) > (cur.fits, -cur.step_time_s):
                 best[r.name] = r

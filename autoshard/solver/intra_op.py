@@ -283,13 +283,15 @@ class IntraOpProblem:
                 raise InputError(f"{what}: group {c} has no candidate left after pinning")
         if memory_budget is not None:
             least = sum(min(self.mem[c][i] for i in allowed[c]) for c in canon_ids)
+            kinds = {g.id: g.kind for g in self.groups}
+            fixed = sum(min(self.mem[c][i] for i in allowed[c]) for c in canon_ids if kinds.get(c) == "parameter")
             if least > memory_budget:
                 raise InfeasibleBudget(
                     f"memory_budget={format_bytes(memory_budget)} per device is below what any {what} needs: the "
                     f"smallest is {format_bytes(int(least))} (parameters, gradients, optimizer state and saved "
                     f"activations all sharded as far as mesh {self.mesh_shape} allows). Raise the budget to at "
                     f"least {format_bytes(int(least))}, use more devices, or a smaller batch.",
-                    int(least),
+                    int(least), fixed_bytes=int(fixed),
                 )
         single = [c for c in canon_ids if len(allowed[c]) == 1 and math.isinf(self.unary[c][min(allowed[c])])]
         if single:

@@ -173,7 +173,7 @@ def recipes_view(plan: Plan) -> str:
                             format_bytes(r.peak_memory_bytes), r.measured_peak_bytes,
                             f"measured {format_bytes(r.measured_peak_bytes)}", faded=not r.fits))
     budget = plan.memory_budget_bytes
-    notes = "".join(f"<tr><td>{esc(r.name)}</td><td>{'yes' if r.fits else 'no'}</td><td>{esc(r.note)}</td>"
+    notes = "".join(f"<tr><td>{esc(r.name)}</td><td>{'yes' if r.fits else 'no'}</td><td>{esc('; '.join(x for x in (r.how, r.note) if x))}</td>"
                     f"<td>{'<br>'.join(esc(d) for d in r.differences)}</td></tr>" for r in rows)
     return (f'<h4>predicted step time (a black tick: measured)</h4><div class="chart" data-view="recipes-time">'
             f'{stacked_bars(time_bars, "step time by recipe", names)}{legend(names)}</div>'

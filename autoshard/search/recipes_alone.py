@@ -1,0 +1,153 @@
+"""The recipes priced as they run alone, and a plan never slower than any of them.
+
+Under a memory budget the recomputation and gradient-accumulation searches (``search/recompute.py``,
+``search/accumulate.py``) shape a plan as much as its layouts do. The recipes solved alongside the plan
+(``compiler/solve_recipes.py``) see only two of those forms (every activation saved, every layer recomputed), so
+a recipe planned alone (``--recipe fsdp``) could recompute fewer layers, or selectively, and step faster than the
+row the plan was compared with. ``plan_flat`` closes that gap for the plan of one mesh without pipeline stages:
+
+1. the plan's own search, with the recipes solved alongside (they say which recipes apply and give the numbers of
+   those that do not fit);
+2. each recipe that applies and whose parameters, gradients and optimizer state fit the budget, planned alone by
+   the same searches with ``PlanConfig.recipe`` set (what ``--recipe R`` runs): its row is that plan's step,
+   peak, recomputation and micro-batches. (A row solved alongside that saves every activation of the whole batch
+   and peaks below ``SLACK`` of the budget is already what that search returns: its first attempt, kept.)
+3. the plan solved once more at the recomputation and micro-batch count of each recipe that came out faster:
+   the same program with every layout free is never slower than the recipe's pinned layouts when solved to
+   optimality;
+4. should a recipe still be ahead (a solve stopped within the solver's gap or time limit), its program is kept
+   as the plan, as ``solve`` keeps a faster recipe's layouts (``status`` says so).
+
+So for every recipe R that fits, the plan's step is at most ``--recipe R``'s, and each row of the comparison
+(CLI, report, HTML page, ``explain``) is the recipe's own best form. Without a budget the recipes alongside already
+are their plans alone (one solve each, no recomputation or accumulation to search) and nothing more is run. All
+searches of one call share one capture per micro-batch count (``Caches``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from autoshard.cluster.profile import ClusterProfile
+from autoshard.config import PlanConfig
+from autoshard.errors import InfeasibleBudget
+from autoshard.inputs import Call
+from autoshard.notation import describe, format_bytes
+from autoshard.plans.explain import headline
+from autoshard.plans.plan import Plan, RecipeSummary
+from autoshard.runtime.accumulate import Accumulation
+from autoshard.search.accumulate import Caches, plan_accumulated, plan_micro
+from autoshard.search.planned import Planned
+from autoshard.search.recompute import SLACK
+
+log = logging.getLogger(__name__)
+
+Found = tuple[Planned, Accumulation | None]
+
+
+def plan_flat(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
+              config: PlanConfig, real_group: bool, microbatches: int | None, weigh_next: bool = False,
+              progress: Any = None) -> Found:
+    """The plan of ``model`` on ``mesh`` (no pipeline stages) with its Accumulation, never slower than any recipe
+    planned alone; its ``recipes`` priced as they run alone (see the module docstring)."""
+    caches: Caches = {}
+    first = plan_accumulated(model, inputs, mesh, cluster, config, real_group, microbatches, weigh_next, progress,
+                             caches)
+    if config.recipe is not None or not config.solve_recipes or config.memory_budget is None:
+        return first
+    budget = config.memory_budget
+    alone: dict[str, Found] = {}
+    rows: dict[str, RecipeSummary] = {}
+    for row in first[0].plan.recipes:
+        rows[row.name] = row
+        if not row.applies:
+            continue
+        if row.state_bytes > budget:
+            rows[row.name] = dataclasses.replace(row, fits=False, note=_join(
+                row.note, f"its parameters, gradients and optimizer state alone take {format_bytes(row.state_bytes)} "
+                          f"per device, over the {format_bytes(budget)} budget"))
+            continue
+        if row.fits and not row.recompute and row.microbatches == 1 and row.peak_memory_bytes <= SLACK * budget:
+            continue  # alone, its first attempt is this one (every activation saved, the whole batch), kept as is
+        try:
+            alone[row.name] = plan_accumulated(model, inputs, mesh, cluster,
+                                               dataclasses.replace(config, recipe=row.name, solve_recipes=False),
+                                               real_group, microbatches, weigh_next, None, caches)
+        except InfeasibleBudget as e:
+            log.info("plan: recipe %s alone does not fit the budget: %s", row.name, e)
+            rows[row.name] = dataclasses.replace(row, fits=False, note=_join(
+                row.note, "does not fit the budget with any recomputation or micro-batch count tried"))
+    best = first
+    for name, found in sorted(alone.items(), key=lambda kv: kv[1][0].plan.step_time_s):
+        if not _fits(found, budget) or not _faster(found, best):
+            continue
+        # the plan at the recipe's recomputation and micro-batches: its layouts include the recipe's
+        again = _free_at(model, inputs, mesh, cluster, config, real_group, found, caches)
+        if again is not None and _fits(again, budget) and _faster(again, best):
+            log.info("plan: solved at recipe %s's recomputation (%s) and %d micro-batch(es): %.6f s, ahead of the "
+                     "first search's %.6f s", name, describe(found[0].ctx.config.recompute) or "none",
+                     found[0].plan.microbatches, again[0].plan.step_time_s, best[0].plan.step_time_s)
+            best = again
+        if _faster(found, best):
+            log.info("plan: recipe %s planned alone steps in %.6f s, the plan in %.6f s; keeping the recipe's program",
+                     name, found[0].plan.step_time_s, best[0].plan.step_time_s)
+            best = _kept(found, name, best[0].plan)
+    plan = best[0].plan
+    priced = []
+    for name, row in rows.items():
+        if name in alone:
+            p = alone[name][0].plan
+            row = _row(name, p, row, plan)
+        priced.append(row)
+    return best[0].with_plan(dataclasses.replace(plan, recipes=tuple(priced))), best[1]
+
+
+def _row(name: str, p: Plan, first: RecipeSummary, plan: Plan) -> RecipeSummary:
+    """A recipe's row from its plan alone (``first``: its row from the recipes solved alongside)."""
+    m = p.peak_memory
+    return RecipeSummary(name, p.step_time_s, m.total, _fits_plan(p), first.note, differences=headline(plan, p),
+                         recompute=describe(p.recompute_layers), microbatches=p.microbatches,
+                         state_bytes=m.parameters + m.gradients + m.optimizer)
+
+
+def _free_at(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
+             config: PlanConfig, real_group: bool, recipe: Found, caches: Caches) -> Found | None:
+    """The plan solved (layouts free, no recipes alongside) at a recipe's recomputation and micro-batch count."""
+    done = recipe[0]
+    cfg = dataclasses.replace(config, recompute=tuple(done.ctx.config.recompute), solve_recipes=False)
+    try:
+        return plan_micro(model, inputs, mesh, cluster, cfg, real_group, done.plan.microbatches, None, caches)
+    except InfeasibleBudget:
+        return None
+
+
+def _kept(found: Found, name: str, instead_of: Plan) -> Found:
+    """A recipe's plan alone, made the plan: its program as solved, labelled as the solved plan that kept it."""
+    planned, accumulation = found
+    planned.ctx.config = dataclasses.replace(planned.ctx.config, recipe=None)
+    solver = dataclasses.replace(planned.plan.solver, status=f"{instead_of.solver.status}, {name} kept")
+    return planned.with_plan(dataclasses.replace(planned.plan, recipe="", solver=solver)), accumulation
+
+
+def _faster(a: Found, b: Found) -> bool:
+    return a[0].plan.step_time_s < b[0].plan.step_time_s * (1 - 1e-9)
+
+
+def _fits(found: Found, budget: float) -> bool:
+    return found[0].plan.peak_memory.total <= budget
+
+
+def _fits_plan(p: Plan) -> bool:
+    return not p.memory_budget_bytes or p.peak_memory.total <= p.memory_budget_bytes
+
+
+def _join(*parts: str) -> str:
+    return "; ".join(p for p in parts if p)
+
+
+__all__ = ["plan_flat"]

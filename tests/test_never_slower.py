@@ -1,0 +1,108 @@
+"""The plan is never slower than any recipe planned alone, and each recipe row is that recipe's plan alone.
+
+Memory-bound cases on fake groups (the budget a share of what saving every activation needs): on a 1-D and a 2-D
+mesh, several budgets, without and with pipeline stages. ``autoshard.plan(..., recipe=R)`` is what
+``autoshard plan --recipe R`` runs: its own recomputation and gradient-accumulation searches
+(``autoshard/search/recipes_alone.py``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+import autoshard
+from autoshard.cluster.meshes import fake_world
+from autoshard.errors import InfeasibleBudget
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(d, 4 * d)
+        self.down = torch.nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, d: int = 64, n: int = 4) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Block(d) for _ in range(n))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return torch.nn.functional.mse_loss(x, y)
+
+
+def _check(plan: autoshard.Plan, alone_of, budget: int) -> int:
+    """Every recipe that fits alone is no faster than the plan, and its row is its plan alone; returns how many
+    rows needed recomputation or micro-batches (the case was memory-bound for them)."""
+    bound = 0
+    for row in plan.recipes:
+        if not row.applies:
+            continue
+        try:
+            alone = alone_of(row.name)
+        except InfeasibleBudget:
+            assert not row.fits, f"{row.name}: the row fits but the recipe alone does not"
+            continue
+        fits = alone.peak_memory.total <= budget
+        assert row.fits == fits, (row.name, row.fits, alone.peak_memory.total, budget)
+        if not fits:
+            continue
+        assert plan.step_time_s <= alone.step_time_s * (1 + 1e-9), (
+            f"the plan ({plan.step_time_s:.6g} s) is slower than {row.name} alone ({alone.step_time_s:.6g} s)")
+        assert row.step_time_s == pytest.approx(alone.step_time_s, rel=1e-6), row
+        assert row.microbatches == alone.microbatches and bool(row.recompute) == bool(alone.recompute_layers), row
+        bound += bool(row.recompute) or row.microbatches > 1
+    return bound
+
+
+@pytest.mark.parametrize("shape,names,shares", [((4,), ("dp",), (0.7, 0.4)), ((2, 2), ("dp", "tp"), (0.7,))])
+def test_plan_never_slower_than_a_recipe_planned_alone(shape, names, shares):
+    with torch.device("meta"):
+        model = _Stack()
+    inputs = (torch.randn(256, 64), torch.randn(256, 64))
+    bound = 0
+    with fake_world(math.prod(shape)):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        need = autoshard.plan(model, mesh, inputs).peak_memory.total
+        for share in shares:
+            budget = int(share * need)
+            try:
+                plan = autoshard.plan(model, mesh, inputs, memory_budget=budget)
+            except InfeasibleBudget:
+                continue
+            assert plan.peak_memory.total <= budget
+            bound += _check(plan, lambda r: autoshard.plan(model, mesh, inputs, memory_budget=budget, recipe=r),
+                            budget)
+    assert bound, "no recipe needed recomputation or micro-batches: the cases were not memory-bound"
+
+
+def test_pipelined_plan_never_slower_than_the_recipes():
+    """With pipeline="auto" the plan is the faster of the pipelined search's choice and the plan without stages
+    (its recipes priced alone): no slower than any recipe row, each a recipe planned alone without stages."""
+    with torch.device("meta"):
+        model = _Stack(n=4)
+    inputs = (torch.randn(1024, 64), torch.randn(1024, 64))
+    kw = dict(example_inputs=inputs, cluster="h100-sxm:1x4", mesh=(4,), sample_layers=None)
+    need = autoshard.plan(model, **kw).peak_memory.total
+    budget = int(0.4 * need)
+    plan = autoshard.plan(model, **kw, memory_budget=budget, pipeline="auto")
+    flat_rows = [r for r in plan.recipes if r.applies and r.fits and r.name not in ("pp+tp+dp", "no stages")]
+    assert flat_rows
+    assert all(plan.step_time_s <= r.step_time_s * (1 + 1e-9) for r in plan.recipes if r.applies and r.fits)
+    _check(dataclass_without_pipeline_rows(plan), lambda r: autoshard.plan(model, **kw, memory_budget=budget, recipe=r),
+           budget)
+
+
+def dataclass_without_pipeline_rows(plan: autoshard.Plan) -> autoshard.Plan:
+    import dataclasses
+
+    return dataclasses.replace(plan, recipes=tuple(r for r in plan.recipes if r.name not in ("pp+tp+dp", "no stages")))
