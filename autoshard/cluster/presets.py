@@ -189,7 +189,17 @@ def _presets() -> Mapping[str, ClusterProfile]:
         "(141 GiB would overstate it by 613 MiB); compute, NVLink and networking as H100 SXM (DGX H200: "
         "8 x ConnectX-7 400 Gb/s)",
     )
-    profiles = (_cpu(), h100, _a100(), h200)
+    # the machine of torchtitan's published H100 tables (Meta's Grand Teton): benchmarks/torchtitan_table.py
+    h100_96 = _hopper(
+        "h100-96gb-500w",
+        95 * 2**30,
+        2.4e12,
+        "torchtitan docs/performance.md (Grand Teton hosts): 'H100 GPUs with 95 GiB memory', '96GB HBM2e with 2.4 "
+        "TB/sec peak memory bandwidth', 8 per host over NVLink, 400 Gb/s RDMA per GPU between hosts (as the "
+        "h100-sxm preset's 400 Gb/s NDR per GPU), 'the default 500W power limit'. Not modelled: that power cap "
+        "(the compute figures are the 700 W datasheet's; torchtitan notes 700 W could be faster)",
+    )
+    profiles = (_cpu(), h100, _a100(), h200, h100_96)
     return MappingProxyType({p.name: p for p in profiles})
 
 

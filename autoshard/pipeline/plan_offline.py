@@ -160,7 +160,10 @@ def plan_with_pipeline(
         base: Plan | InfeasibleBudget | None = None
         if whole:
             try:
-                base = flat(shared, shared is not None)  # (no progress lines from a forked process)
+                # (no progress lines from a forked process). Under a memory budget the plan without stages runs
+                # its recomputation, accumulation and recipes-alone searches (search/recipes_alone.py): the kept
+                # capture serves one solve only
+                base = flat(shared if config.memory_budget is None else None, shared is not None)
             except InfeasibleBudget as e:
                 base = e
         recipe = None
