@@ -13,7 +13,8 @@ the mesh (``autoshard.solver.recipes``: ddp, fsdp, Megatron tp, fsdp+tp; ep for 
 pinned and everything else (activation layouts, where the collectives go) chosen by the same integer program, so
 every recipe is costed by exactly the model that costs the plan, and done as well as that recipe allows. Those
 are ``Plan.recipes``; they are solved alongside the plan, and a time-limited plan slower than the fastest that
-fits is replaced by it.
+fits is replaced by it. Where the budget binds, each recipe is planned alone (its own recomputation and
+gradient-accumulation searches, ``autoshard/search/recipes_alone.py``), as ``--recipe R`` would plan it.
 
 Columns: the case (model, cluster, mesh, global batch x sequence length), the solved plan's predicted step time
 and peak memory per device, each recipe's predicted step time ("OOM": over the memory budget; "n/a": the recipe

@@ -22,6 +22,7 @@ The model is a stock ``LlamaForCausalLM`` from a small config (no download); ran
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 
@@ -76,6 +77,11 @@ def main() -> None:
         losses.append(accelerator.gather(loss.detach()).mean().item())  # the mean over processes, as DDP logs it
     if accelerator.is_main_process:
         print("losses " + json.dumps(losses), flush=True)
+    # the reference's DDP holds the process group too: freed before the group ends, not at interpreter exit (where
+    # torch 2.13's gloo group can deadlock, its worker thread waiting for the GIL its destructor holds)
+    del model, optimizer
+    accelerator.free_memory()
+    gc.collect()
     accelerator.end_training()
 
 

@@ -31,6 +31,7 @@ that one), on any number of ranks; ``--save-model`` writes the final model with 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -172,6 +173,11 @@ def main(argv: list[str] | None = None) -> None:
         keep = ("step", "loss", "grad_norm", "eval_loss", "learning_rate")
         history = [{k: v for k, v in h.items() if k in keep} for h in trainer.state.log_history]
         print("history " + json.dumps(history), flush=True)
+    # the Trainer's own DDP (--reference) holds the process group too: freed at interpreter exit, after
+    # destroy_process_group, its reducer would free the gloo group while holding the GIL that the group's worker
+    # thread needs to free a finished gather (torch 2.13: a deadlock at exit). Freed here, the group outlives it
+    del trainer, model
+    gc.collect()
     dist.destroy_process_group()
 
 

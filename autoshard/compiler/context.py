@@ -73,6 +73,9 @@ class PlanningCache:
     # by recomputation tagging: the graph and context after the strategies pass, with the integer program once
     # built (``search/planned.py: _solved``)
     prepared: dict = field(default_factory=dict)
+    # (recomputation tagging, recipe) -> the recipe's solve alongside a plan: its Solution under the budget, or
+    # the InfeasibleBudget it met; the same recipe planned alone at that tagging takes it (``compiler/solve.py``)
+    recipe_outcomes: dict = field(default_factory=dict)
 
 
 @dataclass

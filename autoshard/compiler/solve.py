@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autoshard.compiler.context import PassContext
+from autoshard.config import normalize
 from autoshard.compiler.solve_memory import layouts_of, solve_within
 from autoshard.compiler.solve_recipes import best_recipe, recipe_pins, solve_recipes
 from autoshard.compiler.solve_reuse import program_fingerprint, reused_solution
@@ -125,6 +126,13 @@ def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
             what=ctx.config.recipe or "plan",
         )
 
+    if ctx.config.recipe is not None and ctx.cache is not None:
+        # solved alongside an earlier attempt on this program (search/recipes_alone.py plans recipes alone)
+        known = ctx.cache.recipe_outcomes.get((tuple(ctx.config.recompute), normalize(ctx.config.recipe)))
+        if isinstance(known, InfeasibleBudget):
+            raise known
+        if known is not None:
+            return known
     if ctx.config.recipe is not None or not ctx.config.solve_recipes:
         return own()
     # the plan is solved alongside the manual recipes; a recipe is the same program with layouts pinned, so an

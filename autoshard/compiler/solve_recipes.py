@@ -241,10 +241,16 @@ def solve_recipe(recipe: str, gm: fx.GraphModule, ctx: PassContext, time_limit_s
     kw = dict(time_limit_s=limit, pins=pins, num_workers=ctx.config.num_workers, seed=ctx.config.seed, what=recipe,
               within=within)
     fits = True
+    outcomes = ctx.cache.recipe_outcomes if ctx.cache is not None else None  # (the same pins, budget and program)
+    key = (tuple(ctx.config.recompute), recipe)
     try:
         sol = solve_within(gm, ctx, budget, **kw)
+        if outcomes is not None:
+            outcomes[key] = sol
     except (InfeasibleBudget, SolverTimeout) as e:
         fits = False
+        if outcomes is not None and isinstance(e, InfeasibleBudget):
+            outcomes[key] = e
         if isinstance(e, SolverTimeout):
             notes.append(f"no plan under the budget found within {limit:g} s (may fit with a longer time_limit_s)")
         try:
