@@ -28,7 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -61,8 +67,8 @@ def plan_flat(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, c
     if config.recipe is not None or not config.solve_recipes or config.memory_budget is None:
         return first
     budget = config.memory_budget
-    alone: dict[str, Found] = {}
     rows: dict[str, RecipeSummary] = {}
+    wanted = []
     for row in first[0].plan.recipes:
         rows[row.name] = row
         if not row.applies:
@@ -74,37 +80,116 @@ def plan_flat(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, c
             continue
         if row.fits and not row.recompute and row.microbatches == 1 and row.peak_memory_bytes <= SLACK * budget:
             continue  # alone, its first attempt is this one (every activation saved, the whole batch), kept as is
-        try:
-            alone[row.name] = plan_accumulated(model, inputs, mesh, cluster,
-                                               dataclasses.replace(config, recipe=row.name, solve_recipes=False),
-                                               real_group, microbatches, weigh_next, None, caches)
-        except InfeasibleBudget as e:
-            log.info("plan: recipe %s alone does not fit the budget: %s", row.name, e)
-            rows[row.name] = dataclasses.replace(row, fits=False, note=_join(
-                row.note, "does not fit the budget with any recomputation or micro-batch count tried"))
+        wanted.append(row.name)
+
+    def one(name: str) -> Found:
+        return plan_accumulated(model, inputs, mesh, cluster, dataclasses.replace(config, recipe=name,
+                                                                                  solve_recipes=False),
+                                real_group, microbatches, weigh_next, None, caches)
+
+    alone: dict[str, Alone] = {}
+    for name, got in each_alone(wanted, one, parallel=not real_group).items():
+        if isinstance(got, InfeasibleBudget):
+            log.info("plan: recipe %s alone does not fit the budget: %s", name, got)
+            rows[name] = dataclasses.replace(rows[name], fits=False, note=_join(
+                rows[name].note, "does not fit the budget with any recomputation or micro-batch count tried"))
+        else:
+            alone[name] = got
     best = first
-    for name, found in sorted(alone.items(), key=lambda kv: kv[1][0].plan.step_time_s):
-        if not _fits(found, budget) or not _faster(found, best):
+    for name, got in sorted(alone.items(), key=lambda kv: kv[1].plan.step_time_s):
+        if got.plan.peak_memory.total > budget or got.plan.step_time_s >= best[0].plan.step_time_s * (1 - 1e-9):
             continue
         # the plan at the recipe's recomputation and micro-batches: its layouts include the recipe's
-        again = _free_at(model, inputs, mesh, cluster, config, real_group, found, caches)
+        again = _free_at(model, inputs, mesh, cluster, config, real_group, got.plan, caches)
         if again is not None and _fits(again, budget) and _faster(again, best):
             log.info("plan: solved at recipe %s's recomputation (%s) and %d micro-batch(es): %.6f s, ahead of the "
-                     "first search's %.6f s", name, describe(found[0].ctx.config.recompute) or "none",
-                     found[0].plan.microbatches, again[0].plan.step_time_s, best[0].plan.step_time_s)
+                     "first search's %.6f s", name, describe(got.plan.recompute_layers) or "none",
+                     got.plan.microbatches, again[0].plan.step_time_s, best[0].plan.step_time_s)
             best = again
-        if _faster(found, best):
+        if got.plan.step_time_s < best[0].plan.step_time_s * (1 - 1e-9):
             log.info("plan: recipe %s planned alone steps in %.6f s, the plan in %.6f s; keeping the recipe's program",
-                     name, found[0].plan.step_time_s, best[0].plan.step_time_s)
+                     name, got.plan.step_time_s, best[0].plan.step_time_s)
+            found = got.found if got.found is not None else one(name)  # (planned in a side process: again here)
             best = _kept(found, name, best[0].plan)
     plan = best[0].plan
     priced = []
     for name, row in rows.items():
         if name in alone:
-            p = alone[name][0].plan
-            row = _row(name, p, row, plan)
+            row = _row(name, alone[name].plan, row, plan)
         priced.append(row)
     return best[0].with_plan(dataclasses.replace(plan, recipes=tuple(priced))), best[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Alone:
+    """A recipe planned alone: its Plan (recomputation and micro-batches in it), and the Planned with its
+    Accumulation when it was planned in this process (None: in a side process, which sends the Plan only)."""
+
+    plan: Plan
+    found: Found | None = None
+
+
+def each_alone(names: list[str], one: Callable[[str], Found], parallel: bool = True
+               ) -> dict[str, Alone | InfeasibleBudget]:
+    """``one(name)`` for every name: each in a forked process of its own, as many at a time as there are cores,
+    where that is allowed (``parallel``: not on a process group; fork available; not itself a daemon process, such
+    as the pipeline search's side process), else one after the other here. A side process sends its Plan back,
+    or its InfeasibleBudget's message."""
+    procs = max(1, min(len(names), os.cpu_count() or 1))
+    here = not parallel or procs < 2 or "fork" not in multiprocessing.get_all_start_methods() \
+        or multiprocessing.current_process().daemon
+    out: dict[str, Alone | InfeasibleBudget] = {}
+    if here:
+        for name in names:
+            try:
+                found = one(name)
+                out[name] = Alone(found[0].plan, found)
+            except InfeasibleBudget as e:
+                out[name] = e
+        return out
+    ctx = multiprocessing.get_context("fork")
+    running: list[tuple[str, Any, Any]] = []
+    queue = list(names)
+
+    def start(name: str) -> None:
+        recv, send = ctx.Pipe(duplex=False)
+
+        def child() -> None:
+            torch.set_num_threads(1)
+            try:
+                result: tuple[str, Any] = ("ok", one(name)[0].plan)
+            except InfeasibleBudget as e:
+                result = ("infeasible", (str(e), e.least_bytes))
+            except BaseException as e:  # noqa: BLE001 - its text, for the parent to raise
+                result = ("error", f"{type(e).__name__}: {e}")
+            send.send(result)
+
+        proc = ctx.Process(target=child, daemon=True)
+        proc.start()
+        send.close()
+        running.append((name, proc, recv))
+
+    try:
+        while queue or running:
+            while queue and len(running) < procs:
+                start(queue.pop(0))
+            ready = multiprocessing.connection.wait([r for _, _, r in running])
+            for name, proc, recv in [x for x in running if x[2] in ready]:
+                running.remove((name, proc, recv))
+                try:
+                    status, value = recv.recv()
+                except EOFError:
+                    raise RuntimeError(f"the process planning recipe {name} alone died (exit code "
+                                       f"{proc.exitcode})") from None
+                proc.join()
+                if status == "error":
+                    raise RuntimeError(f"planning recipe {name} alone failed: {value}")
+                out[name] = Alone(value) if status == "ok" else InfeasibleBudget(value[0], value[1])
+    finally:
+        for _, proc, _ in running:
+            proc.terminate()
+            proc.join()
+    return {name: out[name] for name in names}
 
 
 def _row(name: str, p: Plan, first: RecipeSummary, plan: Plan) -> RecipeSummary:
@@ -116,12 +201,11 @@ def _row(name: str, p: Plan, first: RecipeSummary, plan: Plan) -> RecipeSummary:
 
 
 def _free_at(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
-             config: PlanConfig, real_group: bool, recipe: Found, caches: Caches) -> Found | None:
+             config: PlanConfig, real_group: bool, recipe: Plan, caches: Caches) -> Found | None:
     """The plan solved (layouts free, no recipes alongside) at a recipe's recomputation and micro-batch count."""
-    done = recipe[0]
-    cfg = dataclasses.replace(config, recompute=tuple(done.ctx.config.recompute), solve_recipes=False)
+    cfg = dataclasses.replace(config, recompute=tuple(recipe.recompute_layers), solve_recipes=False)
     try:
-        return plan_micro(model, inputs, mesh, cluster, cfg, real_group, done.plan.microbatches, None, caches)
+        return plan_micro(model, inputs, mesh, cluster, cfg, real_group, recipe.microbatches, None, caches)
     except InfeasibleBudget:
         return None
 
