@@ -9,6 +9,7 @@ mesh, several budgets, without and with pipeline stages. ``autoshard.plan(..., r
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -106,3 +107,29 @@ def dataclass_without_pipeline_rows(plan: autoshard.Plan) -> autoshard.Plan:
     import dataclasses
 
     return dataclasses.replace(plan, recipes=tuple(r for r in plan.recipes if r.name not in ("pp+tp+dp", "no stages")))
+
+
+def test_each_alone_in_side_processes_as_here_and_the_micro_batch_floor():
+    """The recipes' searches give the same answers in forked processes as one after the other here (a Plan back,
+    or the InfeasibleBudget's message and least bytes); the floor a whole batch's failure proves for k
+    micro-batches: what does not shrink, plus the rest over k."""
+    from types import SimpleNamespace
+
+    from autoshard.search.recipes_alone import each_alone
+
+    def one(name: str):
+        if name == "tp":
+            raise InfeasibleBudget(f"no {name} fits", 123)
+        return SimpleNamespace(plan=f"plan of {name}"), None
+
+    names = ["fsdp", "tp", "cp"]
+    here, forked = each_alone(names, one, parallel=False), each_alone(names, one, parallel=True)
+    assert list(here) == list(forked) == names
+    assert [here[n].plan for n in ("fsdp", "cp")] == [forked[n].plan for n in ("fsdp", "cp")] == [
+        "plan of fsdp", "plan of cp"]
+    assert here["fsdp"].found is not None  # (a side process sends its Plan only: one core runs them here)
+    assert (forked["fsdp"].found is None) == ((os.cpu_count() or 1) > 1)
+    assert str(forked["tp"]) == str(here["tp"]) == "no tp fits" and forked["tp"].least_bytes == 123
+    e = InfeasibleBudget("x", 100, fixed_bytes=40)
+    assert e.micro_floor(1) == 100 and e.micro_floor(2) == 70 and e.micro_floor(4) == 55
+    assert InfeasibleBudget("x", 100).micro_floor(2) is None
