@@ -116,6 +116,8 @@ def plan_flat(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, c
     for name, row in rows.items():
         if name in alone:
             row = _row(name, alone[name].plan, row, plan)
+        elif best is not first and row.differences:  # (they were taken against the first search's plan)
+            row = dataclasses.replace(row, differences=())
         priced.append(row)
     return best[0].with_plan(dataclasses.replace(plan, recipes=tuple(priced))), best[1]
 
