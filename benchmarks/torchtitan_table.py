@@ -93,7 +93,8 @@ def run(rows: tuple[Published, ...]) -> None:
         t = _tps(p, r)
         bound = r.local_batch * r.seq / (p.solver.bound_s * p.microbatches) if p.solver.bound_s > 0 else float("nan")
         how = "; ".join(x for x in (describe(p.recompute_layers) and f"recompute {describe(p.recompute_layers)}",
-                                    p.microbatches > 1 and f"{p.microbatches} micro-batches") if x) or "nothing recomputed"
+                                    p.microbatches > 1 and f"{p.microbatches} micro-batches") if x)
+        how = how or "nothing recomputed"
         best = p.best_recipe()
         alone = f"{best.name} {r.local_batch * r.seq / best.step_time_s:,.0f} tok/s/GPU" if best else "none fits"
         print(f"{r.table:<20}{t:>16,.0f}{t / r.tokens_per_gpu_s:>12.3f}x{p.peak_memory.total / GIB:>7.1f}"

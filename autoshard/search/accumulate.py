@@ -61,7 +61,8 @@ def plan_accumulated(model: nn.Module, inputs: tuple | dict | Call, mesh: Device
     if config.memory_budget is None:
         return plan_micro(model, inputs, mesh, cluster, config, real_group, 1, progress, caches)
     whole_plan, whole = _agreed(real_group,
-                                lambda: plan_micro(model, inputs, mesh, cluster, config, real_group, 1, progress, caches))
+                                lambda: plan_micro(model, inputs, mesh, cluster, config, real_group, 1, progress,
+                                                   caches))
     if whole is None:
         return whole_plan
     least = whole.least_bytes
