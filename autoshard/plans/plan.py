@@ -176,6 +176,11 @@ class MemoryBreakdown:
     def total(self) -> int:
         return self.parameters + self.gradients + self.optimizer + self.activations + self.temporaries
 
+    @property
+    def state(self) -> int:
+        """Parameters, gradients and optimizer state: what neither recomputation nor micro-batches shrink."""
+        return self.parameters + self.gradients + self.optimizer
+
 
 @dataclass(frozen=True)
 class SolverStats:

@@ -190,7 +190,7 @@ def recipe_summaries(gm: fx.GraphModule, ctx: PassContext, against: Plan | None 
         differences = headline(against, p) if against is not None else ()
         m = p.peak_memory
         out.append(RecipeSummary(r.name, p.step_time_s, m.total, r.fits, r.note, differences=differences,
-                                 recompute=describe(ctx.config.recompute), state_bytes=m.parameters + m.gradients + m.optimizer))
+                                 recompute=describe(ctx.config.recompute), state_bytes=m.state))
     annotate(gm, ctx)
     return tuple(out)
 

@@ -31,6 +31,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autoshard.cluster.profile import ClusterProfile
 from autoshard.config import PlanConfig
-from autoshard.errors import InfeasibleBudget
+from autoshard.errors import InfeasibleBudget, LaunchError
 from autoshard.inputs import Call
 from autoshard.notation import describe, format_bytes
 from autoshard.plans.explain import headline
@@ -97,16 +98,16 @@ def plan_flat(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, c
             alone[name] = got
     best = first
     for name, got in sorted(alone.items(), key=lambda kv: kv[1].plan.step_time_s):
-        if got.plan.peak_memory.total > budget or got.plan.step_time_s >= best[0].plan.step_time_s * (1 - 1e-9):
+        if not _fits(got.plan, budget) or not _ahead(got.plan, best[0].plan):
             continue
         # the plan at the recipe's recomputation and micro-batches: its layouts include the recipe's
         again = _free_at(model, inputs, mesh, cluster, config, real_group, got.plan, caches)
-        if again is not None and _fits(again, budget) and _faster(again, best):
+        if again is not None and _fits(again[0].plan, budget) and _ahead(again[0].plan, best[0].plan):
             log.info("plan: solved at recipe %s's recomputation (%s) and %d micro-batch(es): %.6f s, ahead of the "
                      "first search's %.6f s", name, describe(got.plan.recompute_layers) or "none",
                      got.plan.microbatches, again[0].plan.step_time_s, best[0].plan.step_time_s)
             best = again
-        if got.plan.step_time_s < best[0].plan.step_time_s * (1 - 1e-9):
+        if _ahead(got.plan, best[0].plan):
             log.info("plan: recipe %s planned alone steps in %.6f s, the plan in %.6f s; keeping the recipe's program",
                      name, got.plan.step_time_s, best[0].plan.step_time_s)
             found = got.found if got.found is not None else one(name)  # (planned in a side process: again here)
@@ -115,7 +116,7 @@ def plan_flat(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, c
     priced = []
     for name, row in rows.items():
         if name in alone:
-            row = _row(name, alone[name].plan, row, plan)
+            row = _row(name, alone[name].plan, row, plan, budget)
         elif best is not first and row.differences:  # (they were taken against the first search's plan)
             row = dataclasses.replace(row, differences=())
         priced.append(row)
@@ -162,8 +163,8 @@ def each_alone(names: list[str], one: Callable[[str], Found], parallel: bool = T
                 result: tuple[str, Any] = ("ok", one(name)[0].plan)
             except InfeasibleBudget as e:
                 result = ("infeasible", (str(e), e.least_bytes))
-            except BaseException as e:  # noqa: BLE001 - its text, for the parent to raise
-                result = ("error", f"{type(e).__name__}: {e}")
+            except BaseException as e:  # noqa: BLE001 - its text and traceback, for the parent to raise
+                result = ("error", (f"{type(e).__name__}: {e}", traceback.format_exc()))
             send.send(result)
 
         proc = ctx.Process(target=child, daemon=True)
@@ -181,11 +182,11 @@ def each_alone(names: list[str], one: Callable[[str], Found], parallel: bool = T
                 try:
                     status, value = recv.recv()
                 except EOFError:
-                    raise RuntimeError(f"the process planning recipe {name} alone died (exit code "
-                                       f"{proc.exitcode})") from None
+                    raise LaunchError(f"the process planning recipe {name} alone died (exit code {proc.exitcode})"
+                                      ) from None
                 proc.join()
                 if status == "error":
-                    raise RuntimeError(f"planning recipe {name} alone failed: {value}")
+                    raise LaunchError(f"planning recipe {name} alone failed: {value[0]}", value[1])
                 out[name] = Alone(value) if status == "ok" else InfeasibleBudget(value[0], value[1])
     finally:
         for _, proc, _ in running:
@@ -194,12 +195,11 @@ def each_alone(names: list[str], one: Callable[[str], Found], parallel: bool = T
     return {name: out[name] for name in names}
 
 
-def _row(name: str, p: Plan, first: RecipeSummary, plan: Plan) -> RecipeSummary:
+def _row(name: str, p: Plan, first: RecipeSummary, plan: Plan, budget: float) -> RecipeSummary:
     """A recipe's row from its plan alone (``first``: its row from the recipes solved alongside)."""
     m = p.peak_memory
-    return RecipeSummary(name, p.step_time_s, m.total, _fits_plan(p), first.note, differences=headline(plan, p),
-                         recompute=describe(p.recompute_layers), microbatches=p.microbatches,
-                         state_bytes=m.parameters + m.gradients + m.optimizer)
+    return RecipeSummary(name, p.step_time_s, m.total, _fits(p, budget), first.note, differences=headline(plan, p),
+                         recompute=describe(p.recompute_layers), microbatches=p.microbatches, state_bytes=m.state)
 
 
 def _free_at(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
@@ -220,16 +220,12 @@ def _kept(found: Found, name: str, instead_of: Plan) -> Found:
     return planned.with_plan(dataclasses.replace(planned.plan, recipe="", solver=solver)), accumulation
 
 
-def _faster(a: Found, b: Found) -> bool:
-    return a[0].plan.step_time_s < b[0].plan.step_time_s * (1 - 1e-9)
+def _ahead(a: Plan, b: Plan) -> bool:
+    return a.step_time_s < b.step_time_s * (1 - 1e-9)
 
 
-def _fits(found: Found, budget: float) -> bool:
-    return found[0].plan.peak_memory.total <= budget
-
-
-def _fits_plan(p: Plan) -> bool:
-    return not p.memory_budget_bytes or p.peak_memory.total <= p.memory_budget_bytes
+def _fits(p: Plan, budget: float) -> bool:
+    return p.peak_memory.total <= budget
 
 
 def _join(*parts: str) -> str:
