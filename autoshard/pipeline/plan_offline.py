@@ -11,6 +11,7 @@ import logging
 import math
 import multiprocessing
 import os
+import signal
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -206,7 +207,9 @@ class Aside:
     """``work(None)`` in a forked process while the caller goes on (Megatron's configurations and the plan without
     stages are solves of their own: on a second core they cost no wall time); ``result(shared)`` waits for it. Where
     no fork can be had (one core, a process group, no fork) or ``wanted`` is false, ``result`` runs
-    ``work(shared)`` here, sharing the search's solves."""
+    ``work(shared)`` here, sharing the search's solves. The process is not a daemon, so that the plan without
+    stages may plan its recipes alone in processes of its own (``search/recipes_alone.py``); stopped early, it
+    stops those first (SIGTERM is its SystemExit)."""
 
     def __init__(self, work: Callable[[Any], Any], wanted: bool) -> None:
         self.work, self.proc, self.conn = work, None, None
@@ -216,6 +219,7 @@ class Aside:
 
             def child() -> None:
                 torch.set_num_threads(1)
+                signal.signal(signal.SIGTERM, _exit_on_term)
                 t0 = time.perf_counter()
                 try:
                     out: tuple[str, Any] = ("ok", work(None))
@@ -227,7 +231,7 @@ class Aside:
                 except Exception as e:  # an unpicklable value: its text
                     send.send(("error", RuntimeError(f"{type(out[1]).__name__}: {out[1]} ({e})")))
 
-            self.proc = ctx.Process(target=child, daemon=True)
+            self.proc = ctx.Process(target=child, daemon=False)
             self.proc.start()
             send.close()
 
@@ -254,6 +258,10 @@ class Aside:
         if status == "error":
             raise value
         return value
+
+
+def _exit_on_term(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # (the side process's own side processes are stopped on the way out)
 
 
 def _can_fork() -> bool:

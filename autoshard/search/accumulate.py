@@ -26,6 +26,7 @@ from autoshard.inputs import Call, signature_of
 from autoshard.notation import format_bytes
 from autoshard.runtime.accumulate import Accumulation, accumulated_plan, batched_inputs, loss_weighting, micro_example
 from autoshard.runtime.lazy import DATA_PARALLEL_NAMES
+from autoshard.plans.plan import RecipeSummary
 from autoshard.search.planned import Planned
 from autoshard.search.recompute import plan_graph
 from autoshard.search.sample_coupling import Coupling, coupling
@@ -39,13 +40,16 @@ Caches = dict[int, PlanningCache]  # the planning cache of each micro-batch coun
 
 def plan_accumulated(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
                      config: PlanConfig, real_group: bool, microbatches: int | None, weigh_next: bool = False,
-                     progress: Any = None, caches: Caches | None = None) -> tuple[Planned, Accumulation | None]:
+                     progress: Any = None, caches: Caches | None = None,
+                     recipes_known: Callable[[tuple[RecipeSummary, ...]], None] | None = None
+                     ) -> tuple[Planned, Accumulation | None]:
     """The plan of the whole batch, or of one of ``microbatches`` micro-batches (given, or the fewest that fit the
     memory budget when the whole batch does not), with the Accumulation that ``ShardedModule.step`` runs.
     ``weigh_next``: the next count after the fewest that fit is planned too and the faster step kept (the fewest
     may fit only by sharding or recomputing more than twice as many micro-batches need). ``progress`` reaches
     the planner (``autoshard.plan``'s callback); ``caches``: the captures by micro-batch count, shared with other
-    searches of the same call (``search/recipes_alone.py``)."""
+    searches of the same call (``search/recipes_alone.py``); ``recipes_known``: the whole batch's recipes as soon
+    as its search knows them (``search/recompute.py: plan_graph``)."""
     caches = caches if caches is not None else {}
     if microbatches is not None:
         found = plan_micro(model, inputs, mesh, cluster, config, real_group, int(microbatches), progress, caches)
@@ -62,7 +66,7 @@ def plan_accumulated(model: nn.Module, inputs: tuple | dict | Call, mesh: Device
         return plan_micro(model, inputs, mesh, cluster, config, real_group, 1, progress, caches)
     whole_plan, whole = _agreed(real_group,
                                 lambda: plan_micro(model, inputs, mesh, cluster, config, real_group, 1, progress,
-                                                   caches))
+                                                   caches, recipes_known))
     if whole is None:
         return whole_plan
     least = whole.least_bytes
@@ -166,16 +170,18 @@ def _agreed(real_group: bool, attempt: Callable[[], Any]) -> tuple[Any, Infeasib
 
 
 def plan_micro(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
-               config: PlanConfig, real_group: bool, k: int, progress: Any = None, caches: Caches | None = None
+               config: PlanConfig, real_group: bool, k: int, progress: Any = None, caches: Caches | None = None,
+               recipes_known: Callable[[tuple[RecipeSummary, ...]], None] | None = None
                ) -> tuple[Planned, Accumulation | None]:
     """Plan one of ``k`` micro-batches of ``inputs``; the plan says ``microbatches=k``. ``caches``: the capture of
-    each count, kept for the next plan of the same count."""
+    each count, kept for the next plan of the same count; ``recipes_known``: as ``plan_graph``'s."""
     cache = caches.setdefault(k, PlanningCache()) if caches is not None else None
     if k == 1:
-        return plan_graph(model, inputs, mesh, cluster, config, real_group, progress=progress, cache=cache), None
+        return plan_graph(model, inputs, mesh, cluster, config, real_group, progress=progress, cache=cache,
+                          recipes_known=recipes_known), None
     sig, tensors = signature_of(inputs)
     one = plan_graph(model, micro_example(sig, tensors, k), mesh, cluster, config, real_group, progress=progress,
-                     cache=cache)
+                     cache=cache, recipes_known=recipes_known)
     weighting = loss_weighting(one.graph, one.ctx.output_roles)
     return one.with_plan(accumulated_plan(one.plan, k)), Accumulation(k, batched_inputs(tensors), weighting)
 

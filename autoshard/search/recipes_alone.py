@@ -63,33 +63,40 @@ def plan_flat(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, c
     """The plan of ``model`` on ``mesh`` (no pipeline stages) with its Accumulation, never slower than any recipe
     planned alone; its ``recipes`` priced as they run alone (see the module docstring)."""
     caches: Caches = {}
-    first = plan_accumulated(model, inputs, mesh, cluster, config, real_group, microbatches, weigh_next, progress,
-                             caches)
     if config.recipe is not None or not config.solve_recipes or config.memory_budget is None:
-        return first
+        return plan_accumulated(model, inputs, mesh, cluster, config, real_group, microbatches, weigh_next, progress,
+                                caches)
     budget = config.memory_budget
-    rows: dict[str, RecipeSummary] = {}
-    wanted = []
-    for row in first[0].plan.recipes:
-        rows[row.name] = row
-        if not row.applies:
-            continue
-        if row.state_bytes > budget:
-            rows[row.name] = dataclasses.replace(row, fits=False, note=_join(
-                row.note, f"its parameters, gradients and optimizer state alone take {format_bytes(row.state_bytes)} "
-                          f"per device, over the {format_bytes(budget)} budget"))
-            continue
-        if row.fits and not row.recompute and row.microbatches == 1 and row.peak_memory_bytes <= SLACK * budget:
-            continue  # alone, its first attempt is this one (every activation saved, the whole batch), kept as is
-        wanted.append(row.name)
 
     def one(name: str) -> Found:
         return plan_accumulated(model, inputs, mesh, cluster, dataclasses.replace(config, recipe=name,
                                                                                   solve_recipes=False),
                                 real_group, microbatches, weigh_next, None, caches)
 
+    # the recipes' searches start in side processes as soon as the whole batch's recipes are known, while the
+    # plan's own search goes on; they are kept only when the plan's recipes turn out to be those (the whole batch
+    # fits), else they are stopped and run again from the rows the plan ends with
+    early = AloneSearches(one, parallel=not real_group and microbatches is None)
+    guessed: list[bool] = []
+
+    def known(recipes: tuple[RecipeSummary, ...]) -> None:
+        if early.parallel and not guessed:
+            guessed.append(True)
+            early.start(_wanted(recipes, budget)[1])
+
+    try:
+        first = plan_accumulated(model, inputs, mesh, cluster, config, real_group, microbatches, weigh_next,
+                                 progress, caches, recipes_known=known)
+        rows, wanted = _wanted(first[0].plan.recipes, budget)
+        if guessed and early.names == wanted:  # (what each search finds does not depend on when it started)
+            outcomes = early.results()
+        else:
+            early.close()
+            outcomes = each_alone(wanted, one, parallel=not real_group)
+    finally:
+        early.close()
     alone: dict[str, Alone] = {}
-    for name, got in each_alone(wanted, one, parallel=not real_group).items():
+    for name, got in outcomes.items():
         if isinstance(got, InfeasibleBudget):
             log.info("plan: recipe %s alone does not fit the budget: %s", name, got)
             rows[name] = dataclasses.replace(rows[name], fits=False, note=_join(
@@ -135,27 +142,48 @@ class Alone:
 def each_alone(names: list[str], one: Callable[[str], Found], parallel: bool = True
                ) -> dict[str, Alone | InfeasibleBudget]:
     """``one(name)`` for every name: each in a forked process of its own, as many at a time as there are cores,
-    where that is allowed (``parallel``: not on a process group; fork available; not itself a daemon process, such
-    as the pipeline search's side process), else one after the other here. A side process sends its Plan back,
-    or its InfeasibleBudget's message."""
-    procs = max(1, min(len(names), os.cpu_count() or 1))
-    here = not parallel or procs < 2 or "fork" not in multiprocessing.get_all_start_methods() \
-        or multiprocessing.current_process().daemon
-    out: dict[str, Alone | InfeasibleBudget] = {}
-    if here:
-        for name in names:
-            try:
-                found = one(name)
-                out[name] = Alone(found[0].plan, found)
-            except InfeasibleBudget as e:
-                out[name] = e
-        return out
-    ctx = multiprocessing.get_context("fork")
-    running: list[tuple[str, Any, Any]] = []
-    queue = list(names)
+    where that is allowed (``parallel``: not on a process group; fork available; not itself a daemon process),
+    else one after the other here. A side process sends its Plan back, or its InfeasibleBudget's message."""
+    searches = AloneSearches(one, parallel)
+    try:
+        searches.start(names)
+        return searches.results()
+    finally:
+        searches.close()
 
-    def start(name: str) -> None:
+
+def _may_fork() -> bool:
+    return (os.cpu_count() or 1) > 1 and "fork" in multiprocessing.get_all_start_methods() \
+        and not multiprocessing.current_process().daemon
+
+
+class AloneSearches:
+    """``one(name)`` for some names in forked processes, as many at a time as there are cores: started with
+    ``start`` (the caller goes on with its own work), gathered by ``results``, stopped by ``close``. Where no
+    process may be forked (``parallel`` false, one core, no fork, a daemon process) ``results`` runs them here."""
+
+    def __init__(self, one: Callable[[str], Found], parallel: bool = True) -> None:
+        self.one = one
+        self.parallel = parallel and _may_fork()
+        self.names: list[str] = []
+        self._queue: list[str] = []
+        self._running: list[tuple[str, Any, Any]] = []
+        self._out: dict[str, Alone | InfeasibleBudget] = {}
+
+    def start(self, names: list[str]) -> None:
+        self.names, self._queue = list(names), list(names)
+        if self.parallel:
+            self._fill()
+
+    def _fill(self) -> None:
+        procs = max(1, min(len(self.names), os.cpu_count() or 1))
+        while self._queue and len(self._running) < procs:
+            self._fork(self._queue.pop(0))
+
+    def _fork(self, name: str) -> None:
+        ctx = multiprocessing.get_context("fork")
         recv, send = ctx.Pipe(duplex=False)
+        one = self.one
 
         def child() -> None:
             torch.set_num_threads(1)
@@ -170,15 +198,23 @@ def each_alone(names: list[str], one: Callable[[str], Found], parallel: bool = T
         proc = ctx.Process(target=child, daemon=True)
         proc.start()
         send.close()
-        running.append((name, proc, recv))
+        self._running.append((name, proc, recv))
 
-    try:
-        while queue or running:
-            while queue and len(running) < procs:
-                start(queue.pop(0))
-            ready = multiprocessing.connection.wait([r for _, _, r in running])
-            for name, proc, recv in [x for x in running if x[2] in ready]:
-                running.remove((name, proc, recv))
+    def results(self) -> dict[str, Alone | InfeasibleBudget]:
+        """Each name's Alone (or the InfeasibleBudget it met), in the order given to ``start``."""
+        if not self.parallel:
+            for name in self._queue:
+                try:
+                    found = self.one(name)
+                    self._out[name] = Alone(found[0].plan, found)
+                except InfeasibleBudget as e:
+                    self._out[name] = e
+            self._queue = []
+        while self._queue or self._running:
+            self._fill()
+            ready = multiprocessing.connection.wait([r for _, _, r in self._running])
+            for name, proc, recv in [x for x in self._running if x[2] in ready]:
+                self._running.remove((name, proc, recv))
                 try:
                     status, value = recv.recv()
                 except EOFError:
@@ -187,12 +223,36 @@ def each_alone(names: list[str], one: Callable[[str], Found], parallel: bool = T
                 proc.join()
                 if status == "error":
                     raise LaunchError(f"planning recipe {name} alone failed: {value[0]}", value[1])
-                out[name] = Alone(value) if status == "ok" else InfeasibleBudget(value[0], value[1])
-    finally:
-        for _, proc, _ in running:
+                self._out[name] = Alone(value) if status == "ok" else InfeasibleBudget(value[0], value[1])
+        return {name: self._out[name] for name in self.names}
+
+    def close(self) -> None:
+        """Stop the side processes still running (their results are not wanted)."""
+        for _, proc, _ in self._running:
             proc.terminate()
             proc.join()
-    return {name: out[name] for name in names}
+        self._running, self._queue = [], []
+
+
+def _wanted(recipes: tuple[RecipeSummary, ...], budget: float) -> tuple[dict[str, RecipeSummary], list[str]]:
+    """The rows by name (a recipe whose state alone is over the budget marked so) and the recipes to plan alone:
+    each that applies, whose state fits, and whose row is not already its plan alone (a row that saves every
+    activation of the whole batch and peaks below ``SLACK`` of the budget is that search's first attempt)."""
+    rows: dict[str, RecipeSummary] = {}
+    wanted = []
+    for row in recipes:
+        rows[row.name] = row
+        if not row.applies:
+            continue
+        if row.state_bytes > budget:
+            rows[row.name] = dataclasses.replace(row, fits=False, note=_join(
+                row.note, f"its parameters, gradients and optimizer state alone take {format_bytes(row.state_bytes)} "
+                          f"per device, over the {format_bytes(budget)} budget"))
+            continue
+        if row.fits and not row.recompute and row.microbatches == 1 and row.peak_memory_bytes <= SLACK * budget:
+            continue
+        wanted.append(row.name)
+    return rows, wanted
 
 
 def _row(name: str, p: Plan, first: RecipeSummary, plan: Plan, budget: float) -> RecipeSummary:

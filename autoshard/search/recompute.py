@@ -15,7 +15,7 @@ import functools
 import itertools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import nn
@@ -44,6 +44,7 @@ def plan_graph(
     progress: Any = None,
     stage: bool = False,
     cache: PlanningCache | None = None,
+    recipes_known: Callable[[tuple[RecipeSummary, ...]], None] | None = None,
 ) -> Planned:
     """Plan ``model``; ``stage=True`` plans a pipeline stage (tensor outputs, input gradients; see capture).
 
@@ -57,7 +58,9 @@ def plan_graph(
     below ``SLACK`` of the budget is not bound by it and is kept without the others. The plan's recipes are each
     recipe's faster fitting form of saving everything and recomputing every layer (``search/recipes_alone.py``
     then prices each as it runs alone). ``cache``: shared with other calls on the same example (the recipes'
-    searches), else one of its own."""
+    searches), else one of its own. ``recipes_known``: called with the plan's recipes once they are known (after the
+    attempts that save everything and recompute every layer, before the other mixes), so that the recipes'
+    searches alone can start while this one goes on (``search/recipes_alone.py``)."""
     layers = repeated_layers(model) if config.memory_budget is not None and not stage and not config.recompute else None
     # the attempts below differ only in the recomputation tagged: one capture and one candidate cache serve all
     once = functools.partial(plan_once, model, example_inputs, mesh, cluster, broadcast_solution=broadcast_solution,
@@ -86,6 +89,8 @@ def plan_graph(
         full = attempt((container,), recipes=True) if config.solve_recipes else None
         return saving.with_plan(dataclasses.replace(saving.plan, recipes=_recipes_of([r for r in (saving, full) if r])))
     full = attempt((container,), recipes=True)
+    if recipes_known is not None:
+        recipes_known(_recipes_of([r for r in (saving, full) if r is not None]))
     reps = {}
     if full is not None and (replays := layer_replays(full.graph, full.ctx.mesh_shape, cluster.device, FULL)):
         reps[FULL] = typical_replay(replays.values())
