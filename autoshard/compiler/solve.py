@@ -20,7 +20,7 @@ import torch.fx as fx
 from autoshard.compiler.context import PassContext
 from autoshard.config import normalize
 from autoshard.compiler.solve_memory import layouts_of, solve_within
-from autoshard.compiler.solve_recipes import best_recipe, recipe_pins, solve_recipes
+from autoshard.compiler.solve_recipes import best_recipe, recipe_model, recipe_pins, solve_recipes
 from autoshard.compiler.solve_reuse import program_fingerprint, reused_solution
 from autoshard.solver.intra_op import IntraOpProblem, Solution
 from autoshard.errors import InfeasibleBudget, InputError
@@ -100,9 +100,10 @@ def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
     _add_time(ctx, "problem", t0)
     if ctx.config.reuse is not None:  # compile(..., plan=saved): its choices, checked against this program
         return reused_solution(gm, ctx, ctx.config.reuse)
-    pins = None
+    pins = within = None
     if ctx.config.recipe is not None:
         pins, notes = recipe_pins(ctx.config.recipe, gm, ctx)
+        within = recipe_model(ctx.config.recipe, gm, ctx)
         for note in notes:  # (a recipe priced for a plan's comparison has them in its row: search/recipes_alone.py)
             if ctx.config.solve_recipes:
                 warn(log, "recipe %s: %s", ctx.config.recipe, note)
@@ -124,6 +125,7 @@ def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
             num_workers=ctx.config.num_workers,
             seed=ctx.config.seed,
             what=ctx.config.recipe or "plan",
+            within=within,
         )
 
     if ctx.config.recipe is not None and ctx.cache is not None:

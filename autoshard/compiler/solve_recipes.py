@@ -296,6 +296,21 @@ def shared_models(pinned: dict[str, tuple[dict[int, set[int]], list[str]]], ctx:
     return out
 
 
+def recipe_model(recipe: str, gm: fx.GraphModule, ctx: PassContext) -> dict[int, frozenset[int]] | None:
+    """The model ``recipe`` is solved in alongside a plan (``shared_models``: the candidates its kind pins, or None,
+    every candidate), so that the recipe planned alone solves the same program in the same model as its solves
+    alongside, which its searches alone reuse (``PlanningCache.recipe_outcomes``), and in a smaller one."""
+    recipes = applicable(ctx.mesh_shape, experts=has_experts(gm, ctx), attention=has_attention(gm))
+    pinned = {}
+    memo: dict[frozenset[int], dict[int, set[int]]] = {}
+    for r in recipes:
+        try:
+            pinned[r] = recipe_pins(r, gm, ctx, memo)
+        except ValueError:
+            pass
+    return shared_models(pinned, ctx).get(normalize(recipe))
+
+
 def solve_recipes(gm: fx.GraphModule, ctx: PassContext, alongside: Callable[[], T] | None = None) -> tuple[list[RecipeResult], T | None]:
     """Every recipe that applies to this mesh, solved (kept on ``ctx.recipes``), and ``alongside`` (the
     plan's own solve) run first on the same pool: CP-SAT releases the GIL while it searches, so a 2-core
