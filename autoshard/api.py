@@ -42,6 +42,7 @@ def _config(memory_budget: Any, constraints: Mapping | None, **kw: Any) -> PlanC
         kw.setdefault("recompute", saved.recompute_layers)
         kw.setdefault("mixed_precision", saved.mixed_precision or None)
         kw.setdefault("reduce_dtype", saved.reduce_dtype or "float32")
+        kw.setdefault("precision_policy", saved.precision_policy or "autocast")  # (plans saved before the policy)
         kw.update(reuse=saved, solve_recipes=False)
         memory_budget = None
     return PlanConfig(memory_budget=memory_budget, constraints=dict(constraints or {}), **kw)

@@ -97,10 +97,13 @@ def _parser() -> argparse.ArgumentParser:
                     help="optimizer state (and with 'params' the parameters) in host memory: auto = where device "
                     "memory forces it (default), none, or forced for every parameter")
     pl.add_argument("--mixed-precision", choices=("none", "bf16"), default="none",
-                    help="bf16: fp32 parameters (masters), gradients and AdamW state, matmuls in bf16 under autocast "
-                         "(default none: the model in bf16 throughout)")
+                    help="bf16: fp32 parameters (masters), gradients and AdamW state, the step in bf16 "
+                         "(--precision-policy; default none: the model in bf16 throughout)")
     pl.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32",
                     help="with --mixed-precision bf16: the dtype gradients are reduced in")
+    pl.add_argument("--precision-policy", choices=("params", "autocast"), default="params",
+                    help="with --mixed-precision bf16: 'params' casts the parameters to bf16 and runs the whole step "
+                         "in bf16 (FSDP2's MixedPrecisionPolicy, torchtitan's); 'autocast' runs torch.autocast")
     pl.add_argument("--time-limit", type=float, default=30.0, help="solver time limit per solve, seconds")
     pl.add_argument("--sample-layers", type=int, default=3, help="repeated layers captured (they stand for all)")
     pl.add_argument("--out", default=None, help="write the plan as JSON here")
@@ -149,6 +152,7 @@ def _plan(a: argparse.Namespace) -> int:
         offload=a.offload,
         mixed_precision=None if a.mixed_precision == "none" else a.mixed_precision,
         reduce_dtype=a.reduce_dtype,
+        precision_policy=a.precision_policy,
     )
     sys.stdout.write(report(plan, collapse=not a.full))
     if a.out:

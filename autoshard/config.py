@@ -30,6 +30,10 @@ BUCKET_BYTES = 25 * 2**20
 
 # PlanConfig.mixed_precision: compute dtype of autocast's lower-precision ops (fp32 master weights and state)
 MIXED_PRECISION = {"bf16": "bfloat16", "bfloat16": "bfloat16"}
+# PlanConfig.precision_policy: how mixed_precision runs (autoshard/compiler/precision.py). "params": FSDP2's
+# MixedPrecisionPolicy(param_dtype=bf16): the parameters cast to bf16 and the whole forward and backward in bf16, fp32
+# masters, gradients and state; "autocast": torch.autocast (bf16 matmuls, every other op in fp32)
+PRECISION_POLICIES = ("params", "autocast")
 # PlanConfig.reduce_dtype: the dtype gradients are reduced in under mixed precision
 REDUCE_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 # PlanConfig.offload (ZeRO-Offload, autoshard/compiler/strategies.py: offload_variants): a parameter's optimizer state and the
@@ -87,9 +91,10 @@ class PlanConfig:
     sample_layers: int | None = None
     tie_axes: bool = True
     shard_state: bool = True
-    # "bf16": the step traced and run under torch.autocast(dtype=torch.bfloat16): matmuls and convolutions in
-    # bf16 on bf16 copies of the fp32 parameters, which stay the master weights the optimizer steps
+    # "bf16": the step run in bf16 on bf16 casts of the fp32 parameters, which stay the master weights the optimizer
+    # steps; precision_policy says how (PRECISION_POLICIES)
     mixed_precision: str | None = None
+    precision_policy: str = "params"
     reduce_dtype: str = "float32"  # gradients reduced in this dtype under mixed_precision
     offload: str = "auto"
     reuse: Any = None  # a saved Plan whose choices are run instead of solving (compile(..., plan=saved))
@@ -119,6 +124,9 @@ class PlanConfig:
             if key not in MIXED_PRECISION:
                 raise InputError(f"mixed_precision={self.mixed_precision!r} is not known; use 'bf16' (or None)")
             object.__setattr__(self, "mixed_precision", MIXED_PRECISION[key])
+        if self.precision_policy not in PRECISION_POLICIES:
+            raise InputError(f"precision_policy={self.precision_policy!r} is not known; use 'params' (bf16 parameters, "
+                             "the whole step in bf16: FSDP2's MixedPrecisionPolicy) or 'autocast' (torch.autocast)")
         key = str(self.reduce_dtype).removeprefix("torch.").lower()
         if key not in REDUCE_DTYPES:
             raise InputError(f"reduce_dtype={self.reduce_dtype!r} is not known; use 'float32' or 'bfloat16'")
@@ -146,7 +154,8 @@ class PlanConfig:
         """The ``Plan`` fields that record the precision it was planned in."""
         if self.mixed_precision is None:
             return {}
-        return {"mixed_precision": self.mixed_precision, "reduce_dtype": self.reduce_dtype}
+        return {"mixed_precision": self.mixed_precision, "reduce_dtype": self.reduce_dtype,
+                "precision_policy": self.precision_policy}
 
     @property
     def reduce_itemsize(self) -> int | None:

@@ -10,6 +10,7 @@ a fake process group is ``autoshard.cluster.meshes.fake_world``, planning on one
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 import re
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map_only
 
 from autoshard.testing.bench import call_loss
 from autoshard.cluster.meshes import fake_world
@@ -74,9 +76,14 @@ def single_device_reference(
     lr: float = 1e-2,
     seed: int = 0,
     autocast: torch.dtype | None = None,
+    param_dtype: torch.dtype | None = None,
 ) -> Reference:
     """Train ``make_model()`` for ``steps`` AdamW steps on the same ``inputs`` each step (fp32 parameters; the
     forward under ``torch.autocast("cpu", autocast)`` when given, as mixed-precision users run it).
+
+    ``param_dtype`` (FSDP2's ``MixedPrecisionPolicy(param_dtype=...)`` on one device): each step runs forward and
+    backward on a copy of the model whose parameters (not buffers) are cast to it, with floating inputs cast too;
+    its gradients, cast to fp32, are the fp32 masters' the optimizer steps.
 
     ``torch.manual_seed(seed)`` is applied before ``make_model()`` inside a forked RNG state,
     so two calls agree and the caller's RNG is untouched.
@@ -90,15 +97,35 @@ def single_device_reference(
     grads: dict[str, Tensor] = {}
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
-            loss = call_loss(model, inputs)
-        loss.backward()
+        if param_dtype is not None:
+            loss = _low_precision_step(model, inputs, param_dtype)
+        else:
+            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                loss = call_loss(model, inputs)
+            loss.backward()
         losses.append(float(loss.detach()))
         if step == 0:
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         opt.step()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return Reference(losses=losses, grads=grads, params=params)
+
+
+def _low_precision_step(model: nn.Module, inputs: Any, dtype: torch.dtype) -> Tensor:
+    """Forward and backward on a copy of ``model`` with its floating parameters in ``dtype``; the copy's
+    gradients land on ``model``'s parameters in fp32. Returns the loss."""
+    low = copy.deepcopy(model)
+    for p in low.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+    cast = tree_map_only(Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, inputs)
+    loss = call_loss(low, cast)
+    loss.backward()
+    masters = dict(model.named_parameters())
+    for name, p in low.named_parameters():
+        if p.grad is not None:
+            masters[name].grad = p.grad.float()
+    return loss
 
 
 def _plain(t: Any) -> Tensor:

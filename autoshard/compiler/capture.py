@@ -45,6 +45,7 @@ from autoshard.compiler.capture_cleanup import (
     merge_tied_parameters,
 )
 from autoshard.compiler.context import PassContext
+from autoshard.compiler.precision import place_parameter_casts, run_model
 from autoshard.errors import AutoshardError, CallError, DataDependentError, InputError
 from autoshard.rules import random_draws
 from autoshard.weights.shards import is_unfilled
@@ -147,7 +148,7 @@ def _buffers_after_outputs(out_node: fx.Node, roles: list, model: str, stage: bo
 class _Outputs(nn.Module):
     """A pipeline stage: keeps every tensor the module returns (activations for the next stage, or the loss)."""
 
-    def __init__(self, inner: nn.Module, signature: CallSignature, precision: Callable[[], Any]) -> None:
+    def __init__(self, inner: nn.Module, signature: CallSignature, precision: Callable[..., Any]) -> None:
         super().__init__()
         self.inner = inner
         self.signature = signature
@@ -155,8 +156,7 @@ class _Outputs(nn.Module):
 
     def forward(self, *tensors: Any) -> Any:
         args, kwargs = self.signature.unflatten(tensors)
-        with self.precision():
-            out = self.inner(*args, **kwargs)
+        out = self.precision(self.inner, args, kwargs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         if not outs or not all(isinstance(o, torch.Tensor) for o in outs):
             raise CallError(
@@ -223,7 +223,7 @@ class _LossOnly(nn.Module):
     the model shaped its output (``loss_form``)."""
 
     def __init__(self, inner: nn.Module, signature: CallSignature, loss_fn: Callable[[Any], torch.Tensor] | None,
-                 precision: Callable[[], Any]) -> None:
+                 precision: Callable[..., Any]) -> None:
         super().__init__()
         self.inner = inner
         self.signature = signature
@@ -233,21 +233,9 @@ class _LossOnly(nn.Module):
 
     def forward(self, *tensors: Any) -> torch.Tensor:
         args, kwargs = self.signature.unflatten(tensors)
-        with self.precision():
-            out = self.inner(*args, **kwargs)
+        out = self.precision(self.inner, args, kwargs)
         self.form = loss_form(out, self.loss_fn)
         return loss_of(out, type(self.inner).__name__, self.loss_fn)
-
-
-def precision_context(mixed_precision: str | None, device: torch.device) -> Callable[[], Any]:
-    """The context the model runs in: ``torch.autocast`` to ``mixed_precision`` (a dtype name) on ``device``'s
-    type, or nothing. Traced under it, the joint graph holds autocast's casts as ops (a parameter's bf16 copy is
-    an ``_to_copy`` of the fp32 parameter, and its gradient is cast back to fp32), so the program needs no
-    autocast when it runs and the parameters, gradients and optimizer state stay fp32."""
-    if mixed_precision is None:
-        return contextlib.nullcontext
-    dtype = getattr(torch, mixed_precision)
-    return lambda: torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def _inherit_modules(gm: fx.GraphModule) -> None:
@@ -308,7 +296,11 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], ctx: PassContext) -
     signature, tensors = signature_of(example_inputs)
     ctx.signature = signature
     args = tuple(_fake_input(t, fake_mode, device, keep_grad=ctx.stage) for t in tensors)
-    precision = precision_context(ctx.config.mixed_precision, device)
+    cfg = ctx.config
+
+    def precision(inner: nn.Module, call_args: tuple, kwargs: dict) -> Any:
+        return run_model(inner, call_args, kwargs, cfg.mixed_precision, cfg.precision_policy, device)
+
     wrapper = (_Outputs(traced, signature, precision) if ctx.stage
                else _LossOnly(traced, signature, ctx.config.loss_fn, precision))
     try:
@@ -369,6 +361,8 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], ctx: PassContext) -
             node.meta["autoshard_module"] = custom.get("autoshard_module", "")
             tag = node.meta.get("partitioner_tag", "is_forward")
             node.meta["autoshard_phase"] = "backward" if tag == "is_backward" else "forward"
+    if place_parameter_casts(gm):
+        gm.recompile()
     _inherit_modules(gm)
     ctx.output_roles = [
         tc.OutputRole(r.kind, r.name[len("inner.") :]) if r.kind in ("grad", "buffer") and r.name.startswith("inner.")

@@ -49,5 +49,7 @@ def loop_defaults(module: Any) -> None:
         given = module.plan_options.get("mixed_precision")
         if given is None:
             module.plan_options["mixed_precision"] = "bf16"
+            module.plan_options.setdefault("precision_policy", "autocast")  # the Accelerator's bf16 is autocast
             log.info("autoshard: the Accelerator's mixed_precision='bf16' is the plan's (bf16 compute, fp32 "
-                     "parameters, gradients and optimizer state)")
+                     "parameters, gradients and optimizer state) under precision_policy=%r",
+                     module.plan_options["precision_policy"])

@@ -123,8 +123,10 @@ def _bf16(model: nn.Module) -> None:
     if isinstance(model, LazyShardedModule) and model._compiled is None:
         if model.plan_options.get("mixed_precision") in (None, "bf16", "bfloat16"):
             model.plan_options["mixed_precision"] = "bf16"
+            model.plan_options.setdefault("precision_policy", "autocast")  # what bf16=True means to the Trainer
             log.info("autoshard: TrainingArguments(bf16=True): planned with mixed_precision='bf16' (bf16 compute, "
-                     "fp32 parameters, gradients and optimizer state)")
+                     "fp32 parameters, gradients and optimizer state) under precision_policy=%r",
+                     model.plan_options["precision_policy"])
             return
     plan = model.plan
     if plan.mixed_precision not in ("bfloat16", "bf16"):

@@ -281,8 +281,10 @@ class AutoshardStrategy(ModelParallelStrategy):
                                  "by an earlier run: compile it again, or use the earlier run's precision")
             return
         sharded.plan_options["mixed_precision"] = "bf16"
+        sharded.plan_options.setdefault("precision_policy", "autocast")  # Lightning's bf16-mixed is autocast
         log.info("autoshard: Trainer(precision='bf16-mixed') is the plan's mixed precision (bf16 compute, fp32 "
-                 "parameters, gradients and optimizer state)")
+                 "parameters, gradients and optimizer state) under precision_policy=%r",
+                 sharded.plan_options["precision_policy"])
 
     def _adopt_optimizers(self, compiled: nn.Module) -> None:
         for optimizer in self.optimizers:

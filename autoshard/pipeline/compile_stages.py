@@ -242,6 +242,7 @@ def compile_pipelined(
         memory_budget_bytes=stage_plans[0].memory_budget_bytes,
         mixed_precision=stage_plans[0].mixed_precision,
         reduce_dtype=stage_plans[0].reduce_dtype,
+        precision_policy=stage_plans[0].precision_policy,
     )
 
     # what each stage receives and sends, as metadata for the schedule; received float activations need their

@@ -64,6 +64,8 @@ def fingerprint(gm: fx.GraphModule, mesh_shape: Sequence[int], mesh_names: Seque
     profile = cluster.to_dict() if hasattr(cluster, "to_dict") else repr(cluster)
     options = {"mixed_precision": config.mixed_precision, "reduce_dtype": config.reduce_dtype,
                "recompute": list(config.recompute), "optimizer": config.optimizer}
+    if config.mixed_precision:
+        options["precision_policy"] = config.precision_policy
     return (
         ("program", f"{len(ops)} ops, {len(params)} parameters/buffers, "
                     f"{_digest(json.dumps(ops) + json.dumps(params))}"),

@@ -292,8 +292,10 @@ class Plan:
     peak_flops_per_device: float = 0.0  # the device's dense peak for the model's dtype
     hidden_comm_s: float = 0.0  # communication the cost model assumes overlapped (already out of step_time_s)
     memory_budget_bytes: int = 0  # 0 = none given
-    mixed_precision: str = ""  # "bfloat16": run under autocast to it (fp32 masters, gradients, state); "": the model's
+    mixed_precision: str = ""  # "bfloat16": the step in it (fp32 masters, gradients, state); "": the model's dtype
     reduce_dtype: str = ""  # under mixed_precision, the dtype gradients are reduced in
+    # under mixed_precision: "params" (bf16 parameters, the whole step in bf16) or "autocast"; "" read as autocast
+    precision_policy: str = ""
     sampled_layers: str = ""  # e.g. "layers: 3 of 80 captured" when identical layers were extrapolated
     recipes: tuple[RecipeSummary, ...] = ()
     format_version: int = FORMAT_VERSION
@@ -384,7 +386,7 @@ class Plan:
 
 
 # fields newer than FORMAT_VERSION 1, written only where not at their default
-_LEFT_OUT = {"frozen": False, "recompute": "", "state_bytes": 0}
+_LEFT_OUT = {"frozen": False, "recompute": "", "state_bytes": 0, "precision_policy": ""}
 
 
 def _defaults_left_out(d: Any) -> Any:

@@ -19,7 +19,7 @@ from autoshard.notation import (
     tensor_str,
 )
 from autoshard.plans.plan import MemoryBreakdown, Plan, StagePlan
-from autoshard.plans.words import plan_in_words
+from autoshard.plans.words import plan_in_words, precision_words
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -342,9 +342,8 @@ def _report_lines(plan: Plan, *, collapse: bool, max_rows: int) -> list[str]:
     if plan.sampled_layers:
         lines.append(f"repeated layers: {plan.sampled_layers}")
     if plan.mixed_precision:
-        lines.append(f"mixed precision: autocast to {plan.mixed_precision} (matmuls on {plan.mixed_precision} copies of"
-                     f" the fp32 master weights; fp32 gradients and optimizer state; gradients reduced in "
-                     f"{plan.reduce_dtype})")
+        lines.append(f"mixed precision: {precision_words(plan)}; fp32 gradients and optimizer state; gradients "
+                     f"reduced in {plan.reduce_dtype}")
     lines += _recipe_lines(plan)
     lines += _pipeline_lines(plan)
     for stage in plan.stages:

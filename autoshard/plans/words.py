@@ -124,7 +124,7 @@ def plan_in_words(plan: Plan) -> str:
     if plan.peak_memory.host:
         extras.append(f"{format_bytes(plan.peak_memory.host)} offloaded to host")
     if plan.mixed_precision:
-        extras.append(f"{plan.mixed_precision} autocast")
+        extras.append(f"{plan.mixed_precision} " + ("autocast" if plan.precision_policy != "params" else "parameters"))
     if extras:
         parts[0] += " (" + ", ".join(extras) + ")"
     peak = plan.peak_memory.total
@@ -139,3 +139,12 @@ def _against_best(plan: Plan) -> str:
     if best is None or best.step_time_s <= 0:
         return "" if plan.recipe else " (no recipe fits to compare with)" if plan.recipes else ""
     return f", {plan.step_time_s / best.step_time_s:.2f}× the best recipe's ({best.name}, {format_seconds(best.step_time_s)})"
+
+
+def precision_words(plan: Plan) -> str:
+    """How a mixed-precision plan runs, in a phrase (autoshard/compiler/precision.py)."""
+    dtype = plan.mixed_precision
+    if plan.precision_policy == "params":
+        return (f"{dtype} parameters (FSDP2's MixedPrecisionPolicy: the fp32 master weights cast to {dtype} where "
+                f"first used, the whole forward and backward in {dtype})")
+    return f"autocast to {dtype} (matmuls on {dtype} copies of the fp32 master weights, the other ops in fp32)"

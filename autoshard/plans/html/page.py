@@ -29,7 +29,7 @@ from autoshard.plans.html.layouts import layouts_view
 from autoshard.plans.html.schedule import pipeline_view
 from autoshard.plans.plan import Plan
 from autoshard.plans.html.svg import esc
-from autoshard.plans.words import axis_roles, plan_in_words
+from autoshard.plans.words import axis_roles, plan_in_words, precision_words
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def _header(plan: Plan) -> str:
                                  f"{plan.chunks} chunk(s) per rank"))
     elif plan.microbatches > 1:
         rows.append(("gradient accumulation", f"{plan.microbatches} micro-batches"))
-    rows += [("mixed precision", f"{plan.mixed_precision}, gradients reduced in {plan.reduce_dtype}"
+    rows += [("mixed precision", f"{precision_words(plan)}, gradients reduced in {plan.reduce_dtype}"
               if plan.mixed_precision else "off"),
              ("recomputation", ", ".join(plan.recompute_layers) or ("every layer" if plan.recompute else "none")),
              ("offloaded to host", format_bytes(plan.peak_memory.host) if plan.peak_memory.host else "nothing")]
