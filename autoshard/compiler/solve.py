@@ -90,13 +90,18 @@ def solve(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
+def problem_of(gm: fx.GraphModule, ctx: PassContext) -> IntraOpProblem:
+    """The integer program of the graph after ``strategies`` (built once per graph and context, then solved under
+    each side condition)."""
+    canon = ctx.layer_of_group or {g.id: g.id for g in ctx.groups}
+    return IntraOpProblem(gm, ctx.groups, ctx.strategies, canon, ctx.output_roles, ctx.mesh_shape, ctx.cluster,
+                          ctx.group_weight, grad_itemsize=ctx.config.reduce_itemsize)
+
+
 def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
     t0 = time.perf_counter()
     if ctx.problem is None:  # (a planning attempt on a copy of an earlier one's context has it: search/planned.py)
-        ctx.problem = IntraOpProblem(
-            gm, ctx.groups, ctx.strategies, canon, ctx.output_roles, ctx.mesh_shape, ctx.cluster, ctx.group_weight,
-            grad_itemsize=ctx.config.reduce_itemsize,
-        )
+        ctx.problem = problem_of(gm, ctx)
     _add_time(ctx, "problem", t0)
     if ctx.config.reuse is not None:  # compile(..., plan=saved): its choices, checked against this program
         return reused_solution(gm, ctx, ctx.config.reuse)

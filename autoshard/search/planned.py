@@ -32,7 +32,7 @@ from autoshard.compiler.capture_layers import copy_graph
 from autoshard.compiler.capture_recompute import replay_time
 from autoshard.compiler.context import PassContext, PlanningCache
 from autoshard.compiler.runner import PLANNING, run_passes
-from autoshard.compiler.solve import annotate
+from autoshard.compiler.solve import annotate, problem_of
 from autoshard.compiler.solve_reuse import program_fingerprint
 from autoshard.config import PlanConfig
 from autoshard.cost.memory import GraphWalk, graph_walk, temporaries, transients
@@ -252,6 +252,22 @@ def _solved(model: nn.Module, ctx: PassContext) -> tuple[fx.GraphModule, PassCon
     return run_passes(copy_graph(gm0), ctx, "solve", PLANNING[1]), ctx
 
 
+def prepare_once(model: nn.Module, example_inputs: Sequence[Any], mesh: DeviceMesh, cluster: ClusterProfile,
+                 config: PlanConfig, cache: PlanningCache, *, stage: bool = False) -> None:
+    """The passes capture .. strategies and the integer program of ``config``'s recomputation tagging, kept in
+    ``cache.prepared`` for the attempts that solve it (``_solved``) without solving it here: so that processes
+    forked next (the recipes planned alone) find it built, as this process does."""
+    if tuple(config.recompute) in cache.prepared:
+        return
+    ctx = PassContext(mesh=mesh, cluster=cluster, config=config, stage=stage, example_inputs=example_inputs,
+                      cache=cache)
+    with _collector_paused():
+        gm = run_passes(model, ctx, PLANNING[0], "strategies")
+        kept = dataclasses.replace(ctx, stats=dict(ctx.stats), timings={})
+        kept.problem = problem_of(gm, ctx)
+        cache.prepared[tuple(config.recompute)] = (copy_graph(gm), kept)
+
+
 def plan_once(model: nn.Module, example_inputs: Sequence[Any], mesh: DeviceMesh, cluster: ClusterProfile,
               config: PlanConfig, *, broadcast_solution: bool = False, progress: Any = None, stage: bool = False,
               cache: PlanningCache | None = None) -> Planned:
@@ -272,4 +288,4 @@ def plan_once(model: nn.Module, example_inputs: Sequence[Any], mesh: DeviceMesh,
     return Planned(plan, gm, ctx)
 
 
-__all__ = ["Planned", "build_plan", "plan_once", "recipe_summaries"]
+__all__ = ["Planned", "build_plan", "plan_once", "prepare_once", "recipe_summaries"]

@@ -29,7 +29,7 @@ from autoshard.errors import InfeasibleBudget
 from autoshard.ir import repeated_layers
 from autoshard.notation import FULL, SELECTIVE, describe, spec
 from autoshard.plans.plan import RecipeSummary
-from autoshard.search.planned import Planned, plan_once
+from autoshard.search.planned import Planned, plan_once, prepare_once
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +63,9 @@ def plan_graph(
     searches alone can start while this one goes on (``search/recipes_alone.py``)."""
     layers = repeated_layers(model) if config.memory_budget is not None and not stage and not config.recompute else None
     # the attempts below differ only in the recomputation tagged: one capture and one candidate cache serve all
+    cache = cache or PlanningCache()
     once = functools.partial(plan_once, model, example_inputs, mesh, cluster, broadcast_solution=broadcast_solution,
-                             progress=progress, stage=stage, cache=cache or PlanningCache())
+                             progress=progress, stage=stage, cache=cache)
     if layers is None or not layers[0]:
         return once(config)
     container, total = layers
@@ -89,15 +90,20 @@ def plan_graph(
         full = attempt((container,), recipes=True) if config.solve_recipes else None
         return saving.with_plan(dataclasses.replace(saving.plan, recipes=_recipes_of([r for r in (saving, full) if r])))
     full = attempt((container,), recipes=True)
-    if recipes_known is not None:
-        recipes_known(_recipes_of([r for r in (saving, full) if r is not None]))
     reps = {}
     if full is not None and (replays := layer_replays(full.graph, full.ctx.mesh_shape, cluster.device, FULL)):
         reps[FULL] = typical_replay(replays.values())
     # the selective plan holds more than the full one and its layout is no faster: planned where the full plan's
     # step less the replays selective recomputation spares is ahead of the plans so far
     sel = None
-    if FULL in reps and full.plan.step_time_s - total * (reps[FULL].full_s - reps[FULL].cheap_s) < _fastest(plans):
+    selective = FULL in reps and (full.plan.step_time_s - total * (reps[FULL].full_s - reps[FULL].cheap_s)
+                                  < _fastest(plans))
+    if recipes_known is not None:
+        if selective:  # (built once here, before the recipes' searches are forked: they plan it too)
+            prepare_once(model, example_inputs, mesh, cluster, dataclasses.replace(
+                config, recompute=(spec(container, SELECTIVE),), solve_recipes=False), cache, stage=stage)
+        recipes_known(_recipes_of([r for r in (saving, full) if r is not None]))
+    if selective:
         sel = attempt((spec(container, SELECTIVE),))
     if sel is not None and (replays := layer_replays(sel.graph, sel.ctx.mesh_shape, cluster.device, SELECTIVE)):
         reps[SELECTIVE] = typical_replay(replays.values())
