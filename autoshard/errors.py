@@ -26,22 +26,27 @@ class InfeasibleBudget(InputError):
     (None when unknown); ``accumulation`` says which micro-batch counts were tried, when gradient accumulation
     was (``autoshard/search/accumulate.py``). ``fixed_bytes``: of ``least_bytes``, the part no smaller batch
     shrinks (parameters, gradients, optimizer state), when known: then one of k micro-batches needs at least
-    ``fixed + (least - fixed) / k`` (``micro_floor``)."""
+    ``fixed + (least - fixed) / k`` (``micro_floor``). ``step_floor``: the least peak any plan of the program has
+    whatever its batch (its state and the optimizer step's temporaries: ``compiler/solve_memory.py: step_floor``),
+    when known."""
 
     def __init__(self, message: str, least_bytes: int | None = None, accumulation: str = "",
-                 fixed_bytes: int | None = None) -> None:
+                 fixed_bytes: int | None = None, step_floor: int | None = None) -> None:
         super().__init__(message)
         self.least_bytes = least_bytes
         self.accumulation = accumulation
         self.fixed_bytes = fixed_bytes
+        self.step_floor = step_floor
 
     def micro_floor(self, k: int) -> float | None:
         """The least memory a plan of one of ``k`` micro-batches can need (None when unknown): what does not
         shrink with the batch, plus the rest divided by k (saved activations and temporaries are at most
-        proportional to the batch)."""
-        if self.least_bytes is None or self.fixed_bytes is None:
-            return None
-        return self.fixed_bytes + (self.least_bytes - self.fixed_bytes) / k
+        proportional to the batch), and never below ``step_floor``."""
+        floors = [self.step_floor]
+        if self.least_bytes is not None and self.fixed_bytes is not None:
+            floors.append(self.fixed_bytes + (self.least_bytes - self.fixed_bytes) / k)
+        known = [f for f in floors if f is not None]
+        return max(known) if known else None
 
 
 class SolverTimeout(AutoshardError, RuntimeError):

@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from autoshard.compiler.context import PassContext
 from autoshard.config import normalize
-from autoshard.compiler.solve_memory import layouts_of, solve_within
+from autoshard.compiler.solve_memory import layouts_of, solve_within, step_floor
 from autoshard.compiler.solve_recipes import best_recipe, recipe_model, recipe_pins, solve_recipes
 from autoshard.compiler.solve_reuse import program_fingerprint, reused_solution
 from autoshard.solver.intra_op import IntraOpProblem, Solution
@@ -123,6 +123,12 @@ def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
             _add_time(ctx, "plan", t1)
 
     def _own() -> Solution:
+        try:
+            return _within()
+        except InfeasibleBudget as e:
+            raise _floored(e, ctx, pins)
+
+    def _within() -> Solution:
         return solve_within(
             gm, ctx, ctx.config.memory_budget,
             time_limit_s=ctx.config.time_limit_s,
@@ -137,7 +143,7 @@ def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
         # solved alongside an earlier attempt on this program (search/recipes_alone.py plans recipes alone)
         known = ctx.cache.recipe_outcomes.get((tuple(ctx.config.recompute), normalize(ctx.config.recipe)))
         if isinstance(known, InfeasibleBudget):
-            raise known
+            raise _floored(known, ctx, pins)
         if known is not None:
             return known
     if ctx.config.recipe is not None or not ctx.config.solve_recipes:
@@ -156,6 +162,14 @@ def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
         sol = dataclasses.replace(best.solution, status=f"{sol.status}, {best.name} kept", bound_s=sol.bound_s,
                                   variables=sol.variables)  # (the program searched: a recipe may solve a smaller one)
     return sol
+
+
+def _floored(e: InfeasibleBudget, ctx: PassContext, pins: dict[int, set[int]] | None) -> InfeasibleBudget:
+    """``e`` with the program's ``step_floor`` (what no micro-batch count brings the peak below: the gradient
+    accumulation search skips the counts it rules out)."""
+    if e.step_floor is None:
+        e.step_floor = step_floor(ctx, pins)
+    return e
 
 
 def _add_time(ctx: PassContext, name: str, since: float) -> None:

@@ -12,6 +12,7 @@ round meets raises ``InfeasibleBudget`` naming the peak of the last round.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch.fx as fx
@@ -53,6 +54,28 @@ def temporaries_of(gm: fx.GraphModule, ctx: PassContext, sol: Solution) -> int:
     t = transients(gm, ctx.mesh_shape, ctx.output_roles, layouts,
                    weight=lambda n: ctx.group_weight.get(layouts[n.name].group, 1.0) if n.name in layouts else 1.0)
     return temporaries(t, acts, opt / factor if factor else 0.0)
+
+
+def step_floor(ctx: PassContext, pins: dict[int, set[int]] | None = None) -> int:
+    """The least peak any choice of this program can have (over the candidates ``pins`` leave), at any batch size:
+    the step's peak holds each group's state (parameters, gradients, optimizer state) and at least the optimizer
+    step's temporaries less the saved activations (``cost.memory.temporaries``) on top of those activations, and
+    neither term shrinks with the batch. Separable over the decision groups, so the least of each is summed."""
+    canon = ctx.layer_of_group or {g.id: g.id for g in ctx.groups}
+    factor = ctx.config.optimizer_factor
+    members: dict[int, list[int]] = {}
+    for g in ctx.groups:
+        members.setdefault(canon[g.id], []).append(g.id)
+    total = 0.0
+    for c, gids in members.items():
+        keep = (pins or {}).get(c)
+        total += min(sum(ctx.group_weight.get(g, 1.0) * _state_and_step(ctx.strategies[g][i], factor) for g in gids)
+                     for i in range(len(ctx.strategies[c])) if keep is None or i in keep)
+    return math.floor(total * (1 - 1e-9))
+
+
+def _state_and_step(s: Any, factor: int) -> float:
+    return s.param_bytes + s.grad_bytes + s.optimizer_bytes + (s.optimizer_bytes / factor if factor else 0.0)
 
 
 def solve_within(gm: fx.GraphModule, ctx: PassContext, budget: int | None, **kw: Any) -> Solution:
@@ -99,4 +122,4 @@ def solve_within(gm: fx.GraphModule, ctx: PassContext, budget: int | None, **kw:
         f"at {format_bytes(peak)} with the step's temporaries (backward temporaries, gathered weights); raise the "
         f"budget to at least {format_bytes(peak)}, use more devices, or a smaller batch.", int(peak))
 
-__all__ = ["layouts_of", "solve_within", "temporaries_of"]
+__all__ = ["layouts_of", "solve_within", "step_floor", "temporaries_of"]

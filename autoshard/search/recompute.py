@@ -139,6 +139,8 @@ def plan_graph(
         least = min(failed, key=lambda e: e.least_bytes or math.inf)
         fixed = [e.fixed_bytes for e in failed]  # (a floor for micro-batches: the lowest of every attempt's)
         least.fixed_bytes = min(fixed) if None not in fixed else None  # type: ignore[type-var]
+        floors = [e.step_floor for e in failed]  # (what no micro-batch count goes below: the lowest of them)
+        least.step_floor = min(floors) if None not in floors else None  # type: ignore[type-var]
         raise least
     best = min(plans, key=lambda p: p.plan.step_time_s)
     best = best.with_plan(dataclasses.replace(best.plan, recipes=_recipes_of([r for r in (saving, full) if r is not None])))
