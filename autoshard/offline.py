@@ -171,7 +171,7 @@ def plan_offline(
     """Plan ``model`` for ``cluster`` without its devices. ``mesh`` is a shape (default: nodes x devices per
     node), ``{axis name: size}`` outer axis first, or a DeviceMesh; the memory budget defaults to the device's
     memory. A zoo model is built in ``dtype``, or in float32 under ``config.mixed_precision`` (fp32 masters,
-    gradients and optimizer state; matmuls in bf16 under autocast).
+    gradients and optimizer state; the step in bf16 by ``config.precision_policy``).
 
     Pipeline stages: ``pipeline="auto"`` searches stage counts, micro-batches and schedules
     (``autoshard.pipeline.search``) and returns the pipelined plan when more than one stage is fastest, else
@@ -210,7 +210,7 @@ def plan_offline(
         budget = None  # (plan=saved replays its choices: no budget, no recomputation search)
     sample = base.sample_layers if base.sample_layers is not None else DEFAULT_SAMPLE_LAYERS
     cfg = dataclasses.replace(base, memory_budget=budget, sample_layers=sample)
-    # mixed precision: the model's parameters in fp32 (the masters), its matmuls in bf16 under autocast
+    # mixed precision: the model's parameters in fp32 (the masters), cast to bf16 by the precision policy
     job = resolve_model(model, example_inputs, seq=seq, global_batch=global_batch,
                         dtype=torch.float32 if cfg.mixed_precision else dtype)
     _check_batch(job, shape, names, cfg.recipe)

@@ -146,9 +146,9 @@ def test_cli_mixed_precision_plans_fp32_masters_and_bf16_matmuls(cli_runs):
     gradient and AdamW state, against 8 in pure bf16), MFU against the bf16 peak, and the report says so."""
     code, out, _, text = case_result(cli_runs, "mixed")  # main(CLI_RUNS["mixed"] + ["--out", FILE])
     assert code == 0
-    assert "mixed precision: autocast to bfloat16" in out
+    assert "mixed precision: bfloat16 parameters" in out  # the default policy (--precision-policy params)
     mixed = Plan.from_json(text)
-    assert (mixed.mixed_precision, mixed.reduce_dtype) == ("bfloat16", "bfloat16")
+    assert (mixed.mixed_precision, mixed.reduce_dtype, mixed.precision_policy) == ("bfloat16", "bfloat16", "params")
     pure = autoshard.plan("gpt2-124m", cluster="h100-sxm:1x8", seq=128, global_batch=16, recipe="ddp")
     assert "mixed precision" not in report(pure) and not pure.mixed_precision
     dtypes = {t.dtype for t in mixed.stages[0].tensors if t.role == "parameter"}

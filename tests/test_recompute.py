@@ -24,7 +24,10 @@ def _program_counts(sharded) -> dict:
     program = sharded._program
     return {"saved": program.n_saved,  # tensors the forward keeps for the backward
             "backward_mm": sum(1 for n in program.bw_gm.graph.nodes  # matmuls run (saved ones come in by name)
-                               if n.op == "call_function" and "mm" in str(n.target))}
+                               if n.op == "call_function" and "mm" in str(n.target)),
+            # attention forwards run again in the backward (a kernel tagged as random for its dropout_p, at 0)
+            "backward_attention": sum(1 for n in program.bw_gm.graph.nodes if n.op == "call_function"
+                                      and "scaled_dot_product" in str(n.target) and "backward" not in str(n.target))}
 
 
 def _worker(rank: int, world: int, recompute: tuple[str, ...]) -> dict:
@@ -44,6 +47,8 @@ def test_recomputed_layers_save_less_and_train_like_one_device():
     assert redo["saved"] < plain["saved"], (redo["saved"], plain["saved"])
     assert redo["backward_mm"] > plain["backward_mm"]  # the layers' forward matmuls run again in the backward
     assert some["backward_mm"] == plain["backward_mm"]  # selective: the matmuls are saved, not replayed
+    # full: attention replays too, so a layer keeps only its input, not its queries, keys and values
+    assert redo["backward_attention"] > plain["backward_attention"] == some["backward_attention"] == 0
     p, r, s = (autoshard.Plan.from_json(g["plan"]) for g in (plain, redo, some))
     assert r.peak_memory.activations < s.peak_memory.activations < p.peak_memory.activations
     assert r.peak_memory.activations < p.peak_memory.activations / 2

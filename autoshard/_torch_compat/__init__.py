@@ -20,6 +20,7 @@ from autoshard._torch_compat.capture import (
     OutputRole,
     data_dependent_op,
     decomposition_table,
+    draws_random,
     export_joint,
     inductor_compile,
     is_fake,
@@ -75,7 +76,7 @@ from autoshard._torch_compat.worlds import (
 __all__ = [
     "PREFER_RECOMPUTE", "tag_traced",
     "AxisRules", "InputRole", "OpOverload", "OutputRole", "Placements", "RawStrategy", "all_gather_dim0", "all_placements", "all_reduce_on", "reduce_scatter_dim0",
-    "clear_dtensor_caches", "consolidate_safetensors", "compiling_call", "forget_guards_on", "forget_guards_on_module", "graph_break_reason", "data_dependent_op", "decomposition_table", "dtensor_like", "local_tensor", "detach_from_fake_modes", "export_joint", "fake_process_group", "for_each_rank", "permute_on_axis", "swap_mirrored",
+    "clear_dtensor_caches", "consolidate_safetensors", "compiling_call", "forget_guards_on", "forget_guards_on_module", "graph_break_reason", "data_dependent_op", "decomposition_table", "draws_random", "dtensor_like", "local_tensor", "detach_from_fake_modes", "export_joint", "fake_process_group", "for_each_rank", "permute_on_axis", "swap_mirrored",
     "abort_process_groups", "default_store", "has_sharding_rule", "is_strided_shard", "in_local_tensor_mode", "inductor_compile", "is_fake", "make_spec", "new_fake_mode",
     "op_strategies", "output_meta", "output_roles", "outside_dynamo", "outside_local_tensor_mode", "partition_joint", "per_rank_copies",
     "placeholder_role", "planning_decompositions", "propagate", "split_for_pipeline", "rank_values", "ranks_disagree", "redistribute", "simulated_ranks",

@@ -188,19 +188,40 @@ def is_fake(t: object) -> bool:
 # ------------------------------------------------------------------------------- partition and compile
 
 
+def draws_random(node: fx.Node) -> bool:
+    """Whether an op draws random numbers: tagged ``nondeterministic_seeded`` and, for the ops tagged so only
+    because they can draw (the attention kernels' ``dropout_p``), drawing at the value given."""
+    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "dropout_p" not in names:
+        return True
+    i = names.index("dropout_p")
+    p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", schema.arguments[i].default_value)
+    return not (isinstance(p, (int, float)) and p == 0)
+
+
 def partition_joint(gm: fx.GraphModule, num_fwd_outputs: int) -> tuple[fx.GraphModule, fx.GraphModule]:
     """Split a joint graph (placeholders ``primals_*``/``tangents_*``) into forward and backward graphs.
 
     The forward returns its ``num_fwd_outputs`` outputs followed by the tensors saved for backward; the
     backward takes the saved tensors followed by the tangents.
     """
-    from torch._functorch.partitioners import default_partition
+    from unittest import mock
+
+    from torch._functorch import partitioners
 
     _tag_forward(gm, num_fwd_outputs)
     _inline_constant_items(gm)
     primals = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("primals")]
     tangents = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")]
-    fw, bw = default_partition(gm, [primals, tangents], num_fwd_outputs=num_fwd_outputs)
+
+    def replays_draws(g: fx.GraphModule) -> bool:  # (an attention kernel at dropout_p=0 replays no draw)
+        return any(partitioners.must_recompute(n) and draws_random(n) for n in g.graph.nodes)
+
+    with mock.patch.object(partitioners, "has_recomputable_rng_ops", replays_draws):
+        fw, bw = partitioners.default_partition(gm, [primals, tangents], num_fwd_outputs=num_fwd_outputs)
     _drop_unused(fw, keep_draws=True)
     _drop_unused(bw, keep_draws=False)  # (an unread draw copied into the backward would move the generator again)
     return fw, bw
@@ -279,8 +300,23 @@ def _tag_forward(gm: fx.GraphModule, num_fwd_outputs: int) -> None:
     gm.recompile()
 
 
+# Inductor settings every autoshard graph is compiled with:
+# - ``fallback_random``: random ops as one device runs them (ATen's kernels on the default generator), not
+#   Inductor's own draws;
+# - ``force_pointwise_cat``: a ``cat`` is a copy into a new buffer, as the traced graph (and the memory model,
+#   ``autoshard/cost/memory.py``) has it. Inductor's default lowers a ``cat`` into one buffer its inputs' producers
+#   write in place (ConcatKernel); the lowering's gradient buckets (``compiler/lower_buckets.py``) concatenate the
+#   bias and norm gradients of every layer, so each layer's bias reduction then writes into the bucket, and the
+#   scheduler (``reorder_for_peak_memory`` included) can no longer run it before the last layer's: every layer's
+#   activation gradients, which those reductions read, stay alive to the end of the backward. Measured on a stock
+#   4-layer GPT-2 (dp=2, ``benchmarks/memory_truth.py``): the backward's own buffers peak at 37.9 MiB against
+#   26.6 MiB with this setting and 25.0 MiB in the traced graph's order (docs/benchmarks.md, memory section).
+INDUCTOR_CONFIG: dict[str, Any] = {"fallback_random": True, "force_pointwise_cat": True}
+
+
 def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Callable[..., Any]:
-    """Compile an ATen graph (already functional, no autograd) with Inductor; returns f(list) -> outputs."""
+    """Compile an ATen graph (already functional, no autograd) with Inductor (``INDUCTOR_CONFIG``); returns
+    f(list) -> outputs."""
     import copy
     import logging
 
@@ -288,8 +324,7 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor])
     from torch._inductor.compile_fx import compile_fx_inner
 
     try:
-        # random ops as one device runs them (ATen's kernels on the default generator), not Inductor's own draws
-        with inductor_config.patch({"fallback_random": True}):
+        with inductor_config.patch(INDUCTOR_CONFIG):
             compiled = compile_fx_inner(copy.deepcopy(gm), list(example_inputs))
     except Exception as e:
         if "CppCSEVariable" not in str(e) or example_inputs and example_inputs[0].device.type != "cpu":
@@ -299,7 +334,7 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor])
         logging.getLogger(__name__).warning(
             "Inductor's vectorized C++ code generation failed (%s); compiling this graph without vectorization",
             str(e).splitlines()[0][:160])
-        with inductor_config.patch({"cpp.simdlen": 1, "fallback_random": True}):
+        with inductor_config.patch({**INDUCTOR_CONFIG, "cpp.simdlen": 1}):
             compiled = compile_fx_inner(gm, list(example_inputs))
 
     def run(args: list[torch.Tensor]) -> Any:

@@ -164,8 +164,10 @@ def _mark_kept(gm: fx.GraphModule, reset: bool = False) -> None:
 
 def _seeded(node: fx.Node) -> bool:
     """An op that draws random numbers (dropout, CPU flash attention with its dropout) is saved, not replayed:
-    a replay must draw the same numbers, which needs torch's RNG functionalization."""
-    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+    a replay must draw the same numbers, which needs torch's RNG functionalization. An op tagged as seeded only
+    because it can draw (the attention kernels' ``dropout_p``) draws nothing at ``dropout_p=0`` and is replayed
+    like any other: saved, its inputs (a layer's queries, keys and values) would stay too."""
+    return tc.draws_random(node)
 
 
 def is_recomputed(node: fx.Node) -> bool:
