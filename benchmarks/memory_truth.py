@@ -4,6 +4,8 @@
     python benchmarks/memory_truth.py --model gpt --backend eager
     python benchmarks/memory_truth.py --rows solved,ddp     # a subset of the rows
     python benchmarks/memory_truth.py --model lora          # PEFT LoRA on a stock Llama: frozen base weights
+    python benchmarks/memory_truth.py --model hf --layers 4 --vocab 2000 --dropout stock --rows budget --budgets 0.8
+                                                            # issue 45's stock GPT-2 (GPT2Config's own dropout)
 
 Each row is one ``autoshard.testing.launch`` of 2 forked gloo ranks (1 thread each; mesh (2,) "dp"): the model is built
 with fixed weights, ``autoshard.compile``d (the solved plan, a forced ``recipe=``, or the solved plan under a
@@ -34,7 +36,12 @@ Columns (MiB per device; measured = max over the 2 ranks):
   ``fwd`` = forward allocations still alive, ``grads`` = gradient storages (by address), ``bwd`` = the backward's
   other allocations (temporaries, gathered weights, communication buffers), ``opt`` = the optimizer's;
 - the second line: the profiler's own categories at the peak, each rank's peak, compile and step time;
-- budget rows: the budget and whether the measured peak is within it.
+- budget rows: the budget and whether the measured peak is within it; each budget row is run under every backend of
+  ``--budget-backends`` (default: Inductor and eager), the plan being the same (the budget is a fraction of the
+  no-budget plan's predicted peak, made once under ``--backend``).
+
+``--dropout``: the HF GPT-2's dropout probabilities (``resid_pdrop``, ``embd_pdrop``, ``attn_pdrop``; default 0),
+``stock`` for ``GPT2Config``'s own (0.1).
 
 LoRA (``--model lora``): a stock ``transformers`` LlamaForCausalLM (``LORA_CFG``: 2 layers, d 512, ffn 2048, vocab
 2048, seq 128, batch ``LORA_BATCH``) wrapped by ``peft.get_peft_model`` with rank-8 adapters on every linear layer
@@ -87,6 +94,7 @@ BUDGET_FRACTIONS: tuple[float, ...] = (0.9, 0.85)  # of the no-budget solved pla
 LORA_CFG = GPTConfig(n_layer=2, d_model=512, n_head=8, vocab=2048, seq_len=128, bias=False)  # sizes of make_lora's Llama
 LORA_BATCH = 4
 LORA_BUDGET = 1.5  # the lora budget row's, in base weights' bytes (fp32): 60 MiB
+HF_DROPOUT: float | None = 0.0  # the HF GPT-2's dropout (--dropout; None: GPT2Config's own), read by the forked ranks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,9 +138,9 @@ def make_model(kind: str, spec: RowSpec | None = None) -> nn.Module:
     import transformers
 
     c = GPT_CFG
+    drop = {} if HF_DROPOUT is None else {"resid_pdrop": HF_DROPOUT, "embd_pdrop": HF_DROPOUT, "attn_pdrop": HF_DROPOUT}
     cfg = transformers.GPT2Config(n_layer=c.n_layer, n_embd=c.d_model, n_head=c.n_head, vocab_size=c.vocab,
-                                  n_positions=c.seq_len, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                  bos_token_id=0, eos_token_id=0)
+                                  n_positions=c.seq_len, bos_token_id=0, eos_token_id=0, **drop)
     return transformers.GPT2LMHeadModel(cfg).train()
 
 
@@ -253,7 +261,7 @@ def run_row(spec: RowSpec, timeout: float) -> dict[str, Any]:
 
 CAT_SHORT = {"parameter": "par", "optimizer state": "opt", "gradient": "grad", "activation": "act",
              "temporary": "tmp", "autograd detail": "agd", "input": "in", "unknown": "unk"}
-HEADER = (f"{'model':5} {'row':10} {'plan':6} | {'pred':>6} {'meas':>6} {'ratio':>5} {'in':>3} | "
+HEADER = (f"{'model':5} {'row':10} {'be':3} {'plan':6} | {'pred':>6} {'meas':>6} {'ratio':>5} {'in':>3} | "
           f"{'P':>5} {'G':>5} {'O':>5} {'A':>5} pred | {'P':>5} {'G':>5} {'O':>5} {'A':>5} meas | "
           f"{'base':>5} {'fwd':>5} {'grads':>5} {'bwd':>5} {'opt':>5} at peak | {'fwdpk':>5} {'bwdpk':>5} {'optpk':>5} "
           f"| budget")
@@ -271,7 +279,7 @@ def format_row(r: dict[str, Any]) -> str:
     touched (parameters, optimizer state, inputs), ``fwd`` / ``bwd`` / ``opt`` = bytes allocated in that block
     still alive (``bwd`` without the gradients, shown as ``grads``)."""
     s: RowSpec = r["spec"]
-    name = f"{s.model:5} {s.label:10}"
+    name = f"{s.model:5} {s.label:10} {s.backend[:3]:3}"
     if "error" in r:
         return f"{name} ERROR: {r['error'][:400]}"
     p, h, made, reg = r["pred"], r["held"], r["made_in"], r["regions"]
@@ -333,10 +341,14 @@ def lora_rows(backend: str, wanted: set[str], timeout: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global GPT_CFG  # --layers: read by the forked ranks (make_model, global_inputs)
+    global GPT_CFG, HF_DROPOUT  # --layers, --vocab, --dropout: read by the forked ranks (make_model, global_inputs)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=("gpt", "hf", "both", "lora"), default="both")
     ap.add_argument("--backend", choices=("inductor", "eager"), default="inductor")
+    ap.add_argument("--budget-backends", default="inductor,eager",
+                    help="comma-separated backends each budget row is run under (the same plan under each)")
+    ap.add_argument("--vocab", type=int, default=GPT_CFG.vocab, help="vocabulary of both models")
+    ap.add_argument("--dropout", default="0", help="the HF GPT-2's dropout: a probability, or 'stock' (GPT2Config's)")
     ap.add_argument("--rows", default="", help="comma-separated subset of: solved, recompute, bf16, 'bf16 fsdp', "
                     "<recipes>, budget; with --model lora: full, lora, 'lora fsdp', 'bf16 base', budget")
     ap.add_argument("--timeout", type=float, default=240.0)
@@ -344,14 +356,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", default=",".join(map(str, BUDGET_FRACTIONS)),
                     help="budget rows: fractions of the no-budget plan's predicted peak")
     args = ap.parse_args(argv)
-    GPT_CFG = dataclasses.replace(GPT_CFG, n_layer=args.layers)
+    GPT_CFG = dataclasses.replace(GPT_CFG, n_layer=args.layers, vocab=args.vocab)
+    HF_DROPOUT = None if args.dropout == "stock" else float(args.dropout)
+    budget_backends = [b for b in args.budget_backends.split(",") if b]
     fractions = [float(x) for x in args.budgets.split(",") if x]
     logging.basicConfig(level=logging.WARNING)
     wanted = set(filter(None, args.rows.split(",")))
     known = _known_recipes()
     kinds = ("gpt", "hf") if args.model == "both" else (args.model,)
     what = f"LoRA on a stock Llama of {LORA_CFG}, batch {LORA_BATCH}" if args.model == "lora" else \
-        f"GPT {GPT_CFG}, batch {BATCH}"
+        f"GPT {GPT_CFG}, batch {BATCH}, HF dropout {'stock' if HF_DROPOUT is None else HF_DROPOUT}"
     print(f"memory truth: {WORLD} gloo ranks, mesh (2,) dp, backend {args.backend}, AdamW foreach, {what}; MiB per "
           "device")
     print(HEADER)
@@ -380,9 +394,10 @@ def main(argv: list[str] | None = None) -> int:
         if base is None or (wanted and "budget" not in wanted):
             continue
         for frac in fractions:
-            spec = RowSpec(kind, f"budget {frac}", None, int(frac * base["pred"]["total"]), args.backend)
-            r = run_row(spec, args.timeout)
-            print(format_row(r), f"[{r['wall_s']:.0f} s]\n" + format_categories(r), flush=True)
+            for backend in budget_backends:
+                spec = RowSpec(kind, f"budget {frac}", None, int(frac * base["pred"]["total"]), backend)
+                r = run_row(spec, args.timeout)
+                print(format_row(r), f"[{r['wall_s']:.0f} s]\n" + format_categories(r), flush=True)
     print(f"total {time.perf_counter() - t_all:.0f} s")
     return 0
 
