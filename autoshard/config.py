@@ -28,7 +28,7 @@ ConstraintValue = Union[str, Sequence[Union[str, Placement, None]], Mapping[str,
 FIRST_BUCKET_BYTES = 2**20
 BUCKET_BYTES = 25 * 2**20
 
-# PlanConfig.mixed_precision: compute dtype of autocast's lower-precision ops (fp32 master weights and state)
+# PlanConfig.mixed_precision: the dtype the step computes in (fp32 master weights, gradients and state)
 MIXED_PRECISION = {"bf16": "bfloat16", "bfloat16": "bfloat16"}
 # PlanConfig.precision_policy: how mixed_precision runs (autoshard/compiler/precision.py). "params": FSDP2's
 # MixedPrecisionPolicy(param_dtype=bf16): the parameters cast to bf16 and the whole forward and backward in bf16, fp32
