@@ -4,7 +4,7 @@
     python benchmarks/plan_quality_published.py --rows 8b   # rows whose label contains these
 
 Published training configurations, planned offline in bf16 mixed precision (fp32 masters, gradients and AdamW
-state; matmuls in bf16), the budget the device's usable memory: torchtitan's Llama-3.1-8B rows (sequence 8192,
+state; bf16 parameters and activations, FSDP2's policy: ``precision_policy="params"``), the budget the device's usable memory: torchtitan's Llama-3.1-8B rows (sequence 8192,
 local batch 2, FSDP, on 8, 16 and 128 H100s), MLPerf Training's Llama-3.1-8B shape (sequence 8192, global batch
 32, one node of 8), Llama-3-70B on 256 H100s (local batch 16 over dp = 32), Mixtral-8x7B on 64 and a 128K-token
 sequence on 64. For each: the plan's step, the fastest recipe that fits **planned alone** (its own recomputation
@@ -42,7 +42,8 @@ ROWS = (
     Row("torchtitan 8B, 16 GPUs", "llama3-8b", "h100-sxm:2x8", 8192, 32),
     Row("torchtitan 8B, 128 GPUs (Table 3)", "llama3-8b", "h100-sxm:16x8", 8192, 256),
     Row("MLPerf Llama-3.1-8B, 8 GPUs", "llama3-8b", "h100-sxm:1x8", 8192, 32),
-    Row("Llama-3-70B, 256 GPUs", "llama3-70b", "h100-sxm:32x8", 8192, 512),
+    # torchtitan's 2-D row (FSDP 32 x TP 8, local batch 16): it must plan in one step, no micro-batches
+    Row("torchtitan 70B 2-D, 256 GPUs, local batch 16", "llama3-70b", "h100-sxm:32x8", 8192, 512),
     Row("Mixtral-8x7B, 64 GPUs", "mixtral-8x7b", "h100-sxm:8x8", 4096, 64),
     Row("Llama-3-8B, 128K tokens, 64 GPUs", "llama3-8b", "h100-sxm:8x8", 131072, 4, (4, 16)),
 )

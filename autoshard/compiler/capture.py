@@ -299,7 +299,8 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], ctx: PassContext) -
     cfg = ctx.config
 
     def precision(inner: nn.Module, call_args: tuple, kwargs: dict) -> Any:
-        return run_model(inner, call_args, kwargs, cfg.mixed_precision, cfg.precision_policy, device)
+        return run_model(inner, call_args, kwargs, cfg.mixed_precision, cfg.precision_policy, device,
+                         cast_inputs=not ctx.stage)
 
     wrapper = (_Outputs(traced, signature, precision) if ctx.stage
                else _LossOnly(traced, signature, ctx.config.loss_fn, precision))

@@ -25,14 +25,18 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils import _pytree as pytree
+
+from autoshard import _torch_compat as tc
 
 _CASTS = {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default}
 
 
 def run_model(inner: nn.Module, args: tuple, kwargs: Mapping[str, Any], mixed_precision: str | None,
-              policy: str, device: torch.device) -> Any:
-    """``inner(*args, **kwargs)`` under the precision policy (module docstring)."""
+              policy: str, device: torch.device, cast_inputs: bool = True) -> Any:
+    """``inner(*args, **kwargs)`` under the precision policy (module docstring). ``cast_inputs=False``: a
+    pipeline stage, whose inputs are the previous stage's values in the dtypes the model made them (the stages'
+    split was traced under the policy, ``autoshard/pipeline/wiring.py: split_model``, and cast the model's own
+    inputs in the first stage)."""
     if mixed_precision is None:
         return inner(*args, **kwargs)
     dtype = getattr(torch, mixed_precision)
@@ -40,8 +44,10 @@ def run_model(inner: nn.Module, args: tuple, kwargs: Mapping[str, Any], mixed_pr
         with torch.autocast(device_type=device.type, dtype=dtype):
             return inner(*args, **kwargs)
     cast = {name: p.to(dtype) if p.is_floating_point() else p for name, p in inner.named_parameters()}
-    args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t,
-                                        (tuple(args), dict(kwargs)))
+    if cast_inputs:
+        leaves, spec = tc.tree_flatten((tuple(args), dict(kwargs)))
+        leaves = [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in leaves]
+        args, kwargs = tc.tree_unflatten(leaves, spec)
     return torch.func.functional_call(inner, cast, args, kwargs, strict=False)
 
 

@@ -188,9 +188,11 @@ def compile_pipelined(
     sig, _ = signature_of(inputs)
     _, mb = signature_of(micro_call(inputs, M))
     spec = {f"{choice.container}.{start}": SplitPoint.BEGINNING for start, _ in split.layers[1:]}
-    pipe, wiring = split_model(model, sig, mb, spec, config.loss_fn)
+    low = getattr(torch, config.mixed_precision) if config.mixed_precision and config.precision_policy == "params" \
+        else None
+    pipe, wiring = split_model(model, sig, mb, spec, config.loss_fn, low)
     n = pipe.num_stages
-    ex_args, ex_sends = stage_examples(pipe, wiring, mb)
+    ex_args, ex_sends = stage_examples(pipe, wiring, mb, low)
     canon = _canonical_names(model)
     placements: dict[str, tuple[Placement, ...]] = {}  # parameter (first name) -> its first holder's layout
     holders: dict[str, list[int]] = {}

@@ -38,16 +38,20 @@ from autoshard.inputs import CallSignature
 from autoshard.errors import InputError
 from autoshard.runtime.stage_values import MEAN, Source, StageWiring, stage_args, stage_sends
 
-def _loss_call(model: nn.Module, signature: CallSignature, loss_fn: Callable[[Any], torch.Tensor] | None) -> nn.Module:
+def _loss_call(model: nn.Module, signature: CallSignature, loss_fn: Callable[[Any], torch.Tensor] | None,
+               input_dtype: torch.dtype | None = None) -> nn.Module:
     """The model called as the example call did (flat tensors in), returning only its loss: a shallow copy that
     shares the model's parameters, buffers and children (traced names are the model's own) with a forward that
-    runs the model's and keeps the loss (``passes.capture.loss_of``)."""
+    runs the model's and keeps the loss (``passes.capture.loss_of``); floating inputs cast to ``input_dtype``."""
     from autoshard.compiler.capture import loss_of
 
     wrapper = copy.copy(model)
     cls_forward = type(model).forward
 
     def forward(*tensors: torch.Tensor) -> torch.Tensor:
+        if input_dtype is not None:
+            tensors = tuple(t.to(input_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                            for t in tensors)
         args, kwargs = signature.unflatten(tensors)
         return loss_of(cls_forward(wrapper, *args, **kwargs), type(model).__name__, loss_fn)
 
@@ -56,14 +60,19 @@ def _loss_call(model: nn.Module, signature: CallSignature, loss_fn: Callable[[An
 
 
 def split_model(model: nn.Module, signature: CallSignature, tensors: Sequence[torch.Tensor], split_spec: dict[str, Any],
-                loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[Any, list[StageWiring]]:
+                loss_fn: Callable[[Any], torch.Tensor] | None, param_dtype: torch.dtype | None = None
+                ) -> tuple[Any, list[StageWiring]]:
     """The ``torch.distributed.pipelining`` Pipe of ``model`` cut at ``split_spec`` (traced on the micro-batch
-    ``tensors``, the call's tensors in ``signature`` order) and each stage's wiring."""
+    ``tensors``, the call's tensors in ``signature`` order) and each stage's wiring. ``param_dtype`` (mixed
+    precision's bf16 parameters, ``autoshard/compiler/precision.py``): the model is traced with its floating
+    parameters and inputs in that dtype, so what its code decides from a dtype (``x.to(weight.dtype)``) is
+    decided as the stages run; the stages get the model's own parameters back, which each stage's program
+    casts."""
     device = next((t.device for t in tensors if isinstance(t, torch.Tensor)), torch.device("cpu"))
-    with _stand_ins(model, device) as stand:
-        pipe = tc.split_for_pipeline(_loss_call(model, signature, loss_fn), tuple(tensors), split_spec)
+    with _stand_ins(model, device, param_dtype) as stand:
+        pipe = tc.split_for_pipeline(_loss_call(model, signature, loss_fn, param_dtype), tuple(tensors), split_spec)
     if stand:
-        _meta_again(pipe, stand)
+        _originals_again(pipe, stand)
     for k in range(pipe.num_stages - 1):
         _contiguous_outputs(pipe.get_stage_module(k))
     return pipe, wiring_of(pipe.split_gm.graph)
@@ -92,19 +101,23 @@ def _contiguous_outputs(stage: fx.GraphModule) -> None:
 
 
 @contextlib.contextmanager
-def _stand_ins(model: nn.Module, device: torch.device) -> Iterator[dict[int, torch.Tensor]]:
+def _stand_ins(model: nn.Module, device: torch.device,
+               param_dtype: torch.dtype | None = None) -> Iterator[dict[int, torch.Tensor]]:
     """A model built on the meta device is traced with each meta parameter and buffer replaced by a stand-in on
     the inputs' ``device`` that holds one element, expanded to the full shape (no memory): the trace then records
-    the devices the stages run on. Yields stand-in id -> the meta original; the model gets its originals back."""
+    the devices the stages run on. With ``param_dtype``, every floating parameter gets a stand-in of that dtype.
+    Yields stand-in id -> the original; the model gets its originals back."""
     swapped: list[tuple[dict, str, torch.Tensor]] = []
     made: dict[int, torch.Tensor] = {}
     for m in model.modules():
         for table in (m._parameters, m._buffers):
             for leaf, t in list(table.items()):
-                if t is None or t.device.type != "meta":
+                recast = param_dtype is not None and table is m._parameters and t is not None and t.is_floating_point()
+                if t is None or (t.device.type != "meta" and not recast):
                     continue
                 if id(t) not in made:
-                    fill = torch.zeros((), dtype=t.dtype, device=device).expand(t.shape)
+                    dev = device if t.device.type == "meta" else t.device
+                    fill = torch.zeros((), dtype=param_dtype if recast else t.dtype, device=dev).expand(t.shape)
                     made[id(t)] = nn.Parameter(fill, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
                         else fill
                 swapped.append((table, leaf, t))
@@ -116,9 +129,10 @@ def _stand_ins(model: nn.Module, device: torch.device) -> Iterator[dict[int, tor
             table[leaf] = t
 
 
-def _meta_again(pipe: Any, stand: dict[int, torch.Tensor]) -> None:
-    """The stages' stand-ins replaced by meta tensors again (new objects, tied ones shared: the runtime replaces
-    and empties a stage's parameters, while the model keeps its own for ``init_weights``)."""
+def _originals_again(pipe: Any, stand: dict[int, torch.Tensor]) -> None:
+    """The stages' stand-ins replaced by their originals: a meta original by a new meta tensor (tied ones shared:
+    the runtime replaces and empties a stage's parameters, while the model keeps its own for ``init_weights``),
+    any other by the original itself."""
     fresh: dict[int, torch.Tensor] = {}
     for k in range(pipe.num_stages):
         for m in pipe.get_stage_module(k).modules():
@@ -126,6 +140,9 @@ def _meta_again(pipe: Any, stand: dict[int, torch.Tensor]) -> None:
                 for leaf, t in list(table.items()):
                     orig = stand.get(id(t)) if t is not None else None
                     if orig is None:
+                        continue
+                    if orig.device.type != "meta":
+                        table[leaf] = orig
                         continue
                     if id(t) not in fresh:
                         empty = torch.empty(orig.shape, dtype=orig.dtype, device="meta")
@@ -178,10 +195,12 @@ def wiring_of(graph: fx.Graph) -> list[StageWiring]:
     return wiring
 
 
-def stage_examples(pipe: Any, wiring: Sequence[StageWiring], mb_tensors: Sequence[torch.Tensor]
+def stage_examples(pipe: Any, wiring: Sequence[StageWiring], mb_tensors: Sequence[torch.Tensor],
+                   param_dtype: torch.dtype | None = None
                    ) -> tuple[list[tuple[torch.Tensor, ...]], list[tuple[torch.Tensor, ...]]]:
     """Per stage: its graph's arguments and what it sends, as zero tensors of the micro-batch shapes (a
-    fake-tensor run, no compute); a float value derived from parameters requires grad."""
+    fake-tensor run, no compute); a float value derived from parameters requires grad. ``param_dtype``: the
+    stages run on their floating parameters in that dtype (``split_model``'s)."""
     fake = tc.new_fake_mode()
     args_out, sends_out = [], []
     received: tuple[torch.Tensor, ...] = ()
@@ -192,8 +211,12 @@ def stage_examples(pipe: Any, wiring: Sequence[StageWiring], mb_tensors: Sequenc
             fargs = [fake.from_tensor(a) for a in args]
             # a stage of a model built on the meta device runs with fake stand-ins on the inputs' device
             device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
-            meta = {n: torch.empty(t.shape, dtype=t.dtype, device=device).requires_grad_(t.requires_grad)
-                    for n, t in [*stage.named_parameters(), *stage.named_buffers()] if t.device.type == "meta"}
+            params = [(n, t, param_dtype if param_dtype is not None and t.is_floating_point() else t.dtype)
+                      for n, t in stage.named_parameters()]
+            meta = {n: torch.empty(t.shape, dtype=dtype, device=device if t.device.type == "meta" else t.device
+                                   ).requires_grad_(t.requires_grad)
+                    for n, t, dtype in [*params, *((n, t, t.dtype) for n, t in stage.named_buffers())]
+                    if t.device.type == "meta" or dtype != t.dtype}
             out = torch.func.functional_call(stage, meta, tuple(fargs)) if meta else stage(*fargs)
         outs = tuple(_like(o) for o in (out if isinstance(out, tuple) else (out,)))
         args_out.append(tuple(_like(a) for a in args))
