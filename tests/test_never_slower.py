@@ -133,3 +133,32 @@ def test_each_alone_in_side_processes_as_here_and_the_micro_batch_floor():
     e = InfeasibleBudget("x", 100, fixed_bytes=40)
     assert e.micro_floor(1) == 100 and e.micro_floor(2) == 70 and e.micro_floor(4) == 55
     assert InfeasibleBudget("x", 100).micro_floor(2) is None
+    floored = InfeasibleBudget("x", 100, fixed_bytes=40, step_floor=60)  # (the step's floor: no k goes below it)
+    assert floored.micro_floor(2) == 70 and floored.micro_floor(4) == 60
+    assert InfeasibleBudget("x", step_floor=60).micro_floor(8) == 60
+
+
+def test_step_floor_is_below_every_plans_peak_and_rules_out_what_cannot_fit():
+    """``solve_memory.step_floor``: no plan of the program (any recipe's pins, any micro-batch count) peaks below it,
+    and a budget under it is refused without planning a micro-batch count."""
+    from autoshard.compiler.solve_memory import step_floor
+    from autoshard.compiler.solve_recipes import recipe_pins
+    from autoshard.search.recompute import plan_graph
+    from autoshard.cluster.presets import get_cluster
+    from autoshard.config import PlanConfig
+
+    with torch.device("meta"):
+        model = _Stack()
+    inputs = (torch.randn(256, 64), torch.randn(256, 64))
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+        planned = plan_graph(model, inputs, mesh, get_cluster("h100-sxm:1x4"), PlanConfig())
+        floor = step_floor(planned.ctx)
+        assert 0 < floor <= planned.plan.peak_memory.total
+        for r in planned.plan.recipes:
+            if r.applies:
+                pins, _ = recipe_pins(r.name, planned.graph, planned.ctx)
+                assert floor <= step_floor(planned.ctx, pins) <= r.peak_memory_bytes, r.name
+        with pytest.raises(InfeasibleBudget) as e:
+            autoshard.plan(model, mesh, inputs, memory_budget=floor - 1)
+    assert "at least" in str(e.value) or "none" in str(e.value), str(e.value)
