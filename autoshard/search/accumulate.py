@@ -23,10 +23,10 @@ from autoshard.compiler.context import PlanningCache
 from autoshard.config import PlanConfig
 from autoshard.errors import InfeasibleBudget
 from autoshard.inputs import Call, signature_of
-from autoshard.notation import format_bytes
+from autoshard.notation import describe, format_bytes
 from autoshard.runtime.accumulate import Accumulation, accumulated_plan, batched_inputs, loss_weighting, micro_example
 from autoshard.runtime.lazy import DATA_PARALLEL_NAMES
-from autoshard.plans.plan import RecipeSummary
+from autoshard.plans.plan import Plan, RecipeSummary
 from autoshard.search.planned import Planned
 from autoshard.search.recompute import plan_graph
 from autoshard.search.sample_coupling import Coupling, coupling
@@ -68,6 +68,8 @@ def plan_accumulated(model: nn.Module, inputs: tuple | dict | Call, mesh: Device
                                 lambda: plan_micro(model, inputs, mesh, cluster, config, real_group, 1, progress,
                                                    caches, recipes_known))
     if whole is None:
+        if weigh_next and _recomputes(whole_plan[0].plan):
+            return _accumulate_instead(model, inputs, mesh, cluster, config, real_group, whole_plan, progress, caches)
         return whole_plan
     least = whole.least_bytes
     tried: list[str] = []
@@ -120,6 +122,37 @@ def _warn_unknown(found: Coupling, k: int) -> None:
         warn(log, "gradient accumulation over %d micro-batches: the batch could not be followed through %s%s; "
              "accumulation assumes they keep the samples of the batch apart (no op found to mix them). If one "
              "does mix them, raise the memory budget or pass microbatches=1", k, found.unknown[0], more)
+
+
+def _recomputes(plan: Plan) -> bool:
+    return bool(plan.recompute or plan.recompute_layers)
+
+
+def _accumulate_instead(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
+                        config: PlanConfig, real_group: bool, whole: tuple[Planned, Accumulation | None],
+                        progress: Any = None, caches: Caches | None = None) -> tuple[Planned, Accumulation | None]:
+    """The whole batch fits only by recomputing: micro-batches are the other way to hold fewer activations at once.
+    Plan 2, 4, ... micro-batches while each fits, is faster than the best so far and the one before still
+    recomputes; keep the fastest. Not where the model mixes its samples (accumulation would change the step)."""
+    best = whole
+    for k in _microbatch_counts(inputs, mesh, config):
+        found, err = _agreed(real_group, lambda k=k: plan_micro(model, inputs, mesh, cluster, config, real_group, k,
+                                                                progress, caches))
+        if err is not None or found[0].plan.peak_memory.total > config.memory_budget:
+            break
+        if found[0].plan.step_time_s >= best[0].plan.step_time_s - 1e-12:
+            break
+        found_coupling = coupling(found[0], batched_inputs(signature_of(inputs)[1]))
+        if found_coupling.mixes is not None or found_coupling.unknown:
+            break  # (the whole batch fits: no accumulation whose step is not the batch's, nor one unknown)
+        log.info("plan: %d micro-batches step in %.6f s (%s), faster than %d recomputing %s (%.6f s); keeping %d",
+                 k, found[0].plan.step_time_s, describe(found[0].plan.recompute_layers) or "nothing recomputed",
+                 best[0].plan.microbatches, describe(best[0].plan.recompute_layers) or "every layer",
+                 best[0].plan.step_time_s, k)
+        best = found
+        if not _recomputes(found[0].plan):
+            break
+    return best
 
 
 def _next_fit(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
