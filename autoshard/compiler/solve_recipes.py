@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -301,6 +301,12 @@ def recipe_model(recipe: str, gm: fx.GraphModule, ctx: PassContext) -> dict[int,
     every candidate), so that the recipe planned alone solves the same program in the same model as its solves
     alongside, which its searches alone reuse (``PlanningCache.recipe_outcomes``), and in a smaller one."""
     recipes = applicable(ctx.mesh_shape, experts=has_experts(gm, ctx), attention=has_attention(gm))
+    return shared_models(_pins(recipes, gm, ctx), ctx).get(normalize(recipe))
+
+
+def _pins(recipes: Sequence[str], gm: fx.GraphModule, ctx: PassContext) -> dict:
+    """Each recipe's pinned candidates (``recipe_pins``); a recipe that cannot pin is left out (``solve_recipe``
+    says why)."""
     pinned = {}
     memo: dict[frozenset[int], dict[int, set[int]]] = {}
     for r in recipes:
@@ -308,7 +314,7 @@ def recipe_model(recipe: str, gm: fx.GraphModule, ctx: PassContext) -> dict[int,
             pinned[r] = recipe_pins(r, gm, ctx, memo)
         except ValueError:
             pass
-    return shared_models(pinned, ctx).get(normalize(recipe))
+    return pinned
 
 
 def solve_recipes(gm: fx.GraphModule, ctx: PassContext, alongside: Callable[[], T] | None = None) -> tuple[list[RecipeResult], T | None]:
@@ -317,13 +323,7 @@ def solve_recipes(gm: fx.GraphModule, ctx: PassContext, alongside: Callable[[], 
     laptop solves two programs at a time."""
     recipes = applicable(ctx.mesh_shape, experts=has_experts(gm, ctx), attention=has_attention(gm))
     ctx.report("solve", 0.0, f"autoshard plan and recipes {', '.join(recipes)}")
-    pinned = {}
-    memo: dict[frozenset[int], dict[int, set[int]]] = {}
-    for r in recipes:
-        try:
-            pinned[r] = recipe_pins(r, gm, ctx, memo)
-        except ValueError:
-            pass  # (solve_recipe says why)
+    pinned = _pins(recipes, gm, ctx)
     within = shared_models(pinned, ctx)
     pool = ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1)))
     done = False
