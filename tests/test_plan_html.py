@@ -68,7 +68,9 @@ def plans() -> dict[str, Plan]:
         small = autoshard.plan(GPT(CFG), mesh, gpt_example_inputs(CFG, 8), cluster="a100-80gb",
                                constraints={"inputs": {"dp": torch.distributed.tensor.Shard(0)}})
     piped = autoshard.plan("gpt2-124m", {"pp": 2, "dp": 4}, cluster="a100-80gb:2x4", global_batch=16, time_limit_s=5)
-    tight = autoshard.plan("gpt2-124m", cluster="a100-80gb:1x2", global_batch=16, memory_budget="5GB", time_limit_s=5)
+    # one micro-batch: left free, the planner fits 5 GB by accumulating instead, and this case must recompute
+    tight = autoshard.plan("gpt2-124m", cluster="a100-80gb:1x2", global_batch=16, memory_budget="5GB", microbatches=1,
+                           time_limit_s=5)
     return {"small": small, "pipelined": piped, "memory-bound": tight}
 
 
