@@ -19,12 +19,12 @@ import autoshard
 from autoshard.cli import main
 from autoshard.cluster.meshes import fake_world
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
-from autoshard.notation import format_bytes, format_seconds
+from autoshard.notation import describe, format_bytes, format_seconds
 from autoshard.plans.html.page import VIEWS, render_html, write_html
 from autoshard.plans.html.layouts import tensor_tiles
 from autoshard.plans.html.schedule import idle_share, simulate
 from autoshard.plans.plan import MeshSpec, Plan
-from autoshard.plans.words import axis_roles, plan_in_words
+from autoshard.plans.words import axis_roles, plan_in_words, what_bounds
 from autoshard.solver.inter_op import pipeline_time
 from autoshard.plans.report import report
 
@@ -84,6 +84,7 @@ def test_every_view_is_drawn_from_the_plans_numbers(plans: dict[str, Plan]) -> N
         text = {v: re.sub(r"\s+", " ", s["text"]) for v, s in page.sections.items()}
         assert plan_in_words(plan) in text["header"]
         assert format_seconds(plan.step_time_s) in text["header"]
+        assert what_bounds(plan) in text["header"] and what_bounds(plan) in report(plan), name
         for stage in plan.stages:  # each stage's memory bar ends with its total (and the budget)
             assert format_bytes(stage.memory.total) in text["memory"], (name, stage.index)
         budget = plan.memory_budget_bytes
@@ -95,6 +96,14 @@ def test_every_view_is_drawn_from_the_plans_numbers(plans: dict[str, Plan]) -> N
         # a tile per shard: a parameter sharded over both axes of a (2, 2) mesh is drawn as 4 tiles
         tiles = sum(1 for a in page.attrs if a.get("class") == "tile")
         assert tiles >= sum(1 for s in plan.stages for t in s.tensors if t.role == "parameter") // 2
+    tight = plans["memory-bound"]  # what bounds it: the plan's own terms, adding up to its step, and the lever
+    stage, bounds = tight.stages[0], what_bounds(tight)
+    assert stage.compute_s + stage.comm_s == pytest.approx(tight.step_time_s, rel=1e-6)
+    for term in (stage.compute_s - tight.recompute_s, tight.recompute_s, stage.comm_s):
+        assert f"{format_seconds(term)} ({term / tight.step_time_s:.0%})" in bounds, bounds
+    assert f"memory binds: {format_bytes(tight.peak_memory.total)} of {format_bytes(tight.memory_budget_bytes)}" in bounds
+    assert "recomputing " + describe(tight.recompute_layers) in bounds
+    assert "memory binds" not in what_bounds(plans["small"]) and "pipeline idle" in what_bounds(plans["pipelined"])
     small = plans["small"]  # each recipe's largest terms against the plan, a layout change among them
     assert all(r.differences for r in small.recipes if r.applies and r.step_time_s != small.step_time_s)
     assert any("->" in d for r in small.recipes for d in r.differences)

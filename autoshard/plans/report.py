@@ -19,7 +19,7 @@ from autoshard.notation import (
     tensor_str,
 )
 from autoshard.plans.plan import MemoryBreakdown, Plan, StagePlan
-from autoshard.plans.words import plan_in_words, precision_words
+from autoshard.plans.words import plan_in_words, precision_words, what_bounds
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -337,6 +337,8 @@ def _report_lines(plan: Plan, *, collapse: bool, max_rows: int) -> list[str]:
     if plan.tokens_per_step and plan.step_time_s > 0:
         mfu = f"  MFU {plan.mfu:.1%}" if plan.peak_flops_per_device and plan.model_flops_per_step else ""
         lines.append(f"throughput {plan.tokens_per_s:,.0f} tokens/s ({plan.tokens_per_step:,} tokens per step){mfu}")
+    if bounds := what_bounds(plan):
+        lines.append(f"what bounds the step: {bounds}")
     if plan.hidden_comm_s:
         lines.append(f"overlap: {format_seconds(plan.hidden_comm_s)} of gradient reductions hidden behind backward")
     if plan.sampled_layers:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from autoshard.notation import format_bytes, format_seconds
+from autoshard.notation import describe, format_bytes, format_seconds
 from autoshard.plans.plan import Plan, StagePlan, TensorLayout
 
 _NORMS = ("native_layer_norm", "rms_norm", "_fused_rms_norm")
@@ -132,6 +132,52 @@ def plan_in_words(plan: Plan) -> str:
     parts.append(f"{format_bytes(peak)}{budget} per device")
     parts.append(f"step {format_seconds(plan.step_time_s)}" + _against_best(plan))
     return "; ".join(parts)
+
+
+def what_bounds(plan: Plan) -> str:
+    """What the predicted step is made of and what holds it there, from the plan's own numbers: its compute
+    (recomputation apart), exposed communication and pipeline idle share; where the budget binds, the levers the
+    plan pulled to fit it (micro-batches, recomputation, offload); and the solver's proof, its lower bound on the
+    objective. E.g. "compute 2.05 s (91%), exposed communication 193 ms (9%); memory binds: 74.8 GiB of 95 GiB
+    per device, met by 2 micro-batches; the solver's bound equals the plan: no choice of layouts is faster with these levers"."""
+    if not plan.stages or plan.step_time_s <= 0:
+        return ""
+    step = plan.step_time_s
+    if len(plan.stages) > 1:
+        busiest = max(plan.stages, key=lambda s: s.microbatch_time_s)
+        time = (f"the busiest stage ({busiest.index}) at {format_seconds(busiest.microbatch_time_s)} per "
+                f"micro-batch, {plan.microbatches} micro-batches, pipeline idle {plan.bubble_fraction:.0%} of the step")
+    else:
+        stage = plan.stages[0]
+        rec = min(plan.recompute_s, stage.compute_s)
+        work = max(0.0, stage.compute_s - rec - stage.offload_s)
+        parts = [f"compute {format_seconds(work)} ({work / step:.0%})"]
+        if rec > 0:
+            parts.append(f"recomputation {format_seconds(rec)} ({rec / step:.0%})")
+        if stage.offload_s > 0:
+            parts.append(f"offload copies {format_seconds(stage.offload_s)} ({stage.offload_s / step:.0%})")
+        parts.append(f"exposed communication {format_seconds(stage.comm_s)} ({stage.comm_s / step:.0%})")
+        time = ", ".join(parts)
+    levers = []
+    if plan.microbatches > 1 and len(plan.stages) == 1:
+        levers.append(f"{plan.microbatches} micro-batches")
+    if plan.recompute or plan.recompute_layers:
+        levers.append("recomputing " + (describe(plan.recompute_layers) or "every layer"))
+    if plan.peak_memory.host:
+        levers.append(f"{format_bytes(plan.peak_memory.host)} offloaded to host")
+    budget = plan.memory_budget_bytes
+    memory = ""
+    if levers:
+        memory = (f"; memory binds: {format_bytes(plan.peak_memory.total)}"
+                  + (f" of {format_bytes(budget)}" if budget else "") + " per device, met by " + " and ".join(levers))
+    sv = plan.solver
+    if sv.objective_s <= 0:
+        proof = ""
+    elif sv.gap <= 1e-3:
+        proof = "; the solver's bound equals the plan: no choice of layouts is faster with these levers"
+    else:
+        proof = f"; the solver's bound is {sv.gap:.1%} below the plan (a faster choice of layouts may exist)"
+    return time + memory + proof
 
 
 def _against_best(plan: Plan) -> str:

@@ -29,7 +29,7 @@ from autoshard.plans.html.layouts import layouts_view
 from autoshard.plans.html.schedule import pipeline_view
 from autoshard.plans.plan import Plan
 from autoshard.plans.html.svg import esc
-from autoshard.plans.words import axis_roles, plan_in_words, precision_words
+from autoshard.plans.words import axis_roles, plan_in_words, precision_words, what_bounds
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ def _header(plan: Plan) -> str:
              ("offloaded to host", format_bytes(plan.peak_memory.host) if plan.peak_memory.host else "nothing")]
     if plan.sampled_layers:
         rows.append(("repeated layers", plan.sampled_layers))
+    rows += [("what bounds the step", what_bounds(plan))]
     rows += [("solver", f"{sv.status}, objective {format_seconds(sv.objective_s)}, bound {format_seconds(sv.bound_s)}, "
                         f"gap {sv.gap:.1%}, {format_seconds(sv.wall_s)}; {sv.groups} groups, {sv.variables} variables")]
     rows += [(f"made for: {k}", v) for k, v in plan.fingerprint]
