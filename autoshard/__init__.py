@@ -11,8 +11,8 @@
 
 from autoshard.api import compile, plan, recipe
 from autoshard.config import PlanConfig
-from autoshard.errors import (AutoshardError, CallError, DataDependentError, InfeasibleBudget, InputError, LaunchError,
-                              RankFailed, SolverTimeout)
+from autoshard.errors import (AutoshardError, CallError, DataDependentError, InfeasibleBudget, InputError, InternalError,
+                              LaunchError, RankFailed, SolverTimeout, UsageError)
 from autoshard.plans.html.page import write_html
 from autoshard.plans.plan import Plan
 from autoshard.plans.report import report
@@ -22,4 +22,5 @@ from autoshard.weights.deferred import init_weights, load_pretrained, save_pretr
 
 __all__ = ["clip_grad_norm_", "compile", "init_weights", "load_pretrained", "plan", "recipe", "save_pretrained", "Plan",
            "PlanConfig", "ShardedModule", "as_dtensor", "AutoshardError", "DataDependentError", "InfeasibleBudget",
-           "InputError", "LaunchError", "RankFailed", "SolverTimeout", "CallError", "report", "write_html"]
+           "InputError", "InternalError", "LaunchError", "RankFailed", "SolverTimeout", "UsageError", "CallError",
+           "report", "write_html"]

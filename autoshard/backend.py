@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from autoshard import _torch_compat as tc
 from autoshard.inputs import Call, signature_of
 from autoshard.runtime.lazy import batch_constraint, data_parallel_axes, global_example
-from autoshard.errors import InputError
+from autoshard.errors import InputError, UsageError
 from autoshard.messages import warn
 from autoshard.weights.shards import is_unfilled
 
@@ -58,7 +58,7 @@ def _leaf_sources(example_inputs: Sequence[Any], leaves: Sequence[Any]) -> list[
     out = []
     for i, leaf in enumerate(leaves):
         if id(leaf) not in where:
-            raise RuntimeError(
+            raise UsageError(
                 f"autoshard backend: tensor argument {i} of the call is not an input of dynamo's graph (unused by "
                 "forward?); autoshard plans the module's call as a whole: pass only what forward uses"
             )
@@ -87,7 +87,7 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, opti
     if mode not in (None, "default"):
         warn(log, "autoshard backend: mode=%r is ignored (the plan chooses what to run)", mode)
     if any(isinstance(x, DTensor) for x in example_inputs):
-        raise RuntimeError(
+        raise UsageError(
             "autoshard backend: this graph reads parameters that autoshard already sharded for another graph. "
             "Either the model is split into several graphs by a graph break (torch.compile(..., fullgraph=True) "
             "names where), or the input shapes changed and dynamo recompiled (autoshard plans static shapes: keep "
@@ -95,7 +95,7 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, opti
         )
     found = tc.compiling_call(example_inputs)
     if found is None:
-        raise RuntimeError("autoshard backend: torch.compile must be given an nn.Module (its parameters are what "
+        raise UsageError("autoshard backend: torch.compile must be given an nn.Module (its parameters are what "
                            "autoshard shards); it was given a function whose graph takes no module's parameters")
     root, args, kwargs = found
     dynamic = any(isinstance(s, torch.SymInt) for x in example_inputs if isinstance(x, torch.Tensor) for s in x.shape)
@@ -104,13 +104,13 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, opti
         raise InputError(f"autoshard backend: {type(root).__name__} was already sharded over another mesh "
                          f"({sharded.mesh}); compile a fresh model for {mesh}")
     if sharded is None and dynamic:
-        raise RuntimeError("autoshard backend: the first call was traced with dynamic shapes; autoshard plans "
+        raise UsageError("autoshard backend: the first call was traced with dynamic shapes; autoshard plans "
                            "concrete ones (and re-plans each new batch shape itself): compile with dynamic=False")
     broke = tc.graph_break_reason()
     if broke is not None:
         held = {id(x) for x in example_inputs}
         n_read = sum(1 for p in root.parameters() if id(p) in held)
-        raise RuntimeError(
+        raise UsageError(
             f"autoshard backend: dynamo splits {type(root).__name__}.forward into several graphs, and this one (which "
             f"reads {n_read} of its {sum(1 for _ in root.parameters())} parameters) ends at a graph break: {broke}. "
             "autoshard plans the whole forward as one program: remove the break (torch.compile(..., fullgraph=True) "

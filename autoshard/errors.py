@@ -77,5 +77,16 @@ class RankFailed(AutoshardError, RuntimeError):
         self.rank = rank
 
 
-__all__ = ["AutoshardError", "CallError", "DataDependentError", "InfeasibleBudget", "InputError", "LaunchError",
-           "RankFailed", "SolverTimeout"]
+class UsageError(AutoshardError, RuntimeError):
+    """Something asked of an autoshard object, or of torch.compile's autoshard backend, in a state or a way it
+    cannot serve: a lazily compiled module before its first call, tensors built on the meta device still without
+    values at the first step, a graph break or dynamic shapes under the backend. The message says what to do."""
+
+
+class InternalError(AutoshardError, RuntimeError):
+    """A broken invariant inside autoshard: a bug, not the user's input. The message names what broke; please
+    report it with the model (or graph) it was planning."""
+
+
+__all__ = ["AutoshardError", "CallError", "DataDependentError", "InfeasibleBudget", "InputError", "InternalError",
+           "LaunchError", "RankFailed", "SolverTimeout", "UsageError"]

@@ -213,7 +213,15 @@ def test_bad_input_errors_share_the_base_class() -> None:
             and isinstance(node.exc.func, ast.Name) and node.exc.func.id in ("ValueError", "TypeError")]
     assert not bare, "raise InputError or CallError (autoshard.errors) instead of ValueError or TypeError at:\n" + \
         "\n".join(bare)
-    for name in ("InputError", "CallError", "InfeasibleBudget", "SolverTimeout", "DataDependentError", "LaunchError"):
+    runtime = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in _modules().values()
+               if "_torch_compat" not in path.parts
+               for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
+               and isinstance(node.exc.func, ast.Name) and node.exc.func.id == "RuntimeError"]
+    assert not runtime, ("raise UsageError, InternalError, LaunchError or RankFailed (autoshard.errors) instead of a "
+                         "bare RuntimeError at:\n" + "\n".join(runtime))
+    for name in ("InputError", "CallError", "InfeasibleBudget", "SolverTimeout", "DataDependentError", "LaunchError",
+                 "UsageError", "InternalError"):
         assert issubclass(getattr(autoshard, name), AutoshardError), name
     assert issubclass(autoshard.InputError, ValueError) and issubclass(autoshard.InfeasibleBudget, ValueError)
     assert issubclass(autoshard.CallError, TypeError)

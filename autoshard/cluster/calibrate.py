@@ -50,6 +50,7 @@ import torch
 from autoshard.cluster.calibrate_links import CollectiveFit, SyncFit, measure_collectives, run_all
 from autoshard.cluster.calibration_config import CalibrationConfig
 from autoshard.cluster.profile import ClusterProfile, DeviceSpec, Link
+from autoshard.errors import LaunchError
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +172,7 @@ def measure_compute(cfg: CalibrationConfig) -> dict[str, Any]:
         if any(proc.exitcode != 0 for proc in procs) or not all(os.path.exists(p) for p in paths):
             errors = [Path(p + ".error").read_text() for p in paths if os.path.exists(p + ".error")]
             detail = "; ".join(errors) or f"exit codes {[proc.exitcode for proc in procs]}"
-            raise RuntimeError(f"calibrate: the compute measurement failed or timed out ({cfg.timeout_s} s): {detail}")
+            raise LaunchError(f"calibrate: the compute measurement failed or timed out ({cfg.timeout_s} s): {detail}", detail)
         runs = [json.loads(Path(p).read_text()) for p in paths]
     matmul = {d: {int(k): min(r["matmul"][d][k] for r in runs) for k in sizes}
               for d, sizes in runs[0]["matmul"].items()}

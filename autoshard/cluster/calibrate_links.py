@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 from autoshard.cluster.calibration_config import CalibrationConfig
-from autoshard.errors import InputError
+from autoshard.errors import InputError, LaunchError
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ def measure_collectives(cfg: CalibrationConfig) -> tuple[tuple[CollectiveFit, ..
         errors = sorted(Path(tmpdir).glob("error*.txt"))
         if errors or any(p.exitcode != 0 for p in procs):
             detail = "; ".join(e.read_text() for e in errors) or f"exit codes {[p.exitcode for p in procs]}"
-            raise RuntimeError(f"calibrate: a gloo rank failed or timed out ({cfg.timeout_s} s): {detail}")
+            raise LaunchError(f"calibrate: a gloo rank failed or timed out ({cfg.timeout_s} s): {detail}", detail)
         per_rank = [json.loads(Path(tmpdir, f"rank{r}.json").read_text()) for r in range(cfg.ranks)]
     slowest = {key: max(r[key] for r in per_rank) for key in per_rank[0]}
     shape, fits, syncs = cfg.mesh_shape(), [], []

@@ -35,6 +35,7 @@ from autoshard.ir import param_offload_of
 from autoshard.compiler.context import FORWARD_KINDS, PassContext
 from autoshard.compiler.lower import PlanInterpreter, param_placements_of
 from autoshard.compiler.split_backward import split_backward
+from autoshard.errors import InternalError
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class CompiledProgram:
 
     def __init__(self, ctx: PassContext, compiler: Compiler) -> None:
         if ctx.forward_graph is None or ctx.backward_graph is None:
-            raise RuntimeError("compile needs partition's forward and backward graphs")
+            raise InternalError("compile needs partition's forward and backward graphs")
         self.fw_gm, self.bw_gm = ctx.forward_graph, ctx.backward_graph
         self.n_out = ctx.forward_outputs
         self.tangent_of = list(ctx.tangent_of)

@@ -36,6 +36,7 @@ import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoshard.compiler.context import PassContext
+from autoshard.errors import InternalError
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +219,7 @@ def overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     in_flight = in_flight_for(ctx.mesh)
     for part in (ctx.forward_graph, ctx.backward_graph):
         if part is None:
-            raise RuntimeError("overlap needs partition's forward and backward graphs")
+            raise InternalError("overlap needs partition's forward and backward graphs")
         for k, v in schedule_overlap(part, in_flight).items():
             ctx.stats[f"overlap_{k}"] = ctx.stats.get(f"overlap_{k}", 0) + v
     return gm

@@ -34,7 +34,7 @@ from autoshard.compiler.partition import partition
 from autoshard.compiler.share_layers import share_layers, share_nothing
 from autoshard.compiler.solve import solve
 from autoshard.compiler.strategies import strategies
-from autoshard.errors import CallError, InputError
+from autoshard.errors import CallError, InputError, InternalError
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def _check(spec: PassSpec, out: object, ctx: PassContext) -> None:
     for field in spec.produces:
         value = getattr(ctx, field)
         if value is None or (isinstance(value, (list, dict, tuple)) and not value):
-            raise RuntimeError(f"pass {spec.name} did not set PassContext.{field}")
+            raise InternalError(f"pass {spec.name} did not set PassContext.{field}")
 
 
 def run_passes(module: nn.Module, ctx: PassContext, first: str, last: str) -> fx.GraphModule:

@@ -23,7 +23,7 @@ from autoshard.compiler.solve_memory import layouts_of, solve_within, step_floor
 from autoshard.compiler.solve_recipes import best_recipe, recipe_model, recipe_pins, solve_recipes
 from autoshard.compiler.solve_reuse import program_fingerprint, reused_solution
 from autoshard.solver.intra_op import IntraOpProblem, Solution
-from autoshard.errors import InfeasibleBudget, InputError
+from autoshard.errors import InfeasibleBudget, InputError, RankFailed
 from autoshard.rules import random_draws
 from autoshard.messages import warn
 
@@ -74,7 +74,7 @@ def solve(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if isinstance(box[0], InfeasibleBudget):  # the same verdict on every rank (the planner acts on it)
             raise box[0]
         if isinstance(box[0], BaseException):
-            raise RuntimeError(f"rank 0 could not plan: {box[0]}")
+            raise RankFailed(f"rank 0 could not plan: {box[0]}")
         ctx.solution, ctx.recipes = box[0]
         annotate(gm, ctx)
         return gm

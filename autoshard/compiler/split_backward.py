@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from autoshard.errors import InternalError
+
 
 @dataclass(frozen=True)
 class SplitBackward:
@@ -50,7 +52,7 @@ def split_backward(gm: fx.GraphModule, is_input_grad: Sequence[bool]) -> SplitBa
     received activation's gradient rather than a parameter's) into its input and weight parts."""
     outs = list(gm.graph.find_nodes(op="output")[0].args[0])
     if len(outs) != len(is_input_grad):
-        raise RuntimeError(f"the backward graph has {len(outs)} outputs, {len(is_input_grad)} roles given")
+        raise InternalError(f"the backward graph has {len(outs)} outputs, {len(is_input_grad)} roles given")
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     first = _ancestors([o for o, f in zip(outs, is_input_grad) if f])
     second = _ancestors([o for o, f in zip(outs, is_input_grad) if not f]) - first

@@ -51,7 +51,7 @@ from autoshard.compiler.candidates import CandidateEnumerator, evenly_divisible,
 from autoshard.compiler.context import PassContext
 from autoshard.compiler.follow import follow_members
 from autoshard.compiler.capture_recompute import is_recomputed, stored
-from autoshard.errors import InputError
+from autoshard.errors import InputError, InternalError
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -339,7 +339,7 @@ def group_strategies(group: Group, nodes: dict[str, fx.Node], ctx: PassContext, 
     result = _prune_dominated(group, nodes, result)
     if not result:
         # all-Replicate always propagates; reaching here means the group's own ops reject replication
-        raise RuntimeError(
+        raise InternalError(
             f"autoshard found no valid layout for group {group.anchor} ({anchor.target}) on mesh "
             f"{dict(zip(ctx.mesh_names, ms))}; please report this graph"
         )

@@ -65,7 +65,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import autoshard
-from autoshard.errors import InputError
+from autoshard.errors import InputError, UsageError
 from autoshard.runtime.lazy import LazyShardedModule
 from autoshard.runtime.pipelined import PipelinedModule
 from autoshard.runtime.sharded_module import ShardedModule
@@ -179,7 +179,7 @@ class AutoshardStrategy(ModelParallelStrategy):
     def sharded(self) -> LazyShardedModule:
         """The autoshard module being trained (after ``setup``)."""
         if self._sharded is None:
-            raise RuntimeError("AutoshardStrategy.sharded is set up by the Trainer (fit, validate, test, predict)")
+            raise UsageError("AutoshardStrategy.sharded is set up by the Trainer (fit, validate, test, predict)")
         return self._sharded
 
     @property

@@ -29,7 +29,7 @@ from autoshard.pipeline.pricing import PipelineOption
 from autoshard.pipeline.search import MEGATRON, search_pipeline, stage_meshes
 from autoshard.pipeline.solves import FakeStageMeshes, StageSolves
 from autoshard.plans.plan import RecipeSummary, Plan
-from autoshard.errors import InfeasibleBudget, InputError
+from autoshard.errors import InfeasibleBudget, InputError, LaunchError
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +253,7 @@ class Aside:
             status, value = self.conn.recv()
             log.info("pipeline: waited %.1f s for the side process", time.perf_counter() - t0)
         except EOFError:
-            raise RuntimeError(f"the process planning Megatron's recipe and the plan without stages died "
+            raise LaunchError(f"the process planning Megatron's recipe and the plan without stages died "
                                f"(exit code {self.proc.exitcode})") from None
         if status == "error":
             raise value

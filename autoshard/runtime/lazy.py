@@ -24,7 +24,7 @@ from autoshard.inputs import Call, signature_of
 from autoshard.runtime.model_face import wear_model_face
 from autoshard.weights import deferred
 from autoshard.weights.pretrained import fqn_modifiers
-from autoshard.errors import CallError, InputError
+from autoshard.errors import CallError, InputError, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +244,7 @@ class LazyShardedModule(nn.Module):
     @property
     def compiled(self) -> nn.Module:
         if self._compiled is None:
-            raise RuntimeError("not compiled yet: autoshard.compile(model, mesh) plans on the first call; call the "
+            raise UsageError("not compiled yet: autoshard.compile(model, mesh) plans on the first call; call the "
                                "module with this rank's batch shard (or .step with the global batch) first")
         return self._compiled
 

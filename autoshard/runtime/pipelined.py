@@ -46,7 +46,7 @@ from autoshard.weights.deferred import take_deferred
 from autoshard.weights.init import init_weights
 from autoshard.weights.pretrained import load_pretrained, save_pretrained
 from autoshard.weights.shards import Unfilled, materialize_buffers
-from autoshard.errors import CallError, InputError
+from autoshard.errors import CallError, InputError, InternalError
 
 log = logging.getLogger(__name__)
 
@@ -352,7 +352,7 @@ class PipelinedModule(nn.Module):
             # to_local() of a DTensor is a view of its local shard: writing it writes the gradient
             locals_ = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in copies]
             if not locals_ or any(g is None for g in locals_):
-                raise RuntimeError(f"internal: tied parameter {t.name} has no gradient in a stage that holds it here")
+                raise InternalError(f"tied parameter {t.name} has no gradient in a stage that holds it here")
             total = torch.stack(locals_).sum(0)
             group = t.groups[self._local_index]
             if group is not None:

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from autoshard.errors import InputError
+from autoshard.errors import InputError, InternalError
 from autoshard.inputs import Call, CallSignature
 from autoshard.plans.plan import Plan, TensorLayout
 
@@ -82,7 +82,7 @@ class ShapePrograms:
         plan, program, how = self._plan_shapes(self._view(), Call(tuple(call_args), dict(call_kwargs)), pins)
         moved = [n for n in self._params if tuple(program.layouts[n]) != tuple(self._layouts[n])]
         if moved:
-            raise RuntimeError(f"the plan for input shapes {shapes} lays out parameters {moved[:3]} otherwise than "
+            raise InternalError(f"the plan for input shapes {shapes} lays out parameters {moved[:3]} otherwise than "
                                "the first plan; this is a bug in autoshard's re-planning")
         planned = sorted((t for t in plan.stages[0].tensors if t.role == "input"), key=lambda t: int(t.name[6:-1]))
         log.info("compile: new input shapes %s planned in %.1f s (%s); %d shapes kept", list(shapes),

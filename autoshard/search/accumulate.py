@@ -8,6 +8,7 @@ turn and the first that fits is kept, with the :class:`~autoshard.runtime.accumu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from torch.distributed.tensor import Shard
 from autoshard.cluster.profile import ClusterProfile
 from autoshard.compiler.context import PlanningCache
 from autoshard.config import PlanConfig
-from autoshard.errors import InfeasibleBudget
+from autoshard.errors import InfeasibleBudget, RankFailed
 from autoshard.inputs import Call, signature_of
 from autoshard.notation import describe, format_bytes
 from autoshard.runtime.accumulate import Accumulation, accumulated_plan, batched_inputs, loss_weighting, micro_example
@@ -136,6 +137,12 @@ def _accumulate_instead(model: nn.Module, inputs: tuple | dict | Call, mesh: Dev
     recomputes; keep the fastest. Not where the model mixes its samples (accumulation would change the step)."""
     best = whole
     for k in _microbatch_counts(inputs, mesh, config):
+        floor = _unbudgeted_floor(model, inputs, mesh, cluster, config, real_group, k, caches)
+        if floor >= best[0].plan.step_time_s - 1e-12:
+            log.info("plan: %d micro-batches cannot step faster than %.6f s even without a memory budget, not faster "
+                     "than %d recomputing %s (%.6f s); not planned", k, floor, best[0].plan.microbatches,
+                     describe(best[0].plan.recompute_layers) or "every layer", best[0].plan.step_time_s)
+            break
         found, err = _agreed(real_group, lambda k=k: plan_micro(model, inputs, mesh, cluster, config, real_group, k,
                                                                 progress, caches))
         if err is not None or found[0].plan.peak_memory.total > config.memory_budget:
@@ -153,6 +160,29 @@ def _accumulate_instead(model: nn.Module, inputs: tuple | dict | Call, mesh: Dev
         if not _recomputes(found[0].plan):
             break
     return best
+
+
+def _unbudgeted_floor(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
+                      config: PlanConfig, real_group: bool, k: int, caches: Caches | None) -> float:
+    """A lower bound on the step of any plan of ``k`` micro-batches under the budget: the step of the plan of ``k``
+    with no budget, nothing recomputed and no recipe solved alongside, at its solver's bound (a budget only
+    removes choices, and recomputation only adds time). One solve of the program the budgeted search captures
+    anyway: its capture is kept in ``caches`` for that search."""
+    free = PlanningCache()
+    held = caches.get(k) if caches is not None else None
+    if held is not None:
+        free.captured = held.captured
+    relaxed = dataclasses.replace(config, memory_budget=None, solve_recipes=False, recompute=())
+    sig, tensors = signature_of(inputs)
+    example = inputs if k == 1 else micro_example(sig, tensors, k)
+    found, _ = _agreed(real_group, lambda: plan_graph(model, example, mesh, cluster, relaxed, real_group, cache=free))
+    if caches is not None and free.captured is not None:
+        kept = caches.setdefault(k, PlanningCache())
+        kept.captured = kept.captured or free.captured
+    one = found.plan
+    bound = one.solver.bound_s if 0 < one.solver.bound_s <= one.step_time_s else one.step_time_s
+    once = sum(c.time_s * c.repeat for c in one.stages[0].collectives if c.phase == "optimizer")
+    return max(0.0, (bound - once) * k + once) if one.stages else 0.0
 
 
 def _next_fit(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
@@ -194,7 +224,7 @@ def _agreed(real_group: bool, attempt: Callable[[], Any]) -> tuple[Any, Infeasib
         if isinstance(box[0], InfeasibleBudget):
             return None, box[0]
         if err is None and box[0] is not None:
-            raise RuntimeError("rank 0 could not plan (see its error); this rank stops too")
+            raise RankFailed("rank 0 could not plan (see its error); this rank stops too")
     if isinstance(err, InfeasibleBudget):
         return None, err
     if err is not None:

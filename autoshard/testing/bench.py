@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from autoshard.testing.launch import launch as launch_ranks
-from autoshard.errors import InputError
+from autoshard.errors import InputError, InternalError
 
 log = logging.getLogger(__name__)
 
@@ -277,5 +277,5 @@ def side_by_side(
     names = [r.name for r in rows]
     for rank, other in enumerate(results[1:], start=1):
         if [r.name for r in other] != names:
-            raise RuntimeError(f"rank {rank} ran variants {[r.name for r in other]}, rank 0 ran {names}")
+            raise InternalError(f"rank {rank} ran variants {[r.name for r in other]}, rank 0 ran {names}")
     return rows

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from autoshard.errors import InputError, LaunchError
+from autoshard.errors import InputError, LaunchError, UsageError
 
 
 class ChildTraceback(Exception):
@@ -133,7 +133,7 @@ def launch(world: int, fn: Callable[[int, int, Any], Any], arg: Any = None, *, t
         import torch.distributed as dist
 
         if dist.is_initialized():
-            raise RuntimeError("launch forks gloo ranks: this process has a default process group (a fake world?); "
+            raise UsageError("launch forks gloo ranks: this process has a default process group (a fake world?); "
                                "destroy it first, or launch outside it")
     ctx = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="autoshard_launch_") as tmpdir:

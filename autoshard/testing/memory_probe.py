@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from autoshard.errors import InputError
+from autoshard.errors import InputError, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -308,7 +308,7 @@ def measure_peak(
     method = "timeline" if times is not None else "allocator"
     if times is None:
         if baseline is None:
-            raise RuntimeError(f"memory_probe: the profiler's memory timeline failed {attempts} times ({sizes}); "
+            raise UsageError(f"memory_probe: the profiler's memory timeline failed {attempts} times ({sizes}); "
                                "pass baseline= to fall back on the allocator's events")
         times, sizes = _allocator_timeline(allocs, int(baseline()))
     windows = _region_windows(prof, regions)

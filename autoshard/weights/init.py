@@ -36,6 +36,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from autoshard.weights.shards import global_shape, layout_of, write_full
+from autoshard.errors import UsageError
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ class _WholeInit(TorchFunctionMode):
             return target
         if fname.endswith("_") and not fname.startswith("__"):
             if target.device.type == "meta":
-                raise RuntimeError(
+                raise UsageError(
                     f"init code calls {fname} on {name}, which has no values here (the model as built, whose "
                     "pipeline stages hold the values); initialize it with torch.nn.init functions or reset_parameters()"
                 )

@@ -22,7 +22,7 @@ from torch.distributed.tensor import empty as dtensor_empty
 from torch.distributed.tensor.placement_types import Placement
 
 from autoshard import _torch_compat as tc
-from autoshard.errors import InputError
+from autoshard.errors import InputError, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ class Unfilled:
         left = self.missing()
         if left:
             shown = ", ".join(left[:6]) + (f" and {len(left) - 6} more" if len(left) > 6 else "")
-            raise RuntimeError(
+            raise UsageError(
                 f"{call} ({source}) left {len(left)} tensors built on the meta device without values: {shown}. "
                 "Nothing in the model's initialization or the checkpoint writes them: build the modules that "
                 "own them on a real device, give those modules a reset_parameters(), or load them from a checkpoint."
@@ -218,7 +218,7 @@ class Unfilled:
         left = self.missing()
         if left:
             shown = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
-            raise RuntimeError(
+            raise UsageError(
                 f"{len(left)} tensors of this model were built on the meta device and still have no values "
                 f"({shown}). Before the first step, give them values: sharded.init_weights(seed=0) (the model's "
                 "own initialization, on the shards), sharded.load_pretrained(path) (a save_pretrained directory), "

@@ -20,6 +20,7 @@ from autoshard.notation import format_seconds
 from autoshard.plans.plan import Plan
 from autoshard.plans.html.svg import Svg, colour, esc
 from autoshard.solver.inter_op import SPLIT_BACKWARD, in_flight, pipeline_time
+from autoshard.errors import InternalError
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def simulate(schedule: str, times: list[float], microbatches: int, chunks: int) 
         later = [x for x in [*free, *done.values()] if x > t]
         if not later and any(pending.values()):  # every rank waits at its in-flight limit: let one forward more
             if relax:
-                raise RuntimeError(f"pipeline drawing stalled at {t} ({schedule}, {B} micro-batches, {S} stages)")
+                raise InternalError(f"pipeline drawing stalled at {t} ({schedule}, {B} micro-batches, {S} stages)")
             relax = True
             continue
         relax = False
