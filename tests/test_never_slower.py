@@ -176,3 +176,9 @@ def test_micro_batches_instead_of_recomputation_where_faster():
     assert plan.step_time_s < whole.step_time_s and plan.peak_memory.total <= 4e9
     best = plan.best_recipe()
     assert best is not None and plan.step_time_s <= best.step_time_s + 1e-12
+    # the floor that decides whether a count is planned (search/accumulate.py): the unbudgeted plan of 2, which
+    # the budgeted one may undercut only within the slack (its step is the plan's count, not the objective)
+    from autoshard.search.accumulate import FLOOR_SLACK
+    free = autoshard.plan("gpt2-124m", cluster="h100-sxm:1x8", seq=1024, global_batch=64, memory_budget="none",
+                          microbatches=2, solve_recipes=False)
+    assert free.solver.bound_s * 2 * (1 - FLOOR_SLACK) <= plan.step_time_s <= whole.step_time_s
