@@ -182,16 +182,15 @@ def _unbudgeted_floor(model: nn.Module, inputs: tuple | dict | Call, mesh: Devic
     if held is not None:
         free.captured = held.captured
     relaxed = dataclasses.replace(config, memory_budget=None, solve_recipes=False, recompute=())
-    sig, tensors = signature_of(inputs)
-    example = inputs if k == 1 else micro_example(sig, tensors, k)
-    found, _ = _agreed(real_group, lambda: plan_graph(model, example, mesh, cluster, relaxed, real_group, cache=free))
+    found, _ = _agreed(real_group, lambda: plan_micro(model, inputs, mesh, cluster, relaxed, real_group, k,
+                                                      caches={k: free}))
     if caches is not None and free.captured is not None:
         kept = caches.setdefault(k, PlanningCache())
         kept.captured = kept.captured or free.captured
-    one = found.plan
-    bound = one.solver.bound_s if 0 < one.solver.bound_s <= one.step_time_s else one.step_time_s
-    once = sum(c.time_s * c.repeat for c in one.stages[0].collectives if c.phase == "optimizer")
-    return max(0.0, (bound - once) * k + once) if one.stages else 0.0
+    if found is None:
+        return 0.0
+    one = found[0].plan  # the step of k micro-batches (accumulated_plan), at the solver's bound
+    return one.step_time_s * (1.0 - min(max(one.solver.gap, 0.0), 1.0))
 
 
 def _next_fit(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
