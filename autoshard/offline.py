@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,6 +28,11 @@ from autoshard.notation import format_bytes
 from autoshard.plans.plan import Plan
 from autoshard.search.recipes_alone import plan_flat
 from autoshard.errors import InfeasibleBudget, InputError
+
+if TYPE_CHECKING:
+    import torch.fx as fx
+
+    from autoshard.compiler.context import PassContext
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +279,7 @@ def _plan_flat(
                                    e.accumulation) from None
 
 
-def _say_offload(gm: Any, ctx: Any, progress: Progress | None) -> None:
+def _say_offload(gm: fx.GraphModule, ctx: PassContext, progress: Progress | None) -> None:
     """Log (and show as ``autoshard plan``'s progress) what the plan holds in host memory, if anything."""
     from autoshard.compiler.strategies import offload_summary
     from autoshard.plans.report import offload_text

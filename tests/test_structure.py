@@ -143,6 +143,44 @@ def test_no_any_aliases() -> None:
     assert not bad, "module-level aliases of Any:\n" + "\n".join(bad)
 
 
+# a parameter named for one of the project's types is annotated with that type, never ``Any``: the reader goes by
+# the name, and the runtime's program is typed by the protocols it owns (``autoshard/runtime/program.py``)
+PROJECT_TYPES = {"plan": "Plan", "program": "Program", "planned": "Planned", "solution": "Solution",
+                 "cluster": "ClusterProfile", "config": "PlanConfig", "ctx": "PassContext", "req": "PlanRequest"}
+
+
+def _any_for_project_types(tree: ast.Module, path: str) -> list[str]:
+    bad = []
+
+    def visit(node: ast.AST, autograd: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, any("Function" in ast.unparse(b) for b in child.bases))
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = child.args.posonlyargs + child.args.args + child.args.kwonlyargs
+                for a in args:
+                    if a.arg not in PROJECT_TYPES or a.annotation is None:
+                        continue
+                    if (a.arg == "ctx" and autograd) or (a.arg == "config" and "/models/" in path):
+                        continue  # (autograd's context; a Hugging Face model's config)
+                    if "Any" in ast.unparse(a.annotation).replace("|", " ").split():
+                        bad.append(f"{path}:{child.lineno} {child.name}({a.arg}: {ast.unparse(a.annotation)})")
+                if child.name in PROJECT_TYPES and child.returns is not None and ast.unparse(child.returns) == "Any":
+                    bad.append(f"{path}:{child.lineno} {child.name}() -> Any")
+                visit(child, False)
+
+    visit(tree, False)
+    return bad
+
+
+def test_project_types_are_not_any() -> None:
+    bad = [b for name, path in _modules().items()
+           for b in _any_for_project_types(ast.parse(path.read_text()), str(path.relative_to(ROOT)))]
+    assert not bad, "project types annotated Any (name the type; under TYPE_CHECKING if need be):\n" + "\n".join(bad)
+    probe = ast.parse("def f(plan: Any, program: Any | None = None) -> None: ...")
+    assert len(_any_for_project_types(probe, "x.py")) == 2  # (the check sees what it is for)
+
+
 # At most this many lines of code per file: beyond it, in this code base, a module has been doing two jobs.
 # Docstrings, comments and blank lines are not counted: the limit never argues against explaining.
 CODE_LINES = 350

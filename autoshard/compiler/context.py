@@ -11,19 +11,19 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.placement_types import Placement
 
 from autoshard.config import PlanConfig
 from autoshard.cluster.profile import ClusterProfile
 from autoshard.ir import Group, GroupStrategy
+from autoshard.runtime.program import Program
 
 if TYPE_CHECKING:
     from autoshard._torch_compat.capture import OutputRole
@@ -42,22 +42,6 @@ BACKENDS = ("inductor", "eager")
 FORWARD_KINDS = ("loss", "output", "buffer")
 
 Progress = Callable[[str, float, str], None]  # (pass, fraction done, message), for a CLI's progress display
-
-
-class RankProgram(Protocol):
-    """What ``compile`` hands the runtime: this rank's forward and backward (``autoshard/compiler/compile.py``), and the
-    placements of the parameters and inputs (``input[i]``) by name: computed with (``layouts``), gradients
-    delivered in (``grad_layouts``) and stepped by the optimizer (``state_layouts``)."""
-
-    layouts: dict[str, tuple[Placement, ...]]
-    grad_layouts: dict[str, tuple[Placement, ...]]
-    state_layouts: dict[str, tuple[Placement, ...]]
-
-    def forward(self, flat: Sequence[torch.Tensor]) -> tuple[torch.Tensor, Any, dict[str, torch.Tensor]]:
-        """(the loss, what backward needs, the new value of each buffer the forward updates, by name)."""
-        ...
-
-    def backward(self, saved: Any, grad_loss: torch.Tensor) -> list[torch.Tensor]: ...
 
 
 @dataclass
@@ -116,7 +100,7 @@ class PassContext:
     forward_graph: fx.GraphModule | None = None
     backward_graph: fx.GraphModule | None = None
     # compile
-    program: RankProgram | None = None
+    program: Program | None = None
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:

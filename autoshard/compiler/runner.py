@@ -27,7 +27,8 @@ from autoshard import _torch_compat as tc
 from autoshard.compiler.capture_layers import capture_model
 from autoshard.compiler.coarsen import coarsen, coarsen_per_node
 from autoshard.compiler.compile import compile_program, run_graphs
-from autoshard.compiler.context import BACKENDS, PassContext, RankProgram, debug_enabled
+from autoshard.compiler.context import BACKENDS, PassContext, debug_enabled
+from autoshard.runtime.program import Program
 from autoshard.compiler.lower import lower
 from autoshard.compiler.overlap import overlap
 from autoshard.compiler.partition import partition
@@ -131,7 +132,7 @@ def run_passes(module: nn.Module, ctx: PassContext, first: str, last: str) -> fx
     return gm
 
 
-def rank_program(gm: fx.GraphModule, ctx: PassContext, backend: str) -> RankProgram:
+def rank_program(gm: fx.GraphModule, ctx: PassContext, backend: str) -> Program:
     """The program passes (lower .. compile) on a planned graph: this rank's program. ``backend`` is
     "inductor" or "eager"; under ``LocalTensorMode`` the plan is interpreted instead (no rank graph)."""
     if backend not in BACKENDS:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
@@ -35,6 +35,9 @@ from autoshard.compiler.context import PassContext
 from autoshard.solver.inter_op import PieceCost
 from autoshard.solver.pricing import GRAD_SINK_CREDIT
 from autoshard.errors import InputError
+
+if TYPE_CHECKING:
+    from autoshard.solver.intra_op import Solution
 
 HEAD, TAIL = "head", "tail"
 
@@ -137,7 +140,7 @@ def boundary_node(gm: fx.GraphModule, ctx: PassContext) -> fx.Node | None:
 Outer = tuple[tuple[str, int, bool, bool, bool], ...]  # (kind, bytes, gradient reduction, forward, state)
 
 
-def piece_costs(gm: fx.GraphModule, ctx: PassContext, solution: Any = None,
+def piece_costs(gm: fx.GraphModule, ctx: PassContext, solution: Solution | None = None,
                 container: str | None = None) -> tuple[PieceCost, list[PieceCost], PieceCost]:
     """(head, per-layer costs in order at full depth, tail) of ``solution`` (default ``ctx.solution``), which
     must be the one annotated onto ``gm``; the layers are those of ``container`` (default: ``container_of``)."""
@@ -145,7 +148,7 @@ def piece_costs(gm: fx.GraphModule, ctx: PassContext, solution: Any = None,
     return head, layers, tail
 
 
-def piece_detail(gm: fx.GraphModule, ctx: PassContext, solution: Any = None,
+def piece_detail(gm: fx.GraphModule, ctx: PassContext, solution: Solution | None = None,
                  container: str | None = None) -> tuple[PieceCost, list[PieceCost], PieceCost, list[Outer]]:
     """:func:`piece_costs` and, per piece (head, layers, tail), the collectives on the mesh's outermost axis as
     (kind, bytes gathered, gradient reduction, forward, of a parameter or its gradient): what the stage search

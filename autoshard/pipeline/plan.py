@@ -30,7 +30,7 @@ import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -46,6 +46,12 @@ from autoshard.pipeline.solves import FREE, FakeStageMeshes, StageSolves
 from autoshard.plans.plan import CollectiveStat, MemoryBreakdown, MeshSpec, Plan, StagePlan
 from autoshard.solver.inter_op import PieceCost
 from autoshard.errors import InputError
+
+if TYPE_CHECKING:
+    import torch.fx as fx
+
+    from autoshard.compiler.context import PassContext
+    from autoshard.solver.intra_op import Solution
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +75,14 @@ class _Cut:
     params: frozenset[str]
 
 
-def _container(ctx: Any) -> str:
+def _container(ctx: PassContext) -> str:
     found = container_of(ctx)
     if found is None:
         raise InputError("the model has no repeated layers (modules named like 'layers.0'): nothing to pipeline")
     return found
 
 
-def _cut(gm: Any, ctx: Any, sub: Plan, solution: Any, container: str) -> _Cut:
+def _cut(gm: fx.GraphModule, ctx: PassContext, sub: Plan, solution: Solution, container: str) -> _Cut:
     """Assign the sub-mesh plan's tensors, decisions and collectives to head / captured layer / tail pieces
     (layers of ``container``, the main sequence the search split; when empty, the captured one)."""
     from autoshard.ir import layer_key

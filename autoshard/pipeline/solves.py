@@ -29,7 +29,7 @@ import logging
 import math
 from collections.abc import Iterator
 from fractions import Fraction
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.fx as fx
@@ -43,6 +43,10 @@ from autoshard.ir import repeated_layers
 from autoshard.pipeline.costs import boundary_node, with_optimizer
 from autoshard.solver.inter_op import PieceCost
 from autoshard.errors import InputError
+
+if TYPE_CHECKING:
+    from autoshard.plans.plan import Plan
+    from autoshard.solver.intra_op import Solution
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +116,7 @@ def micro_inputs(inputs: Any, parts: int) -> Any:
                  else x for x in inputs)
 
 
-def layout_summary(plan: Any, limit: int = 10, activation: str = "") -> str:
+def layout_summary(plan: Plan, limit: int = 10, activation: str = "") -> str:
     """The mesh, ``activation`` (e.g. the layers' input placement) and the placements of the first input and of
     the weight matrices (one entry per distinct parameter name, layer indices folded to ``*``), e.g.
     ``dp=6 x tp=8; act [S(0), R]; tokens [S(0), R]; wte [S(0), S(1)]``."""
@@ -340,7 +344,7 @@ class StageSolves:
             entry.solutions[recipe] = res.solution
         return entry.solutions[recipe]
 
-    def plan(self, mesh: DeviceMesh, cluster: ClusterProfile, config: PlanConfig, progress: Any = None) -> Any:
+    def plan(self, mesh: DeviceMesh, cluster: ClusterProfile, config: PlanConfig, progress: Any = None) -> Plan:
         """``search/recompute.py: plan_graph``'s Plan of the whole batch on ``mesh`` under ``config``, from the kept capture."""
         from autoshard.compiler.runner import run_passes
         from autoshard.search.planned import build_plan, recipe_summaries
@@ -381,7 +385,7 @@ class StageSolves:
         entry.costs.pop(FREE, None)
         return old, self.costs(stages, key)
 
-    def restore(self, key: Key, solution: Any, source: Key, costs: KeyCosts | None) -> None:
+    def restore(self, key: Key, solution: Solution, source: Key, costs: KeyCosts | None) -> None:
         entry = self._keys[key]
         entry.solutions[FREE], entry.source, entry.ctx.solution = solution, source, solution
         entry.costs[FREE] = costs

@@ -16,12 +16,17 @@ import hashlib
 import json
 from collections.abc import Sequence
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
 
 from autoshard.notation import mesh_str
+
+if TYPE_CHECKING:
+    from autoshard.cluster.profile import ClusterProfile
+    from autoshard.config import PlanConfig
+    from autoshard.plans.plan import Plan
 
 Fingerprint = tuple[tuple[str, str], ...]
 WALL_CLOCK = ("wall_s",)  # fields that measure this run, not the plan (SolverStats.wall_s)
@@ -44,8 +49,8 @@ def _version() -> str:
         return "unknown"
 
 
-def fingerprint(gm: fx.GraphModule, mesh_shape: Sequence[int], mesh_names: Sequence[str], cluster: Any,
-                config: Any, input_names: Sequence[str] = ()) -> Fingerprint:
+def fingerprint(gm: fx.GraphModule, mesh_shape: Sequence[int], mesh_names: Sequence[str], cluster: ClusterProfile,
+                config: PlanConfig, input_names: Sequence[str] = ()) -> Fingerprint:
     """The parts of what a plan of the captured graph ``gm`` was made for (see the module docstring)."""
     ops, params, inputs = [], [], []
     for n in gm.graph.nodes:
@@ -85,7 +90,7 @@ def mismatch(saved: Fingerprint, now: Fingerprint) -> list[str]:
             for k in dict.fromkeys([*old, *new]) if old.get(k) != new.get(k)]
 
 
-def canonical_json(plan: Any) -> str:
+def canonical_json(plan: Plan) -> str:
     """``plan.to_json()`` with its wall-clock fields zeroed: the same inputs give the same bytes."""
     def strip(d: Any) -> Any:
         if isinstance(d, dict):
@@ -97,7 +102,7 @@ def canonical_json(plan: Any) -> str:
     return json.dumps(strip(json.loads(plan.to_json())), indent=1)
 
 
-def digest(plan: Any) -> str:
+def digest(plan: Plan) -> str:
     """A short hash of :func:`canonical_json`."""
     return _digest(canonical_json(plan))
 

@@ -22,7 +22,7 @@ import logging
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
@@ -30,6 +30,9 @@ import torch.fx as fx
 from autoshard import _torch_compat as tc
 from autoshard.ir import kept_target_counter, node_arg
 from autoshard.errors import CallError, InputError
+
+if TYPE_CHECKING:
+    from autoshard.plans.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +206,7 @@ def loss_weighting(gm: fx.GraphModule, output_roles: Sequence[Any]) -> LossWeigh
     return found
 
 
-def accumulated_plan(plan: Any, k: int) -> Any:
+def accumulated_plan(plan: Plan, k: int) -> Plan:
     """A one-micro-batch ``plan`` as the step of ``k`` micro-batches: ``microbatches=k``; every time per
     micro-batch (compute, collectives, the recipes' steps) runs ``k`` times, the optimizer-phase gathers (ZeRO's
     masters back to the compute layout) once; memory is one micro-batch's (gradients accumulate in place)."""

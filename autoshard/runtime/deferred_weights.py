@@ -18,12 +18,13 @@ from typing import Any
 import torch
 
 from autoshard.runtime.param_state import ParamStates, scatter_grads
+from autoshard.runtime.program import StageProgram
 
 
 class DeferredWeights:
     """One stage's queue of weight-gradient work (see the module docstring)."""
 
-    def __init__(self, program: Any, grad_slots: Sequence[int], first_input_slot: int) -> None:
+    def __init__(self, program: StageProgram, grad_slots: Sequence[int], first_input_slot: int) -> None:
         is_input = [s >= first_input_slot for s in grad_slots]
         program.split_backward(is_input)
         self._program = program

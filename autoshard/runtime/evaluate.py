@@ -29,13 +29,15 @@ from torch.distributed.tensor.placement_types import Placement
 from autoshard import _torch_compat as tc
 from autoshard.inputs import Call, signature_of
 from autoshard.messages import warn
+from autoshard.plans.plan import Plan
 from autoshard.runtime.lazy import batch_constraint, global_example
 from autoshard.runtime.param_state import ParamStates
+from autoshard.runtime.program import StageProgram
 
 log = logging.getLogger(__name__)
 
 # (model to trace, global example call, constraints) -> (the planned Plan, this rank's program)
-PlanEval = Callable[[nn.Module, Call, Mapping[str, Any]], tuple[Any, Any]]
+PlanEval = Callable[[nn.Module, Call, Mapping[str, Any]], tuple[Plan, StageProgram]]
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ class _Masters:
 
 @dataclass
 class _EvalProgram:
-    program: Any
+    program: StageProgram
     states: ParamStates
     params: list[str]
     buffers: list[str]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,9 @@ from autoshard.runtime.model_face import wear_model_face
 from autoshard.weights import deferred
 from autoshard.weights.pretrained import fqn_modifiers
 from autoshard.errors import CallError, InputError, UsageError
+
+if TYPE_CHECKING:
+    from autoshard.plans.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +252,7 @@ class LazyShardedModule(nn.Module):
         return self._compiled
 
     @property
-    def plan(self) -> Any:
+    def plan(self) -> Plan:
         return self.compiled.plan
 
     def _ensure(self, args: tuple, kwargs: dict[str, Any], whole: bool = False) -> nn.Module:

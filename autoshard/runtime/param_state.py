@@ -34,6 +34,7 @@ from torch.distributed.tensor.placement_types import Placement
 from autoshard import _torch_compat as tc
 from autoshard.buckets import gather_all, gather_axes
 from autoshard.runtime.offload import HostOffload
+from autoshard.runtime.program import Program
 from autoshard.errors import CallError
 
 Layout = tuple[Placement, ...]
@@ -58,7 +59,7 @@ class ParamStates:
     """The compute, gradient and master layouts of a program's parameters (by ``names``, in the program's
     order), and the gathered compute copies of those whose master is sharded further."""
 
-    def __init__(self, mesh: DeviceMesh, names: Sequence[str], program: Any,
+    def __init__(self, mesh: DeviceMesh, names: Sequence[str], program: Program,
                  offload: Mapping[str, str] | None = None) -> None:
         self.mesh = mesh
         self.names = list(names)

@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from autoshard.inputs import CallSignature
+from autoshard.runtime.program import StageProgram
 from autoshard.runtime.rank_failures import one_fails_all
 from autoshard.runtime.stage_values import StageWiring, loss_weights, stage_args, stage_sends
 from autoshard.plans.plan import Plan
@@ -55,7 +56,7 @@ EXECUTABLE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubb
 
 class _RunStage(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, program: Any, grad_slots: tuple[int, ...], states: ParamStates,
+    def forward(ctx: Any, program: StageProgram, grad_slots: tuple[int, ...], states: ParamStates,
                 deferred: DeferredWeights | None, *flat: torch.Tensor) -> Any:
         outs, saved = program.forward_many(states.local_inputs(flat))
         ctx.program, ctx.saved, ctx.grad_slots, ctx.states = program, saved, grad_slots, states
@@ -93,7 +94,7 @@ class StageModule(nn.Module):
     tensors returns what the stage sends on (the last stage: its loss). ``wiring`` says which of the stage
     graph's arguments are received values and which are model inputs, and which received values it relays."""
 
-    def __init__(self, module: nn.Module, mesh: DeviceMesh, plan: Plan, program: Any, grad_names: Sequence[str],
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, plan: Plan, program: StageProgram, grad_names: Sequence[str],
                  wiring: StageWiring) -> None:
         super().__init__()
         self.module = module
@@ -410,7 +411,7 @@ class PipelinedModule(nn.Module):
                 yield prefix + self._canonical.get(base, base), p
 
 
-def _draw_list(program: Any) -> list[tuple] | None:
+def _draw_list(program: StageProgram) -> list[tuple] | None:
     """The whole-tensor draws of a stage's forward (``random="exact"``) in order, or None when it draws pieces from
     streams of its own (``"local"``: a draw given a ``seed``)."""
     graph = getattr(program, "fw_gm", None)

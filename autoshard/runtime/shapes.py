@@ -29,18 +29,19 @@ from torch.distributed.tensor.placement_types import Placement
 from autoshard.errors import InputError, InternalError
 from autoshard.inputs import Call, CallSignature
 from autoshard.plans.plan import Plan, TensorLayout
+from autoshard.runtime.program import Program
 
 log = logging.getLogger(__name__)
 
 # (model at global shapes, global example call of new shapes, constraints pinning the parameters and inputs) ->
 # (its Plan, this rank's program, how it was planned, e.g. "layouts reused: capture 1.2 s, ...")
-PlanShapes = Callable[[nn.Module, Call, Mapping[str, Any]], tuple[Plan, Any, str]]
+PlanShapes = Callable[[nn.Module, Call, Mapping[str, Any]], tuple[Plan, Program, str]]
 
 
 class ShapePrograms:
     """The programs of one compiled module by local input shapes (the first: compile's own)."""
 
-    def __init__(self, mesh: DeviceMesh, plan: Plan, program: Any, inputs: list[TensorLayout],
+    def __init__(self, mesh: DeviceMesh, plan: Plan, program: Program, inputs: list[TensorLayout],
                  layouts: Mapping[str, tuple[Placement, ...]], param_names: Sequence[str], signature: CallSignature,
                  plan_shapes: PlanShapes, view: Callable[[], nn.Module], label: Callable[[str], str]) -> None:
         self.mesh = mesh
@@ -54,7 +55,7 @@ class ShapePrograms:
         first = tuple(tuple(t.local_shape(plan.mesh)) for t in inputs)
         self.programs: dict[tuple, tuple[Any, list[TensorLayout]]] = {first: (program, inputs)}
 
-    def program_for(self, tensors: Sequence[Any], current: Sequence[Sequence[int]]) -> tuple[Any, list[TensorLayout]] | None:
+    def program_for(self, tensors: Sequence[Any], current: Sequence[Sequence[int]]) -> tuple[Program, list[TensorLayout]] | None:
         """(program, its input layouts) for these local input tensors; None when the current program fits them,
         or when they are not plain tensors of the traced ranks (the caller's input checks name what is wrong)."""
         if not all(isinstance(t, torch.Tensor) and type(t) is torch.Tensor for t in tensors):

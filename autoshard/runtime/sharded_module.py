@@ -24,6 +24,7 @@ from autoshard import _torch_compat as tc
 from autoshard.inputs import Call, CallSignature, signature_of
 from autoshard.notation import local_shape, placements_str, tensor_str
 from autoshard.plans.plan import Plan
+from autoshard.runtime.program import Program
 from autoshard.runtime.rank_failures import one_fails_all
 from autoshard.runtime.accumulate import Accumulation
 from autoshard.runtime.evaluate import Evaluator, PlanEval
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 
 class _RunProgram(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, program: Any, grad_slots: tuple[int, ...], states: ParamStates,
+    def forward(ctx: Any, program: Program, grad_slots: tuple[int, ...], states: ParamStates,
                 buffers: Mapping[str, torch.Tensor], *flat: torch.Tensor) -> torch.Tensor:
         loss, saved, updated = program.forward(states.local_inputs(flat))
         for name, value in updated.items():  # BatchNorm's running statistics, computed on the global batch
@@ -102,7 +103,7 @@ def _as_is(loss: torch.Tensor) -> torch.Tensor:
 class ShardedModule(nn.Module):
     """A model sharded by a Plan. ``forward(*local_inputs)`` returns the loss, equal on every rank."""
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh, plan: Plan, program: Any, grad_names: Sequence[str],
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, plan: Plan, program: Program, grad_names: Sequence[str],
                  signature: CallSignature, parameters: str = "dtensor", accumulation: Accumulation | None = None,
                  plan_eval: PlanEval | None = None, plan_shapes: PlanShapes | None = None) -> None:
         super().__init__()

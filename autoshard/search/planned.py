@@ -20,7 +20,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
@@ -52,6 +52,9 @@ from autoshard.plans.plan import (
 )
 from autoshard.solver.pricing import GRAD_SINK_CREDIT
 
+if TYPE_CHECKING:
+    from autoshard.solver.intra_op import Solution
+
 log = logging.getLogger(__name__)
 
 
@@ -72,7 +75,7 @@ def _dtype(v: torch.Tensor) -> str:
     return str(v.dtype).replace("torch.", "")
 
 
-def build_plan(gm: fx.GraphModule, ctx: PassContext, solution: Any = None, recipe: str = "",
+def build_plan(gm: fx.GraphModule, ctx: PassContext, solution: Solution | None = None, recipe: str = "",
                walk: GraphWalk | None = None) -> Plan:
     """The Plan value of a solved graph: layouts, decisions, collectives, predicted time and memory.
 
