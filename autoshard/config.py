@@ -36,7 +36,7 @@ MIXED_PRECISION = {"bf16": "bfloat16", "bfloat16": "bfloat16"}
 PRECISION_POLICIES = ("params", "autocast")
 # PlanConfig.reduce_dtype: the dtype gradients are reduced in under mixed precision
 REDUCE_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
-# PlanConfig.offload (ZeRO-Offload, autoshard/compiler/strategies.py: offload_variants): a parameter's optimizer state and the
+# PlanConfig.offload (ZeRO-Offload, autoshard/compiler/parameter_forms.py: offload_variants): a parameter's optimizer state and the
 # master it steps held and stepped in host memory. "auto": the solver's choice where device memory forces it (not on
 # a CPU cluster, whose host memory is the device's); "none": never; "optimizer": every parameter's; "params": every
 # parameter's, with ZeRO-3 compute layouts (the device keeps only a shard of each parameter)

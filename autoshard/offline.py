@@ -281,7 +281,7 @@ def _plan_flat(
 
 def _say_offload(gm: fx.GraphModule, ctx: PassContext, progress: Progress | None) -> None:
     """Log (and show as ``autoshard plan``'s progress) what the plan holds in host memory, if anything."""
-    from autoshard.compiler.strategies import offload_summary
+    from autoshard.compiler.parameter_forms import offload_summary
     from autoshard.plans.report import offload_text
 
     found = offload_summary(gm, ctx)

@@ -20,7 +20,7 @@ from autoshard.cost.offload import host_memory_rate, offload_cost
 from autoshard.testing.launch import launch
 from autoshard.cluster.meshes import fake_world
 from autoshard.models.mlp import MLP, mlp_example_inputs
-from autoshard.compiler.strategies import offloaded_params
+from autoshard.compiler.parameter_forms import offloaded_params
 from autoshard.search.recompute import plan_graph
 from autoshard.errors import InfeasibleBudget
 from harness import assert_close_to_reference, single_device_reference

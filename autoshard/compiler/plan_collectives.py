@@ -39,7 +39,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autoshard.buckets import bucket_share, bucket_starts, gather_axes
 from autoshard.cost.comm import redistribute_steps, sync_time
 from autoshard.cost.memory import local_bytes
-from autoshard.compiler.strategies import after_step_members
+from autoshard.compiler.parameter_forms import after_step_members
 from autoshard.ir import gather_group, gather_group_sizes, is_state, layer_key, tensor_args, view_root
 from autoshard.compiler.context import PassContext
 from autoshard.plans.plan import CollectiveStat

@@ -5,7 +5,7 @@ go; ``recipe_pins`` turns that into the candidates each decision group may keep 
 keeps every op on the batch on its batch shard), and ``solve_recipe`` solves ``ctx.problem`` with those pins.
 A recipe is therefore the same program with fewer choices, costed by the same model as the plan: the best
 program that recipe allows, not a straw man. Recipes keep the optimizer state on the device (the offloaded
-candidates of ``strategies.offload_variants`` are the plan's choice alone), except where ``PlanConfig.offload``
+candidates of ``parameter_forms.offload_variants`` are the plan's choice alone), except where ``PlanConfig.offload``
 forces it to the host for every parameter: then a recipe pins its layouts' offloaded forms.
 """
 

@@ -27,7 +27,7 @@ size under the plan's placements and keeps the most that is alive at once of wha
 ``MemoryBreakdown.temporaries`` is then the larger of the backward's and the forward's temporaries and the
 optimizer step's (one parameter shard), less what the step no longer holds then (saved activations).
 
-Offload (``strategies.offload_variants``): an offloaded parameter's optimizer state, its master and the master's
+Offload (``parameter_forms.offload_variants``): an offloaded parameter's optimizer state, its master and the master's
 gradient are in host memory, so its group counts no optimizer bytes on the device, and the optimizer step's foreach
 temporaries for it are made on the host: the shard passed to ``temporaries`` is the device's optimizer bytes over
 the state factor, which leaves offloaded parameters out. Its upload and gather at the next forward write into the

@@ -166,7 +166,7 @@ def recipe_placements(
 
 def state_kind(recipe: str) -> str:
     """How ``recipe`` holds a parameter's gradient and optimizer state: "zero1", "zero2" (sharded over every mesh
-    axis where the parameter is replicated; see ``autoshard/compiler/strategies.py: state_variants``) or "" (like the
+    axis where the parameter is replicated; see ``autoshard/compiler/parameter_forms.py: state_variants``) or "" (like the
     parameter)."""
     return recipe if recipe in ("zero1", "zero2") else ""
 
