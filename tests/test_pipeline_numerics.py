@@ -80,7 +80,7 @@ def _split_backwards(sharded) -> list[dict]:
     for m in getattr(sharded, "stage_modules", {}).values():
         if m._deferred is None:
             continue
-        parts = m._program._split
+        parts = m.program._split
         ops = [[str(n.target) for n in g.graph.nodes if n.op == "call_function"] for g in (parts.inputs, parts.weights)]
         out.append({"weight_runs": m._deferred.weight_runs, "input_ops": ops[0], "weight_ops": ops[1],
                     "input_grads": parts.n_input_grads})
