@@ -64,9 +64,20 @@ def plan(
     """
     if isinstance(model, nn.Module):
         restore_meta(model)  # init_weights / load_pretrained on a meta model left stand-ins (weights/shards.py)
-    return plan_only(model, mesh, example_inputs, cluster=cluster, memory_budget=memory_budget,
-                     constraints=constraints, seq=seq, global_batch=global_batch, progress=progress,
-                     pipeline=pipeline, microbatches=microbatches, options=options)
+    return plan_only(
+        model,
+        mesh,
+        example_inputs,
+        cluster=cluster,
+        memory_budget=memory_budget,
+        constraints=constraints,
+        seq=seq,
+        global_batch=global_batch,
+        progress=progress,
+        pipeline=pipeline,
+        microbatches=microbatches,
+        options=options,
+    )
 
 
 def recipe(
@@ -82,8 +93,15 @@ def recipe(
     (then ``example_inputs`` are required, as for ``plan``) or a cluster spec (then ``kwargs`` as for ``plan``)."""
     if isinstance(mesh_or_cluster, DeviceMesh):
         return plan(model, mesh_or_cluster, example_inputs, recipe=recipe, solve_recipes=False, **kwargs)
-    return plan(model, kwargs.pop("mesh", None), example_inputs, cluster=mesh_or_cluster, recipe=recipe,
-                solve_recipes=False, **kwargs)
+    return plan(
+        model,
+        kwargs.pop("mesh", None),
+        example_inputs,
+        cluster=mesh_or_cluster,
+        recipe=recipe,
+        solve_recipes=False,
+        **kwargs,
+    )
 
 
 def compile(  # noqa: A001 - the one-line API the project promises
@@ -150,9 +168,35 @@ def compile(  # noqa: A001 - the one-line API the project promises
     if parameters != "local":  # (the local path keeps the objects dynamo traced: it shards the stand-ins in place)
         restore_meta(model)  # init_weights / load_pretrained on a meta model left stand-ins (weights/shards.py)
     if example_inputs is None:
-        return compile_lazily(model, mesh, constraints, dict(
-            cluster=cluster, memory_budget=memory_budget, backend=backend, pipeline=pipeline,
-            microbatches=microbatches, schedule=schedule, parameters=parameters, report=report, **options))
-    return compile_and_report(model, mesh, example_inputs, report, cluster=cluster, memory_budget=memory_budget,
-                              constraints=constraints, backend=backend, pipeline=pipeline, microbatches=microbatches,
-                              schedule=schedule, parameters=parameters, autotune=autotune, **options)
+        return compile_lazily(
+            model,
+            mesh,
+            constraints,
+            dict(
+                cluster=cluster,
+                memory_budget=memory_budget,
+                backend=backend,
+                pipeline=pipeline,
+                microbatches=microbatches,
+                schedule=schedule,
+                parameters=parameters,
+                report=report,
+                **options,
+            ),
+        )
+    return compile_and_report(
+        model,
+        mesh,
+        example_inputs,
+        report,
+        cluster=cluster,
+        memory_budget=memory_budget,
+        constraints=constraints,
+        backend=backend,
+        pipeline=pipeline,
+        microbatches=microbatches,
+        schedule=schedule,
+        parameters=parameters,
+        autotune=autotune,
+        **options,
+    )

@@ -36,15 +36,15 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.distributed.device_mesh import DeviceMesh
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autoshard import _torch_compat as tc
-from autoshard.inputs import Call, signature_of
-from autoshard.runtime.lazy import batch_constraint, data_parallel_axes, global_example
 from autoshard.errors import InputError, UsageError
+from autoshard.inputs import Call, signature_of
 from autoshard.messages import warn
+from autoshard.runtime.lazy import batch_constraint, data_parallel_axes, global_example
 from autoshard.weights.shards import is_unfilled
 
 log = logging.getLogger(__name__)
@@ -70,20 +70,23 @@ def _loss_position(outs: Sequence[Any]) -> int:
     """Where the loss sits among dynamo's graph outputs: the first scalar floating-point one (a ModelOutput with a
     KV cache puts the cache's tensors before the loss), else the first output."""
     for i, o in enumerate(outs):
-        v = (o.meta.get("val", o.meta.get("example_value")) if isinstance(o, fx.Node) else None)  # dynamo: example_value
+        v = o.meta.get("val", o.meta.get("example_value")) if isinstance(o, fx.Node) else None  # dynamo: example_value
         if isinstance(v, torch.Tensor) and v.ndim == 0 and v.is_floating_point():
             return i
     return 0
 
 
-def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict[str, Any] | None = None,
-                      mode: str | None = None) -> Callable[..., Any]:
+def autoshard_backend(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: dict[str, Any] | None = None, mode: str | None = None
+) -> Callable[..., Any]:
     """The ``torch.compile`` backend (see the module docstring)."""
     opts = dict(options or {})
     mesh = opts.pop("mesh", None)
     if not isinstance(mesh, DeviceMesh):
-        raise InputError("torch.compile(model, backend='autoshard', options={'mesh': mesh}) needs the DeviceMesh "
-                         f"to shard over in options['mesh'] (got {type(mesh).__name__})")
+        raise InputError(
+            "torch.compile(model, backend='autoshard', options={'mesh': mesh}) needs the DeviceMesh "
+            f"to shard over in options['mesh'] (got {type(mesh).__name__})"
+        )
     if mode not in (None, "default"):
         warn(log, "autoshard backend: mode=%r is ignored (the plan chooses what to run)", mode)
     if any(isinstance(x, DTensor) for x in example_inputs):
@@ -95,17 +98,23 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, opti
         )
     found = tc.compiling_call(example_inputs)
     if found is None:
-        raise UsageError("autoshard backend: torch.compile must be given an nn.Module (its parameters are what "
-                           "autoshard shards); it was given a function whose graph takes no module's parameters")
+        raise UsageError(
+            "autoshard backend: torch.compile must be given an nn.Module (its parameters are what "
+            "autoshard shards); it was given a function whose graph takes no module's parameters"
+        )
     root, args, kwargs = found
     dynamic = any(isinstance(s, torch.SymInt) for x in example_inputs if isinstance(x, torch.Tensor) for s in x.shape)
     sharded = root.__dict__.get(_SHARDED)
     if sharded is not None and sharded.mesh is not mesh:
-        raise InputError(f"autoshard backend: {type(root).__name__} was already sharded over another mesh "
-                         f"({sharded.mesh}); compile a fresh model for {mesh}")
+        raise InputError(
+            f"autoshard backend: {type(root).__name__} was already sharded over another mesh "
+            f"({sharded.mesh}); compile a fresh model for {mesh}"
+        )
     if sharded is None and dynamic:
-        raise UsageError("autoshard backend: the first call was traced with dynamic shapes; autoshard plans "
-                           "concrete ones (and re-plans each new batch shape itself): compile with dynamic=False")
+        raise UsageError(
+            "autoshard backend: the first call was traced with dynamic shapes; autoshard plans "
+            "concrete ones (and re-plans each new batch shape itself): compile with dynamic=False"
+        )
     broke = tc.graph_break_reason()
     if broke is not None:
         held = {id(x) for x in example_inputs}
@@ -120,8 +129,11 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, opti
         sharded = _plan(root, gm, mesh, opts, args, kwargs)
         root.__dict__[_SHARDED] = sharded  # (not a submodule: the model does not own its sharded wrapper)
     else:  # dynamo traced the model again (a new batch shape): the sharded module plans that shape at its call
-        log.info("autoshard backend: %s traced again (new shapes%s); its sharded module re-plans them when called",
-                 type(root).__name__, ", dynamic" if dynamic else "")
+        log.info(
+            "autoshard backend: %s traced again (new shapes%s); its sharded module re-plans them when called",
+            type(root).__name__,
+            ", dynamic" if dynamic else "",
+        )
     signature, tensors = signature_of(Call(args, kwargs))
     sources = _leaf_sources(example_inputs, tensors)
     # nor on the call's tensors and the module (its mode, its attributes): a batch of another shape, or a call in
@@ -144,8 +156,12 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, opti
         loss = sharded(*call_args, **call_kwargs)
         if extra and not warned:
             warned.append(True)
-            warn(log, "autoshard backend: the compiled graph returns %d outputs besides the loss (logits, cache); "
-                        "autoshard computes only the loss and returns None for them", extra)
+            warn(
+                log,
+                "autoshard backend: the compiled graph returns %d outputs besides the loss (logits, cache); "
+                "autoshard computes only the loss and returns None for them",
+                extra,
+            )
         result: list[Any] = [None] * len(outs)
         result[at] = loss
         return tuple(result)
@@ -181,8 +197,9 @@ def _place_outputs(output: Any, outs: Sequence[Any], mesh: DeviceMesh) -> tuple:
     return tuple(result)
 
 
-def _plan(root: nn.Module, gm: fx.GraphModule, mesh: DeviceMesh, opts: dict[str, Any], args: tuple,
-          kwargs: dict[str, Any]) -> Any:
+def _plan(
+    root: nn.Module, gm: fx.GraphModule, mesh: DeviceMesh, opts: dict[str, Any], args: tuple, kwargs: dict[str, Any]
+) -> Any:
     """Plan and compile ``root`` itself at the global shapes of this call, its parameter objects made to hold
     this rank's shards in place; dynamo's guards on them dropped."""
     from autoshard.api import compile as autoshard_compile
@@ -206,9 +223,13 @@ def _plan(root: nn.Module, gm: fx.GraphModule, mesh: DeviceMesh, opts: dict[str,
     with tc.outside_dynamo():
         sharded = autoshard_compile(root, mesh, example, constraints=constraints, parameters="local", **opts)
     freed = tc.forget_guards_on(gm, relaid)
-    log.info("autoshard backend: %d parameters (and buffers) re-laid out in place; dynamo's guards on them dropped",
-             freed)
-    log.info("autoshard backend: planned %s on mesh %s: predicted step %.3g s", type(root).__name__,
-             dict(zip(mesh.mesh_dim_names or (), mesh.shape)), sharded.plan.step_time_s)
+    log.info(
+        "autoshard backend: %d parameters (and buffers) re-laid out in place; dynamo's guards on them dropped", freed
+    )
+    log.info(
+        "autoshard backend: planned %s on mesh %s: predicted step %.3g s",
+        type(root).__name__,
+        dict(zip(mesh.mesh_dim_names or (), mesh.shape)),
+        sharded.plan.step_time_s,
+    )
     return sharded
-

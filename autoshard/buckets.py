@@ -25,7 +25,15 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from autoshard import _torch_compat as tc
 from autoshard.config import BUCKET_BYTES, FIRST_BUCKET_BYTES
 
-__all__ = ["bucket_share", "bucket_starts", "bucketable", "gather_all", "gather_axes", "gather_together", "scatter_axes"]
+__all__ = [
+    "bucket_share",
+    "bucket_starts",
+    "bucketable",
+    "gather_all",
+    "gather_axes",
+    "gather_together",
+    "scatter_axes",
+]
 
 
 def bucketable(have: tuple, want: tuple) -> bool:
@@ -44,7 +52,9 @@ def bucketable(have: tuple, want: tuple) -> bool:
     return moves
 
 
-def gather_axes(have: tuple, want: tuple, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[int, ...] | None:
+def gather_axes(
+    have: tuple, want: tuple, shape: tuple[int, ...], mesh_shape: tuple[int, ...]
+) -> tuple[int, ...] | None:
     """The mesh axes of a move that is only even all-gathers of one tensor dim (Shard(d) -> Replicate on each of
     them, the same d, every other axis unchanged and not splitting d: FSDP's [S(0)], on a 2-D mesh [S(0), S(0)] ->
     [R, R], or fsdp+tp's column-parallel [S(1), S(0)] -> [R, S(0)]); None for any other move."""
@@ -57,8 +67,9 @@ def gather_axes(have: tuple, want: tuple, shape: tuple[int, ...], mesh_shape: tu
     return axes if _dim_only_on(dim, axes, have, shape, mesh_shape) else None
 
 
-def _dim_only_on(dim: int, axes: tuple[int, ...], placements: tuple, shape: tuple[int, ...],
-                 mesh_shape: tuple[int, ...]) -> bool:
+def _dim_only_on(
+    dim: int, axes: tuple[int, ...], placements: tuple, shape: tuple[int, ...], mesh_shape: tuple[int, ...]
+) -> bool:
     """Whether tensor dim ``dim`` splits evenly over ``axes`` and no other axis of ``placements`` splits it."""
     if any(isinstance(p, Shard) and p.dim == dim for i, p in enumerate(placements) if i not in axes):
         return False
@@ -68,13 +79,17 @@ def _dim_only_on(dim: int, axes: tuple[int, ...], placements: tuple, shape: tupl
     return 0 <= dim < len(shape) and shape[dim] % parts == 0
 
 
-def scatter_axes(have: tuple, want: tuple, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[int, ...] | None:
+def scatter_axes(
+    have: tuple, want: tuple, shape: tuple[int, ...], mesh_shape: tuple[int, ...]
+) -> tuple[int, ...] | None:
     """The mesh axes of a move that only reduce-scatters one tensor dim (Partial(sum) -> Shard(d) on each of them,
     the same d, evenly, every other axis unchanged and not splitting d: an FSDP gradient, [S(0)] or fsdp+tp's
     [S(1), S(0)]); None for any other move."""
     axes = tuple(a for a, (h, w) in enumerate(zip(have, want)) if h != w)
-    if not axes or any(not (isinstance(have[a], Partial) and have[a].reduce_op == "sum")
-                       or not isinstance(want[a], Shard) for a in axes):
+    if not axes or any(
+        not (isinstance(have[a], Partial) and have[a].reduce_op == "sum") or not isinstance(want[a], Shard)
+        for a in axes
+    ):
         return None
     dim = want[axes[0]].dim
     if any(want[a].dim != dim for a in axes):
@@ -135,7 +150,7 @@ def gather_together(mesh: DeviceMesh, axes: tuple[int, ...], vals: list[DTensor]
     for v, t, want in zip(vals, locals_, wants):
         n, d = t.numel(), v.placements[axes[0]].dim
         piece = gathered[:, offset : offset + n].reshape(k, *t.shape)  # rank r's shard, r = 0..k-1
-        piece = piece.movedim(0, d).reshape(*t.shape[:d], k * t.shape[d], *t.shape[d + 1:]).contiguous()
+        piece = piece.movedim(0, d).reshape(*t.shape[:d], k * t.shape[d], *t.shape[d + 1 :]).contiguous()
         offset += n
         out.append(DTensor.from_local(piece, mesh, want, run_check=False, shape=v.shape, stride=v.stride()))
     return out

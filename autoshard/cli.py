@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import TextIO
 
 from autoshard.cluster.presets import get_cluster, known_clusters
+from autoshard.errors import InputError, SolverTimeout
 from autoshard.models.zoo import get_model, known_models
 from autoshard.notation import parse_bytes
 from autoshard.plans.html.page import write_html
 from autoshard.plans.report import report
-from autoshard.errors import InputError, SolverTimeout
 
 log = logging.getLogger(__name__)
 
@@ -77,38 +77,79 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     pl = sub.add_parser("plan", help="plan a model for a cluster (no GPU needed)")
     pl.add_argument("--model", required=True, help=f"zoo name ({', '.join(known_models())}) or a HF config.json")
-    pl.add_argument("--cluster", required=True, help=f"preset[:NODESxPER_NODE] ({', '.join(known_clusters())}) or .json")
-    pl.add_argument("--mesh", default=None, help="mesh shape, e.g. 16x8x8 (default: NODES x PER_NODE), or named axes "
-                    "outer first, e.g. pp=4,tp=8 (a 'pp' axis fixes that many pipeline stages)")
-    pl.add_argument("--pipeline", choices=("none", "auto"), default="none",
-                    help="auto: also weigh pipeline stages over sub-meshes (stage counts x micro-batches x "
-                    "schedules; costs a few extra solves) and keep them when faster (default: none)")
+    pl.add_argument(
+        "--cluster", required=True, help=f"preset[:NODESxPER_NODE] ({', '.join(known_clusters())}) or .json"
+    )
+    pl.add_argument(
+        "--mesh",
+        default=None,
+        help="mesh shape, e.g. 16x8x8 (default: NODES x PER_NODE), or named axes "
+        "outer first, e.g. pp=4,tp=8 (a 'pp' axis fixes that many pipeline stages)",
+    )
+    pl.add_argument(
+        "--pipeline",
+        choices=("none", "auto"),
+        default="none",
+        help="auto: also weigh pipeline stages over sub-meshes (stage counts x micro-batches x "
+        "schedules; costs a few extra solves) and keep them when faster (default: none)",
+    )
     pl.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
     pl.add_argument("--global-batch", type=int, required=True, help="sequences (samples) per optimizer step")
-    pl.add_argument("--microbatches", type=int, default=None,
-                    help="gradient accumulation: the step as this many micro-batches of the global batch (default: "
-                         "the whole batch, or when it does not fit, the fewest micro-batches that fit or the next "
-                         "count, whichever steps faster)")
+    pl.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="gradient accumulation: the step as this many micro-batches of the global batch (default: "
+        "the whole batch, or when it does not fit, the fewest micro-batches that fit or the next "
+        "count, whichever steps faster)",
+    )
     pl.add_argument("--memory-per-device", default=None, help="budget per device, e.g. 80GB (default: device memory)")
-    pl.add_argument("--recipe", default=None, help="plan a manual recipe instead: ddp, zero1, zero2, fsdp, hsdp, tp, "
-                    "fsdp+tp, ep (experts), cp (sequence)")
-    pl.add_argument("--no-recipes", action="store_true", help="skip solving the manual recipes alongside the plan (and the comparison with them)")
-    pl.add_argument("--offload", choices=("auto", "none", "optimizer", "params"), default="auto",
-                    help="optimizer state (and with 'params' the parameters) in host memory: auto = where device "
-                    "memory forces it (default), none, or forced for every parameter")
-    pl.add_argument("--mixed-precision", choices=("none", "bf16"), default="none",
-                    help="bf16: fp32 parameters (masters), gradients and AdamW state, the step in bf16 "
-                         "(--precision-policy; default none: the model in bf16 throughout)")
-    pl.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32",
-                    help="with --mixed-precision bf16: the dtype gradients are reduced in")
-    pl.add_argument("--precision-policy", choices=("params", "autocast"), default="params",
-                    help="with --mixed-precision bf16: 'params' casts the parameters to bf16 and runs the whole step "
-                         "in bf16 (FSDP2's MixedPrecisionPolicy, torchtitan's); 'autocast' runs torch.autocast")
+    pl.add_argument(
+        "--recipe",
+        default=None,
+        help="plan a manual recipe instead: ddp, zero1, zero2, fsdp, hsdp, tp, fsdp+tp, ep (experts), cp (sequence)",
+    )
+    pl.add_argument(
+        "--no-recipes",
+        action="store_true",
+        help="skip solving the manual recipes alongside the plan (and the comparison with them)",
+    )
+    pl.add_argument(
+        "--offload",
+        choices=("auto", "none", "optimizer", "params"),
+        default="auto",
+        help="optimizer state (and with 'params' the parameters) in host memory: auto = where device "
+        "memory forces it (default), none, or forced for every parameter",
+    )
+    pl.add_argument(
+        "--mixed-precision",
+        choices=("none", "bf16"),
+        default="none",
+        help="bf16: fp32 parameters (masters), gradients and AdamW state, the step in bf16 "
+        "(--precision-policy; default none: the model in bf16 throughout)",
+    )
+    pl.add_argument(
+        "--reduce-dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="with --mixed-precision bf16: the dtype gradients are reduced in",
+    )
+    pl.add_argument(
+        "--precision-policy",
+        choices=("params", "autocast"),
+        default="params",
+        help="with --mixed-precision bf16: 'params' casts the parameters to bf16 and runs the whole step "
+        "in bf16 (FSDP2's MixedPrecisionPolicy, torchtitan's); 'autocast' runs torch.autocast",
+    )
     pl.add_argument("--time-limit", type=float, default=30.0, help="solver time limit per solve, seconds")
     pl.add_argument("--sample-layers", type=int, default=3, help="repeated layers captured (they stand for all)")
     pl.add_argument("--out", default=None, help="write the plan as JSON here")
-    pl.add_argument("--html", default=None, help="write the plan as a self-contained HTML page here (layouts, memory, "
-                    "step time, pipeline schedule, recipes)")
+    pl.add_argument(
+        "--html",
+        default=None,
+        help="write the plan as a self-contained HTML page here (layouts, memory, "
+        "step time, pipeline schedule, recipes)",
+    )
     pl.add_argument("--full", action="store_true", help="print every layer and decision (no folding)")
     pl.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     pl.add_argument("-v", "--verbose", action="store_true", help="log every pass")
@@ -200,8 +241,9 @@ def _calibrate(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if getattr(a, "verbose", False) else logging.WARNING,
-                        format="%(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if getattr(a, "verbose", False) else logging.WARNING, format="%(name)s: %(message)s"
+    )
     try:
         if a.command == "models":
             for name in known_models():

@@ -9,8 +9,8 @@ from typing import Any, Union
 
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
-from autoshard.notation import parse_bytes, parse_placement, parse_placements
 from autoshard.errors import InputError
+from autoshard.notation import parse_bytes, parse_placement, parse_placements
 
 # optimizer-state bytes per parameter byte. "adamw-mixed": 16-bit parameters and gradients with fp32 master weights
 # and fp32 moments (12 bytes per 2-byte parameter), the mixed-precision Adam of Megatron-LM and of ZeRO's
@@ -43,9 +43,21 @@ REDUCE_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "b
 OFFLOAD_MODES = ("auto", "none", "optimizer", "params")
 
 RECIPES = ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "fsdp+tp", "ep", "cp")
-ALIASES = {"megatron": "tp", "megatron-tp": "tp", "zero3": "fsdp", "2d": "fsdp+tp", "fsdp+megatron": "fsdp+tp",
-           "zero-1": "zero1", "zero-2": "zero2", "zero-3": "fsdp", "hybrid": "hsdp", "fsdp+ep": "ep", "expert": "ep",
-           "context": "cp", "fsdp+cp": "cp"}
+ALIASES = {
+    "megatron": "tp",
+    "megatron-tp": "tp",
+    "zero3": "fsdp",
+    "2d": "fsdp+tp",
+    "fsdp+megatron": "fsdp+tp",
+    "zero-1": "zero1",
+    "zero-2": "zero2",
+    "zero-3": "fsdp",
+    "hybrid": "hsdp",
+    "fsdp+ep": "ep",
+    "expert": "ep",
+    "context": "cp",
+    "fsdp+cp": "cp",
+}
 
 
 def normalize(name: str) -> str:
@@ -98,7 +110,9 @@ class PlanConfig:
     reduce_dtype: str = "float32"  # gradients reduced in this dtype under mixed_precision
     offload: str = "auto"
     reuse: Any = None  # a saved Plan whose choices are run instead of solving (compile(..., plan=saved))
-    recompute: tuple[str, ...] = ()  # module paths whose forward the backward runs again (autoshard/compiler/capture_recompute.py)
+    recompute: tuple[
+        str, ...
+    ] = ()  # module paths whose forward the backward runs again (autoshard/compiler/capture_recompute.py)
     # picks the scalar loss out of what forward returns; default: a tensor itself, a ModelOutput's or dict's
     # "loss", a tuple's first element (autoshard/compiler/capture.py: loss_of)
     loss_fn: Callable[[Any], Any] | None = None
@@ -125,18 +139,24 @@ class PlanConfig:
                 raise InputError(f"mixed_precision={self.mixed_precision!r} is not known; use 'bf16' (or None)")
             object.__setattr__(self, "mixed_precision", MIXED_PRECISION[key])
         if self.precision_policy not in PRECISION_POLICIES:
-            raise InputError(f"precision_policy={self.precision_policy!r} is not known; use 'params' (bf16 parameters, "
-                             "the whole step in bf16: FSDP2's MixedPrecisionPolicy) or 'autocast' (torch.autocast)")
+            raise InputError(
+                f"precision_policy={self.precision_policy!r} is not known; use 'params' (bf16 parameters, "
+                "the whole step in bf16: FSDP2's MixedPrecisionPolicy) or 'autocast' (torch.autocast)"
+            )
         key = str(self.reduce_dtype).removeprefix("torch.").lower()
         if key not in REDUCE_DTYPES:
             raise InputError(f"reduce_dtype={self.reduce_dtype!r} is not known; use 'float32' or 'bfloat16'")
         object.__setattr__(self, "reduce_dtype", REDUCE_DTYPES[key])
         if self.offload not in OFFLOAD_MODES:
-            raise InputError(f"offload={self.offload!r} is not known; use one of {', '.join(OFFLOAD_MODES)} (auto: "
-                             "host memory where device memory forces it, none: never, optimizer/params: always)")
+            raise InputError(
+                f"offload={self.offload!r} is not known; use one of {', '.join(OFFLOAD_MODES)} (auto: "
+                "host memory where device memory forces it, none: never, optimizer/params: always)"
+            )
         if self.random not in ("exact", "local"):
-            raise InputError(f"random={self.random!r} is not known; use 'exact' (one device's numbers, each rank drawing "
-                             "every random tensor whole) or 'local' (each rank draws only its piece: cheaper)")
+            raise InputError(
+                f"random={self.random!r} is not known; use 'exact' (one device's numbers, each rank drawing "
+                "every random tensor whole) or 'local' (each rank draws only its piece: cheaper)"
+            )
         if isinstance(self.recompute, str):
             object.__setattr__(self, "recompute", (self.recompute,))
         object.__setattr__(self, "recompute", tuple(self.recompute))
@@ -154,8 +174,11 @@ class PlanConfig:
         """The ``Plan`` fields that record the precision it was planned in."""
         if self.mixed_precision is None:
             return {}
-        return {"mixed_precision": self.mixed_precision, "reduce_dtype": self.reduce_dtype,
-                "precision_policy": self.precision_policy}
+        return {
+            "mixed_precision": self.mixed_precision,
+            "reduce_dtype": self.reduce_dtype,
+            "precision_policy": self.precision_policy,
+        }
 
     @property
     def reduce_itemsize(self) -> int | None:
@@ -175,8 +198,10 @@ class PlanConfig:
                 idx = key[len("input[") : -1]
                 if idx.isdigit() and int(idx) < len(inputs):
                     continue
-                raise InputError(f"constraint {key!r}: the model is called with {len(inputs)} tensor inputs "
-                                 f"({', '.join(inputs)}); use input[0] .. input[{len(inputs) - 1}] or their names")
+                raise InputError(
+                    f"constraint {key!r}: the model is called with {len(inputs)} tensor inputs "
+                    f"({', '.join(inputs)}); use input[0] .. input[{len(inputs) - 1}] or their names"
+                )
             if not any(fnmatch.fnmatchcase(p, key) for p in params):
                 close = sorted(params, key=lambda p: -_common(p, key))[:3]
                 raise InputError(
@@ -194,7 +219,9 @@ class PlanConfig:
         if role == "input":
             keys = ["inputs", name] + ([alias] if alias else [])
         elif role in ("parameter", "buffer"):
-            keys = ["params"] + [k for k in self.constraints if k not in ("inputs", "params") and fnmatch.fnmatchcase(name, k)]
+            keys = ["params"] + [
+                k for k in self.constraints if k not in ("inputs", "params") and fnmatch.fnmatchcase(name, k)
+            ]
         found: list[Placement | None] | None = None
         for key in keys:
             if key not in self.constraints:

@@ -45,8 +45,8 @@ from autoshard.compiler.runner import check_disabled, rank_program
 from autoshard.config import PlanConfig
 from autoshard.errors import InputError
 from autoshard.inputs import Call, example_call
-from autoshard.ir import repeated_layers
 from autoshard.integrations import install_loaded, loop_defaults
+from autoshard.ir import repeated_layers
 from autoshard.offline import DEFAULT_SAMPLE_LAYERS, plan_offline
 from autoshard.plans.html.page import write_html
 from autoshard.plans.plan import Plan
@@ -99,16 +99,29 @@ def plan_config(memory_budget: Any, constraints: Mapping | None, **kw: Any) -> P
     return PlanConfig(memory_budget=memory_budget, constraints=dict(constraints or {}), **kw)
 
 
-def request_of(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, *, cluster: str | ClusterProfile | None = None,
-               memory_budget: int | str | None = None, constraints: Mapping[str, Any] | None = None,
-               backend: str = "inductor", pipeline: str | None = None, microbatches: int | None = None,
-               schedule: str | None = None, parameters: str = "auto", autotune: int | None = None,
-               **options: Any) -> PlanRequest:
+def request_of(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    example_inputs: Any,
+    *,
+    cluster: str | ClusterProfile | None = None,
+    memory_budget: int | str | None = None,
+    constraints: Mapping[str, Any] | None = None,
+    backend: str = "inductor",
+    pipeline: str | None = None,
+    microbatches: int | None = None,
+    schedule: str | None = None,
+    parameters: str = "auto",
+    autotune: int | None = None,
+    **options: Any,
+) -> PlanRequest:
     """``compile``'s arguments (global-shaped ``example_inputs``) checked and made one request."""
     microbatches = check_options(backend, parameters, microbatches, options)
     if "batch_axes" in options:
-        raise InputError("batch_axes= says how each rank's rows make the global batch when compile is called without "
-                         "example_inputs; with global example_inputs the plan places the inputs itself")
+        raise InputError(
+            "batch_axes= says how each rank's rows make the global batch when compile is called without "
+            "example_inputs; with global example_inputs the plan places the inputs itself"
+        )
     if pipeline not in PIPELINE_CHOICES:
         raise InputError(f"pipeline={pipeline!r} is not known; use None/'none' (a 'pp' mesh axis decides) or 'auto'")
     inputs = example_call(example_inputs)
@@ -117,8 +130,20 @@ def request_of(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, *, clust
     tc.clear_dtensor_caches()
     real_group = dist.is_initialized() and dist.get_world_size() > 1 and not tc.in_local_tensor_mode()
     _check_compilable(mesh, real_group)
-    return PlanRequest(model, inputs, mesh, get_cluster(cluster), plan_config(memory_budget, constraints, **options),
-                       real_group, backend, pipeline, microbatches, schedule, parameters, autotune)
+    return PlanRequest(
+        model,
+        inputs,
+        mesh,
+        get_cluster(cluster),
+        plan_config(memory_budget, constraints, **options),
+        real_group,
+        backend,
+        pipeline,
+        microbatches,
+        schedule,
+        parameters,
+        autotune,
+    )
 
 
 def check_options(backend: str, parameters: str, microbatches: int | None, options: dict[str, Any]) -> int | None:
@@ -157,16 +182,33 @@ def compile_request(req: PlanRequest) -> ShardedModule | PipelinedModule:
         if piped is not None:
             return piped
     if req.autotune:
-        return autotune(req.model, req.inputs, int(req.autotune), req.backend, req.real_group,
-                        functools.partial(_plan_graph, req), functools.partial(compile_saved, req))
-    planned, accumulation = plan_flat(req.model, req.inputs, req.mesh, req.cluster, req.config, req.real_group,
-                                      req.microbatches)
+        return autotune(
+            req.model,
+            req.inputs,
+            int(req.autotune),
+            req.backend,
+            req.real_group,
+            functools.partial(_plan_graph, req),
+            functools.partial(compile_saved, req),
+        )
+    planned, accumulation = plan_flat(
+        req.model, req.inputs, req.mesh, req.cluster, req.config, req.real_group, req.microbatches
+    )
     p, ctx = planned.plan, planned.ctx
     program = rank_program(planned.graph, ctx, req.backend)
     grad_names = [r.name for r in ctx.output_roles if r.kind == "grad"]
-    sharded = ShardedModule(req.model, req.mesh, p, program, grad_names, ctx.signature, req.parameters, accumulation,
-                            plan_eval=functools.partial(plan_for_eval, req),
-                            plan_shapes=functools.partial(plan_for_shapes, req, p))
+    sharded = ShardedModule(
+        req.model,
+        req.mesh,
+        p,
+        program,
+        grad_names,
+        ctx.signature,
+        req.parameters,
+        accumulation,
+        plan_eval=functools.partial(plan_for_eval, req),
+        plan_shapes=functools.partial(plan_for_shapes, req, p),
+    )
     sharded.timings = dict(ctx.timings)
     if ctx.loss_form is not None:
         sharded.loss_form = ctx.loss_form
@@ -181,40 +223,71 @@ def compile_saved(req: PlanRequest, model: nn.Module, saved: Plan) -> ShardedMod
     """``saved``'s choices compiled on ``model`` (autotune's candidates): the request's program without a solve."""
     config = plan_config(None, None, plan=saved, random=req.config.random)
     tc.clear_dtensor_caches()
-    return compile_request(dataclasses.replace(req, model=model, config=config, autotune=None, pipeline=None,
-                                               microbatches=saved.microbatches if saved.microbatches > 1 else None))
+    return compile_request(
+        dataclasses.replace(
+            req,
+            model=model,
+            config=config,
+            autotune=None,
+            pipeline=None,
+            microbatches=saved.microbatches if saved.microbatches > 1 else None,
+        )
+    )
 
 
-def plan_for_eval(req: PlanRequest, model: nn.Module, example: Call,
-                  constraints: Mapping[str, Any]) -> tuple[Plan, StageProgram]:
+def plan_for_eval(
+    req: PlanRequest, model: nn.Module, example: Call, constraints: Mapping[str, Any]
+) -> tuple[Plan, StageProgram]:
     """A compiled module's evaluation program (``runtime/evaluate.py``): the forward with every output kept,
     under the training plan's options, with the given constraints (parameters pinned to their compute layouts),
     no recipes, no budget and no recomputation (nothing is saved for a backward)."""
-    cfg = dataclasses.replace(req.config, constraints=dict(constraints), solve_recipes=False, recipe=None,
-                              memory_budget=None, recompute=(), shard_state=False, reuse=None, offload="none")
+    cfg = dataclasses.replace(
+        req.config,
+        constraints=dict(constraints),
+        solve_recipes=False,
+        recipe=None,
+        memory_budget=None,
+        recompute=(),
+        shard_state=False,
+        reuse=None,
+        offload="none",
+    )
     planned = plan_graph(model, example, req.mesh, req.cluster, cfg, broadcast_solution=req.real_group, stage=True)
     return planned.plan, rank_program(planned.graph, planned.ctx, req.backend)
 
 
-def plan_for_shapes(req: PlanRequest, first: Plan, model: nn.Module, example: Call,
-                    pins: Mapping[str, Any]) -> tuple[Plan, Program, str]:
+def plan_for_shapes(
+    req: PlanRequest, first: Plan, model: nn.Module, example: Call, pins: Mapping[str, Any]
+) -> tuple[Plan, Program, str]:
     """A compiled module's program for a call of other input shapes (``ShardedModule._switch_shapes``): the first
     plan's choices replayed on the new program (``compiler/solve_reuse.py``; no solve), or, where one of them does
     not hold at these shapes (an axis that no longer divides a dimension), a solve with the parameters and inputs
     pinned to their layouts. No recipes are compared and no budget is re-searched: the module keeps its layouts."""
     config = req.config
-    base = dataclasses.replace(config, solve_recipes=False, memory_budget=None, recipe=None,
-                               recompute=tuple(first.recompute_layers) or config.recompute)
+    base = dataclasses.replace(
+        config,
+        solve_recipes=False,
+        memory_budget=None,
+        recipe=None,
+        recompute=tuple(first.recompute_layers) or config.recompute,
+    )
     try:
         cfg = dataclasses.replace(base, reuse=dataclasses.replace(first, fingerprint=()))
-        planned, how = plan_graph(model, example, req.mesh, req.cluster, cfg, broadcast_solution=req.real_group), \
-            "layouts reused"
+        planned, how = (
+            plan_graph(model, example, req.mesh, req.cluster, cfg, broadcast_solution=req.real_group),
+            "layouts reused",
+        )
     except InputError as e:
-        log.info("compile: the first plan's layouts do not all hold at the new shapes (%s); solving with the "
-                 "parameters and inputs pinned", e)
+        log.info(
+            "compile: the first plan's layouts do not all hold at the new shapes (%s); solving with the "
+            "parameters and inputs pinned",
+            e,
+        )
         cfg = dataclasses.replace(base, reuse=None, constraints={**config.constraints, **pins})
-        planned, how = plan_graph(model, example, req.mesh, req.cluster, cfg, broadcast_solution=req.real_group), \
-            "re-solved"
+        planned, how = (
+            plan_graph(model, example, req.mesh, req.cluster, cfg, broadcast_solution=req.real_group),
+            "re-solved",
+        )
     program = rank_program(planned.graph, planned.ctx, req.backend)
     spent = sorted(planned.ctx.timings.items(), key=lambda kv: -kv[1])[:4]
     return planned.plan, program, how + ": " + ", ".join(f"{k} {v:.1f} s" for k, v in spent)
@@ -227,31 +300,45 @@ def _compile_pipelined(req: PlanRequest) -> PipelinedModule | None:
     mesh = req.mesh
     names = tuple(mesh.mesh_dim_names or ())
     if not req.real_group or tc.in_local_tensor_mode():
-        raise InputError("pipeline stages run on a real process group (torchrun or gloo workers), one process per "
-                         "rank; LocalTensorMode and single-process meshes cannot run a pipeline schedule")
+        raise InputError(
+            "pipeline stages run on a real process group (torchrun or gloo workers), one process per "
+            "rank; LocalTensorMode and single-process meshes cannot run a pipeline schedule"
+        )
     if "pp" in names and names[0] != "pp":
         raise InputError(f"the 'pp' axis must be the outermost mesh axis; mesh axes are {names}")
     counts = [mesh.shape[0]] if "pp" in names else [s for s in range(2, mesh.shape[0] + 1) if mesh.shape[0] % s == 0]
-    choice = choose_pipeline(req.model, req.inputs, mesh, req.cluster, req.config, counts, req.microbatches,
-                             req.schedule)
+    choice = choose_pipeline(
+        req.model, req.inputs, mesh, req.cluster, req.config, counts, req.microbatches, req.schedule
+    )
     if choice is None:
         if "pp" in names:
-            raise InputError(f"no split of the model into {counts[0]} pipeline stages fits; see the log for each "
-                             "micro-batch count tried")
+            raise InputError(
+                f"no split of the model into {counts[0]} pipeline stages fits; see the log for each "
+                "micro-batch count tried"
+            )
         return None
     if "pp" not in names:
         plain = plan_graph(req.model, req.inputs, mesh, req.cluster, req.config, broadcast_solution=True).plan
         if plain.step_time_s <= choice.split.step_time_s:
-            log.info("compile: no pipeline (%.6f s per step) beats %d stages (%.6f s)", plain.step_time_s,
-                     choice.stages, choice.split.step_time_s)
+            log.info(
+                "compile: no pipeline (%.6f s per step) beats %d stages (%.6f s)",
+                plain.step_time_s,
+                choice.stages,
+                choice.split.step_time_s,
+            )
             return None
-    log.info("compile: %d pipeline stages, %d micro-batches, %s", choice.stages, choice.split.microbatches,
-             choice.split.schedule)
+    log.info(
+        "compile: %d pipeline stages, %d micro-batches, %s",
+        choice.stages,
+        choice.split.microbatches,
+        choice.split.schedule,
+    )
     return compile_pipelined(req.model, mesh, req.inputs, req.cluster, req.config, req.backend, choice)
 
 
-def compile_and_report(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, report: str | Path | None,
-                       **kwargs: Any) -> ShardedModule | PipelinedModule:
+def compile_and_report(
+    model: nn.Module, mesh: DeviceMesh, example_inputs: Any, report: str | Path | None, **kwargs: Any
+) -> ShardedModule | PipelinedModule:
     """``compile``'s global-shaped path: the request's module, its page written from rank 0 with ``report``."""
     out = compile_request(request_of(model, mesh, example_inputs, **kwargs))
     if report is not None and (not dist.is_initialized() or dist.get_rank() == 0 or tc.in_local_tensor_mode()):
@@ -259,19 +346,24 @@ def compile_and_report(model: nn.Module, mesh: DeviceMesh, example_inputs: Any, 
     return out
 
 
-def compile_lazily(model: nn.Module, mesh: DeviceMesh, constraints: Mapping[str, Any] | None,
-                   options: dict[str, Any]) -> LazyShardedModule:
+def compile_lazily(
+    model: nn.Module, mesh: DeviceMesh, constraints: Mapping[str, Any] | None, options: dict[str, Any]
+) -> LazyShardedModule:
     """``compile`` without example inputs: DDP's input convention, planned when first called (runtime/lazy.py)."""
     user = dict(constraints or {})
-    options["microbatches"] = check_options(options.get("backend", "inductor"), options.get("parameters", "auto"),
-                                            options.get("microbatches"), options)
+    options["microbatches"] = check_options(
+        options.get("backend", "inductor"), options.get("parameters", "auto"), options.get("microbatches"), options
+    )
     if any(k == "inputs" or k.startswith("input[") for k in user):
         raise InputError(
             "compile without example_inputs splits every input over the data-parallel ranks (each rank passes its "
             "batch shard); to place inputs otherwise, pass global-shaped example_inputs with your input constraints"
         )
-    if options.get("microbatches") is not None and "pp" not in tuple(mesh.mesh_dim_names or ()) and \
-            options.get("pipeline") != "auto":
+    if (
+        options.get("microbatches") is not None
+        and "pp" not in tuple(mesh.mesh_dim_names or ())
+        and options.get("pipeline") != "auto"
+    ):
         raise InputError(
             f"microbatches={options['microbatches']} without pipeline stages is gradient accumulation over the global "
             "batch: pass global-shaped example_inputs to compile and train with sharded.step(global batch) "
@@ -281,14 +373,32 @@ def compile_lazily(model: nn.Module, mesh: DeviceMesh, constraints: Mapping[str,
     # (the options are read when the module is first called: an integration may still set one the user left)
     if "pp" in tuple(mesh.mesh_dim_names or ()) or options.get("pipeline") == "auto":
         # pipelines take the global batch on every rank (step): nothing to pin
-        return LazyShardedModule(model, mesh, functools.partial(compile_for_call, model, mesh, user, options, False),
-                                 pipelined=True, options=options)
-    return LazyShardedModule(model, mesh, functools.partial(compile_for_call, model, mesh, user, options, True),
-                             options=options, batch_axes=batch_axes, before_plan=loop_defaults)
+        return LazyShardedModule(
+            model,
+            mesh,
+            functools.partial(compile_for_call, model, mesh, user, options, False),
+            pipelined=True,
+            options=options,
+        )
+    return LazyShardedModule(
+        model,
+        mesh,
+        functools.partial(compile_for_call, model, mesh, user, options, True),
+        options=options,
+        batch_axes=batch_axes,
+        before_plan=loop_defaults,
+    )
 
 
-def compile_for_call(model: nn.Module, mesh: DeviceMesh, user: Mapping[str, Any], options: Mapping[str, Any],
-                     pin: bool, example: Call, pins: dict[str, Any]) -> ShardedModule | PipelinedModule:
+def compile_for_call(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    user: Mapping[str, Any],
+    options: Mapping[str, Any],
+    pin: bool,
+    example: Call,
+    pins: dict[str, Any],
+) -> ShardedModule | PipelinedModule:
     """The lazy module's first call: the request of the global ``example`` its ranks' shards make, with the input
     ``pins`` that say how they are split (``pin``: flat programs; pipelines take the global batch)."""
     kw = dict(options)
@@ -300,36 +410,77 @@ def compile_for_call(model: nn.Module, mesh: DeviceMesh, user: Mapping[str, Any]
     return compile_and_report(model, mesh, example, report, constraints=constraints, **kw)
 
 
-def plan_only(model: nn.Module | str | Any, mesh: DeviceMesh | Any, example_inputs: Any, *,
-              cluster: str | ClusterProfile | None, memory_budget: int | str | None,
-              constraints: Mapping[str, Any] | None, seq: int | None, global_batch: int | None, progress: Any,
-              pipeline: str, microbatches: int | None, options: dict[str, Any]) -> Plan:
+def plan_only(
+    model: nn.Module | str | Any,
+    mesh: DeviceMesh | Any,
+    example_inputs: Any,
+    *,
+    cluster: str | ClusterProfile | None,
+    memory_budget: int | str | None,
+    constraints: Mapping[str, Any] | None,
+    seq: int | None,
+    global_batch: int | None,
+    progress: Any,
+    pipeline: str,
+    microbatches: int | None,
+    options: dict[str, Any],
+) -> Plan:
     """``autoshard.plan``: on a DeviceMesh of this process's (possibly fake) group, the flat plan, three of a long
     stack of identical layers captured unless ``sample_layers`` says otherwise, the micro-batch counts weighed;
     else for a cluster this process is not part of (``offline.py``, which weighs pipeline stages)."""
     if isinstance(mesh, DeviceMesh) and isinstance(model, nn.Module) and global_batch is None:
         if pipeline != "none":
-            raise InputError("pipeline planning runs on the offline path: call autoshard.plan(model, "
-                             "example_inputs=..., cluster=...) without a DeviceMesh (or compile with pipeline=)")
+            raise InputError(
+                "pipeline planning runs on the offline path: call autoshard.plan(model, "
+                "example_inputs=..., cluster=...) without a DeviceMesh (or compile with pipeline=)"
+            )
         if "sample_layers" not in options:  # planning only: compile captures every layer (it runs them)
             found = repeated_layers(model)
             long = found is not None and found[1] >= 2 * DEFAULT_SAMPLE_LAYERS
             options["sample_layers"] = DEFAULT_SAMPLE_LAYERS if long else None
-        planned, _ = plan_flat(model, example_call(example_inputs), mesh, get_cluster(cluster),
-                               plan_config(memory_budget, constraints, **options), False, microbatches,
-                               weigh_next=True, progress=progress)
+        planned, _ = plan_flat(
+            model,
+            example_call(example_inputs),
+            mesh,
+            get_cluster(cluster),
+            plan_config(memory_budget, constraints, **options),
+            False,
+            microbatches,
+            weigh_next=True,
+            progress=progress,
+        )
         return dataclasses.replace(planned.plan, model=type(model).__name__)
     if cluster is None:
         raise InputError(
             "autoshard.plan without a DeviceMesh needs cluster= (a preset such as 'h100-sxm:16x8', see "
             "autoshard.cluster.presets.known_clusters(), or a .json profile)"
         )
-    return plan_offline(model, cluster=cluster, mesh=mesh, example_inputs=example_inputs, seq=seq,
-                        global_batch=global_batch, memory_budget=memory_budget,
-                        config=plan_config(None, constraints, **options), progress=progress, pipeline=pipeline,
-                        microbatches=microbatches)
+    return plan_offline(
+        model,
+        cluster=cluster,
+        mesh=mesh,
+        example_inputs=example_inputs,
+        seq=seq,
+        global_batch=global_batch,
+        memory_budget=memory_budget,
+        config=plan_config(None, constraints, **options),
+        progress=progress,
+        pipeline=pipeline,
+        microbatches=microbatches,
+    )
 
 
-__all__ = ["PlanRequest", "compile_and_report", "compile_for_call", "compile_lazily", "compile_request",
-           "compile_saved", "check_options", "plan_config", "plan_for_eval", "plan_for_shapes", "plan_on_mesh",
-           "request_of"]
+__all__ = [
+    "PlanRequest",
+    "compile_and_report",
+    "compile_for_call",
+    "compile_lazily",
+    "compile_request",
+    "compile_saved",
+    "check_options",
+    "plan_config",
+    "plan_for_eval",
+    "plan_for_shapes",
+    "plan_on_mesh",
+    "request_of",
+]

@@ -30,8 +30,14 @@ class InfeasibleBudget(InputError):
     whatever its batch (its state and the optimizer step's temporaries: ``compiler/solve_memory.py: step_floor``),
     when known."""
 
-    def __init__(self, message: str, least_bytes: int | None = None, accumulation: str = "",
-                 fixed_bytes: int | None = None, step_floor: int | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        least_bytes: int | None = None,
+        accumulation: str = "",
+        fixed_bytes: int | None = None,
+        step_floor: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.least_bytes = least_bytes
         self.accumulation = accumulation
@@ -88,5 +94,15 @@ class InternalError(AutoshardError, RuntimeError):
     report it with the model (or graph) it was planning."""
 
 
-__all__ = ["AutoshardError", "CallError", "DataDependentError", "InfeasibleBudget", "InputError", "InternalError",
-           "LaunchError", "RankFailed", "SolverTimeout", "UsageError"]
+__all__ = [
+    "AutoshardError",
+    "CallError",
+    "DataDependentError",
+    "InfeasibleBudget",
+    "InputError",
+    "InternalError",
+    "LaunchError",
+    "RankFailed",
+    "SolverTimeout",
+    "UsageError",
+]

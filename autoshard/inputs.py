@@ -40,8 +40,10 @@ def as_call(example_inputs: Any) -> tuple[tuple, dict[str, Any]]:
     if isinstance(example_inputs, Call):
         return tuple(example_inputs.args), dict(example_inputs.kwargs)
     if example_inputs is None:
-        raise InputError("example_inputs is required here: a tuple of positional arguments or a dict of keyword "
-                         "arguments (global-shaped tensors, real, fake or meta), as forward is called")
+        raise InputError(
+            "example_inputs is required here: a tuple of positional arguments or a dict of keyword "
+            "arguments (global-shaped tensors, real, fake or meta), as forward is called"
+        )
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,), {}
     if isinstance(example_inputs, Mapping):
@@ -124,7 +126,9 @@ class CallSignature:
         for i, (leaf, const) in enumerate(zip(leaves, self.constants)):
             if const is _NO_VALUE:
                 if not isinstance(leaf, torch.Tensor):
-                    raise CallError(f"argument {self._leaf_name(i)} must be a tensor, as traced; got {type(leaf).__name__}")
+                    raise CallError(
+                        f"argument {self._leaf_name(i)} must be a tensor, as traced; got {type(leaf).__name__}"
+                    )
                 out.append(leaf)
             elif isinstance(leaf, torch.Tensor) or leaf != const:
                 raise InputError(

@@ -4,7 +4,6 @@ repeated layer, and the tensor arguments of a graph node."""
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -120,7 +119,8 @@ def layer_key(name: str) -> tuple[str, int] | None:
 def is_saved(node: fx.Node) -> bool:
     """A forward tensor the backward reads (held from the forward until the backward)."""
     return node.meta.get("autoshard_phase") == "forward" and any(
-        u.meta.get("autoshard_phase") == "backward" for u in node.users)
+        u.meta.get("autoshard_phase") == "backward" for u in node.users
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -302,4 +302,3 @@ def repeated_layers(model: nn.Module) -> tuple[str, int] | None:
             if all(_layer_signature(c) == first for c in mod) and (best is None or len(mod) > best[1]):
                 best = (name, len(mod))
     return best
-

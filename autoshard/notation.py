@@ -29,13 +29,18 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from autoshard.ir import layer_parts
 from autoshard.errors import InputError
+from autoshard.ir import layer_parts
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "FULL", "MODES", "SELECTIVE", "describe", "parse_spec", "spec",
+    "FULL",
+    "MODES",
+    "SELECTIVE",
+    "describe",
+    "parse_spec",
+    "spec",
     "placement_str",
     "placements_str",
     "parse_placement",
@@ -180,20 +185,22 @@ def mesh_str(shape: Sequence[int], names: Sequence[str]) -> str:
     return " × ".join(f"{name}={n}" for name, n in zip(names, shape))
 
 
-_DTYPE_SHORT: Mapping[torch.dtype, str] = MappingProxyType({
-    torch.float64: "f64",
-    torch.float32: "f32",
-    torch.float16: "f16",
-    torch.bfloat16: "bf16",
-    torch.int64: "i64",
-    torch.int32: "i32",
-    torch.int16: "i16",
-    torch.int8: "i8",
-    torch.uint8: "u8",
-    torch.bool: "b8",
-    torch.complex64: "c64",
-    torch.complex128: "c128",
-})
+_DTYPE_SHORT: Mapping[torch.dtype, str] = MappingProxyType(
+    {
+        torch.float64: "f64",
+        torch.float32: "f32",
+        torch.float16: "f16",
+        torch.bfloat16: "bf16",
+        torch.int64: "i64",
+        torch.int32: "i32",
+        torch.int16: "i16",
+        torch.int8: "i8",
+        torch.uint8: "u8",
+        torch.bool: "b8",
+        torch.complex64: "c64",
+        torch.complex128: "c128",
+    }
+)
 
 
 def _to_dtype(dtype: torch.dtype | str) -> torch.dtype | None:
@@ -321,24 +328,26 @@ def fold_layers(rows: Sequence[tuple[str, Hashable]]) -> list[int | str]:
 # bytes and seconds
 
 _BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
-_BYTE_SUFFIX: Mapping[str, int] = MappingProxyType({
-    "": 1,
-    "b": 1,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-    "pib": 2**50,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "pb": 10**15,
-    "k": 2**10,
-    "m": 2**20,
-    "g": 2**30,
-    "t": 2**40,
-})
+_BYTE_SUFFIX: Mapping[str, int] = MappingProxyType(
+    {
+        "": 1,
+        "b": 1,
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "tib": 2**40,
+        "pib": 2**50,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "tb": 10**12,
+        "pb": 10**15,
+        "k": 2**10,
+        "m": 2**20,
+        "g": 2**30,
+        "t": 2**40,
+    }
+)
 _BYTES_RE = re.compile(r"^\s*(?P<num>[+]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*(?P<unit>[A-Za-z]*)\s*$")
 
 
@@ -420,8 +429,9 @@ def parse_spec(spec: str) -> tuple[str, str]:
     path, _, mode = str(spec).partition(":")
     mode = mode or FULL
     if mode not in MODES:
-        raise InputError(f"recompute={spec!r}: mode {mode!r} is not one of {', '.join(MODES)} (write 'PATH' or "
-                         f"'PATH:selective')")
+        raise InputError(
+            f"recompute={spec!r}: mode {mode!r} is not one of {', '.join(MODES)} (write 'PATH' or 'PATH:selective')"
+        )
     return path, mode
 
 
@@ -435,12 +445,19 @@ def describe(specs: Sequence[str]) -> str:
     for s in specs:
         path, mode = parse_spec(s)
         parts = layer_parts(path + ".x")
-        if parts and parts[2] == "x" and runs and runs[-1][0] == parts[0] and runs[-1][3] == mode \
-                and runs[-1][2] == parts[1] - 1:
+        if (
+            parts
+            and parts[2] == "x"
+            and runs
+            and runs[-1][0] == parts[0]
+            and runs[-1][3] == mode
+            and runs[-1][2] == parts[1] - 1
+        ):
             runs[-1][2] = parts[1]
         elif parts and parts[2] == "x":
             runs.append([parts[0], parts[1], parts[1], mode])
         else:
             runs.append([path, None, None, mode])
-    return ", ".join(f"{c}.{a}" + (f"-{b}" if b != a else "") + f" {m}" if a is not None else f"{c} {m}"
-                     for c, a, b, m in runs)
+    return ", ".join(
+        f"{c}.{a}" + (f"-{b}" if b != a else "") + f" {m}" if a is not None else f"{c} {m}" for c, a, b, m in runs
+    )

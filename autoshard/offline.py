@@ -18,16 +18,16 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from autoshard.cluster.meshes import default_mesh, fake_world, mesh_names
 from autoshard.cluster.presets import get_cluster
 from autoshard.cluster.profile import ClusterProfile, check_mesh
 from autoshard.config import PlanConfig
+from autoshard.errors import InfeasibleBudget, InputError
 from autoshard.inputs import Call, as_call, example_call
-from autoshard.cluster.meshes import default_mesh, fake_world, mesh_names
 from autoshard.models.zoo import ZooModel, get_model
 from autoshard.notation import format_bytes
 from autoshard.plans.plan import Plan
 from autoshard.search.recipes_alone import plan_flat
-from autoshard.errors import InfeasibleBudget, InputError
 
 if TYPE_CHECKING:
     import torch.fx as fx
@@ -52,6 +52,7 @@ class ModelJob:
         """The call's first argument (positional, else the first keyword's value): the batch for the checks."""
         args, kwargs = as_call(self.inputs)
         return args[0] if args else next(iter(kwargs.values()), None)
+
     tokens_per_step: int = 0
     flops_per_step: float = 0.0
     dtype: str = "bfloat16"
@@ -81,8 +82,11 @@ def resolve_model(
     seq = seq or zoo.default_seq
     with torch.device("meta"):
         module = zoo.build(seq=seq, dtype=dtype, device="meta")
-    inputs = (example_call(example_inputs) if example_inputs is not None
-              else tuple(zoo.example_inputs(global_batch, seq, device="meta")))
+    inputs = (
+        example_call(example_inputs)
+        if example_inputs is not None
+        else tuple(zoo.example_inputs(global_batch, seq, device="meta"))
+    )
     return ModelJob(
         zoo.name,
         module,
@@ -114,7 +118,9 @@ def _check_batch(job: ModelJob, shape: Sequence[int], names: Sequence[str], reci
         )
 
 
-def _explain_oom(job: ModelJob, err: InfeasibleBudget, cluster: ClusterProfile, shape: Sequence[int], budget: int) -> str:
+def _explain_oom(
+    job: ModelJob, err: InfeasibleBudget, cluster: ClusterProfile, shape: Sequence[int], budget: int
+) -> str:
     n = math.prod(shape)
     itemsize = torch.empty((), dtype=getattr(torch, job.dtype)).element_size() if job.dtype else 2
     state = job.params * itemsize * 4  # parameters + gradients + AdamW's two moments, in the model's dtype
@@ -141,9 +147,15 @@ def _explain_oom(job: ModelJob, err: InfeasibleBudget, cluster: ClusterProfile, 
             + (f", or a global batch of at most about {smaller}" if smaller >= 1 else "")
             + ", or a shorter sequence"
         )
-    tried = "" if not err.accumulation else (
-        f" Gradient accumulation: {err.accumulation}." if "would fit" in err.accumulation
-        else f" Gradient accumulation does not fit either ({err.accumulation}).")
+    tried = (
+        ""
+        if not err.accumulation
+        else (
+            f" Gradient accumulation: {err.accumulation}."
+            if "would fit" in err.accumulation
+            else f" Gradient accumulation does not fit either ({err.accumulation})."
+        )
+    )
     return (
         f"{head}{tail} (everything sharded as far as the mesh allows, activations of the whole batch included).{tried} "
         f"{advice}, or raise --memory-per-device, or let pipeline stages split the layers and the batch into "
@@ -204,8 +216,10 @@ def plan_offline(
     stages = None
     if "pp" in names:
         if names[0] != "pp" or len(shape) < 2:
-            raise InputError(f"mesh {dict(zip(names, shape))}: 'pp' must be the outermost axis, followed by the "
-                             "axes of each stage's sub-mesh, e.g. {'pp': 4, 'tp': 8}")
+            raise InputError(
+                f"mesh {dict(zip(names, shape))}: 'pp' must be the outermost axis, followed by the "
+                "axes of each stage's sub-mesh, e.g. {'pp': 4, 'tp': 8}"
+            )
         stages, shape, names = shape[0], shape[1:], names[1:]
         stages = stages if stages > 1 else None  # pp=1: the plain plan of the other axes
         if isinstance(mesh, DeviceMesh):
@@ -216,8 +230,9 @@ def plan_offline(
     sample = base.sample_layers if base.sample_layers is not None else DEFAULT_SAMPLE_LAYERS
     cfg = dataclasses.replace(base, memory_budget=budget, sample_layers=sample)
     # mixed precision: the model's parameters in fp32 (the masters), cast to bf16 by the precision policy
-    job = resolve_model(model, example_inputs, seq=seq, global_batch=global_batch,
-                        dtype=torch.float32 if cfg.mixed_precision else dtype)
+    job = resolve_model(
+        model, example_inputs, seq=seq, global_batch=global_batch, dtype=torch.float32 if cfg.mixed_precision else dtype
+    )
     _check_batch(job, shape, names, cfg.recipe)
     if progress:
         where = f"{stages} stages of {tuple(shape)}" if stages else f"mesh {tuple(shape)}"
@@ -227,16 +242,26 @@ def plan_offline(
         return _plan_flat(job, prof, mesh, shape, names, cfg, progress if report else None, solves, microbatches)
 
     if microbatches is not None and (stages is not None or pipeline == "auto"):
-        raise InputError(f"microbatches={microbatches} is gradient accumulation without pipeline stages; with "
-                         "pipeline stages the search chooses the micro-batches (drop one of the two)")
+        raise InputError(
+            f"microbatches={microbatches} is gradient accumulation without pipeline stages; with "
+            "pipeline stages the search chooses the micro-batches (drop one of the two)"
+        )
     if microbatches is not None and (microbatches < 1 or int(microbatches) != microbatches):
         raise InputError(f"microbatches={microbatches} must be a whole number >= 1")
     if stages is not None or pipeline == "auto":
         from autoshard.pipeline.plan_offline import plan_with_pipeline
 
-        plan = plan_with_pipeline(job.module, job.inputs, prof, cfg, flat, stages=stages,
-                                  sub_shape=shape if stages else None, axis_names=names if stages else None,
-                                  progress=progress)
+        plan = plan_with_pipeline(
+            job.module,
+            job.inputs,
+            prof,
+            cfg,
+            flat,
+            stages=stages,
+            sub_shape=shape if stages else None,
+            axis_names=names if stages else None,
+            progress=progress,
+        )
     else:
         plan = flat(None)
     compute = cfg.mixed_precision or job.dtype
@@ -270,13 +295,15 @@ def _plan_flat(
         try:
             if solves is not None:
                 return solves.plan(dm, prof, cfg, progress)
-            planned, _ = plan_flat(job.module, job.inputs, dm, prof, cfg, False, microbatches, weigh_next=True,
-                                          progress=progress)
+            planned, _ = plan_flat(
+                job.module, job.inputs, dm, prof, cfg, False, microbatches, weigh_next=True, progress=progress
+            )
             _say_offload(planned.graph, planned.ctx, progress)
             return planned.plan
         except InfeasibleBudget as e:  # (a SolverTimeout is not an out-of-memory verdict: it passes through)
-            raise InfeasibleBudget(_explain_oom(job, e, prof, shape, cfg.memory_budget), e.least_bytes,
-                                   e.accumulation) from None
+            raise InfeasibleBudget(
+                _explain_oom(job, e, prof, shape, cfg.memory_budget), e.least_bytes, e.accumulation
+            ) from None
 
 
 def _say_offload(gm: fx.GraphModule, ctx: PassContext, progress: Progress | None) -> None:

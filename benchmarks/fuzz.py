@@ -72,13 +72,17 @@ def main() -> None:
     ap.add_argument("--detail", action="store_true", help="print each failure's traceback or mismatches")
     ap.add_argument("--autotune", type=int, default=None, help="compile every case with autotune=K")
     ap.add_argument("--experts", type=int, default=None, help="a mixture of E experts before every case's head")
-    ap.add_argument("--no-random", action="store_true",
-                    help="no dropout or sampled-router blocks: each case as drawn before they were (issue 43)")
+    ap.add_argument(
+        "--no-random",
+        action="store_true",
+        help="no dropout or sampled-router blocks: each case as drawn before they were (issue 43)",
+    )
     args = ap.parse_args()
     indices = list(args.only) if args.only else list(range(args.cases))
     start = time.perf_counter()
-    extra = {k: v for k, v in (("autotune", args.autotune), ("experts", args.experts), ("no_random", args.no_random))
-             if v}
+    extra = {
+        k: v for k, v in (("autotune", args.autotune), ("experts", args.experts), ("no_random", args.no_random)) if v
+    }
     arg = (args.seed, indices, args.all or bool(args.only), args.detail, extra)
     if args.jobs == 1 or len(indices) == 1:
         results = _run(0, 1, arg)
@@ -88,8 +92,10 @@ def main() -> None:
         results = [r for part in launch(2, _run, arg, gloo=False, timeout=120.0 * len(indices)) for r in part]
     kinds = collections.Counter(r.kind for r in results)
     failed = {k: n for k, n in sorted(kinds.items()) if k not in ("ok", "refused")}
-    print(f"seed {args.seed}: {len(results)} cases, {kinds['ok']} ok, {kinds['refused']} refused, "
-          f"{sum(failed.values())} failed {failed or ''} in {time.perf_counter() - start:.0f} s")
+    print(
+        f"seed {args.seed}: {len(results)} cases, {kinds['ok']} ok, {kinds['refused']} refused, "
+        f"{sum(failed.values())} failed {failed or ''} in {time.perf_counter() - start:.0f} s"
+    )
     sys.exit(1 if failed else 0)
 
 

@@ -46,8 +46,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--offload", default="auto")
     ap.add_argument("--backend", default="eager")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--foreach-adamw", action="store_true",
-                    help="torch's default AdamW (per-tensor kernels on CPU) instead of fused=True")
+    ap.add_argument(
+        "--foreach-adamw",
+        action="store_true",
+        help="torch's default AdamW (per-tensor kernels on CPU) instead of fused=True",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
 
@@ -58,12 +61,18 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("MASTER_PORT", "29561")
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0, world_size=1)
     mesh = init_device_mesh(args.device, (1,), mesh_dim_names=("dp",))
-    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
-                      max_position_embeddings=args.seq,
-                      # torch 2.11 (the GPU machines) lacks DTensor rules that take HF's masked SDPA on CUDA (cuDNN's
-                      # drops the mask, the efficient kernel's backward has an output without metadata): eager attention
-                      attn_implementation="eager" if args.device == "cuda" else "sdpa")
+    cfg = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.ffn,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        max_position_embeddings=args.seq,
+        # torch 2.11 (the GPU machines) lacks DTensor rules that take HF's masked SDPA on CUDA (cuDNN's
+        # drops the mask, the efficient kernel's backward has an output without metadata): eager attention
+        attn_implementation="eager" if args.device == "cuda" else "sdpa",
+    )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     n = sum(p.numel() for p in model.parameters())
@@ -72,11 +81,23 @@ def main(argv: list[str] | None = None) -> None:
     cluster = "cpu"  # a 1-device cluster of the GPU's preset: the mesh has one device
     if args.device == "cuda":
         cluster = "h200:1x1" if "H200" in torch.cuda.get_device_name() else "h100-sxm:1x1"
-    log.info("%.2f B parameters on meta; training state %s (16 B/parameter), budget %s", n / 1e9,
-             format_bytes(16 * n), args.budget)
+    log.info(
+        "%.2f B parameters on meta; training state %s (16 B/parameter), budget %s",
+        n / 1e9,
+        format_bytes(16 * n),
+        args.budget,
+    )
     t0 = time.perf_counter()
-    sharded = autoshard.compile(model, mesh, example_inputs=batch, cluster=cluster, mixed_precision="bf16",
-                                memory_budget=args.budget, offload=args.offload, backend=args.backend)
+    sharded = autoshard.compile(
+        model,
+        mesh,
+        example_inputs=batch,
+        cluster=cluster,
+        mixed_precision="bf16",
+        memory_budget=args.budget,
+        offload=args.offload,
+        backend=args.backend,
+    )
     t_compile = time.perf_counter() - t0
     t0 = time.perf_counter()
     sharded.init_weights(seed=0)
@@ -108,21 +129,33 @@ def main(argv: list[str] | None = None) -> None:
     measured = torch.cuda.max_memory_allocated() if args.device == "cuda" else 0
     predicted = plan.peak_memory.total
     offloaded = sum(1 for t in plan.stages[0].tensors if t.role == "parameter" and t.offload not in ("", "none"))
-    print(f"\n| {n / 1e9:.2f} B parameters, {args.layers} layers, seq {args.seq} x batch {args.batch}, "
-          f"budget {args.budget}, device {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'} |  |")
+    print(
+        f"\n| {n / 1e9:.2f} B parameters, {args.layers} layers, seq {args.seq} x batch {args.batch}, "
+        f"budget {args.budget}, device {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'} |  |"
+    )
     print("|---|---|")
-    print(f"| parameters offloaded (masters + AdamW on the host) | {offloaded} of "
-          f"{sum(1 for t in plan.stages[0].tensors if t.role == 'parameter')} |")
-    print(f"| device peak: predicted / measured | {format_bytes(predicted)} / {format_bytes(measured)} "
-          f"({measured / max(predicted, 1):.3f}) |")
+    print(
+        f"| parameters offloaded (masters + AdamW on the host) | {offloaded} of "
+        f"{sum(1 for t in plan.stages[0].tensors if t.role == 'parameter')} |"
+    )
+    print(
+        f"| device peak: predicted / measured | {format_bytes(predicted)} / {format_bytes(measured)} "
+        f"({measured / max(predicted, 1):.3f}) |"
+    )
     print(f"| host memory (offloaded state), predicted | {format_bytes(plan.peak_memory.host)} |")
-    print(f"| step: predicted / measured (median of {max(len(times) - 1, 1)}) | {plan.step_time_s:.3f} s / "
-          f"{step:.3f} s ({step / max(plan.step_time_s, 1e-9):.2f}x) |")
-    print(f"| of which optimizer.step (host AdamW, fused={not args.foreach_adamw}) | "
-          f"{statistics.median(opt_times[1:] if len(opt_times) > 1 else opt_times):.3f} s |")
+    print(
+        f"| step: predicted / measured (median of {max(len(times) - 1, 1)}) | {plan.step_time_s:.3f} s / "
+        f"{step:.3f} s ({step / max(plan.step_time_s, 1e-9):.2f}x) |"
+    )
+    print(
+        f"| of which optimizer.step (host AdamW, fused={not args.foreach_adamw}) | "
+        f"{statistics.median(opt_times[1:] if len(opt_times) > 1 else opt_times):.3f} s |"
+    )
     print(f"| tokens/s | {tokens / step:.0f} |")
-    print(f"| MFU (bf16 peak {peak_flops / 1e12:.0f} TFLOP/s) | "
-          f"{flops / step / peak_flops * 100 if peak_flops else float('nan'):.1f}% |")
+    print(
+        f"| MFU (bf16 peak {peak_flops / 1e12:.0f} TFLOP/s) | "
+        f"{flops / step / peak_flops * 100 if peak_flops else float('nan'):.1f}% |"
+    )
     print(f"| compile / init_weights | {t_compile:.1f} s / {t_init:.1f} s |")
     print(f"| losses | {', '.join(f'{x:.4f}' for x in losses)} |")
     dist.destroy_process_group()

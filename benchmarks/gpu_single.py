@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard.testing.bench import Timing, time_steps
 from autoshard.cluster.presets import get_cluster
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
+from autoshard.testing.bench import Timing, time_steps
 
 log = logging.getLogger("gpu_single")
 
@@ -144,11 +144,15 @@ def report(out: dict[str, Any], size: Size, device: torch.device, dtype: torch.d
     ]
     for name, t in (("torch.compile", tc_), ("autoshard", ta)):
         mfu = f"{flops / t.median_s / peak:.1%}" if peak else "-"
-        lines.append(f"| {name} | {t.median_s * 1e3:.2f} | {t.p10_s * 1e3:.2f}-{t.p90_s * 1e3:.2f} | "
-                     f"{t.median_s / tc_.median_s:.3f} | {mfu} | {out[name + ' first loss']:.5f} | "
-                     f"{out[name + ' build+first s']:.1f} |")
-    lines.append(f"\nmodel FLOPs per step {flops / 1e9:.1f} GFLOP; peak {peak / 1e12:.1f} TFLOP/s ({peak_src}); "
-                 f"Triton kernels in autoshard's program: {out['triton kernels']}")
+        lines.append(
+            f"| {name} | {t.median_s * 1e3:.2f} | {t.p10_s * 1e3:.2f}-{t.p90_s * 1e3:.2f} | "
+            f"{t.median_s / tc_.median_s:.3f} | {mfu} | {out[name + ' first loss']:.5f} | "
+            f"{out[name + ' build+first s']:.1f} |"
+        )
+    lines.append(
+        f"\nmodel FLOPs per step {flops / 1e9:.1f} GFLOP; peak {peak / 1e12:.1f} TFLOP/s ({peak_src}); "
+        f"Triton kernels in autoshard's program: {out['triton kernels']}"
+    )
     return "\n".join(lines)
 
 
@@ -163,7 +167,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
-        sys.exit("gpu_single: --device cuda asked for, but CUDA is not available here (use --device cpu for a smoke run)")
+        sys.exit(
+            "gpu_single: --device cuda asked for, but CUDA is not available here (use --device cpu for a smoke run)"
+        )
     size = SIZES[args.size or ("h100" if device.type == "cuda" else "tiny")]
     dtype = getattr(torch, args.dtype)
     if device.type == "cpu":
@@ -174,10 +180,12 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1, store=store)
     try:
         c = size.cfg
-        print(f"# one {device.type} device ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
-              f"torch {torch.__version__}: GPT {c.n_layer} layers, d_model {c.d_model}, {c.n_head} heads, vocab "
-              f"{c.vocab}, seq {c.seq_len}, batch {size.batch}, {args.dtype}; median of {args.steps} steps after "
-              f"{args.warmup} warm-up\n")
+        print(
+            f"# one {device.type} device ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
+            f"torch {torch.__version__}: GPT {c.n_layer} layers, d_model {c.d_model}, {c.n_head} heads, vocab "
+            f"{c.vocab}, seq {c.seq_len}, batch {size.batch}, {args.dtype}; median of {args.steps} steps after "
+            f"{args.warmup} warm-up\n"
+        )
         out = run(size, device, dtype, args.steps, args.warmup)
         print(report(out, size, device, dtype))
     finally:

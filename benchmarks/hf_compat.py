@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from autoshard.testing.launch import launch
 from autoshard.errors import LaunchError
+from autoshard.testing.launch import launch
 
 log = logging.getLogger("hf_compat")
 
@@ -87,10 +87,11 @@ class Row:
 
 def _plan_case(rank: int, world: int, arg: tuple[str, int, int, str]) -> dict[str, Any]:
     """Plan on a fake (8, 8) world; a failure comes back as data, with whether capture got through."""
-    import autoshard
-    from autoshard.models.hf import build
-    from autoshard.cluster.meshes import fake_world
     from torch.distributed.device_mesh import init_device_mesh
+
+    import autoshard
+    from autoshard.cluster.meshes import fake_world
+    from autoshard.models.hf import build
 
     name, batch, seq, cluster = arg
     model, inputs = build(name, batch=batch, seq=seq, dropout=True)
@@ -101,8 +102,11 @@ def _plan_case(rank: int, world: int, arg: tuple[str, int, int, str]) -> dict[st
             plan = autoshard.plan(model, mesh, inputs, cluster=cluster)
         except Exception as e:  # noqa: BLE001 - a row's result
             frames = [f.name for f in traceback.extract_tb(e.__traceback__)]
-            return {"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}",
-                    "traceback": traceback.format_exc(), "captured": "_capture" not in frames}
+            return {
+                "error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}",
+                "traceback": traceback.format_exc(),
+                "captured": "_capture" not in frames,
+            }
         return {"plan_s": time.perf_counter() - t0, "step_s": plan.step_time_s, "status": plan.solver.status}
 
 
@@ -139,9 +143,10 @@ def _steps(step: Callable[[], torch.Tensor], named: Callable[[], Any], opt: torc
 
 def _train_case(rank: int, world: int, arg: tuple[str, int, int, str, int]) -> dict[str, Any]:
     """3 AdamW steps through ``autoshard.compile`` on this gloo rank; rank 0 then trains one device and compares."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     import autoshard
     from autoshard.models.hf import build
-    from torch.distributed.device_mesh import init_device_mesh
 
     name, batch, seq, backend, seed, recipe, shape, names = arg
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -167,22 +172,39 @@ def _train_case(rank: int, world: int, arg: tuple[str, int, int, str, int]) -> d
     if rank != 0 and not piped:
         return {"losses": losses}
     ref_model, _ = build(name, batch=batch, seq=seq, seed=seed, dropout=False)  # after the fork
-    ref_losses, ref_grads, ref_params = _steps(lambda: _backward(_loss(ref_model(**inputs))), ref_model.named_parameters,
-                                               torch.optim.AdamW(ref_model.parameters(), lr=LR))
+    ref_losses, ref_grads, ref_params = _steps(
+        lambda: _backward(_loss(ref_model(**inputs))),
+        ref_model.named_parameters,
+        torch.optim.AdamW(ref_model.parameters(), lr=LR),
+    )
     everything = sorted(ref_params)
     if piped:  # each rank holds its stage's parameters
         ref_grads = {n: g for n, g in ref_grads.items() if n in params}
         ref_params = {n: p for n, p in ref_params.items() if n in params}
     compared = compare(ref_losses, ref_grads, ref_params, losses, grads, params)
-    return {"losses": losses, "compile_s": compile_s, "split": split, "held": sorted(params), "all": everything,
-            **compared}
+    return {
+        "losses": losses,
+        "compile_s": compile_s,
+        "split": split,
+        "held": sorted(params),
+        "all": everything,
+        **compared,
+    }
 
 
-def _max_err(kind: str, want: dict[str, torch.Tensor | None], got: dict[str, torch.Tensor | None], atol: float,
-             rtol: float, problems: list[str]) -> float:
+def _max_err(
+    kind: str,
+    want: dict[str, torch.Tensor | None],
+    got: dict[str, torch.Tensor | None],
+    atol: float,
+    rtol: float,
+    problems: list[str],
+) -> float:
     if set(want) != set(got):
-        problems.append(f"{kind} names differ: missing {sorted(set(want) - set(got))[:3]}, "
-                        f"unexpected {sorted(set(got) - set(want))[:3]}")
+        problems.append(
+            f"{kind} names differ: missing {sorted(set(want) - set(got))[:3]}, "
+            f"unexpected {sorted(set(got) - set(want))[:3]}"
+        )
     worst = 0.0
     for n in sorted(set(want) & set(got)):
         w, g = want[n], got[n]
@@ -197,16 +219,21 @@ def _max_err(kind: str, want: dict[str, torch.Tensor | None], got: dict[str, tor
         err = float(diff.max()) if diff.numel() else 0.0
         worst = max(worst, err)
         if bool((diff > atol + rtol * w.abs()).any()):
-            problems.append(f"{kind} {n}: max |diff| {err:.2e} (one device's max |{kind}| "
-                            f"{float(w.abs().max()):.2e})")
+            problems.append(f"{kind} {n}: max |diff| {err:.2e} (one device's max |{kind}| {float(w.abs().max()):.2e})")
     return worst
 
 
 Grads = dict[str, torch.Tensor | None]
 
 
-def compare(ref_losses: list[float], ref_grads: Grads, ref_params: dict[str, torch.Tensor], losses: list[float],
-            grads: Grads, params: dict[str, torch.Tensor]) -> dict[str, Any]:
+def compare(
+    ref_losses: list[float],
+    ref_grads: Grads,
+    ref_params: dict[str, torch.Tensor],
+    losses: list[float],
+    grads: Grads,
+    params: dict[str, torch.Tensor],
+) -> dict[str, Any]:
     """Largest differences from the single-device run and the checks that failed (first three of each kind)."""
     problems: list[str] = []
     loss_err = max(abs(a - b) for a, b in zip(losses, ref_losses))
@@ -225,9 +252,17 @@ def compare(ref_losses: list[float], ref_grads: Grads, ref_params: dict[str, tor
 # ------------------------------------------------------------------------------------------------ rows and table
 
 
-def check_architecture(name: str, *, batch: int = 8, seq: int = 16, backend: str = "inductor",
-                       cluster: str = "h100-sxm:8x8", timeout: float = 600.0, seed: int = 0,
-                       recipe: str | None = None) -> Row:
+def check_architecture(
+    name: str,
+    *,
+    batch: int = 8,
+    seq: int = 16,
+    backend: str = "inductor",
+    cluster: str = "h100-sxm:8x8",
+    timeout: float = 600.0,
+    seed: int = 0,
+    recipe: str | None = None,
+) -> Row:
     """One row: plan on a fake (8, 8) world, then train on 4 gloo ranks and compare with one device."""
     from autoshard.models.hf import TINY
 
@@ -248,8 +283,9 @@ def check_architecture(name: str, *, batch: int = 8, seq: int = 16, backend: str
             log.warning("%s planning failed:\n%s", name, planned["traceback"])
     _pipeline_row(row, name, batch, seq, backend, seed, timeout)
     try:
-        ranks = launch(4, _train_case, (name, batch, seq, backend, seed, recipe, TRAIN_MESH, NAMES), timeout=timeout,
-                       gloo=True)
+        ranks = launch(
+            4, _train_case, (name, batch, seq, backend, seed, recipe, TRAIN_MESH, NAMES), timeout=timeout, gloo=True
+        )
     except LaunchError as e:
         row.notes.append(f"gloo 2x2: {e}")
         log.warning("%s gloo 2x2 failed: %s\n%s", name, e, e.detail)
@@ -271,8 +307,9 @@ def check_architecture(name: str, *, batch: int = 8, seq: int = 16, backend: str
 def _pipeline_row(row: Row, name: str, batch: int, seq: int, backend: str, seed: int, timeout: float) -> None:
     """The pipeline column: 2 stages on 2 gloo ranks, 4 micro-batches, 1F1B, against one device."""
     try:
-        ranks = launch(2, _train_case, (name, batch, seq, backend, seed, None, PP_MESH, PP_NAMES), timeout=timeout,
-                       gloo=True)
+        ranks = launch(
+            2, _train_case, (name, batch, seq, backend, seed, None, PP_MESH, PP_NAMES), timeout=timeout, gloo=True
+        )
     except LaunchError as e:
         row.pp_equal = False
         row.notes.append(f"pp=2: {e}")
@@ -296,9 +333,11 @@ def _num(x: float | None, fmt: str, unit: str = "") -> str:
 
 
 def table(rows: list[Row], backend: str) -> str:
-    head = ("| architecture | class | task | captures | plans (8×8) | plan time | predicted step | "
-            f"gloo 2×2 equal ({backend}) | params split | max loss err | max grad err | max param err | "
-            "compile time | pp=2 equal | pp=2 max err | note |")
+    head = (
+        "| architecture | class | task | captures | plans (8×8) | plan time | predicted step | "
+        f"gloo 2×2 equal ({backend}) | params split | max loss err | max grad err | max param err | "
+        "compile time | pp=2 equal | pp=2 max err | note |"
+    )
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
         note = "; ".join(r.notes).replace("|", "\\|") or "ok"
@@ -308,7 +347,8 @@ def table(rows: list[Row], backend: str) -> str:
             f"{_num(None if r.predicted_step_s is None else r.predicted_step_s * 1e3, '.3f', ' ms')} | "
             f"{_mark(r.equal)} | {r.split or '—'} | {_num(r.loss_err, '.1e')} | {_num(r.grad_err, '.1e')} | "
             f"{_num(r.param_err, '.1e')} | {_num(r.compile_s, '.1f', ' s')} | {_mark(r.pp_equal)} | "
-            f"{_num(r.pp_err, '.1e')} | {note} |")
+            f"{_num(r.pp_err, '.1e')} | {note} |"
+        )
     return "\n".join(lines)
 
 
@@ -319,8 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8, help="global batch (divisible by 8 for the 8x8 plan)")
     p.add_argument("--seq", type=int, default=16)
     p.add_argument("--cluster", default="h100-sxm:8x8", help="cluster profile the 8x8 plan is costed for")
-    p.add_argument("--recipe", default=None, help="train the 2x2 run with this manual recipe (e.g. fsdp+tp) instead "
-                   "of the solved plan")
+    p.add_argument(
+        "--recipe",
+        default=None,
+        help="train the 2x2 run with this manual recipe (e.g. fsdp+tp) instead of the solved plan",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch before its processes are stopped")
     p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
     a = p.parse_args(argv)
@@ -337,13 +380,18 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for n in names:
         t = time.perf_counter()
-        rows.append(check_architecture(n, batch=a.batch, seq=a.seq, backend=a.backend, cluster=a.cluster,
-                                       timeout=a.timeout, recipe=a.recipe))
+        rows.append(
+            check_architecture(
+                n, batch=a.batch, seq=a.seq, backend=a.backend, cluster=a.cluster, timeout=a.timeout, recipe=a.recipe
+            )
+        )
         print(f"{n}: {'pass' if rows[-1].passed else 'FAIL'} ({time.perf_counter() - t:.0f} s)", flush=True)
     total = time.perf_counter() - t0
-    print(f"\nautoshard on tiny stock transformers models (batch {a.batch} x seq {a.seq}; plan: fake 8x8 world, "
-          f"{a.cluster}; train: 4 gloo ranks, 2x2, {a.backend}, {a.recipe or 'solved plan'}, {STEPS} AdamW steps "
-          "vs one device)\n")
+    print(
+        f"\nautoshard on tiny stock transformers models (batch {a.batch} x seq {a.seq}; plan: fake 8x8 world, "
+        f"{a.cluster}; train: 4 gloo ranks, 2x2, {a.backend}, {a.recipe or 'solved plan'}, {STEPS} AdamW steps "
+        "vs one device)\n"
+    )
     print(table(rows, a.backend))
     print(f"\n{sum(r.passed for r in rows)}/{len(rows)} pass; {total:.0f} s in all")
     if a.json:

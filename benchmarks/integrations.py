@@ -29,15 +29,34 @@ LIGHTNING = ROOT / "examples" / "lightning_train.py"
 
 # row -> (script, launcher, processes, autoshard args, reference args, keys compared)
 ROWS = {
-    "trainer": (TRAINER, "torchrun", 2, ["--steps", "12", "--grad-accum", "2", "--eval-steps", "6"],
-                ["--reference", "--steps", "12", "--grad-accum", "2", "--eval-steps", "6"]),
-    "trainer fsdp+tp 2x2": (TRAINER, "torchrun", 4, ["--steps", "12", "--grad-accum", "2", "--eval-steps", "6",
-                                                     "--mesh", "2x2", "--recipe", "fsdp+tp"],
-                            ["--reference", "--steps", "12", "--grad-accum", "2", "--eval-steps", "6"]),
-    "sft": (TRAINER, "torchrun", 2, ["--sft", "--steps", "8", "--recipe", "fsdp"], ["--sft", "--reference", "--steps",
-                                                                                     "8"]),
-    "lora": (TRAINER, "torchrun", 2, ["--lora", "--steps", "8", "--recipe", "fsdp"],
-             ["--lora", "--reference", "--steps", "8"]),
+    "trainer": (
+        TRAINER,
+        "torchrun",
+        2,
+        ["--steps", "12", "--grad-accum", "2", "--eval-steps", "6"],
+        ["--reference", "--steps", "12", "--grad-accum", "2", "--eval-steps", "6"],
+    ),
+    "trainer fsdp+tp 2x2": (
+        TRAINER,
+        "torchrun",
+        4,
+        ["--steps", "12", "--grad-accum", "2", "--eval-steps", "6", "--mesh", "2x2", "--recipe", "fsdp+tp"],
+        ["--reference", "--steps", "12", "--grad-accum", "2", "--eval-steps", "6"],
+    ),
+    "sft": (
+        TRAINER,
+        "torchrun",
+        2,
+        ["--sft", "--steps", "8", "--recipe", "fsdp"],
+        ["--sft", "--reference", "--steps", "8"],
+    ),
+    "lora": (
+        TRAINER,
+        "torchrun",
+        2,
+        ["--lora", "--steps", "8", "--recipe", "fsdp"],
+        ["--lora", "--reference", "--steps", "8"],
+    ),
     "accelerate": (ACCELERATE, "accelerate", 2, [], ["--reference"]),
     "lightning": (LIGHTNING, "torchrun", 2, [], ["--ddp"]),
 }
@@ -45,14 +64,37 @@ ROWS = {
 
 def launch(script: Path, launcher: str, nproc: int, args: list[str]) -> tuple[str, float]:
     if launcher == "accelerate":
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            str(nproc),
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            str(script),
+            *args,
+        ]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               str(script), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            str(script),
+            *args,
+        ]
     t0 = time.perf_counter()
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
     if out.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
     return out.stdout, time.perf_counter() - t0
@@ -94,8 +136,10 @@ def main() -> None:
             worst = max([worst] + [abs(a[key][s] - v) / abs(v) for s, v in b[key].items()])
         plan = mine[mine.index("--recipe") + 1] if "--recipe" in mine else "solved"
         steps = len(b["loss"])
-        print(f"| {row} | {nproc} | {plan} | {steps} | {worst:.1e} | {', '.join(b)} | {t_got:.0f} | {t_want:.0f} |",
-              flush=True)
+        print(
+            f"| {row} | {nproc} | {plan} | {steps} | {worst:.1e} | {', '.join(b)} | {t_got:.0f} | {t_want:.0f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -79,8 +79,14 @@ def _gpt2_plan(model: nn.Module, tp: int) -> dict[str, Any]:
         attn.split_size = d // tp  # the local q, k, v widths the forward splits c_attn's local output into
         mlp.c_fc, mlp.c_proj = _as_linear(mlp.c_fc), _as_linear(mlp.c_proj)
         prefix = f"transformer.h.{i}"
-        plan.update({f"{prefix}.attn.c_attn": ColwiseParallel(), f"{prefix}.attn.c_proj": RowwiseParallel(),
-                     f"{prefix}.mlp.c_fc": ColwiseParallel(), f"{prefix}.mlp.c_proj": RowwiseParallel()})
+        plan.update(
+            {
+                f"{prefix}.attn.c_attn": ColwiseParallel(),
+                f"{prefix}.attn.c_proj": RowwiseParallel(),
+                f"{prefix}.mlp.c_fc": ColwiseParallel(),
+                f"{prefix}.mlp.c_proj": RowwiseParallel(),
+            }
+        )
     return plan
 
 

@@ -102,8 +102,9 @@ def published_config(row: Row, model: GPT, inputs: tuple, cluster, config: PlanC
         b = row.batch // (row.dp * mbs)
         if row.batch % (row.dp * mbs) or b < row.pp:
             continue
-        o = evaluate_config(model, inputs, cluster, config, tp=row.tp, pp=row.pp, dp=row.dp, microbatches=b,
-                            recompute=True)
+        o = evaluate_config(
+            model, inputs, cluster, config, tp=row.tp, pp=row.pp, dp=row.dp, microbatches=b, recompute=True
+        )
         if o.split is not None and (best is None or o.step_time_s < best.step_time_s):
             best = o
     return best
@@ -121,17 +122,22 @@ def describe(o: PipelineOption | None) -> str:
     s = o.split
     sched = s.schedule + (f" x{s.chunks}" if s.chunks > 1 else "")
     mem = max(s.stage_memory_bytes) / GIB
-    return (f"PP {o.stages} of {o.submesh}, B={o.microbatches}, {sched}, "
-            f"{'recompute' if s.recompute else 'no recompute'}, {mem:.0f} GiB")
+    return (
+        f"PP {o.stages} of {o.submesh}, B={o.microbatches}, {sched}, "
+        f"{'recompute' if s.recompute else 'no recompute'}, {mem:.0f} GiB"
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", nargs="*", default=None, help="rows whose parameter count (billions) starts with these")
     ap.add_argument("--quick", action="store_true", help="walk 2 micro-batch sizes, not 4")
-    ap.add_argument("--exhaustive", action="store_true",
-                    help="solve every configuration (default: the estimate-guided search)")
-    ap.add_argument("--megatron-recipe", action="store_true", help="also price the pp+tp+dp recipe (smallest PP that fits)")
+    ap.add_argument(
+        "--exhaustive", action="store_true", help="solve every configuration (default: the estimate-guided search)"
+    )
+    ap.add_argument(
+        "--megatron-recipe", action="store_true", help="also price the pp+tp+dp recipe (smallest PP that fits)"
+    )
     ap.add_argument("--bias", action="store_true", help="GPT with biases (see the module docstring)")
     ap.add_argument("--no-search", action="store_true", help="only (a), the published configurations")
     ap.add_argument("--microbatch-options", type=int, default=4, help="micro-batch sizes the search walks")
@@ -139,24 +145,42 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     chosen = [r for r in rows() if not args.rows or any(f"{r.params_b:g}".startswith(p) for p in args.rows)]
-    header = ("| model | GPUs | batch | published TP/PP/DP | (a) fixed config | published TFLOP/s | (a) TFLOP/s | "
-              "(a)/pub | (b) search: stages, layout | (b) schedule | (b) TFLOP/s | (b)/(a) |")
+    header = (
+        "| model | GPUs | batch | published TP/PP/DP | (a) fixed config | published TFLOP/s | (a) TFLOP/s | "
+        "(a)/pub | (b) search: stages, layout | (b) schedule | (b) TFLOP/s | (b)/(a) |"
+    )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     fidelity, gains = [], []
     t_all = time.perf_counter()
     for row in chosen:
         t0 = time.perf_counter()
-        cfg = GPTConfig(n_layer=row.layers, d_model=row.hidden, n_head=row.hidden // HEAD_DIM, vocab=VOCAB,
-                        seq_len=SEQ, bias=args.bias)
+        cfg = GPTConfig(
+            n_layer=row.layers,
+            d_model=row.hidden,
+            n_head=row.hidden // HEAD_DIM,
+            vocab=VOCAB,
+            seq_len=SEQ,
+            bias=args.bias,
+        )
         with torch.device("meta"):
             model = GPT(cfg).to(torch.bfloat16)
         inputs = tuple(torch.empty((row.batch, SEQ), dtype=torch.long, device="meta") for _ in range(2))
         cluster = get_cluster(f"a100-80gb:{row.gpus // 8}x8")
         config = PlanConfig(sample_layers=2, optimizer="adamw-mixed", memory_budget=80 * GIB, solve_recipes=False)
         fixed = published_config(row, model, inputs, cluster, config)
-        options = [] if args.no_search else search_pipeline(
-            model, inputs, cluster, config, microbatch_options=2 if args.quick else args.microbatch_options,
-            recompute=None, exhaustive=args.exhaustive)
+        options = (
+            []
+            if args.no_search
+            else search_pipeline(
+                model,
+                inputs,
+                cluster,
+                config,
+                microbatch_options=2 if args.quick else args.microbatch_options,
+                recompute=None,
+                exhaustive=args.exhaustive,
+            )
+        )
         best = next((o for o in options if o.split is not None and not o.estimated), None)
         a = tflops(row, fixed) if fixed else 0.0
         b = tflops(row, best) if best else 0.0
@@ -166,21 +190,28 @@ def main() -> None:
         if args.megatron_recipe:
             base = megatron_recipe(model, inputs, cluster, config)
             extra = f" [pp+tp+dp: {base.note}, {tflops(row, base):.0f} TFLOP/s]"
-        search = f"{describe(best)}; {best.recipe + ' recipe; ' if best.recipe else ''}{short_layout(best.layout)}" if best else "-"
+        search = (
+            f"{describe(best)}; {best.recipe + ' recipe; ' if best.recipe else ''}{short_layout(best.layout)}"
+            if best
+            else "-"
+        )
         sched = f"{best.split.schedule} x{best.split.chunks}" if best and best.split else "-"
         lines.append(
             f"| GPT {row.params_b:g}B (h {row.hidden}, l {row.layers}) | {row.gpus} | {row.batch} | "
             f"{row.tp}/{row.pp}/{row.dp} | {describe(fixed)} | {row.tflops:.0f} | {a:.0f} | {a / row.tflops:.2f} | "
-            f"{search}{extra} | {sched} | {b:.0f} | {b / a if a else math.nan:.2f} |")
+            f"{search}{extra} | {sched} | {b:.0f} | {b / a if a else math.nan:.2f} |"
+        )
         print(lines[-1] + f"  <!-- {time.perf_counter() - t0:.0f} s -->", flush=True)
     print()
     print("\n".join(lines))
     print()
     ok_a = sum(0.85 <= f <= 1.15 for f in fidelity)
     ok_b = sum(g >= 1.0 for g in gains)
-    print(f"(a)/published within +-15%: {ok_a}/{len(fidelity)} rows (range {min(fidelity):.2f}-{max(fidelity):.2f}); "
-          f"(b)/(a) >= 1.00: {ok_b}/{len(gains)} rows (range {min(gains):.2f}-{max(gains):.2f}); "
-          f"{time.perf_counter() - t_all:.0f} s")
+    print(
+        f"(a)/published within +-15%: {ok_a}/{len(fidelity)} rows (range {min(fidelity):.2f}-{max(fidelity):.2f}); "
+        f"(b)/(a) >= 1.00: {ok_b}/{len(gains)} rows (range {min(gains):.2f}-{max(gains):.2f}); "
+        f"{time.perf_counter() - t_all:.0f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -73,11 +73,11 @@ from torch import nn
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "autoshard-inductor"))
 
 import autoshard  # noqa: E402
-from autoshard.testing.launch import launch
 from autoshard.errors import LaunchError
 from autoshard.ir import repeated_layers  # noqa: E402
-from autoshard.testing.memory_probe import measure_peak  # noqa: E402
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs  # noqa: E402
+from autoshard.testing.launch import launch
+from autoshard.testing.memory_probe import measure_peak  # noqa: E402
 
 log = logging.getLogger("memory_truth")
 
@@ -90,8 +90,13 @@ WARMUP = 2
 
 # ---- the recipes measured: extend this list as autoshard gains recipes (zero1, zero2, hsdp: issue 13) ----
 RECIPES: tuple[str, ...] = ("ddp", "fsdp", "zero1", "zero2", "hsdp")
-BUDGET_FRACTIONS: tuple[float, ...] = (0.9, 0.85)  # of the no-budget solved plan's predicted peak (below ~0.82 nothing fits these models on 2 ranks)
-LORA_CFG = GPTConfig(n_layer=2, d_model=512, n_head=8, vocab=2048, seq_len=128, bias=False)  # sizes of make_lora's Llama
+BUDGET_FRACTIONS: tuple[float, ...] = (
+    0.9,
+    0.85,
+)  # of the no-budget solved plan's predicted peak (below ~0.82 nothing fits these models on 2 ranks)
+LORA_CFG = GPTConfig(
+    n_layer=2, d_model=512, n_head=8, vocab=2048, seq_len=128, bias=False
+)  # sizes of make_lora's Llama
 LORA_BATCH = 4
 LORA_BUDGET = 1.5  # the lora budget row's, in base weights' bytes (fp32): 60 MiB
 HF_DROPOUT: float | None = 0.0  # the HF GPT-2's dropout (--dropout; None: GPT2Config's own), read by the forked ranks
@@ -118,12 +123,19 @@ def make_lora(spec: RowSpec) -> nn.Module:
     import transformers
 
     c = LORA_CFG
-    cfg = transformers.LlamaConfig(vocab_size=c.vocab, hidden_size=c.d_model, intermediate_size=4 * c.d_model,
-                                   num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
-                                   num_key_value_heads=c.n_head, max_position_embeddings=c.seq_len)
+    cfg = transformers.LlamaConfig(
+        vocab_size=c.vocab,
+        hidden_size=c.d_model,
+        intermediate_size=4 * c.d_model,
+        num_hidden_layers=c.n_layer,
+        num_attention_heads=c.n_head,
+        num_key_value_heads=c.n_head,
+        max_position_embeddings=c.seq_len,
+    )
     base = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16 if spec.base_bf16 else torch.float32)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
-                                                      lora_dropout=0.0))
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0)
+    )
     return model.requires_grad_(True) if spec.train_all else model
 
 
@@ -139,8 +151,16 @@ def make_model(kind: str, spec: RowSpec | None = None) -> nn.Module:
 
     c = GPT_CFG
     drop = {} if HF_DROPOUT is None else {"resid_pdrop": HF_DROPOUT, "embd_pdrop": HF_DROPOUT, "attn_pdrop": HF_DROPOUT}
-    cfg = transformers.GPT2Config(n_layer=c.n_layer, n_embd=c.d_model, n_head=c.n_head, vocab_size=c.vocab,
-                                  n_positions=c.seq_len, bos_token_id=0, eos_token_id=0, **drop)
+    cfg = transformers.GPT2Config(
+        n_layer=c.n_layer,
+        n_embd=c.d_model,
+        n_head=c.n_head,
+        vocab_size=c.vocab,
+        n_positions=c.seq_len,
+        bos_token_id=0,
+        eos_token_id=0,
+        **drop,
+    )
     return transformers.GPT2LMHeadModel(cfg).train()
 
 
@@ -160,8 +180,11 @@ def _held(module: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
     """This rank's local bytes of parameters, gradients and optimizer state, counted directly."""
     params = list(module.parameters())
     state = sum(_local_nbytes(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
-    return {"params": sum(_local_nbytes(p) for p in params), "grads": sum(_local_nbytes(p.grad) for p in params),
-            "opt": state}
+    return {
+        "params": sum(_local_nbytes(p) for p in params),
+        "grads": sum(_local_nbytes(p.grad) for p in params),
+        "opt": state,
+    }
 
 
 def _row_worker(rank: int, world: int, spec: RowSpec) -> dict[str, Any]:
@@ -173,13 +196,15 @@ def _row_worker(rank: int, world: int, spec: RowSpec) -> dict[str, Any]:
     inputs = global_inputs(spec.model)
     t0 = time.perf_counter()
     model = make_model(spec.model, spec)
-    weights = {k: sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad == k)
-               for k in (False, True)}  # (global bytes: frozen, trained)
+    weights = {
+        k: sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad == k) for k in (False, True)
+    }  # (global bytes: frozen, trained)
     redo = {"recompute": (repeated_layers(model)[0],)} if spec.recompute else {}
     if spec.mixed_precision:
         redo["mixed_precision"] = "bf16"
-    sharded = autoshard.compile(model, mesh, inputs, backend=spec.backend, recipe=spec.recipe,
-                                memory_budget=spec.budget, **redo)
+    sharded = autoshard.compile(
+        model, mesh, inputs, backend=spec.backend, recipe=spec.recipe, memory_budget=spec.budget, **redo
+    )
     compile_s = time.perf_counter() - t0
     pieces = sharded.shard_inputs(**inputs) if isinstance(inputs, dict) else sharded.shard_inputs(*inputs)
     opt = torch.optim.AdamW(sharded.parameters(), lr=LR, foreach=True)
@@ -196,8 +221,11 @@ def _row_worker(rank: int, world: int, spec: RowSpec) -> dict[str, Any]:
             with record_function("backward"):
                 loss.backward()
         held.update(_held(sharded, opt))  # gradients present, optimizer state from the last step
-        grad_ptrs[:] = [getattr(p.grad, "_local_tensor", p.grad).untyped_storage().data_ptr()
-                        for p in sharded.parameters() if p.grad is not None]
+        grad_ptrs[:] = [
+            getattr(p.grad, "_local_tensor", p.grad).untyped_storage().data_ptr()
+            for p in sharded.parameters()
+            if p.grad is not None
+        ]
         with record_function("opt"):
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -210,12 +238,22 @@ def _row_worker(rank: int, world: int, spec: RowSpec) -> dict[str, Any]:
     start = _held(sharded, opt)  # what the step starts from: no gradients (set_to_none), state from the warm-up
     flat = pieces.values() if isinstance(pieces, dict) else pieces
     base = start["params"] + start["opt"] + sum(_local_nbytes(t) for t in flat)
-    peak = measure_peak(step, regions=("forward", "backward", "opt"), owners=lambda: {"grads": list(grad_ptrs)},
-                        baseline=lambda: base, attempts=1)  # no re-run: the step is collective on 2 ranks
+    peak = measure_peak(
+        step,
+        regions=("forward", "backward", "opt"),
+        owners=lambda: {"grads": list(grad_ptrs)},
+        baseline=lambda: base,
+        attempts=1,
+    )  # no re-run: the step is collective on 2 ranks
     pm = sharded.plan.peak_memory
     return {
-        "pred": {"params": pm.parameters, "grads": pm.gradients, "opt": pm.optimizer, "acts": pm.activations,
-                 "total": pm.total},
+        "pred": {
+            "params": pm.parameters,
+            "grads": pm.gradients,
+            "opt": pm.optimizer,
+            "acts": pm.activations,
+            "total": pm.total,
+        },
         "recipe": sharded.plan.recipe,
         "peak": peak.peak_bytes,
         "at_peak": dict(peak.by_category),
@@ -259,12 +297,22 @@ def run_row(spec: RowSpec, timeout: float) -> dict[str, Any]:
     return out
 
 
-CAT_SHORT = {"parameter": "par", "optimizer state": "opt", "gradient": "grad", "activation": "act",
-             "temporary": "tmp", "autograd detail": "agd", "input": "in", "unknown": "unk"}
-HEADER = (f"{'model':5} {'row':10} {'be':3} {'plan':6} | {'pred':>6} {'meas':>6} {'ratio':>5} {'in':>3} | "
-          f"{'P':>5} {'G':>5} {'O':>5} {'A':>5} pred | {'P':>5} {'G':>5} {'O':>5} {'A':>5} meas | "
-          f"{'base':>5} {'fwd':>5} {'grads':>5} {'bwd':>5} {'opt':>5} at peak | {'fwdpk':>5} {'bwdpk':>5} {'optpk':>5} "
-          f"| budget")
+CAT_SHORT = {
+    "parameter": "par",
+    "optimizer state": "opt",
+    "gradient": "grad",
+    "activation": "act",
+    "temporary": "tmp",
+    "autograd detail": "agd",
+    "input": "in",
+    "unknown": "unk",
+}
+HEADER = (
+    f"{'model':5} {'row':10} {'be':3} {'plan':6} | {'pred':>6} {'meas':>6} {'ratio':>5} {'in':>3} | "
+    f"{'P':>5} {'G':>5} {'O':>5} {'A':>5} pred | {'P':>5} {'G':>5} {'O':>5} {'A':>5} meas | "
+    f"{'base':>5} {'fwd':>5} {'grads':>5} {'bwd':>5} {'opt':>5} at peak | {'fwdpk':>5} {'bwdpk':>5} {'optpk':>5} "
+    f"| budget"
+)
 
 
 def _m(b: float) -> str:
@@ -288,12 +336,14 @@ def format_row(r: dict[str, Any]) -> str:
     budget = ""
     if s.budget is not None:
         budget = f"{_m(s.budget).strip()} {'within' if r['peak'] <= s.budget else 'OVER by ' + _m(r['peak'] - s.budget).strip()}"
-    return (f"{name} {r['recipe'] or 'solved':6} | {_m(p['total']):>6} {_m(r['peak']):>6} {p['total'] / r['peak']:5.2f} "
-            f"{phase[:3]:>3} | {_m(p['params'])} {_m(p['grads'])} {_m(p['opt'])} {_m(p['acts'])}      | "
-            f"{_m(h['params'])} {_m(h['grads'])} {_m(h['opt'])} {_m(r['retained'].get('forward', 0))}      | "
-            f"{_m(r['baseline'])} {_m(made.get('forward', 0))} {_m(grads)} {_m(made.get('backward', 0) - grads)} "
-            f"{_m(made.get('opt', 0))}         | {_m(reg.get('forward', (0,))[0])} {_m(reg.get('backward', (0,))[0])} "
-            f"{_m(reg.get('opt', (0,))[0])} | {budget}")
+    return (
+        f"{name} {r['recipe'] or 'solved':6} | {_m(p['total']):>6} {_m(r['peak']):>6} {p['total'] / r['peak']:5.2f} "
+        f"{phase[:3]:>3} | {_m(p['params'])} {_m(p['grads'])} {_m(p['opt'])} {_m(p['acts'])}      | "
+        f"{_m(h['params'])} {_m(h['grads'])} {_m(h['opt'])} {_m(r['retained'].get('forward', 0))}      | "
+        f"{_m(r['baseline'])} {_m(made.get('forward', 0))} {_m(grads)} {_m(made.get('backward', 0) - grads)} "
+        f"{_m(made.get('opt', 0))}         | {_m(reg.get('forward', (0,))[0])} {_m(reg.get('backward', (0,))[0])} "
+        f"{_m(reg.get('opt', (0,))[0])} | {budget}"
+    )
 
 
 def format_categories(r: dict[str, Any]) -> str:
@@ -301,9 +351,11 @@ def format_categories(r: dict[str, Any]) -> str:
     if "error" in r:
         return ""
     cats = " ".join(f"{CAT_SHORT.get(k, k)} {_m(v).strip()}" for k, v in r["at_peak"].items() if v >= MIB / 20)
-    return (f"      [{r['method']}] categories at the peak: {cats}; ranks' peaks {[round(x / MIB, 1) for x in r['peaks']]}; "
-            f"compile {r['compile_s']:.1f} s, step {r['step_s'] * 1e3:.0f} ms; parameter placements "
-            f"{' '.join(r['params_placements'])}")
+    return (
+        f"      [{r['method']}] categories at the peak: {cats}; ranks' peaks {[round(x / MIB, 1) for x in r['peaks']]}; "
+        f"compile {r['compile_s']:.1f} s, step {r['step_s'] * 1e3:.0f} ms; parameter placements "
+        f"{' '.join(r['params_placements'])}"
+    )
 
 
 def _print_row(r: dict[str, Any]) -> None:
@@ -313,10 +365,12 @@ def _print_row(r: dict[str, Any]) -> None:
 def lora_rows(backend: str, wanted: set[str], timeout: float) -> None:
     """The LoRA rows (module docstring), then what they show: the base weights, the adapters, full training's
     state, and each row's predicted and measured peak against the base weights over the ranks."""
-    specs = [RowSpec("lora", "full", None, None, backend, train_all=True),
-             RowSpec("lora", "lora", None, None, backend),
-             RowSpec("lora", "lora fsdp", "fsdp", None, backend),
-             RowSpec("lora", "bf16 base", None, None, backend, base_bf16=True)]
+    specs = [
+        RowSpec("lora", "full", None, None, backend, train_all=True),
+        RowSpec("lora", "lora", None, None, backend),
+        RowSpec("lora", "lora fsdp", "fsdp", None, backend),
+        RowSpec("lora", "bf16 base", None, None, backend, base_bf16=True),
+    ]
     results = []
     for spec in specs:
         if not wanted or spec.label in wanted:
@@ -331,13 +385,17 @@ def lora_rows(backend: str, wanted: set[str], timeout: float) -> None:
         return
     frozen, trained = lora["frozen_bytes"], lora["trained_bytes"]
     state = 16 * (frozen + trained) // 4  # fp32 weights, gradients, AdamW's two moments: 16 bytes per parameter
-    print(f"lora: base weights {_m(frozen).strip()} MiB frozen, adapters {_m(trained).strip()} MiB; full training's "
-          f"state {_m(state).strip()} MiB on one rank, {_m(state / WORLD).strip()} MiB per rank sharded over {WORLD}")
+    print(
+        f"lora: base weights {_m(frozen).strip()} MiB frozen, adapters {_m(trained).strip()} MiB; full training's "
+        f"state {_m(state).strip()} MiB on one rank, {_m(state / WORLD).strip()} MiB per rank sharded over {WORLD}"
+    )
     for r in (r for r in results if "error" not in r):
         base = f" (base / {WORLD} = {_m(r['frozen_bytes'] / WORLD)})" if r["frozen_bytes"] else ""
-        print(f"  {r['spec'].label:10} predicted {_m(r['pred']['total'])} measured {_m(r['peak'])} ratio "
-              f"{r['pred']['total'] / r['peak']:.2f}; predicted params {_m(r['pred']['params'])}{base} acts "
-              f"{_m(r['pred']['acts'])}")
+        print(
+            f"  {r['spec'].label:10} predicted {_m(r['pred']['total'])} measured {_m(r['peak'])} ratio "
+            f"{r['pred']['total'] / r['peak']:.2f}; predicted params {_m(r['pred']['params'])}{base} acts "
+            f"{_m(r['pred']['acts'])}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,16 +403,26 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=("gpt", "hf", "both", "lora"), default="both")
     ap.add_argument("--backend", choices=("inductor", "eager"), default="inductor")
-    ap.add_argument("--budget-backends", default="inductor,eager",
-                    help="comma-separated backends each budget row is run under (the same plan under each)")
+    ap.add_argument(
+        "--budget-backends",
+        default="inductor,eager",
+        help="comma-separated backends each budget row is run under (the same plan under each)",
+    )
     ap.add_argument("--vocab", type=int, default=GPT_CFG.vocab, help="vocabulary of both models")
     ap.add_argument("--dropout", default="0", help="the HF GPT-2's dropout: a probability, or 'stock' (GPT2Config's)")
-    ap.add_argument("--rows", default="", help="comma-separated subset of: solved, recompute, bf16, 'bf16 fsdp', "
-                    "<recipes>, budget; with --model lora: full, lora, 'lora fsdp', 'bf16 base', budget")
+    ap.add_argument(
+        "--rows",
+        default="",
+        help="comma-separated subset of: solved, recompute, bf16, 'bf16 fsdp', "
+        "<recipes>, budget; with --model lora: full, lora, 'lora fsdp', 'bf16 base', budget",
+    )
     ap.add_argument("--timeout", type=float, default=240.0)
     ap.add_argument("--layers", type=int, default=GPT_CFG.n_layer, help="transformer layers of both models")
-    ap.add_argument("--budgets", default=",".join(map(str, BUDGET_FRACTIONS)),
-                    help="budget rows: fractions of the no-budget plan's predicted peak")
+    ap.add_argument(
+        "--budgets",
+        default=",".join(map(str, BUDGET_FRACTIONS)),
+        help="budget rows: fractions of the no-budget plan's predicted peak",
+    )
     args = ap.parse_args(argv)
     GPT_CFG = dataclasses.replace(GPT_CFG, n_layer=args.layers, vocab=args.vocab)
     HF_DROPOUT = None if args.dropout == "stock" else float(args.dropout)
@@ -364,10 +432,14 @@ def main(argv: list[str] | None = None) -> int:
     wanted = set(filter(None, args.rows.split(",")))
     known = _known_recipes()
     kinds = ("gpt", "hf") if args.model == "both" else (args.model,)
-    what = f"LoRA on a stock Llama of {LORA_CFG}, batch {LORA_BATCH}" if args.model == "lora" else \
-        f"GPT {GPT_CFG}, batch {BATCH}, HF dropout {'stock' if HF_DROPOUT is None else HF_DROPOUT}"
-    print(f"memory truth: {WORLD} gloo ranks, mesh (2,) dp, backend {args.backend}, AdamW foreach, {what}; MiB per "
-          "device")
+    what = (
+        f"LoRA on a stock Llama of {LORA_CFG}, batch {LORA_BATCH}"
+        if args.model == "lora"
+        else f"GPT {GPT_CFG}, batch {BATCH}, HF dropout {'stock' if HF_DROPOUT is None else HF_DROPOUT}"
+    )
+    print(
+        f"memory truth: {WORLD} gloo ranks, mesh (2,) dp, backend {args.backend}, AdamW foreach, {what}; MiB per device"
+    )
     print(HEADER)
     t_all = time.perf_counter()
     if args.model == "lora":
@@ -375,10 +447,12 @@ def main(argv: list[str] | None = None) -> int:
         kinds = ()
     for kind in kinds:
         results = []
-        specs = [RowSpec(kind, "solved", None, None, args.backend),
-                 RowSpec(kind, "recompute", None, None, args.backend, recompute=True),
-                 RowSpec(kind, "bf16", None, None, args.backend, mixed_precision=True),
-                 RowSpec(kind, "bf16 fsdp", "fsdp", None, args.backend, mixed_precision=True)]
+        specs = [
+            RowSpec(kind, "solved", None, None, args.backend),
+            RowSpec(kind, "recompute", None, None, args.backend, recompute=True),
+            RowSpec(kind, "bf16", None, None, args.backend, mixed_precision=True),
+            RowSpec(kind, "bf16 fsdp", "fsdp", None, args.backend, mixed_precision=True),
+        ]
         for rec in RECIPES:
             if rec in known:
                 specs.append(RowSpec(kind, rec, rec, None, args.backend))

@@ -54,8 +54,8 @@ import torch
 from torch.profiler import record_function
 
 import autoshard
-from autoshard.testing.launch import launch
 from autoshard.errors import LaunchError
+from autoshard.testing.launch import launch
 from autoshard.testing.memory_probe import measure_peak
 
 log = logging.getLogger("meta_memory")
@@ -80,10 +80,17 @@ class ModelSpec:
     def config(self) -> Any:
         from transformers import LlamaConfig
 
-        return LlamaConfig(hidden_size=self.hidden, intermediate_size=self.intermediate,
-                           num_hidden_layers=self.layers, num_attention_heads=self.heads,
-                           num_key_value_heads=self.heads, vocab_size=self.vocab, max_position_embeddings=self.seq,
-                           tie_word_embeddings=False, attention_dropout=0.0)
+        return LlamaConfig(
+            hidden_size=self.hidden,
+            intermediate_size=self.intermediate,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.heads,
+            vocab_size=self.vocab,
+            max_position_embeddings=self.seq,
+            tie_word_embeddings=False,
+            attention_dropout=0.0,
+        )
 
     def params(self) -> int:
         h, f, v = self.hidden, self.intermediate, self.vocab
@@ -143,8 +150,13 @@ class Phases:
         self.peaks[name] = _status()["VmHWM"]
         self.anon[name] = max(self.anon.get(name, 0), _status()["RssAnon"])
         self._name = None
-        log.info("  %-6s peak RSS %7.0f MiB, anonymous %7.0f (started at %.0f)", name, self.peaks[name] / MIB,
-                 self.anon[name] / MIB, self.start[name] / MIB)
+        log.info(
+            "  %-6s peak RSS %7.0f MiB, anonymous %7.0f (started at %.0f)",
+            name,
+            self.peaks[name] / MIB,
+            self.anon[name] / MIB,
+            self.start[name] / MIB,
+        )
         if following is not None:
             self._reset(following)
 
@@ -197,8 +209,14 @@ def _worker(rank: int, world: int, case: Case) -> dict[str, Any]:
         elif case.mode == "meta-init":
             sharded.init_weights(0)
         pm = sharded.plan.peak_memory
-        pred = {"params": pm.parameters, "grads": pm.gradients, "opt": pm.optimizer, "acts": pm.activations,
-                "temps": pm.temporaries, "total": pm.total}
+        pred = {
+            "params": pm.parameters,
+            "grads": pm.gradients,
+            "opt": pm.optimizer,
+            "acts": pm.activations,
+            "temps": pm.temporaries,
+            "total": pm.total,
+        }
 
         def fwd_bwd() -> None:
             sharded.step(**batch)
@@ -227,11 +245,26 @@ def _worker(rank: int, world: int, case: Case) -> dict[str, Any]:
     if case.probe and case.steps:
         base = held["params"] + held["opt"] + 2 * ids.numel() * ids.element_size()
         r = measure_peak(step, regions=("fwd_bwd", "opt"), baseline=lambda: base, attempts=1 if world > 1 else 2)
-        probe = {"peak": r.peak_bytes, "baseline": r.baseline_bytes, "method": r.method,
-                 "regions": {k: v.peak_bytes for k, v in r.regions.items()}}
-    return {"rank": rank, "runtime": phases.runtime, "peaks": phases.peaks, "starts": phases.start, "pred": pred,
-            "anon": phases.anon, "runtime_anon": phases.runtime_anon,
-            "held": held, "probe": probe, "build_s": build_s, "step_s": step_s, "end": _status()}
+        probe = {
+            "peak": r.peak_bytes,
+            "baseline": r.baseline_bytes,
+            "method": r.method,
+            "regions": {k: v.peak_bytes for k, v in r.regions.items()},
+        }
+    return {
+        "rank": rank,
+        "runtime": phases.runtime,
+        "peaks": phases.peaks,
+        "starts": phases.start,
+        "pred": pred,
+        "anon": phases.anon,
+        "runtime_anon": phases.runtime_anon,
+        "held": held,
+        "probe": probe,
+        "build_s": build_s,
+        "step_s": step_s,
+        "end": _status(),
+    }
 
 
 def _save_worker(rank: int, world: int, arg: tuple[ModelSpec, str]) -> int:
@@ -254,11 +287,22 @@ def run_case(case: Case, timeout: float) -> dict[str, Any] | None:
         log.error("case %s x%d failed: %s\n%s", case.mode, case.world, e, e.detail)
         return None
     worst = max(ranks, key=lambda r: max(r["peaks"].values()))
-    out = dict(worst, mode=case.mode, world=case.world, wall_s=time.perf_counter() - t0,
-               rank_peaks=[max(r["peaks"].values()) for r in ranks])
+    out = dict(
+        worst,
+        mode=case.mode,
+        world=case.world,
+        wall_s=time.perf_counter() - t0,
+        rank_peaks=[max(r["peaks"].values()) for r in ranks],
+    )
     out["peak"] = max(worst["peaks"].values())
-    log.info("case %s x%d: peak RSS %.0f MiB (ranks %s), %.0f s", case.mode, case.world, out["peak"] / MIB,
-             [round(p / MIB) for p in out["rank_peaks"]], out["wall_s"])
+    log.info(
+        "case %s x%d: peak RSS %.0f MiB (ranks %s), %.0f s",
+        case.mode,
+        case.world,
+        out["peak"] / MIB,
+        [round(p / MIB) for p in out["rank_peaks"]],
+        out["wall_s"],
+    )
     return out
 
 
@@ -267,8 +311,12 @@ def _m(b: float) -> str:
 
 
 def _label(r: dict[str, Any]) -> str:
-    return {"single": "single device (plain)", "whole": "built whole", "meta-load": "meta + load_pretrained",
-            "meta-init": "meta + init_weights"}[r["mode"]]
+    return {
+        "single": "single device (plain)",
+        "whole": "built whole",
+        "meta-load": "meta + load_pretrained",
+        "meta-init": "meta + init_weights",
+    }[r["mode"]]
 
 
 def format_tables(rows: list[dict[str, Any]], spec: ModelSpec) -> str:
@@ -293,7 +341,8 @@ def format_tables(rows: list[dict[str, Any]], spec: ModelSpec) -> str:
         lines.append(
             f"| {r['world']} | {_label(r)}{note} | {_m(r['peak'])} | {ratio} | {_m(above)} | {ratio_above} | "
             f"{_m(probe) if probe else '-'} | {_m(total) if total else '-'} | "
-            f"{f'{above / total:.2f}' if total else '-'} | {f'{probe / total:.2f}' if total and probe else '-'} |")
+            f"{f'{above / total:.2f}' if total else '-'} | {f'{probe / total:.2f}' if total and probe else '-'} |"
+        )
     lines += [
         "",
         "Where the peak is: per phase, peak RSS / peak anonymous RSS (sampled) above the runtime's, MiB; what the step "
@@ -307,25 +356,37 @@ def format_tables(rows: list[dict[str, Any]], spec: ModelSpec) -> str:
     ]
     for r in rows:
         rt, pk, pr, pb = r["runtime"], r["peaks"], r["pred"], r["probe"]
-        probe = (f"{_m(pb['baseline'])} / {_m(pb['regions'].get('fwd_bwd', 0))} / {_m(pb['regions'].get('opt', 0))}"
-                 f" ({pb['method']})" if pb else "-")
+        probe = (
+            f"{_m(pb['baseline'])} / {_m(pb['regions'].get('fwd_bwd', 0))} / {_m(pb['regions'].get('opt', 0))}"
+            f" ({pb['method']})"
+            if pb
+            else "-"
+        )
         ra = r["runtime_anon"]
-        phase = [f"{_m(pk[p] - rt)} / {_m(r['anon'][p] - ra)}" if not (p == "values" and r["mode"] == "single")
-                 else "-" for p in PHASES]
+        phase = [
+            f"{_m(pk[p] - rt)} / {_m(r['anon'][p] - ra)}" if not (p == "values" and r["mode"] == "single") else "-"
+            for p in PHASES
+        ]
         pred = " / ".join(_m(pr[k]) for k in ("params", "grads", "opt", "acts", "temps")) if pr else "-"
         lines.append(
-            f"| {r['world']} | {_label(r)} | {_m(rt)} | " + " | ".join(phase)
+            f"| {r['world']} | {_label(r)} | {_m(rt)} | "
+            + " | ".join(phase)
             + f" | {_m(r['held']['params'] + r['held']['opt'])} | {probe} | {pred} | {r['build_s']:.0f} | "
-            + " / ".join(f"{s:.1f}" for s in r["step_s"]) + " |")
+            + " / ".join(f"{s:.1f}" for s in r["step_s"])
+            + " |"
+        )
     meta2 = next((r for r in rows if r["world"] == 2 and r["mode"].startswith("meta")), None)
     if meta2 is not None and single is not None and meta2["pred"]:
         ratio = meta2["peak"] / single["peak"]
         off = (meta2["peak"] - meta2["runtime"]) / meta2["pred"]["total"] - 1
         probe_off = meta2["probe"]["peak"] / meta2["pred"]["total"] - 1 if meta2["probe"] else float("nan")
-        lines += ["", f"goal: meta-built on 2 ranks <= {GOAL_RATIO} of the single-device peak: {ratio:.2f} "
-                  f"({'met' if ratio <= GOAL_RATIO else 'NOT met'}); within {GOAL_PRED:.0%} of the prediction: "
-                  f"RSS - runtime {off:+.0%}, probe {probe_off:+.0%} "
-                  f"({'met' if abs(off) <= GOAL_PRED else 'NOT met'} by RSS)"]
+        lines += [
+            "",
+            f"goal: meta-built on 2 ranks <= {GOAL_RATIO} of the single-device peak: {ratio:.2f} "
+            f"({'met' if ratio <= GOAL_RATIO else 'NOT met'}); within {GOAL_PRED:.0%} of the prediction: "
+            f"RSS - runtime {off:+.0%}, probe {probe_off:+.0%} "
+            f"({'met' if abs(off) <= GOAL_PRED else 'NOT met'} by RSS)",
+        ]
     return "\n".join(lines)
 
 
@@ -341,8 +402,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=ModelSpec.vocab)
     ap.add_argument("--batch", type=int, default=ModelSpec.batch)
     ap.add_argument("--seq", type=int, default=ModelSpec.seq)
-    ap.add_argument("--backend", choices=("eager", "inductor"), default="eager",
-                    help="autoshard backend (inductor compiles for minutes per rank on CPU)")
+    ap.add_argument(
+        "--backend",
+        choices=("eager", "inductor"),
+        default="eager",
+        help="autoshard backend (inductor compiles for minutes per rank on CPU)",
+    )
     ap.add_argument("--no-probe", action="store_true", help="skip the memory probe's profiled third step")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per case")
     ap.add_argument("--workdir", default=None, help="where the checkpoint is written (default: a temp dir)")

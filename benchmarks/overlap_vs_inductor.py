@@ -30,15 +30,16 @@ import torch
 import torch.fx as fx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import autoshard  # noqa: E402
 from runtime_vs_manual import global_inputs, make_model  # noqa: E402
+
+import autoshard  # noqa: E402
 from autoshard._torch_compat.overlap import available, inductor_schedule_overlap  # noqa: E402
-from autoshard.testing.bench import Variant, side_by_side  # noqa: E402
 from autoshard.cluster.presets import get_cluster  # noqa: E402
 from autoshard.cluster.profile import ClusterProfile  # noqa: E402
+from autoshard.compiler.lower import collective_counts  # noqa: E402
 from autoshard.cost.comm import collective_time  # noqa: E402
 from autoshard.cost.compute import compute_time, op_bytes, op_flops  # noqa: E402
-from autoshard.compiler.lower import collective_counts  # noqa: E402
+from autoshard.testing.bench import Variant, side_by_side  # noqa: E402
 
 PROFILE = "cpu"
 _KINDS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
@@ -118,22 +119,29 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not available():
         raise SystemExit("this torch has no torch._inductor.fx_passes.overlap_scheduling")
-    print(f"# overlap: autoshard's pass vs Inductor's scheduler; 2 gloo ranks, 1 thread each; median of {args.steps} "
-          f"steps after {args.warmup}, round-robin; torch {torch.__version__}\n")
+    print(
+        f"# overlap: autoshard's pass vs Inductor's scheduler; 2 gloo ranks, 1 thread each; median of {args.steps} "
+        f"steps after {args.warmup}, round-robin; torch {torch.__version__}\n"
+    )
     print("| model | recipe | ours ms | inductor ms | inductor / ours | collectives (ours; inductor) | first loss |")
     print("|---|---|---|---|---|---|---|")
-    for kind in (("gpt", "hf") if args.model == "both" else (args.model,)):
+    for kind in ("gpt", "hf") if args.model == "both" else (args.model,):
         for recipe in args.recipes:
-            rows = {r.name: r for r in side_by_side(2, make_variants, args.steps, args.warmup, arg=(kind, recipe),
-                                                    interleave=True)}
+            rows = {
+                r.name: r
+                for r in side_by_side(2, make_variants, args.steps, args.warmup, arg=(kind, recipe), interleave=True)
+            }
             ours, ind = rows["ours"], rows["inductor"]
             if ours.timing is None or ind.timing is None:
                 print(f"| {kind} | {recipe} | failed: {(ours.error or ind.error or '')[:80]} | | | | |")
                 continue
             same = ours.extra.get("first") == ind.extra.get("first")
-            print(f"| {kind} | {recipe} | {ours.median_s * 1e3:.1f} | {ind.median_s * 1e3:.1f} | "
-                  f"{ind.median_s / ours.median_s:.2f} | {ours.extra['collectives']}; {ind.extra['collectives']} | "
-                  f"{ours.extra.get('first', float('nan')):.5f}{'' if same else ' (differs!)'} |", flush=True)
+            print(
+                f"| {kind} | {recipe} | {ours.median_s * 1e3:.1f} | {ind.median_s * 1e3:.1f} | "
+                f"{ind.median_s / ours.median_s:.2f} | {ours.extra['collectives']}; {ind.extra['collectives']} | "
+                f"{ours.extra.get('first', float('nan')):.5f}{'' if same else ' (differs!)'} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

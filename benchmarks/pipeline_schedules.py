@@ -54,8 +54,9 @@ def _worker(rank: int, world: int, arg: dict) -> dict:
     model = GPT(cfg)
     inputs = gpt_example_inputs(cfg, arg["batch"])
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
-    sharded = autoshard.compile(model, mesh, inputs, schedule=arg["schedule"], microbatches=arg["microbatches"],
-                                backend=arg["backend"])
+    sharded = autoshard.compile(
+        model, mesh, inputs, schedule=arg["schedule"], microbatches=arg["microbatches"], backend=arg["backend"]
+    )
     first = float(sharded.step(*inputs))
     steps: list[float] = []
 
@@ -65,10 +66,15 @@ def _worker(rank: int, world: int, arg: dict) -> dict:
         steps.append(busy[0] - b0)
 
     timing = time_steps(one, arg["steps"], arg["warmup"])
-    timed_busy = steps[arg["warmup"]:]
-    return {"step_s": timing.median_s, "busy_s": statistics.median(timed_busy), "first_loss": first,
-            "predicted_bubble": sharded.plan.bubble_fraction, "predicted_step_s": sharded.plan.step_time_s,
-            "stages": len(sharded.plan.stages)}
+    timed_busy = steps[arg["warmup"] :]
+    return {
+        "step_s": timing.median_s,
+        "busy_s": statistics.median(timed_busy),
+        "first_loss": first,
+        "predicted_bubble": sharded.plan.bubble_fraction,
+        "predicted_step_s": sharded.plan.step_time_s,
+        "stages": len(sharded.plan.stages),
+    }
 
 
 def main() -> None:
@@ -86,23 +92,37 @@ def main() -> None:
     if args.quick:
         cfg.update(n_layer=4, d_model=64, seq_len=32)
         steps, warmup = 2, 1
-    print(f"# pipeline schedules: zoo GPT {cfg['n_layer']} layers, d {cfg['d_model']}, seq {cfg['seq_len']}, batch "
-          f"{batch} in {args.microbatches} micro-batches; 2 gloo ranks (pp=2), 1 thread each, on this machine's "
-          f"2 cores; {args.backend}; median of {steps} steps after {warmup} warm-up")
-    print("| schedule | stages | step (ms) | busy per rank (ms) | bubble measured | bubble predicted | step vs 1F1B "
-          "| first loss |")
+    print(
+        f"# pipeline schedules: zoo GPT {cfg['n_layer']} layers, d {cfg['d_model']}, seq {cfg['seq_len']}, batch "
+        f"{batch} in {args.microbatches} micro-batches; 2 gloo ranks (pp=2), 1 thread each, on this machine's "
+        f"2 cores; {args.backend}; median of {steps} steps after {warmup} warm-up"
+    )
+    print(
+        "| schedule | stages | step (ms) | busy per rank (ms) | bubble measured | bubble predicted | step vs 1F1B "
+        "| first loss |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     base = None
     for schedule in SCHEDULES:
-        arg = {"cfg": cfg, "batch": batch, "schedule": schedule, "microbatches": args.microbatches,
-               "backend": args.backend, "steps": steps, "warmup": warmup}
+        arg = {
+            "cfg": cfg,
+            "batch": batch,
+            "schedule": schedule,
+            "microbatches": args.microbatches,
+            "backend": args.backend,
+            "steps": steps,
+            "warmup": warmup,
+        }
         res = launch(2, _worker, arg, timeout=1800)
         step = statistics.mean(r["step_s"] for r in res)
         bubble = statistics.mean(1 - r["busy_s"] / r["step_s"] for r in res)
         busy = statistics.mean(r["busy_s"] for r in res)
         base = base or step
-        print(f"| {schedule} | {res[0]['stages']} | {step * 1e3:.1f} | {busy * 1e3:.1f} | {bubble:.1%} | "
-              f"{res[0]['predicted_bubble']:.1%} | {step / base:.3f} | {res[0]['first_loss']:.5f} |", flush=True)
+        print(
+            f"| {schedule} | {res[0]['stages']} | {step * 1e3:.1f} | {busy * 1e3:.1f} | {bubble:.1%} | "
+            f"{res[0]['predicted_bubble']:.1%} | {step / base:.3f} | {res[0]['first_loss']:.5f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -49,8 +49,8 @@ from dataclasses import dataclass
 
 import autoshard
 from autoshard.config import RECIPES
-from autoshard.models.zoo import get_model
 from autoshard.errors import InfeasibleBudget
+from autoshard.models.zoo import get_model
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import plan_quality_memory  # noqa: E402  (this directory's helper, also when run from elsewhere)
@@ -87,8 +87,15 @@ CASES = (
     Case("llama3-8b", "h100-sxm:8x8", (4, 16), 4, 131072, why="128K-token sequences on 64 GPUs"),
     # one 128K sequence on cp x tp: no batch to split, the heads split only 8 ways over the nodes, so the
     # sequence is split inside the node: context parallelism, load-balanced
-    Case("llama3-8b", "h100-sxm:8x8", (8, 8), 1, 131072, names=("cp", "tp"),
-         why="one 128K-token sequence: context parallelism"),
+    Case(
+        "llama3-8b",
+        "h100-sxm:8x8",
+        (8, 8),
+        1,
+        131072,
+        names=("cp", "tp"),
+        why="one 128K-token sequence: context parallelism",
+    ),
     Case("bert-large", "a100-80gb:1x8", (8,), 256, 512, why="encoder, one node"),
     Case("vit-h14", "h100-sxm:2x8", (2, 8), 256, None, why="vision transformer"),
 )
@@ -112,22 +119,36 @@ def run_case(case: Case, time_limit: float, budget_override: int | str | None) -
     t0 = time.perf_counter()
     mesh = dict(zip(case.names, case.mesh)) if case.names else case.mesh
     plan = autoshard.plan(
-        case.model, mesh, cluster=case.cluster, seq=case.seq, global_batch=case.batch,
-        memory_budget=budget, time_limit_s=time_limit,
+        case.model,
+        mesh,
+        cluster=case.cluster,
+        seq=case.seq,
+        global_batch=case.batch,
+        memory_budget=budget,
+        time_limit_s=time_limit,
     )
     return plan, time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cases", nargs="*", default=None, metavar="NAME",
-                   help="only cases whose model name contains one of these (e.g. llama3-8b, gpt2)")
+    p.add_argument(
+        "--cases",
+        nargs="*",
+        default=None,
+        metavar="NAME",
+        help="only cases whose model name contains one of these (e.g. llama3-8b, gpt2)",
+    )
     p.add_argument("--time-limit", type=float, default=30.0, help="solver time limit per solve (time_limit_s)")
-    p.add_argument("--memory-budget", default=None,
-                   help="override every case's budget: bytes ('80GB', ...) or 'none' (default: the device's memory)")
+    p.add_argument(
+        "--memory-budget",
+        default=None,
+        help="override every case's budget: bytes ('80GB', ...) or 'none' (default: the device's memory)",
+    )
     section = p.add_mutually_exclusive_group()
-    section.add_argument("--memory-bound", action="store_true",
-                         help="only the memory-bound table (budgets at 25/50/75%% of DDP's need)")
+    section.add_argument(
+        "--memory-bound", action="store_true", help="only the memory-bound table (budgets at 25/50/75%% of DDP's need)"
+    )
     section.add_argument("--no-memory-bound", action="store_true", help="only the first table")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-case progress on stderr")
     a = p.parse_args(argv)
@@ -142,12 +163,16 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"no case matches {a.cases}; models: {', '.join(sorted({c.model for c in CASES}))}")
 
     rec_w = 9
-    head = (f"{'model':<13}{'cluster':<15}{'mesh':>6}{'batch x seq':>13}{'solved ms':>11}{'GiB':>7}"
-            + "".join(f"{r:>{rec_w}}" for r in RECIPES)
-            + f"  {'best':<8}{'ratio':>6}  {'goal':<6}{'x faster':>9}{'MFU':>7}{'tokens/s':>12}{'s':>6}")
-    print(f"autoshard plan quality: solved plan vs manual recipes (ms per step, same cost model, fake process group); "
-          f"time limit {a.time_limit:g} s per solve, budget "
-          f"{a.memory_budget if a.memory_budget is not None else 'device memory'}")
+    head = (
+        f"{'model':<13}{'cluster':<15}{'mesh':>6}{'batch x seq':>13}{'solved ms':>11}{'GiB':>7}"
+        + "".join(f"{r:>{rec_w}}" for r in RECIPES)
+        + f"  {'best':<8}{'ratio':>6}  {'goal':<6}{'x faster':>9}{'MFU':>7}{'tokens/s':>12}{'s':>6}"
+    )
+    print(
+        f"autoshard plan quality: solved plan vs manual recipes (ms per step, same cost model, fake process group); "
+        f"time limit {a.time_limit:g} s per solve, budget "
+        f"{a.memory_budget if a.memory_budget is not None else 'device memory'}"
+    )
     print(head)
     ratios: list[float] = []
     outcome = {"no plan fits": 0, "failed": 0, "no recipe fits": 0}
@@ -156,8 +181,15 @@ def main(argv: list[str] | None = None) -> None:
     for case in cases:
         seq = case.seq if case.seq is not None else get_model(case.model).default_seq
         prefix = f"{case.model:<13}{case.cluster:<15}{_mesh(case.mesh):>6}{f'{case.batch} x {seq}':>13}"
-        log.info("planning %s on %s mesh %s, batch %d x seq %d (%s)", case.model, case.cluster, case.mesh,
-                 case.batch, seq, case.why)
+        log.info(
+            "planning %s on %s mesh %s, batch %d x seq %d (%s)",
+            case.model,
+            case.cluster,
+            case.mesh,
+            case.batch,
+            seq,
+            case.why,
+        )
         try:
             plan, wall = run_case(case, a.time_limit, a.memory_budget)
         except InfeasibleBudget as e:
@@ -173,8 +205,10 @@ def main(argv: list[str] | None = None) -> None:
         solved = plan.step_time_s
         objective = plan.solver.objective_s
         if objective > 0 and abs(solved / objective - 1) > 0.01:
-            mismatches.append(f"{case.model} {_mesh(case.mesh)}: solver objective {objective * 1e3:.1f} ms, plan step "
-                              f"{solved * 1e3:.1f} ms ({solved / objective - 1:+.1%}, solver {plan.solver.status})")
+            mismatches.append(
+                f"{case.model} {_mesh(case.mesh)}: solver objective {objective * 1e3:.1f} ms, plan step "
+                f"{solved * 1e3:.1f} ms ({solved / objective - 1:+.1%}, solver {plan.solver.status})"
+            )
         cells = "".join(f"{_recipe_cell(plan, r):>{rec_w}}" for r in RECIPES)
         best = plan.best_recipe()
         if best is not None and solved > 0:
@@ -186,24 +220,31 @@ def main(argv: list[str] | None = None) -> None:
             outcome["no recipe fits"] += 1
         mfu = f"{plan.mfu:.1%}" if plan.mfu else "-"
         tps = f"{plan.tokens_per_s:,.0f}" if plan.tokens_per_s else "-"
-        print(f"{prefix}{solved * 1e3:>11.1f}{plan.peak_memory.total / GIB:>7.1f}{cells}{tail}{mfu:>7}{tps:>12}"
-              f"{wall:>6.1f}", flush=True)
+        print(
+            f"{prefix}{solved * 1e3:>11.1f}{plan.peak_memory.total / GIB:>7.1f}{cells}{tail}{mfu:>7}{tps:>12}"
+            f"{wall:>6.1f}",
+            flush=True,
+        )
     total = time.perf_counter() - t_all
     for m in mismatches:
         print(f"note: the plan's step time is not what the solver optimized: {m}")
     others = ", ".join(f"{n} {k}" for k, n in outcome.items() if n)
     head = f"summary: {len(cases)} cases, {len(ratios)} compared with the best recipe that fits" + (
-        f" ({others})" if others else "")
+        f" ({others})" if others else ""
+    )
     if ratios:
         worst = max(ratios)
         geo = math.exp(-sum(math.log(r) for r in ratios) / len(ratios))
         met = "met" if worst <= 1.0 + 1e-9 else "NOT met"
-        print(f"{head}; max ratio solved/best {worst:.3f} (goal <= 1.00 {met}); "
-              f"geometric-mean speedup over the best recipe {geo:.3f}x; {total:.0f} s")
+        print(
+            f"{head}; max ratio solved/best {worst:.3f} (goal <= 1.00 {met}); "
+            f"geometric-mean speedup over the best recipe {geo:.3f}x; {total:.0f} s"
+        )
     else:
         print(f"{head}; {total:.0f} s")
-    if not a.no_memory_bound and (not a.cases or any(k.lower() in c.model for c in plan_quality_memory.MEMORY_CASES
-                                                     for k in a.cases)):
+    if not a.no_memory_bound and (
+        not a.cases or any(k.lower() in c.model for c in plan_quality_memory.MEMORY_CASES for k in a.cases)
+    ):
         plan_quality_memory.run(a.time_limit, a.cases)
 
 

@@ -55,14 +55,17 @@ def how(recompute: str, microbatches: int) -> str:
 
 
 def run(rows: list[Row]) -> None:
-    print(f"{'row':<36}{'plan s':>9}{'best recipe alone':>19}{'s':>9}{'ratio':>8}{'bound s':>9}{'GiB':>7}{'wall s':>8}"
-          "  plan / recipe")
+    print(
+        f"{'row':<36}{'plan s':>9}{'best recipe alone':>19}{'s':>9}{'ratio':>8}{'bound s':>9}{'GiB':>7}{'wall s':>8}"
+        "  plan / recipe"
+    )
     ratios: list[tuple[float, bool]] = []
     for r in rows:
         t0 = time.perf_counter()
         try:
-            plan = autoshard.plan(r.model, r.mesh, cluster=r.cluster, seq=r.seq, global_batch=r.batch,
-                                  mixed_precision="bf16")
+            plan = autoshard.plan(
+                r.model, r.mesh, cluster=r.cluster, seq=r.seq, global_batch=r.batch, mixed_precision="bf16"
+            )
         except InfeasibleBudget as e:
             print(f"{r.label:<36}  no plan fits: {str(e)[:100]}", flush=True)
             continue
@@ -70,25 +73,33 @@ def run(rows: list[Row]) -> None:
         best = plan.best_recipe()
         mine = how(describe(plan.recompute_layers), plan.microbatches)
         if best is None:
-            print(f"{r.label:<36}{plan.step_time_s:>9.3f}{'none fits':>19}{'-':>9}{'-':>8}"
-                  f"{plan.solver.bound_s * plan.microbatches:>9.3f}{plan.peak_memory.total / 2**30:>7.1f}"
-                  f"{wall:>8.1f}  {mine}", flush=True)
+            print(
+                f"{r.label:<36}{plan.step_time_s:>9.3f}{'none fits':>19}{'-':>9}{'-':>8}"
+                f"{plan.solver.bound_s * plan.microbatches:>9.3f}{plan.peak_memory.total / 2**30:>7.1f}"
+                f"{wall:>8.1f}  {mine}",
+                flush=True,
+            )
             continue
         ratio = plan.step_time_s / best.step_time_s
         bound = bool(best.recompute) or best.microbatches > 1
         ratios.append((ratio, bound))
-        print(f"{r.label:<36}{plan.step_time_s:>9.3f}{best.name:>19}{best.step_time_s:>9.3f}{ratio:>8.3f}"
-              f"{plan.solver.bound_s * plan.microbatches:>9.3f}{plan.peak_memory.total / 2**30:>7.1f}"
-              f"{wall:>8.1f}  {mine} / "
-              f"{how(best.recompute, best.microbatches)}", flush=True)
+        print(
+            f"{r.label:<36}{plan.step_time_s:>9.3f}{best.name:>19}{best.step_time_s:>9.3f}{ratio:>8.3f}"
+            f"{plan.solver.bound_s * plan.microbatches:>9.3f}{plan.peak_memory.total / 2**30:>7.1f}"
+            f"{wall:>8.1f}  {mine} / "
+            f"{how(best.recompute, best.microbatches)}",
+            flush=True,
+        )
     if ratios:
         worst = max(x for x, _ in ratios)
         bound = [x for x, b in ratios if b]
         geo = math.exp(sum(math.log(x) for x in bound) / len(bound)) if bound else math.nan
         verdict = "met" if worst <= 1 + 1e-9 else "NOT met"
-        print(f"summary: {len(ratios)} rows; max ratio {worst:.3f} (goal <= 1.000 {verdict}); "
-              f"geometric mean over {len(bound)} memory-bound rows {geo:.3f} (goal <= 0.90 "
-              f"{'met' if bound and geo <= 0.90 else 'NOT met'})")
+        print(
+            f"summary: {len(ratios)} rows; max ratio {worst:.3f} (goal <= 1.000 {verdict}); "
+            f"geometric mean over {len(bound)} memory-bound rows {geo:.3f} (goal <= 0.90 "
+            f"{'met' if bound and geo <= 0.90 else 'NOT met'})"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -52,21 +52,34 @@ import subprocess
 import sys
 import time
 
+from autoshard.cluster.meshes import fake_world, mesh_names, parse_mesh
+from autoshard.cluster.presets import get_cluster
 from autoshard.config import PlanConfig
 from autoshard.models.zoo import get_model, known_models
 from autoshard.offline import resolve_model
-from autoshard.cluster.meshes import fake_world, mesh_names, parse_mesh
 from autoshard.search.recompute import plan_graph
-from autoshard.cluster.presets import get_cluster
 
 log = logging.getLogger("plan_time")
 
 DEFAULT_MESHES = ("8", "8x8", "16x8x8")
-GOALS = {("llama3-8b", (8, 8)): 3.0, ("hf-llama3-8b", (8, 8)): 3.0, ("mixtral-8x7b", (8, 8)): 5.0,
-         ("llama3-70b", (16, 8, 8)): 10.0, ("llama3-405b", (16, 8, 8)): 10.0, ("cli-70b", (128, 8)): 10.0,
-         ("cli-70b-pp", (128, 8)): 15.0}
-GOAL_ROWS = (("llama3-8b", "8x8"), ("hf-llama3-8b", "8x8"), ("mixtral-8x7b", "8x8"), ("llama3-70b", "16x8x8"),
-             ("llama3-405b", "16x8x8"), ("cli-70b", "128x8"), ("cli-70b-pp", "128x8"))
+GOALS = {
+    ("llama3-8b", (8, 8)): 3.0,
+    ("hf-llama3-8b", (8, 8)): 3.0,
+    ("mixtral-8x7b", (8, 8)): 5.0,
+    ("llama3-70b", (16, 8, 8)): 10.0,
+    ("llama3-405b", (16, 8, 8)): 10.0,
+    ("cli-70b", (128, 8)): 10.0,
+    ("cli-70b-pp", (128, 8)): 15.0,
+}
+GOAL_ROWS = (
+    ("llama3-8b", "8x8"),
+    ("hf-llama3-8b", "8x8"),
+    ("mixtral-8x7b", "8x8"),
+    ("llama3-70b", "16x8x8"),
+    ("llama3-405b", "16x8x8"),
+    ("cli-70b", "128x8"),
+    ("cli-70b-pp", "128x8"),
+)
 CLI_MODELS = {"cli-70b": "none", "cli-70b-pp": "auto"}  # the CLI's offline path under an 80 GB budget
 HF_MODELS = {"hf-llama3-8b": "llama3-8b"}  # stock transformers module -> the zoo model whose shape it takes
 
@@ -77,10 +90,18 @@ def hf_llama3_8b(batch: int) -> tuple:
     import transformers
 
     seq = get_model("llama3-8b").default_seq
-    cfg = transformers.LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                                   num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
-                                   max_position_embeddings=seq, rope_theta=500000.0, rms_norm_eps=1e-5,
-                                   dtype=torch.bfloat16)
+    cfg = transformers.LlamaConfig(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        max_position_embeddings=seq,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        dtype=torch.bfloat16,
+    )
     with torch.device("meta"):
         module = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
     ids = torch.empty(batch, seq, dtype=torch.int64, device="meta")
@@ -109,7 +130,9 @@ def _timed_plan(shape: tuple[int, ...], profile: bool, make_plan) -> tuple:
     return result, wall, cpu
 
 
-def run_hf_case(model: str, shape: tuple[int, ...], solve_recipes: bool, time_limit: float, profile: bool = False) -> dict:
+def run_hf_case(
+    model: str, shape: tuple[int, ...], solve_recipes: bool, time_limit: float, profile: bool = False
+) -> dict:
     """A user's own module on the public DeviceMesh path (``autoshard.plan(module, mesh, inputs)``)."""
     import autoshard
 
@@ -126,36 +149,79 @@ def run_hf_case(model: str, shape: tuple[int, ...], solve_recipes: bool, time_li
         elif fraction >= 1.0 and stage in started:
             timings[stage] = now - started[stage]
 
-    plan, wall, cpu = _timed_plan(shape, profile, lambda mesh: autoshard.plan(
-        module, mesh, inputs, cluster=f"h100-sxm:{world // per_node}x{per_node}", solve_recipes=solve_recipes,
-        time_limit_s=time_limit, progress=progress))
+    plan, wall, cpu = _timed_plan(
+        shape,
+        profile,
+        lambda mesh: autoshard.plan(
+            module,
+            mesh,
+            inputs,
+            cluster=f"h100-sxm:{world // per_node}x{per_node}",
+            solve_recipes=solve_recipes,
+            time_limit_s=time_limit,
+            progress=progress,
+        ),
+    )
     s = plan.solver
     return {
-        "model": model, "mesh": "x".join(map(str, shape)), "nodes": "-", "groups": s.groups, "decision": "-",
-        "vars": s.variables, "capture": timings.get("capture", 0.0), "strategies": timings.get("strategies", 0.0),
-        "solve": timings.get("solve", 0.0), "total": wall, "cpu": cpu, "objective": s.objective_s,
-        "gap": (s.objective_s - s.bound_s) / s.objective_s if s.objective_s else math.nan, "status": s.status,
-        "sampled": plan.sampled_layers, "timings": timings,
+        "model": model,
+        "mesh": "x".join(map(str, shape)),
+        "nodes": "-",
+        "groups": s.groups,
+        "decision": "-",
+        "vars": s.variables,
+        "capture": timings.get("capture", 0.0),
+        "strategies": timings.get("strategies", 0.0),
+        "solve": timings.get("solve", 0.0),
+        "total": wall,
+        "cpu": cpu,
+        "objective": s.objective_s,
+        "gap": (s.objective_s - s.bound_s) / s.objective_s if s.objective_s else math.nan,
+        "status": s.status,
+        "sampled": plan.sampled_layers,
+        "timings": timings,
     }
 
 
-def run_cli_case(model: str, shape: tuple[int, ...], solve_recipes: bool, time_limit: float, profile: bool = False
-                 ) -> dict:
+def run_cli_case(
+    model: str, shape: tuple[int, ...], solve_recipes: bool, time_limit: float, profile: bool = False
+) -> dict:
     """``autoshard plan --model llama3-70b --cluster h100-sxm:128x8 --seq 8192 --global-batch 512
     --memory-per-device 80GB`` (and ``--pipeline auto``), as the CLI calls it."""
     import autoshard
 
     nodes, per_node = shape
     t0, c0 = time.perf_counter(), time.process_time()
-    plan = autoshard.plan("llama3-70b", cluster=f"h100-sxm:{nodes}x{per_node}", seq=8192, global_batch=512,
-                          memory_budget=80 * 10**9, pipeline=CLI_MODELS[model], solve_recipes=solve_recipes,
-                          time_limit_s=time_limit)
+    plan = autoshard.plan(
+        "llama3-70b",
+        cluster=f"h100-sxm:{nodes}x{per_node}",
+        seq=8192,
+        global_batch=512,
+        memory_budget=80 * 10**9,
+        pipeline=CLI_MODELS[model],
+        solve_recipes=solve_recipes,
+        time_limit_s=time_limit,
+    )
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     s = plan.solver
-    return {"model": model, "mesh": "x".join(map(str, shape)), "nodes": "-", "groups": s.groups, "decision": "-",
-            "vars": s.variables, "capture": math.nan, "strategies": math.nan, "solve": math.nan, "total": wall,
-            "cpu": cpu, "objective": plan.step_time_s, "gap": math.nan, "status": s.status, "timings": {},
-            "stages": len(plan.stages)}
+    return {
+        "model": model,
+        "mesh": "x".join(map(str, shape)),
+        "nodes": "-",
+        "groups": s.groups,
+        "decision": "-",
+        "vars": s.variables,
+        "capture": math.nan,
+        "strategies": math.nan,
+        "solve": math.nan,
+        "total": wall,
+        "cpu": cpu,
+        "objective": plan.step_time_s,
+        "gap": math.nan,
+        "status": s.status,
+        "timings": {},
+        "stages": len(plan.stages),
+    }
 
 
 def run_case(model: str, shape: tuple[int, ...], solve_recipes: bool, time_limit: float, profile: bool = False) -> dict:
@@ -164,17 +230,27 @@ def run_case(model: str, shape: tuple[int, ...], solve_recipes: bool, time_limit
     cluster = get_cluster(f"h100-sxm:{world // per_node}x{per_node}")
     job = resolve_model(model, None, seq=None, global_batch=world)
     config = PlanConfig(sample_layers=3, solve_recipes=solve_recipes, time_limit_s=time_limit)
-    planned, wall, cpu = _timed_plan(shape, profile,
-                                            lambda mesh: plan_graph(job.module, job.inputs, mesh, cluster, config))
+    planned, wall, cpu = _timed_plan(
+        shape, profile, lambda mesh: plan_graph(job.module, job.inputs, mesh, cluster, config)
+    )
     plan, ctx = planned.plan, planned.ctx
     canon = ctx.layer_of_group or {}
     s = plan.solver
     row = {
-        "model": model, "mesh": "x".join(map(str, shape)), "nodes": ctx.stats.get("nodes_captured"),
-        "groups": len(ctx.groups), "decision": sum(1 for g, c in canon.items() if g == c), "vars": s.variables,
-        "capture": ctx.timings.get("capture", 0.0), "strategies": ctx.timings.get("strategies", 0.0),
-        "solve": ctx.timings.get("solve", 0.0), "total": wall, "cpu": cpu, "objective": s.objective_s,
-        "gap": (s.objective_s - s.bound_s) / s.objective_s if s.objective_s else math.nan, "status": s.status,
+        "model": model,
+        "mesh": "x".join(map(str, shape)),
+        "nodes": ctx.stats.get("nodes_captured"),
+        "groups": len(ctx.groups),
+        "decision": sum(1 for g, c in canon.items() if g == c),
+        "vars": s.variables,
+        "capture": ctx.timings.get("capture", 0.0),
+        "strategies": ctx.timings.get("strategies", 0.0),
+        "solve": ctx.timings.get("solve", 0.0),
+        "total": wall,
+        "cpu": cpu,
+        "objective": s.objective_s,
+        "gap": (s.objective_s - s.bound_s) / s.objective_s if s.objective_s else math.nan,
+        "status": s.status,
         "timings": {**ctx.timings, **{f"solve.{k}": v for k, v in ctx.stats.get("solve_parts", {}).items()}},
     }
     return row
@@ -197,8 +273,11 @@ def _fresh(model: str, mesh: str, a: argparse.Namespace) -> dict:
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     rows = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
     if done.returncode != 0 or not rows:
-        raise RuntimeError((done.stderr or done.stdout).strip().splitlines()[-1] if (done.stderr or done.stdout)
-                           else f"exit {done.returncode}")
+        raise RuntimeError(
+            (done.stderr or done.stdout).strip().splitlines()[-1]
+            if (done.stderr or done.stdout)
+            else f"exit {done.returncode}"
+        )
     return json.loads(rows[-1])
 
 
@@ -218,9 +297,13 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     zoo = list(known_models())
     default_models = [m for z in zoo for m in [z] + [h for h, base in HF_MODELS.items() if base == z]]
-    p.add_argument("--models", nargs="*", default=default_models,
-                   help=f"zoo models and user modules ({', '.join(HF_MODELS)}: a stock HF module, DeviceMesh path; "
-                        f"{', '.join(CLI_MODELS)}: the CLI's offline path under a budget, mesh 128x8)")
+    p.add_argument(
+        "--models",
+        nargs="*",
+        default=default_models,
+        help=f"zoo models and user modules ({', '.join(HF_MODELS)}: a stock HF module, DeviceMesh path; "
+        f"{', '.join(CLI_MODELS)}: the CLI's offline path under a budget, mesh 128x8)",
+    )
     p.add_argument("--meshes", nargs="*", default=list(DEFAULT_MESHES))
     p.add_argument("--goals", action="store_true", help="the goal rows only (each model on its goal's mesh)")
     p.add_argument("--repeat", type=int, default=1, help="run each case in this many fresh processes; the median")
@@ -237,11 +320,15 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(row, default=str))
         return
     cases = list(GOAL_ROWS) if a.goals else [(m, mesh) for m in a.models for mesh in a.meshes]
-    head = (f"{'model':<13}{'mesh':>8}{'nodes':>7}{'groups':>7}{'decide':>7}{'vars':>8}{'capture':>9}"
-            f"{'strateg':>9}{'solve':>8}{'total':>8}{'cpu':>7}  {'objective':>10}{'gap':>7}  goal")
-    print(f"autoshard plan time: h100-sxm meshes (fake process group), recipes solved alongside: "
-          f"{'no' if a.no_recipes else 'yes'}; seconds on this machine"
-          + (f"; median of {a.repeat} fresh processes" if a.repeat > 1 else ""))
+    head = (
+        f"{'model':<13}{'mesh':>8}{'nodes':>7}{'groups':>7}{'decide':>7}{'vars':>8}{'capture':>9}"
+        f"{'strateg':>9}{'solve':>8}{'total':>8}{'cpu':>7}  {'objective':>10}{'gap':>7}  goal"
+    )
+    print(
+        f"autoshard plan time: h100-sxm meshes (fake process group), recipes solved alongside: "
+        f"{'no' if a.no_recipes else 'yes'}; seconds on this machine"
+        + (f"; median of {a.repeat} fresh processes" if a.repeat > 1 else "")
+    )
     print(head)
     zoo_total: dict[tuple[str, str], float] = {}
     for i, (model, mesh) in enumerate(cases):
@@ -266,9 +353,12 @@ def main(argv: list[str] | None = None) -> None:
             verdict += f"  ({r['stages']} stage{'s' if r['stages'] > 1 else ''})"
         objective = f"{r['objective'] * 1e3:>8.1f}ms" if r["objective"] < 10 else f"{r['objective']:>9.2f}s"
         gap = f"{r['gap']:>7.1%}" if not math.isnan(r["gap"]) else f"{'-':>7}"
-        print(f"{r['model']:<13}{r['mesh']:>8}{r['nodes']:>7}{r['groups']:>7}{r['decision']:>7}{r['vars']:>8}"
-              f"{_fmt(r['capture'], 9)}{_fmt(r['strategies'], 9)}{_fmt(r['solve'], 8)}{r['total']:>8.2f}"
-              f"{r['cpu']:>7.2f}  {objective}{gap}  {verdict}", flush=True)
+        print(
+            f"{r['model']:<13}{r['mesh']:>8}{r['nodes']:>7}{r['groups']:>7}{r['decision']:>7}{r['vars']:>8}"
+            f"{_fmt(r['capture'], 9)}{_fmt(r['strategies'], 9)}{_fmt(r['solve'], 8)}{r['total']:>8.2f}"
+            f"{r['cpu']:>7.2f}  {objective}{gap}  {verdict}",
+            flush=True,
+        )
         if a.profile and r.get("timings"):
             print("    stages: " + ", ".join(f"{k} {v:.2f}" for k, v in r["timings"].items()))
 

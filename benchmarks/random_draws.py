@@ -33,8 +33,15 @@ def _model(layers: int, hidden: int, dropout: float) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=layers, n_embd=hidden, n_head=8, vocab_size=1024, resid_pdrop=dropout,
-                        embd_pdrop=dropout, attn_pdrop=dropout)
+    config = GPT2Config(
+        n_layer=layers,
+        n_embd=hidden,
+        n_head=8,
+        vocab_size=1024,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+    )
     return GPT2LMHeadModel(config).train()
 
 
@@ -62,8 +69,14 @@ def _worker(rank: int, world: int, arg: tuple) -> dict[str, Any]:
     ids = torch.randint(0, 1024, (8, seq), generator=torch.Generator().manual_seed(0))
     out: dict[str, Any] = {}
     for name, dropout, mode in (("exact", 0.1, "exact"), ("local", 0.1, "local"), ("none", 0.0, "exact")):
-        sharded = autoshard.compile(_model(layers, hidden, dropout), mesh, dict(input_ids=ids, labels=ids),
-                                    backend=backend, constraints={"inputs": {"dp": Shard(0)}}, random=mode)
+        sharded = autoshard.compile(
+            _model(layers, hidden, dropout),
+            mesh,
+            dict(input_ids=ids, labels=ids),
+            backend=backend,
+            constraints={"inputs": {"dp": Shard(0)}},
+            random=mode,
+        )
         opt = torch.optim.AdamW(sharded.parameters(), lr=1e-4)
 
         def step() -> float:
@@ -90,10 +103,14 @@ def main() -> None:
     r = launch(2, _worker, (args.layers, args.hidden, args.seq, args.backend), timeout=1800)[0]
     whole, pieces = r["draws"]
     print(f"GPT-2 {args.layers} layers x {args.hidden}, batch 8 x {args.seq}, 2 gloo ranks (dp), {args.backend}")
-    print(f"step, dropout 0.1 random='exact': {r['exact'] * 1e3:.2f} ms, random='local': {r['local'] * 1e3:.2f} ms "
-          f"(exact / local {r['exact'] / r['local']:.3f}); dropout 0: {r['none'] * 1e3:.2f} ms")
-    print(f"one step's masks drawn whole: {whole * 1e3:.2f} ms, as pieces: {pieces * 1e3:.2f} ms; exactness costs "
-          f"{(whole - pieces) * 1e3:.2f} ms = {(whole - pieces) / r['exact'] * 100:.1f}% of the step")
+    print(
+        f"step, dropout 0.1 random='exact': {r['exact'] * 1e3:.2f} ms, random='local': {r['local'] * 1e3:.2f} ms "
+        f"(exact / local {r['exact'] / r['local']:.3f}); dropout 0: {r['none'] * 1e3:.2f} ms"
+    )
+    print(
+        f"one step's masks drawn whole: {whole * 1e3:.2f} ms, as pieces: {pieces * 1e3:.2f} ms; exactness costs "
+        f"{(whole - pieces) * 1e3:.2f} ms = {(whole - pieces) / r['exact'] * 100:.1f}% of the step"
+    )
 
 
 if __name__ == "__main__":

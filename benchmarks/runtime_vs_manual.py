@@ -56,12 +56,13 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser
 import sys  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/manual_tp.py, when loaded by path
-import autoshard  # noqa: E402
 from manual_tp import apply_tp  # noqa: E402
-from autoshard.testing.bench import Row, Variant, call_loss, side_by_side, spearman  # noqa: E402
+
+import autoshard  # noqa: E402
 from autoshard.errors import LaunchError
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs  # noqa: E402
 from autoshard.solver.recipes import applicable  # noqa: E402
+from autoshard.testing.bench import Row, Variant, call_loss, side_by_side, spearman  # noqa: E402
 
 log = logging.getLogger("runtime_vs_manual")
 
@@ -89,9 +90,18 @@ def make_model(kind: str) -> nn.Module:
     import transformers
 
     c = GPT_CFG
-    cfg = transformers.GPT2Config(n_layer=c.n_layer, n_embd=c.d_model, n_head=c.n_head, vocab_size=c.vocab,
-                                  n_positions=c.seq_len, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                  bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        n_layer=c.n_layer,
+        n_embd=c.d_model,
+        n_head=c.n_head,
+        vocab_size=c.vocab,
+        n_positions=c.seq_len,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(cfg).train()
 
@@ -117,7 +127,11 @@ def _global_loss(loss: Tensor, group: Any, size: int) -> float:
 
 
 def _train_step(
-    module: nn.Module, opt: torch.optim.Optimizer, inputs: Any, dp_group: Any, dp_size: int,
+    module: nn.Module,
+    opt: torch.optim.Optimizer,
+    inputs: Any,
+    dp_group: Any,
+    dp_size: int,
     grad_group: Any = None,
 ) -> Any:
     """One AdamW step; the first call returns the global loss (averaged over ``dp_group``), later calls 0.0.
@@ -179,8 +193,9 @@ def make_variants(rank: int, world: int, setup: Setup) -> list[Variant]:
 
     def autoshard_variant(recipe: str | None) -> Variant:
         def build() -> Any:
-            sharded = autoshard.compile(make_model(kind), mesh, inputs, backend="inductor", recipe=recipe,
-                                        cluster=setup.cluster)
+            sharded = autoshard.compile(
+                make_model(kind), mesh, inputs, backend="inductor", recipe=recipe, cluster=setup.cluster
+            )
             opt = torch.optim.AdamW(sharded.parameters(), lr=LR, foreach=True)
 
             def step() -> float:
@@ -264,16 +279,19 @@ def table(title: str, rows: list[Row]) -> str:
     hand = [r for r in rows if not r.name.startswith("autoshard") and r.timing is not None]
     best = min(hand, key=lambda r: r.median_s) if hand else None
     by_name = {r.name: r for r in rows}
-    out = [f"**{title}** (best hand-written: {best.name if best else '-'})", "",
-           "| variant | median ms | p10-p90 ms | / best hand-written | / its twin | predicted ms | predicted / "
-           "measured | first loss (rank 0) |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = [
+        f"**{title}** (best hand-written: {best.name if best else '-'})",
+        "",
+        "| variant | median ms | p10-p90 ms | / best hand-written | / its twin | predicted ms | predicted / "
+        "measured | first loss (rank 0) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if r.timing is None:
             out.append(f"| {r.name} | failed: {(r.error or '')[:80]} | | | | | | |")
             continue
         pred = r.extra.get("predicted_s")
-        pred_cells = (f"{pred * 1e3:.1f} | {_ratio(pred, r.median_s)}" if isinstance(pred, float) else "- | -")
+        pred_cells = f"{pred * 1e3:.1f} | {_ratio(pred, r.median_s)}" if isinstance(pred, float) else "- | -"
         twin = "-"
         recipe = r.name.removeprefix("autoshard ")
         if r.name.startswith("autoshard ") and TWINS.get(recipe):
@@ -283,15 +301,25 @@ def table(title: str, rows: list[Row]) -> str:
                 t = min(cands, key=lambda c: c.median_s)
                 twin = f"{_ratio(r.median_s, t.median_s)} ({t.name})"
         t_ = r.timing
-        out.append(f"| {r.name} | {t_.median_s * 1e3:.1f} | {t_.p10_s * 1e3:.1f}-{t_.p90_s * 1e3:.1f} | "
-                   f"{_ratio(r.median_s, best.median_s) if best else '-'} | {twin} | {pred_cells} | {_loss(r)} |")
-    pairs = [(r.extra["predicted_s"], r.median_s) for r in rows
-             if r.timing is not None and isinstance(r.extra.get("predicted_s"), float)]
+        out.append(
+            f"| {r.name} | {t_.median_s * 1e3:.1f} | {t_.p10_s * 1e3:.1f}-{t_.p90_s * 1e3:.1f} | "
+            f"{_ratio(r.median_s, best.median_s) if best else '-'} | {twin} | {pred_cells} | {_loss(r)} |"
+        )
+    pairs = [
+        (r.extra["predicted_s"], r.median_s)
+        for r in rows
+        if r.timing is not None and isinstance(r.extra.get("predicted_s"), float)
+    ]
     if pairs:
         within = sum(1 for p, m in pairs if abs(p / m - 1) <= 0.2)
         rho = spearman([p for p, _ in pairs], [m for _, m in pairs])
-        out += ["", f"Predicted vs measured, {len(pairs)} rows with a prediction: {within} within ±20%; Spearman "
-                    f"rank correlation {rho:.2f}" if math.isfinite(rho) else f"{within} within ±20%"]
+        out += [
+            "",
+            f"Predicted vs measured, {len(pairs)} rows with a prediction: {within} within ±20%; Spearman "
+            f"rank correlation {rho:.2f}"
+            if math.isfinite(rho)
+            else f"{within} within ±20%",
+        ]
     return "\n".join(out)
 
 
@@ -333,11 +361,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ranks", type=int, nargs="+", choices=(2, 4), default=[2, 4])
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
-    ap.add_argument("--profile", default="calibrate",
-                    help="cluster profile autoshard plans and predicts with: 'calibrate' (measure this machine first, "
-                    "`autoshard calibrate --quick`, per rank count), a profile JSON path, or a preset such as 'cpu'")
-    ap.add_argument("--sequential", action="store_true",
-                    help="time each variant's steps in a block (default: round-robin over the variants)")
+    ap.add_argument(
+        "--profile",
+        default="calibrate",
+        help="cluster profile autoshard plans and predicts with: 'calibrate' (measure this machine first, "
+        "`autoshard calibrate --quick`, per rank count), a profile JSON path, or a preset such as 'cpu'",
+    )
+    ap.add_argument(
+        "--sequential",
+        action="store_true",
+        help="time each variant's steps in a block (default: round-robin over the variants)",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("autoshard.testing.bench").setLevel(logging.INFO)  # which variant runs (to stderr)
@@ -345,9 +379,11 @@ def main(argv: list[str] | None = None) -> None:
     warmup = args.warmup or (2 if args.quick else 3)
     models = ("gpt", "hf") if args.model == "both" else (args.model,)
     c = GPT_CFG
-    print(f"# runtime vs hand-written: {c.n_layer} layers, d_model {c.d_model}, {c.n_head} heads, vocab {c.vocab}, "
-          f"seq {c.seq_len}, global batch {BATCH}; AdamW; median of {steps} steps after {warmup} warm-up; "
-          f"CPU gloo, 1 thread per rank; torch {torch.__version__}\n")
+    print(
+        f"# runtime vs hand-written: {c.n_layer} layers, d_model {c.d_model}, {c.n_head} heads, vocab {c.vocab}, "
+        f"seq {c.seq_len}, global batch {BATCH}; AdamW; median of {steps} steps after {warmup} warm-up; "
+        f"CPU gloo, 1 thread per rank; torch {torch.__version__}\n"
+    )
     profiles: dict[int, str] = {}
     tmp = tempfile.mkdtemp(prefix="autoshard-bench-")
     for kind in models:

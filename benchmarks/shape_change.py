@@ -29,8 +29,16 @@ def _model(layers: int, hidden: int) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=2 * hidden,
-                                        num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=1024,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+        )
+    )
 
 
 def _step(sharded: Any, opt: Any, ids: torch.Tensor) -> float:
@@ -50,8 +58,9 @@ def _worker(rank: int, world: int, arg: tuple) -> dict[str, Any]:
     ids = torch.randint(0, 1024, (8, seq), generator=g)
     started = time.perf_counter()
     options = {"recipe": recipe} if recipe else {}
-    sharded = autoshard.compile(_model(layers, hidden), mesh, example_inputs=dict(input_ids=ids, labels=ids),
-                                backend="eager", **options)
+    sharded = autoshard.compile(
+        _model(layers, hidden), mesh, example_inputs=dict(input_ids=ids, labels=ids), backend="eager", **options
+    )
     first = time.perf_counter() - started
     opt = torch.optim.AdamW(sharded.parameters(), lr=1e-4)
     step = [_step(sharded, opt, ids) for _ in range(3)][-1]
@@ -73,18 +82,26 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900.0)
     a = ap.parse_args()
     new = tuple(int(x) for x in a.new.split(","))
-    print(f"shape change: stock HF Llama, {a.layers} layers, hidden {a.hidden}, batch 8 x {a.seq}, then lengths "
-          f"{list(new)}; 2 gloo ranks (mesh (2,) dp), eager; seconds, the slower rank")
-    print(f"{'plan':>8} | {'first compile':>13} | {'step':>6} | " + " | ".join(f"{'new ' + str(n):>8}" for n in new)
-          + " | ratio (mean new / first)")
+    print(
+        f"shape change: stock HF Llama, {a.layers} layers, hidden {a.hidden}, batch 8 x {a.seq}, then lengths "
+        f"{list(new)}; 2 gloo ranks (mesh (2,) dp), eager; seconds, the slower rank"
+    )
+    print(
+        f"{'plan':>8} | {'first compile':>13} | {'step':>6} | "
+        + " | ".join(f"{'new ' + str(n):>8}" for n in new)
+        + " | ratio (mean new / first)"
+    )
     for recipe in ("", "fsdp"):
         res = launch(2, _worker, (a.layers, a.hidden, a.seq, new, recipe), timeout=a.timeout)
         first = max(r["first"] for r in res)
         replans = [max(r["replans"][i] for r in res) for i in range(len(new))]
         step = max(r["step"] for r in res)
         ratio = statistics.mean(replans) / first
-        print(f"{recipe or 'solved':>8} | {first:13.1f} | {step:6.2f} | " + " | ".join(f"{t:8.1f}" for t in replans)
-              + f" | {ratio:.2f}")
+        print(
+            f"{recipe or 'solved':>8} | {first:13.1f} | {step:6.2f} | "
+            + " | ".join(f"{t:8.1f}" for t in replans)
+            + f" | {ratio:.2f}"
+        )
 
 
 if __name__ == "__main__":

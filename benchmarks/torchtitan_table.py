@@ -63,23 +63,36 @@ def _tps(plan: autoshard.Plan, row: Published) -> float:
 def run(rows: tuple[Published, ...]) -> None:
     common = dict(seq=8192, mixed_precision="bf16")
     print("fidelity: the fsdp recipe, every layer recomputed selectively, against torchtitan's published rows")
-    print(f"{'row':<20}{'pred tok/s/GPU':>16}{'published':>11}{'ratio':>7}{'pred GiB':>10}{'published':>11}"
-          f"{'ratio':>7}  goal")
+    print(
+        f"{'row':<20}{'pred tok/s/GPU':>16}{'published':>11}{'ratio':>7}{'pred GiB':>10}{'published':>11}"
+        f"{'ratio':>7}  goal"
+    )
     plans = {}
     for r in rows:
         gb = r.local_batch * r.gpus
-        p = autoshard.plan("llama3-8b", cluster=r.cluster, global_batch=gb, recipe="fsdp",
-                           recompute=("layers:selective",), memory_budget="none", **common)
+        p = autoshard.plan(
+            "llama3-8b",
+            cluster=r.cluster,
+            global_batch=gb,
+            recipe="fsdp",
+            recompute=("layers:selective",),
+            memory_budget="none",
+            **common,
+        )
         plans[r.table] = p
         t, m = _tps(p, r), p.peak_memory.total / GIB
         ok = 0.9 <= t / r.tokens_per_gpu_s <= 1.1 and abs(m / r.memory_gib - 1) <= 0.10
-        print(f"{r.table:<20}{t:>16,.0f}{r.tokens_per_gpu_s:>11,.0f}{t / r.tokens_per_gpu_s:>7.3f}{m:>10.1f}"
-              f"{r.memory_gib:>11.1f}{m / r.memory_gib:>7.3f}  {'met' if ok else 'NOT met'}")
+        print(
+            f"{r.table:<20}{t:>16,.0f}{r.tokens_per_gpu_s:>11,.0f}{t / r.tokens_per_gpu_s:>7.3f}{m:>10.1f}"
+            f"{r.memory_gib:>11.1f}{m / r.memory_gib:>7.3f}  {'met' if ok else 'NOT met'}"
+        )
         mem = p.peak_memory
-        print(f"{'':<20}memory: parameters {mem.parameters / GIB:.1f}, gradients {mem.gradients / GIB:.1f}, optimizer "
-              f"{mem.optimizer / GIB:.1f}, activations {mem.activations / GIB:.1f}, temporaries "
-              f"{mem.temporaries / GIB:.1f} GiB; step {p.step_time_s:.3f} s (compute {p.stages[0].compute_s:.3f}, "
-              f"exposed communication {p.stages[0].comm_s:.3f})")
+        print(
+            f"{'':<20}memory: parameters {mem.parameters / GIB:.1f}, gradients {mem.gradients / GIB:.1f}, optimizer "
+            f"{mem.optimizer / GIB:.1f}, activations {mem.activations / GIB:.1f}, temporaries "
+            f"{mem.temporaries / GIB:.1f} GiB; step {p.step_time_s:.3f} s (compute {p.stages[0].compute_s:.3f}, "
+            f"exposed communication {p.stages[0].comm_s:.3f})"
+        )
     print()
     print("the solved plan on the same machine, under its 95 GiB, against the published figure")
     print(f"{'row':<20}{'plan tok/s/GPU':>16}{'x published':>13}{'GiB':>7}{'no budget':>11}{'bound':>9}{'s':>6}  plan")
@@ -88,17 +101,26 @@ def run(rows: tuple[Published, ...]) -> None:
         t0 = time.perf_counter()
         p = autoshard.plan("llama3-8b", cluster=r.cluster, global_batch=gb, **common)
         wall = time.perf_counter() - t0
-        free = autoshard.plan("llama3-8b", cluster=r.cluster, global_batch=gb, memory_budget="none",
-                              solve_recipes=False, **common)
+        free = autoshard.plan(
+            "llama3-8b", cluster=r.cluster, global_batch=gb, memory_budget="none", solve_recipes=False, **common
+        )
         t = _tps(p, r)
         bound = r.local_batch * r.seq / (p.solver.bound_s * p.microbatches) if p.solver.bound_s > 0 else float("nan")
-        how = "; ".join(x for x in (describe(p.recompute_layers) and f"recompute {describe(p.recompute_layers)}",
-                                    p.microbatches > 1 and f"{p.microbatches} micro-batches") if x)
+        how = "; ".join(
+            x
+            for x in (
+                describe(p.recompute_layers) and f"recompute {describe(p.recompute_layers)}",
+                p.microbatches > 1 and f"{p.microbatches} micro-batches",
+            )
+            if x
+        )
         how = how or "nothing recomputed"
         best = p.best_recipe()
         alone = f"{best.name} {r.local_batch * r.seq / best.step_time_s:,.0f} tok/s/GPU" if best else "none fits"
-        print(f"{r.table:<20}{t:>16,.0f}{t / r.tokens_per_gpu_s:>12.3f}x{p.peak_memory.total / GIB:>7.1f}"
-              f"{_tps(free, r):>11,.0f}{bound:>9,.0f}{wall:>6.1f}  {how}; best recipe alone: {alone}")
+        print(
+            f"{r.table:<20}{t:>16,.0f}{t / r.tokens_per_gpu_s:>12.3f}x{p.peak_memory.total / GIB:>7.1f}"
+            f"{_tps(free, r):>11,.0f}{bound:>9,.0f}{wall:>6.1f}  {how}; best recipe alone: {alone}"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

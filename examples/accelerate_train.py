@@ -49,8 +49,16 @@ def main() -> None:
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="bf16" if args.bf16 else "no")
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
     if not args.reference:
         shape = tuple(int(x) for x in args.mesh.split("x")) if args.mesh else (accelerator.num_processes,)
         mesh = init_device_mesh(accelerator.device.type, shape, mesh_dim_names=("dp", "tp")[: len(shape)])

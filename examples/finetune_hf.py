@@ -149,8 +149,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping (0: none)")
     ap.add_argument("--mesh", help="mesh shape, e.g. 2 or 1x2 (default: (world/2, 2) from 4 ranks on, else (world,))")
     ap.add_argument("--attn", choices=("sdpa", "eager"), help="attention implementation (default: transformers')")
-    ap.add_argument("--backend", choices=("eager", "inductor"), default="inductor",
-                    help="autoshard's per-rank compiler")
+    ap.add_argument(
+        "--backend", choices=("eager", "inductor"), default="inductor", help="autoshard's per-rank compiler"
+    )
     ap.add_argument("--ckpt", help="checkpoint directory (DCP)")
     ap.add_argument("--ckpt-every", type=int, default=0, help="also save every N steps")
     ap.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in --ckpt")
@@ -167,8 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = init_distributed()
     rank = dist.get_rank()
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s",
-                        stream=sys.stdout)
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s", stream=sys.stdout)
     logging.getLogger("autoshard").setLevel(logging.INFO if args.verbose and rank == 0 else logging.WARNING)
     mesh, _, _ = make_mesh(args.mesh, device)
     data = Batches(args.seq, args.batch, args.seed)
@@ -178,9 +178,14 @@ def main(argv: list[str] | None = None) -> None:
     example = {k: v.to(device) for k, v in data.global_batch(0).items()}
     t0 = time.perf_counter()
     sharded = autoshard.compile(model, mesh, example_inputs=example, backend=args.backend)
-    log.info("%s: %.2fM parameters from %s; mesh %s; planned and compiled in %.1f s", type(model).__name__,
-             sum(p.numel() for p in sharded.parameters()) / 1e6, source,
-             dict(zip(mesh.mesh_dim_names or (), mesh.shape)), time.perf_counter() - t0)
+    log.info(
+        "%s: %.2fM parameters from %s; mesh %s; planned and compiled in %.1f s",
+        type(model).__name__,
+        sum(p.numel() for p in sharded.parameters()) / 1e6,
+        source,
+        dict(zip(mesh.mesh_dim_names or (), mesh.shape)),
+        time.perf_counter() - t0,
+    )
     opt = torch.optim.AdamW(sharded.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
     # The pretrained weights, also when resuming: a checkpoint holds no non-persistent buffers (rotary tables),
@@ -205,8 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         opt.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - t0
         tokens = int(batch["attention_mask"].sum())
-        log.info("step %4d  loss %.6f  tokens/s %9.1f  step time %8.1f ms", step, loss, tokens / elapsed,
-                 elapsed * 1e3)
+        log.info("step %4d  loss %.6f  tokens/s %9.1f  step time %8.1f ms", step, loss, tokens / elapsed, elapsed * 1e3)
         if not math.isfinite(loss):
             raise SystemExit(f"loss is {loss} at step {step}")
         last = step + 1 == start + args.steps

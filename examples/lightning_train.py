@@ -43,15 +43,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, Dataset
-
-import lightning as L
 from lightning.fabric.strategies import ModelParallelStrategy
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
 from autoshard.integrations.lightning import AutoshardStrategy, parallelizer
 
@@ -63,15 +62,22 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--arch", choices=("llama", "plain"), default="llama")
     p.add_argument("--steps", type=int, default=10, help="optimizer steps in all (a resumed run: up to this)")
     p.add_argument("--epoch-steps", type=int, default=5, help="optimizer steps per epoch")
-    p.add_argument("--val-batches", type=int, default=2, help="validation batches per rank at each epoch's end "
-                   "(and Lightning's sanity check before training); 0: none")
+    p.add_argument(
+        "--val-batches",
+        type=int,
+        default=2,
+        help="validation batches per rank at each epoch's end (and Lightning's sanity check before training); 0: none",
+    )
     p.add_argument("--batch", type=int, default=4, help="rows per rank per step")
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default="eager", help="autoshard's backend: eager (quick to compile) or inductor")
-    p.add_argument("--recipe", default=None, help="autoshard: plan this manual recipe (ddp, fsdp, zero1, tp, ...) "
-                   "instead of a free choice")
+    p.add_argument(
+        "--recipe",
+        default=None,
+        help="autoshard: plan this manual recipe (ddp, fsdp, zero1, tp, ...) instead of a free choice",
+    )
     p.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     p.add_argument("--clip", type=float, default=0.0, help="Trainer(gradient_clip_val=...)")
     p.add_argument("--clip-algorithm", default="norm", choices=("norm", "value"))
@@ -87,8 +93,15 @@ def parse_args() -> argparse.Namespace:
 def llama() -> nn.Module:
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
@@ -183,8 +196,11 @@ class StepPrinter:
         took = time.perf_counter() - (self._start or time.perf_counter())
         self.losses[step] = self._sum
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"step {step} loss {self._sum!r} tokens/s {self.tokens / max(took, 1e-9):.0f} step time "
-                  f"{took * 1e3:.1f} ms", flush=True)
+            print(
+                f"step {step} loss {self._sum!r} tokens/s {self.tokens / max(took, 1e-9):.0f} step time "
+                f"{took * 1e3:.1f} ms",
+                flush=True,
+            )
         self._sum, self._start = 0.0, None
 
     def val_batch(self, loss: torch.Tensor) -> None:
@@ -201,18 +217,27 @@ class PrintSteps(L.Callback):
     def __init__(self, printer: StepPrinter) -> None:
         self.printer = printer
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self.printer.begin()
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.printer.micro_batch(outputs["loss"])  # divided by accumulate_grad_batches already
         if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
             self.printer.step_done(trainer.global_step - 1)
 
-    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                                batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         self.printer.val_batch(outputs)
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -234,15 +259,26 @@ def train_with_trainer(args: argparse.Namespace, world: int, printer: StepPrinte
     val_loader = DataLoader(val_rows, batch_size=args.batch) if args.val_batches else None
     callbacks: list[L.Callback] = [PrintSteps(printer)]
     if args.ckpt:
-        callbacks.append(ModelCheckpoint(dirpath=args.ckpt, filename="{step}", save_top_k=-1,
-                                         every_n_train_steps=args.ckpt_every))
+        callbacks.append(
+            ModelCheckpoint(dirpath=args.ckpt, filename="{step}", save_top_k=-1, every_n_train_steps=args.ckpt_every)
+        )
     options = {"backend": args.backend, **({"recipe": args.recipe} if args.recipe else {})}
     strategy = "ddp" if args.ddp else AutoshardStrategy(**options)  # <- the one line
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=args.steps,
-                        precision=args.precision, accumulate_grad_batches=args.accumulate,
-                        gradient_clip_val=args.clip or None, gradient_clip_algorithm=args.clip_algorithm,
-                        logger=False, enable_checkpointing=bool(args.ckpt), enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=callbacks)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=args.steps,
+        precision=args.precision,
+        accumulate_grad_batches=args.accumulate,
+        gradient_clip_val=args.clip or None,
+        gradient_clip_algorithm=args.clip_algorithm,
+        logger=False,
+        enable_checkpointing=bool(args.ckpt),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
     ckpt_path = latest_checkpoint(args.ckpt) if args.resume and args.ckpt else None
     if args.resume and ckpt_path is None:
         raise SystemExit(f"--resume: no step=N.ckpt checkpoint in {args.ckpt}")
@@ -255,8 +291,13 @@ def train_with_fabric(args: argparse.Namespace, world: int, printer: StepPrinter
     if args.ckpt or args.accumulate != 1 or args.clip or args.precision != "32-true":
         raise SystemExit("--fabric takes the model, data, optimizer and --steps options only")
     options = {"backend": args.backend, **({"recipe": args.recipe} if args.recipe else {})}
-    strategy = "ddp" if args.ddp else ModelParallelStrategy(parallelize_fn=parallelizer(**options),
-                                                            data_parallel_size=world, tensor_parallel_size=1)
+    strategy = (
+        "ddp"
+        if args.ddp
+        else ModelParallelStrategy(
+            parallelize_fn=parallelizer(**options), data_parallel_size=world, tensor_parallel_size=1
+        )
+    )
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
     fabric.launch()
     fabric.seed_everything(args.seed, verbose=False)
@@ -293,9 +334,17 @@ def main() -> None:
     (train_with_fabric if args.fabric else train_with_trainer)(args, world, printer)
     if int(os.environ.get("RANK", "0")) == 0:
         mode = ("fabric-" if args.fabric else "trainer-") + ("ddp" if args.ddp else "autoshard")
-        print(json.dumps({"mode": mode, "arch": args.arch, "losses": {str(k): v for k, v in printer.losses.items()},
-                          "validation": {str(k): v for k, v in printer.val.items()}}),
-              flush=True)
+        print(
+            json.dumps(
+                {
+                    "mode": mode,
+                    "arch": args.arch,
+                    "losses": {str(k): v for k, v in printer.losses.items()},
+                    "validation": {str(k): v for k, v in printer.val.items()},
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

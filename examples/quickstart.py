@@ -61,7 +61,10 @@ def worker(rank: int, world: int, store_path: str, steps: int, lr: float, backen
         opt.step()
         opt.zero_grad()
         if rank == 0:
-            print(f"step {step}  loss {loss.item():.6f}  single-device {reference[step]:.6f}  diff {abs(loss.item() - reference[step]):.2e}", flush=True)
+            print(
+                f"step {step}  loss {loss.item():.6f}  single-device {reference[step]:.6f}  diff {abs(loss.item() - reference[step]):.2e}",
+                flush=True,
+            )
     dist.destroy_process_group()
 
 
@@ -73,7 +76,10 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(
-            worker, args=(4, os.path.join(tmp, "store"), args.steps, args.lr, args.backend), nprocs=4, start_method="fork"
+            worker,
+            args=(4, os.path.join(tmp, "store"), args.steps, args.lr, args.backend),
+            nprocs=4,
+            start_method="fork",
         )
 
 

@@ -73,9 +73,32 @@ import autoshard
 
 PAD = 256
 VOCAB = 257
-MODULES_WITH_DOCS = ("argparse", "asyncio", "collections", "contextlib", "dataclasses", "functools", "heapq",
-                     "inspect", "itertools", "json", "logging", "pathlib", "pickle", "random", "re", "shutil",
-                     "statistics", "string", "subprocess", "textwrap", "threading", "typing", "unittest", "zipfile")
+MODULES_WITH_DOCS = (
+    "argparse",
+    "asyncio",
+    "collections",
+    "contextlib",
+    "dataclasses",
+    "functools",
+    "heapq",
+    "inspect",
+    "itertools",
+    "json",
+    "logging",
+    "pathlib",
+    "pickle",
+    "random",
+    "re",
+    "shutil",
+    "statistics",
+    "string",
+    "subprocess",
+    "textwrap",
+    "threading",
+    "typing",
+    "unittest",
+    "zipfile",
+)
 
 
 # ---------------------------------------------------------------- data: text that ships with Python, as bytes
@@ -178,11 +201,25 @@ def build_model(arch: str, hidden: int, layers: int, seq: int, seed: int, device
 
     if arch == "llama":
         cfg: Any = transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(seq, 128), pad_token_id=PAD)
+            vocab_size=VOCAB,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=max(seq, 128),
+            pad_token_id=PAD,
+        )
     else:
-        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=hidden, n_layer=layers, n_head=4,
-                                      n_positions=max(seq, 128), bos_token_id=PAD, eos_token_id=PAD)
+        cfg = transformers.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=hidden,
+            n_layer=layers,
+            n_head=4,
+            n_positions=max(seq, 128),
+            bos_token_id=PAD,
+            eos_token_id=PAD,
+        )
     torch.manual_seed(seed)  # the same initial weights on every rank
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
@@ -190,8 +227,9 @@ def build_model(arch: str, hidden: int, layers: int, seq: int, seed: int, device
 
 
 # ---------------------------------------------------------------- checkpoints (DCP)
-def as_dtensors(model: nn.Module, state: dict[str, Any],
-                optim: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def as_dtensors(
+    model: nn.Module, state: dict[str, Any], optim: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """``get_state_dict``'s state with every parameter and every parameter-shaped optimizer state as the DTensor
     it is a piece of: already so after ``autoshard.compile``; plain local shards after the ``torch.compile``
     backend (``autoshard.as_dtensor`` wraps them without a copy, so loading into them is loading in place)."""
@@ -243,8 +281,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--mesh", help="mesh shape, e.g. 2x2 or 4 (default: (world/2, 2) from 4 ranks on, else (world,))")
-    ap.add_argument("--backend", choices=("eager", "inductor"), default="inductor",
-                    help="autoshard's per-rank compiler")
+    ap.add_argument(
+        "--backend", choices=("eager", "inductor"), default="inductor", help="autoshard's per-rank compiler"
+    )
     ap.add_argument("--torch-compile", action="store_true", help='torch.compile(model, backend="autoshard")')
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages (the mesh's outermost axis, 'pp')")
     ap.add_argument("--microbatches", type=int, help="micro-batches per step with --pp (default: chosen)")
@@ -274,8 +313,10 @@ def main(argv: list[str] | None = None) -> None:
 
     data = Batches(args.seq, args.batch, args.seed)
     model = build_model(args.arch, args.hidden, args.layers, args.seq, args.seed, device)
-    say(f"{type(model).__name__}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
-        f"{data.ids.shape[0]} rows of {args.seq} bytes; mesh {dict(zip(mesh.mesh_dim_names or (), mesh.shape))}")
+    say(
+        f"{type(model).__name__}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
+        f"{data.ids.shape[0]} rows of {args.seq} bytes; mesh {dict(zip(mesh.mesh_dim_names or (), mesh.shape))}"
+    )
 
     if args.torch_compile:
         options = {"mesh": mesh, "backend": args.backend}
@@ -315,8 +356,10 @@ def main(argv: list[str] | None = None) -> None:
         elapsed = time.perf_counter() - t0
         tokens = args.batch * args.seq
         note = "  (includes planning and compiling)" if step == start and path is None else ""
-        say(f"step {step:4d}  loss {value:.4f}  tokens/s {tokens / elapsed:9.1f}  "
-            f"step time {elapsed * 1e3:8.1f} ms{note}")
+        say(
+            f"step {step:4d}  loss {value:.4f}  tokens/s {tokens / elapsed:9.1f}  "
+            f"step time {elapsed * 1e3:8.1f} ms{note}"
+        )
         if not math.isfinite(value):
             raise SystemExit(f"loss is {value} at step {step}")
         last = step + 1 == start + args.steps

@@ -38,22 +38,55 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-
 import transformers
+from torch.distributed.device_mesh import init_device_mesh
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 import autoshard
 
 VOCAB = 128
-WORDS = ("the", "a", "model", "trains", "on", "every", "rank", "with", "its", "own", "rows", "and", "plan", "shards",
-         "weights", "over", "mesh", "axes", "loss", "falls", "fast", "slow", "step", "by", "one", "two", "three")
+WORDS = (
+    "the",
+    "a",
+    "model",
+    "trains",
+    "on",
+    "every",
+    "rank",
+    "with",
+    "its",
+    "own",
+    "rows",
+    "and",
+    "plan",
+    "shards",
+    "weights",
+    "over",
+    "mesh",
+    "axes",
+    "loss",
+    "falls",
+    "fast",
+    "slow",
+    "step",
+    "by",
+    "one",
+    "two",
+    "three",
+)
 
 
 def build_model(seed: int, vocab: int) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -77,11 +110,14 @@ def chat_tokenizer() -> transformers.PreTrainedTokenizerFast:
     vocab = {w: i for i, w in enumerate([*specials, *WORDS])}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", unk_token="<unk>",
-                                               eos_token="<eos>")
-    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} "
-                         "{% if m['role'] == 'assistant' %}<eos> {% endif %}{% endfor %}"
-                         "{% if add_generation_prompt %}<assistant> {% endif %}")
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>"
+    )
+    tok.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} "
+        "{% if m['role'] == 'assistant' %}<eos> {% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant> {% endif %}"
+    )
     return tok
 
 
@@ -93,8 +129,10 @@ def chats(n: int, seed: int) -> list[dict[str, list[dict[str, str]]]]:
         k = int(torch.randint(3, 9, (1,), generator=g))
         return " ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (k,), generator=g))
 
-    return [{"messages": [{"role": "user", "content": sentence()}, {"role": "assistant", "content": sentence()}]}
-            for _ in range(n)]
+    return [
+        {"messages": [{"role": "user", "content": sentence()}, {"role": "assistant", "content": sentence()}]}
+        for _ in range(n)
+    ]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -114,8 +152,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--eval-steps", type=int, default=0, help="evaluate every N steps on held-out rows (0: never)")
     ap.add_argument("--out", default="trainer_hf_out")
     ap.add_argument("--save-steps", type=int, default=0, help="write a checkpoint-N folder every N steps")
-    ap.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
-                    help="continue from the latest checkpoint in --out, or from the checkpoint-N folder given")
+    ap.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="CHECKPOINT",
+        help="continue from the latest checkpoint in --out, or from the checkpoint-N folder given",
+    )
     ap.add_argument("--save-model", action="store_true", help="trainer.save_model(--out/final) at the end")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
@@ -136,36 +180,62 @@ def main(argv: list[str] | None = None) -> None:
     if args.lora:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                 lora_dropout=0.0))
+        model = get_peft_model(
+            model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        )
     if not args.reference:
         shape = tuple(int(x) for x in args.mesh.split("x")) if args.mesh else (world,)
-        mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", shape,
-                                mesh_dim_names=("dp", "tp")[: len(shape)])
+        mesh = init_device_mesh(
+            "cuda" if torch.cuda.is_available() else "cpu", shape, mesh_dim_names=("dp", "tp")[: len(shape)]
+        )
         model = autoshard.compile(model, mesh, **({"recipe": args.recipe} if args.recipe else {}))  # the one line
 
     training = TrainingArguments(
-        output_dir=args.out, per_device_train_batch_size=args.batch // (world * args.grad_accum),
-        per_device_eval_batch_size=args.batch // world, gradient_accumulation_steps=args.grad_accum,
-        max_steps=args.steps, learning_rate=args.lr, weight_decay=args.weight_decay, logging_steps=1,
-        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, report_to=[],
-        eval_strategy="steps" if args.eval_steps else "no", eval_steps=args.eval_steps or None, bf16=args.bf16,
-        seed=args.seed, use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
+        output_dir=args.out,
+        per_device_train_batch_size=args.batch // (world * args.grad_accum),
+        per_device_eval_batch_size=args.batch // world,
+        gradient_accumulation_steps=args.grad_accum,
+        max_steps=args.steps,
+        learning_rate=args.lr,
+        weight_decay=args.weight_decay,
+        logging_steps=1,
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
+        report_to=[],
+        eval_strategy="steps" if args.eval_steps else "no",
+        eval_steps=args.eval_steps or None,
+        bf16=args.bf16,
+        seed=args.seed,
+        use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=True,
     )
     if args.sft:
         from datasets import Dataset
         from trl import SFTConfig, SFTTrainer
 
-        sft = SFTConfig(**{k: v for k, v in training.to_dict().items() if k in SFTConfig.__dataclass_fields__
-                           and not k.startswith("_") and k not in ("push_to_hub_token",)},
-                        max_length=args.seq * 2, dataset_num_proc=None)
-        trainer: Trainer = SFTTrainer(model=model, args=sft, processing_class=tokenizer,
-                                      train_dataset=Dataset.from_list(chats(256, args.seed + 1)),
-                                      eval_dataset=Dataset.from_list(chats(32, args.seed + 2)) if args.eval_steps
-                                      else None)
+        sft = SFTConfig(
+            **{
+                k: v
+                for k, v in training.to_dict().items()
+                if k in SFTConfig.__dataclass_fields__ and not k.startswith("_") and k not in ("push_to_hub_token",)
+            },
+            max_length=args.seq * 2,
+            dataset_num_proc=None,
+        )
+        trainer: Trainer = SFTTrainer(
+            model=model,
+            args=sft,
+            processing_class=tokenizer,
+            train_dataset=Dataset.from_list(chats(256, args.seed + 1)),
+            eval_dataset=Dataset.from_list(chats(32, args.seed + 2)) if args.eval_steps else None,
+        )
     else:
-        trainer = Trainer(model=model, args=training, train_dataset=token_rows(256, args.seq, args.seed + 1),
-                          eval_dataset=token_rows(32, args.seq, args.seed + 2) if args.eval_steps else None)
+        trainer = Trainer(
+            model=model,
+            args=training,
+            train_dataset=token_rows(256, args.seq, args.seed + 1),
+            eval_dataset=token_rows(32, args.seq, args.seed + 2) if args.eval_steps else None,
+        )
     trainer.train(resume_from_checkpoint=args.resume)
     if args.save_model:
         trainer.save_model(os.path.join(args.out, "final"))

@@ -25,8 +25,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map_only
 
-from autoshard.testing.bench import call_loss
 from autoshard.cluster.meshes import fake_world
+from autoshard.testing.bench import call_loss
 
 if TYPE_CHECKING:
     from torch.distributed._local_tensor import LocalTensorMode
@@ -204,7 +204,9 @@ def assert_close_to_reference(
         if not math.isclose(g, w, rel_tol=rtol, abs_tol=atol):
             problems.append(f"loss step {i}: {g:.8g} != reference {w:.8g} (abs diff {abs(g - w):.3e})")
     problems += _compare("grad", ref.grads, grads, rtol, atol)
-    problems += _compare("param", ref.params, params, rtol, atol if param_atol is None else param_atol, ref_grads=ref.grads)
+    problems += _compare(
+        "param", ref.params, params, rtol, atol if param_atol is None else param_atol, ref_grads=ref.grads
+    )
     if problems:
         shown = "\n  ".join(problems[:40])
         more = f"\n  ... and {len(problems) - 40} more" if len(problems) > 40 else ""
@@ -216,8 +218,11 @@ def assert_close_to_reference(
 
 def selected_cases(request: Any, test_name: str, param: str) -> list[Any]:
     """The values of ``param`` of ``test_name``'s items in the calling module that this session runs (``-k`` aware)."""
-    return [item.callspec.params[param] for item in request.session.items
-            if item.module is request.module and item.originalname == test_name]
+    return [
+        item.callspec.params[param]
+        for item in request.session.items
+        if item.module is request.module and item.originalname == test_name
+    ]
 
 
 def _run_share(rank: int, world: int, arg: tuple) -> dict:
@@ -235,8 +240,9 @@ def _run_share(rank: int, world: int, arg: tuple) -> dict:
     return out
 
 
-def run_two_at_a_time(run: Callable[[Any], Any], cases: Sequence[Any], cost: dict[Any, float] | None = None,
-                      timeout: float = 900.0) -> dict[Any, dict]:
+def run_two_at_a_time(
+    run: Callable[[Any], Any], cases: Sequence[Any], cost: dict[Any, float] | None = None, timeout: float = 900.0
+) -> dict[Any, dict]:
     """``run(case)`` for every case, in two forked processes (no process group: ``launch(gloo=False)``), each
     child at one thread: for single-threaded work (planning, LocalTensorMode's simulated ranks) on a 2-core
     machine. Cases go longest first (by ``cost``, seconds; 1 where not given) to the child with less work so far.
@@ -275,16 +281,32 @@ def case_result(results: dict[Any, dict], case: Any) -> Any:
 STEP_LINE = re.compile(r"^step +(\d+) +loss +(\S+) +tokens/s +(\S+) +step time +(\S+) ms", re.M)
 
 
-def torchrun_example(script: Any, nproc: int, args: Sequence[str], timeout: float = 240
-                     ) -> tuple[str, str, dict[int, float]]:
+def torchrun_example(
+    script: Any, nproc: int, args: Sequence[str], timeout: float = 240
+) -> tuple[str, str, dict[int, float]]:
     """Run an example under torchrun on CPU (one thread per rank); returns (stdout + stderr, stdout, rank 0's loss
     per step from its ``step N loss L tokens/s ... step time ... ms`` lines). A failed launch fails the test."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(script),
-           *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        str(script),
+        *args,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     # its own session: on a timeout the ranks are killed with torchrun (else they linger, holding their cores)
-    proc = subprocess.Popen(cmd, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

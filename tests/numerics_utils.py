@@ -12,8 +12,8 @@ from torch.distributed.device_mesh import init_device_mesh
 import autoshard
 from autoshard import _torch_compat as tc
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
-from autoshard.models.mlp import MLP, mlp_example_inputs
 from autoshard.models.llama import Llama, LlamaConfig, llama_example_inputs
+from autoshard.models.mlp import MLP, mlp_example_inputs
 from autoshard.models.moe import MoEConfig, MoEDecoder, moe_example_inputs
 
 # The small models both numerics layers train: name -> (make model, make global inputs).

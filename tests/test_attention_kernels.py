@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import local_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from autoshard.rules import causal_chunks, ring_attention
 from autoshard.rules.sdpa_kernels import KERNELS
-
-from harness import local_ranks
 
 CPU = KERNELS[0]
 FWD, BWD = CPU.op(False), CPU.op(True)
@@ -91,8 +90,12 @@ def test_each_kernels_pieces_equal_its_whole_call(name: str, causal: bool) -> No
     q, k, v, grad = (torch.randn(2, 4, t, 64, dtype=dtype, device=device, generator=g) for _ in range(4))
     out, lse = kernel.forward(q, k, v, causal, {})
     dq, dk, dv = kernel.backward(grad, q, k, v, out, lse, causal, {})[:3]
-    backend = {"cpu": SDPBackend.FLASH_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-               "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[name]
+    backend = {
+        "cpu": SDPBackend.FLASH_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+    }[name]
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     with sdpa_kernel([backend]):
         ref = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
@@ -115,16 +118,23 @@ def test_each_kernels_pieces_equal_its_whole_call(name: str, causal: bool) -> No
             got_out.narrow(2, s, size).copy_(flat[2 * i])
             got_lse.narrow(2, s, size).copy_(flat[2 * i + 1])
         sides = [tuple(x.narrow(2, s, size) for x in (grad, q, out, lse)) for s in starts]
-        dqs = [torch.zeros(p.shape, dtype=torch.float32 if dtype != torch.float64 else dtype, device=device)
-               for p in parts]
+        dqs = [
+            torch.zeros(p.shape, dtype=torch.float32 if dtype != torch.float64 else dtype, device=device) for p in parts
+        ]
         for j in range(n):
             zero = torch.zeros(kc[j].shape, dtype=dqs[0].dtype, device=device)
-            d_k, d_v, *dqs = causal_chunks.backward_step(kernel, sides, starts, kc[j], vc[j], zero, zero.clone(),
-                                                         dqs, j, causal, {})
+            d_k, d_v, *dqs = causal_chunks.backward_step(
+                kernel, sides, starts, kc[j], vc[j], zero, zero.clone(), dqs, j, causal, {}
+            )
             got_dk.narrow(2, j * chunk, chunk).add_(d_k)
             got_dv.narrow(2, j * chunk, chunk).add_(d_v)
         for s, d in zip(starts, dqs):
             got_dq.narrow(2, s, size).copy_(d)
-    for what, got, want in (("out", got_out, out), ("lse", got_lse, lse), ("dq", got_dq, dq), ("dk", got_dk, dk),
-                            ("dv", got_dv, dv)):
+    for what, got, want in (
+        ("out", got_out, out),
+        ("lse", got_lse, lse),
+        ("dq", got_dq, dq),
+        ("dk", got_dk, dk),
+        ("dv", got_dv, dv),
+    ):
         assert _rel(got, want) < tol, (name, what, _rel(got, want))

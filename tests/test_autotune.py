@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import os
 
+from numerics_utils import MODELS
+
 import autoshard.search.autotune as at
-from autoshard.testing.launch import launch
 from autoshard.plans.plan import Plan
 from autoshard.plans.report import report
-
-from numerics_utils import MODELS
+from autoshard.testing.launch import launch
 
 
 def _worker(rank: int, world: int, cache: str) -> dict:
@@ -30,8 +30,13 @@ def _worker(rank: int, world: int, cache: str) -> dict:
 
     at.time_plan = no_timing
     again = autoshard.compile(make(), mesh, inputs_fn(), backend="eager", autotune=2)
-    return {"first": first.plan.to_json(), "again": again.plan.to_json(), "files": files,
-            "report": report(first.plan), "loss": float(again.step(*inputs_fn()))}
+    return {
+        "first": first.plan.to_json(),
+        "again": again.plan.to_json(),
+        "files": files,
+        "report": report(first.plan),
+        "loss": float(again.step(*inputs_fn())),
+    }
 
 
 def test_autotune_keeps_the_fastest_measured_candidate_and_caches_it(tmp_path) -> None:

@@ -75,7 +75,7 @@ def test_a_failing_variant_is_recorded_and_the_next_runs() -> None:
     def bad() -> Any:
         raise RuntimeError("boom")
 
-    rows = run_variants([("bad", bad), ("good", lambda: (lambda: None))], steps=2, warmup=0, barrier=False)
+    rows = run_variants([("bad", bad), ("good", lambda: lambda: None)], steps=2, warmup=0, barrier=False)
     assert [r.name for r in rows] == ["bad", "good"]
     assert rows[0].timing is None and "boom" in (rows[0].error or "")
     assert rows[1].timing is not None and rows[1].timing.steps == 2 and rows[1].error is None
@@ -144,8 +144,14 @@ def test_runtime_table_ratios_against_best_hand_written_and_twin() -> None:
     mod = importlib.util.module_from_spec(spec)
     sys.modules["runtime_vs_manual"] = mod  # its dataclasses look their module up
     spec.loader.exec_module(mod)
-    rows = [_row("autoshard", 0.03), _row("autoshard fsdp", 0.05), _row("DDP", 0.02), _row("FSDP2", 0.04),
-            _row("FSDP2 (compiled)", 0.025), Row("TP", None, error="RuntimeError: no")]
+    rows = [
+        _row("autoshard", 0.03),
+        _row("autoshard fsdp", 0.05),
+        _row("DDP", 0.02),
+        _row("FSDP2", 0.04),
+        _row("FSDP2 (compiled)", 0.025),
+        Row("TP", None, error="RuntimeError: no"),
+    ]
     text = mod.table("t", rows)
     lines = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
     assert "best hand-written: DDP" in text
@@ -199,8 +205,14 @@ def test_interleaved_variants_are_timed_round_robin_after_all_warm_ups() -> None
 
         return name, build
 
-    rows = run_variants([make("a", 1.0), make("b", 3.0), make("c", 2.0, fail_at=4)], steps=3, warmup=1,
-                        barrier=False, clock=clock, interleave=True)
+    rows = run_variants(
+        [make("a", 1.0), make("b", 3.0), make("c", 2.0, fail_at=4)],
+        steps=3,
+        warmup=1,
+        barrier=False,
+        clock=clock,
+        interleave=True,
+    )
     # warm-ups first (one per variant), then round-robin; c fails on its 4th call (3rd timed) and stops
     assert calls == ["a", "b", "c", "a", "b", "c", "a", "b", "c", "a", "b"]
     assert [r.name for r in rows] == ["a", "b", "c"]

@@ -10,14 +10,13 @@ from typing import Any
 
 import pytest
 import torch
+from harness import assert_close_to_reference, single_device_reference
+from numerics_utils import LR, PARAM_ATOL
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 from autoshard.testing.launch import launch
-
-from harness import assert_close_to_reference, single_device_reference
-from numerics_utils import LR, PARAM_ATOL
 
 pytest.importorskip("transformers")
 from transformers import ResNetConfig, ResNetForImageClassification  # noqa: E402
@@ -74,8 +73,9 @@ def _reference_buffers(make: Any, inputs: Any, steps: int) -> list[dict[str, tor
 def _train(rank: int, world: int, arg: tuple) -> dict:
     which, shape, names, options = arg
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    make, inputs = (_resnet, _images()) if which == "resnet" else (lambda: (torch.manual_seed(0), Tracked())[1],
-                                                                         _tracked_inputs())
+    make, inputs = (
+        (_resnet, _images()) if which == "resnet" else (lambda: (torch.manual_seed(0), Tracked())[1], _tracked_inputs())
+    )
     model = make()
     sharded = autoshard.compile(model, mesh, example_inputs=inputs, backend="eager", **options)
     opt = torch.optim.AdamW(sharded.parameters(), lr=LR)
@@ -85,24 +85,32 @@ def _train(rank: int, world: int, arg: tuple) -> dict:
         loss = sharded(**pieces) if isinstance(pieces, dict) else sharded(*pieces)
         loss.backward()
         if step == 0:
-            grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
-                     for n, p in sharded.named_parameters()}
+            grads = {
+                n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+                for n, p in sharded.named_parameters()
+            }
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
         buffers.append({n: b.detach().clone() for n, b in model.named_buffers()})
-    params = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
-              for n, p in sharded.named_parameters()}
+    params = {
+        n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for n, p in sharded.named_parameters()
+    }
     return {"losses": losses, "grads": grads, "params": params, "buffers": buffers}
 
 
-@pytest.mark.parametrize("which,world,shape,names,options", [
-    ("resnet", 2, (2,), ("dp",), {"recipe": "ddp"}),
-    ("resnet", 4, (2, 2), ("dp", "tp"), {"recipe": "fsdp"}),
-    ("tracked", 2, (2,), ("dp",), {"recipe": "ddp"}),
-], ids=["resnet-ddp-2", "resnet-fsdp-2x2", "user-buffers-ddp-2"])
-def test_buffers_updated_in_the_forward_equal_one_device(which: str, world: int, shape: tuple, names: tuple,
-                                                          options: dict) -> None:
+@pytest.mark.parametrize(
+    "which,world,shape,names,options",
+    [
+        ("resnet", 2, (2,), ("dp",), {"recipe": "ddp"}),
+        ("resnet", 4, (2, 2), ("dp", "tp"), {"recipe": "fsdp"}),
+        ("tracked", 2, (2,), ("dp",), {"recipe": "ddp"}),
+    ],
+    ids=["resnet-ddp-2", "resnet-fsdp-2x2", "user-buffers-ddp-2"],
+)
+def test_buffers_updated_in_the_forward_equal_one_device(
+    which: str, world: int, shape: tuple, names: tuple, options: dict
+) -> None:
     results = launch(world, _train, (which, shape, names, options), timeout=400)
     make = _resnet if which == "resnet" else (lambda: (torch.manual_seed(0), Tracked())[1])
     inputs = _images() if which == "resnet" else _tracked_inputs()
@@ -113,5 +121,10 @@ def test_buffers_updated_in_the_forward_equal_one_device(which: str, world: int,
         for step, (w, g) in enumerate(zip(want, got["buffers"])):
             assert set(w) == set(g)
             for name in w:
-                torch.testing.assert_close(g[name], w[name], rtol=1e-5, atol=1e-6,
-                                           msg=lambda m, n=name, s=step: f"buffer {n} after step {s}: {m}")
+                torch.testing.assert_close(
+                    g[name],
+                    w[name],
+                    rtol=1e-5,
+                    atol=1e-6,
+                    msg=lambda m, n=name, s=step: f"buffer {n} after step {s}: {m}",
+                )

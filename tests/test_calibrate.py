@@ -13,14 +13,14 @@ import pytest
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
-from autoshard.cluster.calibrate import calibrate, write_profile
-from autoshard.cluster.calibration_config import CalibrationConfig
-from autoshard.cluster.calibrate_links import COLLECTIVE_KINDS, _axis_groups, fit_ring
 from autoshard.cli import main
+from autoshard.cluster.calibrate import calibrate, write_profile
+from autoshard.cluster.calibrate_links import COLLECTIVE_KINDS, _axis_groups, fit_ring
+from autoshard.cluster.calibration_config import CalibrationConfig
+from autoshard.cluster.meshes import fake_world
 from autoshard.cluster.presets import get_cluster
 from autoshard.cluster.profile import AxisLayout, Link
 from autoshard.cost.collectives import algorithm_time
-from autoshard.cluster.meshes import fake_world
 from autoshard.models.mlp import MLP, mlp_example_inputs
 
 
@@ -85,8 +85,13 @@ def test_plan_with_a_calibrated_profile_is_valid_and_uses_its_figures(calibrated
     result, path = calibrated
     p = result.profile
     slow_link = replace(p.intra_node, latency=p.intra_node.latency * 100, bandwidth=p.intra_node.bandwidth / 100)
-    slower = replace(p, name="slower", intra_node=slow_link, inter_node=slow_link,
-                     device=replace(p.device, peak_flops={k: v / 100 for k, v in p.device.peak_flops.items()}))
+    slower = replace(
+        p,
+        name="slower",
+        intra_node=slow_link,
+        inter_node=slow_link,
+        device=replace(p.device, peak_flops={k: v / 100 for k, v in p.device.peak_flops.items()}),
+    )
     with fake_world(2):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
         args = (MLP(64, 256, 64), mesh, mlp_example_inputs(32, 64, 64))

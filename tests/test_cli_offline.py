@@ -6,25 +6,40 @@ import json
 
 import pytest
 import torch
+from harness import case_result, run_two_at_a_time
 
 import autoshard
 from autoshard.cli import main
-from autoshard.plans.plan import Plan
 from autoshard.errors import InfeasibleBudget
+from autoshard.plans.plan import Plan
 from autoshard.plans.report import report
-from harness import case_result, run_two_at_a_time
 
 SMALL = ["--model", "gpt2-124m", "--cluster", "h100-sxm:1x8", "--seq", "128", "--global-batch", "16"]
 # the CLI runs the tests below check, by case: its arguments (each with --out FILE); their planning is
 # single-threaded, so they run two at a time in forked processes (a module fixture) and each test checks its own
 CLI_RUNS = {
     "plan": ["plan", *SMALL],
-    "pipeline": ["plan", "--model", "gpt2-1.5b", "--cluster", "a100-80gb:2x8", "--seq", "1024", "--global-batch", "16",
-                 "--pipeline", "auto", "--no-recipes"],
+    "pipeline": [
+        "plan",
+        "--model",
+        "gpt2-1.5b",
+        "--cluster",
+        "a100-80gb:2x8",
+        "--seq",
+        "1024",
+        "--global-batch",
+        "16",
+        "--pipeline",
+        "auto",
+        "--no-recipes",
+    ],
     "mixed": ["plan", *SMALL, "--recipe", "ddp", "-q", "--mixed-precision", "bf16", "--reduce-dtype", "bf16"],
 }
-CLI_TESTS = {"test_cli_plan_writes_a_plan_that_reads_back": "plan", "test_cli_pipeline_auto_puts_a_stage_on_each_node":
-             "pipeline", "test_cli_mixed_precision_plans_fp32_masters_and_bf16_matmuls": "mixed"}
+CLI_TESTS = {
+    "test_cli_plan_writes_a_plan_that_reads_back": "plan",
+    "test_cli_pipeline_auto_puts_a_stage_on_each_node": "pipeline",
+    "test_cli_mixed_precision_plans_fp32_masters_and_bf16_matmuls": "mixed",
+}
 
 
 def _cli(arg: tuple[str, str]) -> tuple[int, str, str, str]:
@@ -44,10 +59,16 @@ def _cli(arg: tuple[str, str]) -> tuple[int, str, str, str]:
 @pytest.fixture(scope="module")
 def cli_runs(request, tmp_path_factory) -> dict:
     folder = str(tmp_path_factory.mktemp("cli"))
-    wanted = {CLI_TESTS[item.originalname] for item in request.session.items
-              if item.module is request.module and item.originalname in CLI_TESTS}
-    runs = run_two_at_a_time(_cli, [(c, folder) for c in sorted(wanted)],
-                             cost={("pipeline", folder): 9, ("mixed", folder): 4, ("plan", folder): 3})
+    wanted = {
+        CLI_TESTS[item.originalname]
+        for item in request.session.items
+        if item.module is request.module and item.originalname in CLI_TESTS
+    }
+    runs = run_two_at_a_time(
+        _cli,
+        [(c, folder) for c in sorted(wanted)],
+        cost={("pipeline", folder): 9, ("mixed", folder): 4, ("plan", folder): 3},
+    )
     return {case: r for (case, _), r in runs.items()}
 
 
@@ -76,14 +97,22 @@ def test_cli_lists_models_and_clusters(capsys):
     [
         (["--model", "llama-9b", "--cluster", "h100-sxm", "--global-batch", "8"], "known models"),
         (["--model", "gpt2-124m", "--cluster", "tpu-v5", "--global-batch", "8"], "known clusters"),
-        (["--model", "gpt2-124m", "--cluster", "h100-sxm:2x8", "--mesh", "4x8", "--global-batch", "8"],
-         "has 32 devices but cluster 'h100-sxm:2x8' has 16"),
-        (["--model", "gpt2-124m", "--cluster", "h100-sxm:2x8", "--global-batch", "3", "--seq", "128"],
-         "global batch 3 is not divisible by the data-parallel degree 2"),
-        (["--model", "gpt2-124m", "--cluster", "h100-sxm:2x8", "--mesh", "tp=8,pp=2", "--global-batch", "8"],
-         "'pp' must be the outermost axis"),
-        (["--model", "gpt2-124m", "--cluster", "h100-sxm:2x8", "--mesh", "pp=2,tp=x", "--global-batch", "8"],
-         "cannot parse mesh 'pp=2,tp=x'"),
+        (
+            ["--model", "gpt2-124m", "--cluster", "h100-sxm:2x8", "--mesh", "4x8", "--global-batch", "8"],
+            "has 32 devices but cluster 'h100-sxm:2x8' has 16",
+        ),
+        (
+            ["--model", "gpt2-124m", "--cluster", "h100-sxm:2x8", "--global-batch", "3", "--seq", "128"],
+            "global batch 3 is not divisible by the data-parallel degree 2",
+        ),
+        (
+            ["--model", "gpt2-124m", "--cluster", "h100-sxm:2x8", "--mesh", "tp=8,pp=2", "--global-batch", "8"],
+            "'pp' must be the outermost axis",
+        ),
+        (
+            ["--model", "gpt2-124m", "--cluster", "h100-sxm:2x8", "--mesh", "pp=2,tp=x", "--global-batch", "8"],
+            "cannot parse mesh 'pp=2,tp=x'",
+        ),
     ],
 )
 def test_cli_bad_input_is_named(argv, needle, capsys):
@@ -92,9 +121,12 @@ def test_cli_bad_input_is_named(argv, needle, capsys):
 
 
 def test_model_that_cannot_fit_says_how_much_it_needs():
-    with pytest.raises(InfeasibleBudget, match=r"llama3-8b does not fit on 8 x 1.00 GiB: its training state alone") as e:
-        autoshard.plan("llama3-8b", cluster="h100-sxm:1x8", seq=256, global_batch=8, memory_budget="1GiB",
-                       solve_recipes=False)
+    with pytest.raises(
+        InfeasibleBudget, match=r"llama3-8b does not fit on 8 x 1.00 GiB: its training state alone"
+    ) as e:
+        autoshard.plan(
+            "llama3-8b", cluster="h100-sxm:1x8", seq=256, global_batch=8, memory_budget="1GiB", solve_recipes=False
+        )
     assert "leanest plan" in str(e.value) and e.value.least_bytes > 2**30
     import re
 
@@ -165,13 +197,20 @@ def test_offline_plan_of_a_stock_model_called_with_keywords():
     read the first keyword's tensor."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     ids = torch.zeros(8, 64, dtype=torch.long, device="meta")
-    plan = autoshard.plan(model, example_inputs=dict(input_ids=ids, labels=ids), cluster="h100-sxm:1x2",
-                          solve_recipes=False)
+    plan = autoshard.plan(
+        model, example_inputs=dict(input_ids=ids, labels=ids), cluster="h100-sxm:1x2", solve_recipes=False
+    )
     assert plan.step_time_s > 0 and plan.peak_memory.total > 0
     odd = torch.zeros(3, 64, dtype=torch.long, device="meta")
     with pytest.raises(ValueError, match="global batch 3 is not divisible"):
@@ -199,8 +238,11 @@ def test_offline_refusal_of_accumulation_names_the_op():
     kw = dict(example_inputs=(x,), cluster="h100-sxm:1x2", solve_recipes=False)
     with pytest.raises(InfeasibleBudget) as e:
         autoshard.plan(_BatchNormalized(), **kw, memory_budget=1, microbatches=1)
-    with pytest.raises(InfeasibleBudget, match=r"Gradient accumulation: \d+ micro-batches would fit, but the model "
-                       r"mixes the samples of its batch before the loss: aten\.sum\.dim_IntList \(sum") as refused:
+    with pytest.raises(
+        InfeasibleBudget,
+        match=r"Gradient accumulation: \d+ micro-batches would fit, but the model "
+        r"mixes the samples of its batch before the loss: aten\.sum\.dim_IntList \(sum",
+    ) as refused:
         autoshard.plan(_BatchNormalized(), **kw, memory_budget=e.value.least_bytes * 17 // 20)
     import re
 

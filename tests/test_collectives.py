@@ -6,9 +6,8 @@ B_e = 50 GB/s per GPU; 8 GPUs per node.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import json
+from dataclasses import replace
 
 import pytest
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -157,9 +156,7 @@ def test_hierarchical_by_hand() -> None:
         2 * local + 2 * network
     )
     assert axis_collective_time("all_gather", b, (4, 32), 1, H100, "hierarchical") == pytest.approx(local + network)
-    assert axis_collective_time("reduce_scatter", b, (4, 32), 1, H100, "hierarchical") == pytest.approx(
-        local + network
-    )
+    assert axis_collective_time("reduce_scatter", b, (4, 32), 1, H100, "hierarchical") == pytest.approx(local + network)
     # all_to_all (NCCL): each device sends b/n**2 to each peer at once, 7 over NVLink and 24 through its own NIC
     assert axis_collective("all_to_all", b, (4, 32), 1, H100) == (
         "pairwise",
@@ -167,7 +164,9 @@ def test_hierarchical_by_hand() -> None:
     )
     gloo_like = replace(H100, all_to_all="ring")  # gathered whole on the network link
     assert axis_collective("all_to_all", b, (4, 32), 1, gloo_like) == (
-        "ring", pytest.approx(collective_time("all_to_all", b, 32, H100.inter_node, "ring")))
+        "ring",
+        pytest.approx(collective_time("all_to_all", b, 32, H100.inter_node, "ring")),
+    )
 
 
 # --- auto ------------------------------------------------------------------------------------------------------

@@ -36,7 +36,11 @@ def _as_on_gpu(name: str):
         assert attn_mask is None and not enable_gqa
         if name == "flash":
             return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
-        op = aten._scaled_dot_product_efficient_attention if name == "efficient" else aten._scaled_dot_product_cudnn_attention
+        op = (
+            aten._scaled_dot_product_efficient_attention
+            if name == "efficient"
+            else aten._scaled_dot_product_cudnn_attention
+        )
         return op(q, k, v, None, True, dropout_p, is_causal, scale=scale)[0]
 
     return sdpa
@@ -49,8 +53,13 @@ def _plan(monkeypatch: pytest.MonkeyPatch, kernel: str):
         model = Llama(CFG)
     with fake_world(16):
         mesh = init_device_mesh("cpu", (2, 8), mesh_dim_names=("cp", "tp"))
-        return plan_graph(model, llama_example_inputs(CFG, 1), mesh, get_cluster("h100-sxm:2x8"),
-                          PlanConfig(constraints={"inputs": "[S(1), R]"}))
+        return plan_graph(
+            model,
+            llama_example_inputs(CFG, 1),
+            mesh,
+            get_cluster("h100-sxm:2x8"),
+            PlanConfig(constraints={"inputs": "[S(1), R]"}),
+        )
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +72,11 @@ def cpu_plan():
 def test_cuda_kernels_are_planned_context_parallel_like_the_cpu_kernel(monkeypatch, cpu_plan, kernel) -> None:
     planned = _plan(monkeypatch, kernel)
     want = next(k for k in KERNELS if k.name == kernel)
-    attn = [d for d in planned.plan.stages[0].ops if d.op.startswith(f"aten.{want.forward_op}.")
-            or d.op.startswith(f"aten.{want.forward_op}_backward.")]
+    attn = [
+        d
+        for d in planned.plan.stages[0].ops
+        if d.op.startswith(f"aten.{want.forward_op}.") or d.op.startswith(f"aten.{want.forward_op}_backward.")
+    ]
     fwd = [d for d in attn if d.phase == "forward"]
     bwd = [d for d in attn if d.phase == "backward"]
     assert len(fwd) == len(bwd) == CFG.n_layer, [d.op for d in planned.plan.stages[0].ops if "attention" in d.op]
@@ -75,12 +87,15 @@ def test_cuda_kernels_are_planned_context_parallel_like_the_cpu_kernel(monkeypat
     assert [d.output for d in cpu_plan.plan.stages[0].ops if d.op in seq_ops and d.phase == "forward"] == [layout]
     # the rng state and the other extras are whole on every rank
     node = next(n for n in planned.graph.graph.nodes if str(n.target) == f"aten.{want.forward_op}.default")
-    extras = [pl for pl, v in zip(node.meta["autoshard"].outputs[2:], node.meta["val"][2:])
-              if isinstance(v, torch.Tensor)]
+    extras = [
+        pl for pl, v in zip(node.meta["autoshard"].outputs[2:], node.meta["val"][2:]) if isinstance(v, torch.Tensor)
+    ]
     assert extras and all(pl == (Replicate(),) * 2 for pl in extras), extras
     # the same program in other kernels: the same predicted step (their FLOPs and bytes alike, up to the extras)
     assert math.isclose(planned.plan.step_time_s, cpu_plan.plan.step_time_s, rel_tol=2e-3), (
-        planned.plan.step_time_s, cpu_plan.plan.step_time_s)
+        planned.plan.step_time_s,
+        cpu_plan.plan.step_time_s,
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="traces on a GPU")
@@ -90,26 +105,36 @@ def test_stock_hf_llama_traced_on_a_gpu_is_planned_context_parallel(backend: str
     kernel that takes the causal mask transformers passes it), planned for one 32768-token sequence on a fake
     2 x 8 H100 mesh: attention on the sequence."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM
 
     import autoshard
 
-    cfg = HFConfig(hidden_size=1024, intermediate_size=3584, num_hidden_layers=1, num_attention_heads=8,
-                   num_key_value_heads=8, vocab_size=512, max_position_embeddings=32768)
+    cfg = HFConfig(
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=1,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        vocab_size=512,
+        max_position_embeddings=32768,
+    )
     model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
     ids = torch.randint(0, 512, (1, 32768), device="cuda")
     with fake_world(16), sdpa_kernel([getattr(SDPBackend, backend)]):
         mesh = init_device_mesh("cuda", (2, 8), mesh_dim_names=("cp", "tp"))
-        plan = autoshard.plan(model, mesh, {"input_ids": ids, "labels": ids}, cluster="h100-sxm:2x8",
-                              constraints={"inputs": "[S(1), R]"})
+        plan = autoshard.plan(
+            model, mesh, {"input_ids": ids, "labels": ids}, cluster="h100-sxm:2x8", constraints={"inputs": "[S(1), R]"}
+        )
     attn = [d for d in plan.stages[0].ops if "_scaled_dot_product_" in d.op and d.phase == "forward"]
     assert attn and all("_for_cpu" not in d.op for d in attn), [d.op for d in attn]
     assert all("S(2)" in d.output for d in attn), [(d.op, d.output) for d in attn]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="runs the CUDA kernels")
-@pytest.mark.parametrize("dtype,backend,tol", [("float32", None, 1e-5), ("bfloat16", None, 3e-2),
-                                               ("bfloat16", "FLASH_ATTENTION", 3e-2)])
+@pytest.mark.parametrize(
+    "dtype,backend,tol", [("float32", None, 1e-5), ("bfloat16", None, 3e-2), ("bfloat16", "FLASH_ATTENTION", 3e-2)]
+)
 def test_context_parallelism_runs_on_the_cuda_kernels(dtype: str, backend: str | None, tol: float) -> None:
     """Ring attention executed on the GPU's kernels: one 8192-token sequence over 4 simulated ranks on one GPU
     (``LocalTensorMode``), the zoo Llama traced and run on CUDA (fp32 runs the efficient kernel, bf16 cuDNN on
@@ -119,11 +144,11 @@ def test_context_parallelism_runs_on_the_cuda_kernels(dtype: str, backend: str |
     import contextlib
     import copy
 
+    from harness import local_ranks
+    from numerics_utils import _full, _scalar
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import autoshard
-    from harness import local_ranks
-    from numerics_utils import _full, _scalar
 
     cfg = LlamaConfig(n_layer=2, d_model=256, n_head=4, n_kv_head=4, ffn=512, vocab=256, seq_len=8192)
     forced = sdpa_kernel([getattr(SDPBackend, backend)]) if backend else contextlib.nullcontext()
@@ -136,8 +161,14 @@ def test_context_parallelism_runs_on_the_cuda_kernels(dtype: str, backend: str |
         ref_loss.backward()
         with local_ranks(4):
             mesh = init_device_mesh("cuda", (4,), mesh_dim_names=("cp",))
-            sharded = autoshard.compile(copy.deepcopy(base), mesh, (ids, tgt), cluster="h100-sxm",
-                                        constraints={"inputs": "[S(1)]"}, backend="eager")
+            sharded = autoshard.compile(
+                copy.deepcopy(base),
+                mesh,
+                (ids, tgt),
+                cluster="h100-sxm",
+                constraints={"inputs": "[S(1)]"},
+                backend="eager",
+            )
             loss = _scalar(sharded.step(ids, tgt))
             grads = {n: _full(p.grad).float() for n, p in sharded.named_parameters()}
     attn = [d for d in sharded.plan.stages[0].ops if "_scaled_dot_product_" in d.op]
@@ -148,8 +179,9 @@ def test_context_parallelism_runs_on_the_cuda_kernels(dtype: str, backend: str |
         assert float((grads[name] - want).abs().max() / want.abs().max()) < tol, name
 
 
-@pytest.mark.parametrize("device,dtype,tol", [("cpu", "float32", 1e-5), ("cuda", "float32", 1e-5),
-                                              ("cuda", "bfloat16", 3e-2)])
+@pytest.mark.parametrize(
+    "device,dtype,tol", [("cpu", "float32", 1e-5), ("cuda", "float32", 1e-5), ("cuda", "bfloat16", 3e-2)]
+)
 def test_stock_hf_llama_trains_context_parallel(device: str, dtype: str, tol: float) -> None:
     """A stock Hugging Face ``LlamaForCausalLM`` (it passes SDPA a causal mask, so the ring is not offered)
     trained with its sequence split over 4 simulated ranks: queries on their chunk against gathered keys and
@@ -159,17 +191,25 @@ def test_stock_hf_llama_trains_context_parallel(device: str, dtype: str, tol: fl
     local layout differed from the traced one (``compiler/lower.py: _contiguous``)."""
     import copy
 
-    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
-
-    import autoshard
     from harness import local_ranks
     from numerics_utils import _full, _scalar
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM
+
+    import autoshard
 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("runs the CUDA kernels")
     seq = 2048 if device == "cpu" else 8192
-    cfg = HFConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=4, vocab_size=256, max_position_embeddings=seq)
+    cfg = HFConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=256,
+        max_position_embeddings=seq,
+    )
     torch.manual_seed(0)
     base = LlamaForCausalLM(cfg).to(device, getattr(torch, dtype))
     ids = torch.randint(0, 256, (1, seq), device=device)
@@ -179,8 +219,9 @@ def test_stock_hf_llama_trains_context_parallel(device: str, dtype: str, tol: fl
     ref_loss.backward()
     with local_ranks(4):
         mesh = init_device_mesh(device, (4,), mesh_dim_names=("cp",))
-        sharded = autoshard.compile(copy.deepcopy(base), mesh, batch, cluster="h100-sxm",
-                                    constraints={"inputs": "[S(1)]"}, backend="eager")
+        sharded = autoshard.compile(
+            copy.deepcopy(base), mesh, batch, cluster="h100-sxm", constraints={"inputs": "[S(1)]"}, backend="eager"
+        )
         loss = _scalar(sharded.step(**batch))
         grads = {n: _full(p.grad).float() for n, p in sharded.named_parameters()}
     attn = [d for d in sharded.plan.stages[0].ops if "_scaled_dot_product_" in d.op and d.phase == "forward"]

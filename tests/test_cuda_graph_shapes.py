@@ -29,8 +29,14 @@ def test_layer_norm_candidates_place_all_three_outputs() -> None:
     outs = torch.ops.aten.native_layer_norm.default(x, [16], w, None, 1e-5)
     with fake_world(2):
         mesh = init_device_mesh("cpu", (2,))
-        cands = op_strategies(aten.native_layer_norm.default, (tensor_meta(x), [16], tensor_meta(w), None, 1e-5),
-                              {}, mesh, (Shard(0),), out_val=outs)
+        cands = op_strategies(
+            aten.native_layer_norm.default,
+            (tensor_meta(x), [16], tensor_meta(w), None, 1e-5),
+            {},
+            mesh,
+            (Shard(0),),
+            out_val=outs,
+        )
     assert cands, "DTensor gave no layer_norm candidate"
     for c in cands:
         assert len(c.outputs) == 3, c
@@ -42,13 +48,28 @@ def test_cuda_flash_attention_outputs_that_are_tensors_are_placed() -> None:
     q = torch.empty(2, 4, 8, 16)
     # what CUDA flash attention returns: out, logsumexp, cum_seq_q/k (None), max_q/k (int), rng seed and
     # offset, debug mask
-    out_val = (q, torch.empty(2, 4, 8), None, None, 8, 8, torch.empty(2, dtype=torch.int64),
-               torch.empty(0, dtype=torch.int64), torch.empty(0))
+    out_val = (
+        q,
+        torch.empty(2, 4, 8),
+        None,
+        None,
+        8,
+        8,
+        torch.empty(2, dtype=torch.int64),
+        torch.empty(0, dtype=torch.int64),
+        torch.empty(0),
+    )
     m = tensor_meta(q)
     with fake_world(2):
         mesh = init_device_mesh("cpu", (2,))
-        cands = op_strategies(aten._scaled_dot_product_flash_attention.default, (m, m, m, 0.0, True), {}, mesh,
-                              (Replicate(),), out_val=out_val)
+        cands = op_strategies(
+            aten._scaled_dot_product_flash_attention.default,
+            (m, m, m, 0.0, True),
+            {},
+            mesh,
+            (Replicate(),),
+            out_val=out_val,
+        )
     assert len(cands) >= 2
     for c in cands:
         for i, v in enumerate(out_val):
@@ -92,7 +113,13 @@ def test_index_candidates_place_every_index_tensor() -> None:
     with fake_world(2):
         mesh = init_device_mesh("cpu", (2,))
         for first in ((Replicate(),), (Shard(0),)):
-            cands = op_strategies(aten.index.Tensor, (tensor_meta(x), [tensor_meta(i0), tensor_meta(i1)]), {},
-                                  mesh, first, out_val=x[i0, i1])
+            cands = op_strategies(
+                aten.index.Tensor,
+                (tensor_meta(x), [tensor_meta(i0), tensor_meta(i1)]),
+                {},
+                mesh,
+                first,
+                out_val=x[i0, i1],
+            )
             assert cands
             assert all(len(c.inputs) == 3 for c in cands), cands

@@ -9,12 +9,11 @@ from typing import Any
 
 import pytest
 import torch
+from numerics_utils import LR
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 from autoshard.testing.launch import launch
-
-from numerics_utils import LR
 
 pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM, ResNetConfig, ResNetForImageClassification  # noqa: E402
@@ -22,21 +21,34 @@ from transformers import LlamaConfig, LlamaForCausalLM, ResNetConfig, ResNetForI
 
 def _llama() -> torch.nn.Module:
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
 
 
 def _resnet() -> torch.nn.Module:
     torch.manual_seed(0)
-    return ResNetForImageClassification(ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
-                                                     num_labels=10, layer_type="basic"))
+    return ResNetForImageClassification(
+        ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10, layer_type="basic")
+    )
 
 
 def _batches() -> dict[str, Any]:
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 128, (4, 12), generator=g)
-    return {"ids": ids, "prompt": ids[:2, :6], "pixels": torch.randn(4, 3, 16, 16, generator=g),
-            "labels": torch.randint(0, 10, (4,), generator=g)}
+    return {
+        "ids": ids,
+        "prompt": ids[:2, :6],
+        "pixels": torch.randn(4, 3, 16, 16, generator=g),
+        "labels": torch.randint(0, 10, (4,), generator=g),
+    }
 
 
 def _greedy(call: Any, prompt: torch.Tensor, n: int) -> torch.Tensor:
@@ -64,8 +76,9 @@ def _run(model: torch.nn.Module, train: Any, evaluate: Any, b: dict[str, Any], c
 def _worker(rank: int, world: int, arg: None) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     b = _batches()
-    llama = autoshard.compile(_llama(), mesh, example_inputs=dict(input_ids=b["ids"], labels=b["ids"]),
-                              backend="eager", recipe="fsdp")
+    llama = autoshard.compile(
+        _llama(), mesh, example_inputs=dict(input_ids=b["ids"], labels=b["ids"]), backend="eager", recipe="fsdp"
+    )
     res: dict[str, Any] = {}
 
     def llama_eval() -> dict[str, Any]:
@@ -73,14 +86,24 @@ def _worker(rank: int, world: int, arg: None) -> dict[str, Any]:
         greedy = _greedy(lambda s: llama(**llama.shard_inputs(input_ids=s)), b["prompt"], 3)
         return {"type": type(out).__name__, "loss": float(out.loss), "logits": out.logits.clone(), "greedy": greedy}
 
-    res["llama"] = _run(llama, lambda: llama(**llama.shard_inputs(input_ids=b["ids"], labels=b["ids"])), llama_eval,
-                        b, None)
+    res["llama"] = _run(
+        llama, lambda: llama(**llama.shard_inputs(input_ids=b["ids"], labels=b["ids"])), llama_eval, b, None
+    )
     res["train_after"] = float(llama(**llama.shard_inputs(input_ids=b["ids"], labels=b["ids"])))  # train() again
-    resnet = autoshard.compile(_resnet(), mesh, example_inputs=dict(pixel_values=b["pixels"], labels=b["labels"]),
-                               backend="eager", recipe="ddp")
-    res["resnet"] = _run(resnet, lambda: resnet(**resnet.shard_inputs(pixel_values=b["pixels"], labels=b["labels"])),
-                         lambda: {"logits": resnet(**resnet.shard_inputs(pixel_values=b["pixels"])).logits.clone()},
-                         b, None)
+    resnet = autoshard.compile(
+        _resnet(),
+        mesh,
+        example_inputs=dict(pixel_values=b["pixels"], labels=b["labels"]),
+        backend="eager",
+        recipe="ddp",
+    )
+    res["resnet"] = _run(
+        resnet,
+        lambda: resnet(**resnet.shard_inputs(pixel_values=b["pixels"], labels=b["labels"])),
+        lambda: {"logits": resnet(**resnet.shard_inputs(pixel_values=b["pixels"])).logits.clone()},
+        b,
+        None,
+    )
     return res
 
 
@@ -88,13 +111,25 @@ def test_eval_returns_the_models_outputs_equal_to_one_device() -> None:
     results = launch(2, _worker, None, timeout=400)
     b = _batches()
     llama, resnet = _llama(), _resnet()
-    want = _run(llama, lambda: llama(input_ids=b["ids"], labels=b["ids"]).loss, lambda: {
-        "loss": float(llama(input_ids=b["ids"], labels=b["ids"]).loss),
-        "logits": llama(input_ids=b["ids"]).logits, "greedy": _greedy(lambda s: llama(input_ids=s), b["prompt"], 3)},
-        b, None)
+    want = _run(
+        llama,
+        lambda: llama(input_ids=b["ids"], labels=b["ids"]).loss,
+        lambda: {
+            "loss": float(llama(input_ids=b["ids"], labels=b["ids"]).loss),
+            "logits": llama(input_ids=b["ids"]).logits,
+            "greedy": _greedy(lambda s: llama(input_ids=s), b["prompt"], 3),
+        },
+        b,
+        None,
+    )
     train_after = float(llama(input_ids=b["ids"], labels=b["ids"]).loss)
-    want_resnet = _run(resnet, lambda: resnet(pixel_values=b["pixels"], labels=b["labels"]).loss,
-                       lambda: {"logits": resnet(pixel_values=b["pixels"]).logits}, b, None)
+    want_resnet = _run(
+        resnet,
+        lambda: resnet(pixel_values=b["pixels"], labels=b["labels"]).loss,
+        lambda: {"logits": resnet(pixel_values=b["pixels"]).logits},
+        b,
+        None,
+    )
     for got in results:
         assert got["llama"]["type"] == "CausalLMOutputWithPast"
         assert got["llama"]["loss"] == pytest.approx(want["loss"], rel=1e-5)
@@ -110,8 +145,13 @@ def _backend_worker(rank: int, world: int, arg: None) -> dict[str, Any]:
     model = _llama()
     compiled = torch.compile(model, backend="autoshard", options={"mesh": mesh, "backend": "eager", "recipe": "fsdp"})
     piece = b["ids"].chunk(2)[rank]  # DDP's convention: each rank its rows
-    out = _run(model, lambda: compiled(input_ids=piece, labels=piece).loss,
-               lambda: {"logits": compiled(input_ids=piece, labels=piece).logits.clone()}, b, None)
+    out = _run(
+        model,
+        lambda: compiled(input_ids=piece, labels=piece).loss,
+        lambda: {"logits": compiled(input_ids=piece, labels=piece).logits.clone()},
+        b,
+        None,
+    )
     out["train_after"] = float(compiled(input_ids=piece, labels=piece).loss)
     return out
 
@@ -122,8 +162,13 @@ def test_eval_through_the_torch_compile_backend() -> None:
     results = launch(2, _backend_worker, None, timeout=400)
     b = _batches()
     llama = _llama()
-    want = _run(llama, lambda: llama(input_ids=b["ids"], labels=b["ids"]).loss,
-                lambda: {"logits": llama(input_ids=b["ids"]).logits}, b, None)
+    want = _run(
+        llama,
+        lambda: llama(input_ids=b["ids"], labels=b["ids"]).loss,
+        lambda: {"logits": llama(input_ids=b["ids"]).logits},
+        b,
+        None,
+    )
     train_after = float(llama(input_ids=b["ids"], labels=b["ids"]).loss)
     for rank, got in enumerate(results):
         torch.testing.assert_close(got["logits"], want["logits"].chunk(2)[rank], rtol=1e-4, atol=1e-5)

@@ -67,8 +67,19 @@ def _launch(nproc: int, *args: str, timeout: float = 240) -> Launch:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     root = tmp_path_factory.mktemp("finetune_hf")
     work = root / "work"
-    first = _launch(2, "--steps", "4", "--ckpt", str(root / "ckpt"), "--ckpt-every", "2", "--export",
-                    str(root / "export"), "--work-dir", str(work))
+    first = _launch(
+        2,
+        "--steps",
+        "4",
+        "--ckpt",
+        str(root / "ckpt"),
+        "--ckpt-every",
+        "2",
+        "--export",
+        str(root / "export"),
+        "--work-dir",
+        str(work),
+    )
     base = next(work.glob("base-*"), None)
     assert base is not None, f"no base checkpoint in {work}:\n{first.text[-3000:]}"
     # the resumed run reads a copy of the step-2 checkpoint only, as if the job had stopped after that save

@@ -12,6 +12,8 @@ import math
 
 import pytest
 import torch
+from harness import assert_close_to_reference, case_result, local_ranks, run_two_at_a_time, single_device_reference
+from numerics_utils import LR, PARAM_ATOL
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
@@ -19,9 +21,6 @@ import autoshard
 from autoshard.cluster.meshes import fake_world
 from autoshard.config import OPTIMIZER_STATE_FACTOR
 from autoshard.plans.plan import Plan
-
-from harness import assert_close_to_reference, case_result, local_ranks, run_two_at_a_time, single_device_reference
-from numerics_utils import LR, PARAM_ATOL
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -36,12 +35,20 @@ def make_lora(base_dtype: torch.dtype = torch.float32, train_all: bool = False, 
     on q_proj and v_proj; its base weights in ``base_dtype`` and frozen, the adapters fp32 (PEFT's
     ``autocast_adapter_dtype``). ``lora_B`` starts non-zero, so the adapters change the loss from the first step.
     ``train_all``: every parameter trainable, for comparison."""
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     base = transformers.LlamaForCausalLM(cfg).to(base_dtype)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                      lora_dropout=0.0))
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    )
     torch.manual_seed(1)
     for name, p in model.named_parameters():
         if "lora_B" in name:
@@ -127,6 +134,7 @@ def test_a_frozen_layer_is_not_shared_with_trained_ones() -> None:
 
 # ---------------------------------------------------------------------------------------------- numerics
 
+
 def _one_device(base_dtype: torch.dtype) -> dict:
     """One device, the same model in the same dtypes (a bf16 base stays bf16), 3 AdamW steps."""
     model = make_lora(base_dtype)
@@ -140,8 +148,11 @@ def _one_device(base_dtype: torch.dtype) -> dict:
             grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return {"losses": losses, "grads": grads,
-            "params": {n: p.detach().float().clone() for n, p in model.named_parameters()}}
+    return {
+        "losses": losses,
+        "grads": grads,
+        "params": {n: p.detach().float().clone() for n, p in model.named_parameters()},
+    }
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -174,8 +185,17 @@ def _train(case: str) -> dict:
         dtypes = {n: str(p.dtype) for n, p in sharded.named_parameters()}
         state = sorted(n for n, p in sharded.named_parameters() if p in opt.state and opt.state[p])
     frozen = sorted(n for n, p in make_lora(base_dtype).named_parameters() if not p.requires_grad)
-    return {"ref": ref, "losses": losses, "grads": grads, "params": params, "no_grad": no_grad, "frozen": frozen,
-            "dtypes": dtypes, "state": state, "plan": sharded.plan.to_json()}
+    return {
+        "ref": ref,
+        "losses": losses,
+        "grads": grads,
+        "params": params,
+        "no_grad": no_grad,
+        "frozen": frozen,
+        "dtypes": dtypes,
+        "state": state,
+        "plan": sharded.plan.to_json(),
+    }
 
 
 @pytest.fixture(scope="module")

@@ -29,8 +29,11 @@ def _start(*args: str) -> None:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.environ.get("TORCHINDUCTOR_CACHE_DIR", ""))
     env = {k: v for k, v in env.items() if v}
     out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-    _started[args] = (subprocess.Popen([sys.executable, SCRIPT, *args], stdout=out, stderr=err, text=True, env=env),
-                      out, err)
+    _started[args] = (
+        subprocess.Popen([sys.executable, SCRIPT, *args], stdout=out, stderr=err, text=True, env=env),
+        out,
+        err,
+    )
 
 
 def stop_all() -> None:

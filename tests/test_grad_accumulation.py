@@ -11,17 +11,15 @@ import importlib.util
 
 import pytest
 import torch
+from harness import assert_close_to_reference, case_result, local_ranks, run_two_at_a_time, single_device_reference
+from numerics_utils import LR, MODELS, PARAM_ATOL, train_sharded
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 import autoshard
-from autoshard.plans.plan import Plan
 from autoshard.errors import InfeasibleBudget
+from autoshard.plans.plan import Plan
 from autoshard.plans.report import report
-
-from harness import (assert_close_to_reference, case_result, local_ranks, run_two_at_a_time,
-                     single_device_reference)
-from numerics_utils import LR, MODELS, PARAM_ATOL, train_sharded
 
 DP = {"inputs": {"dp": Shard(0)}}
 
@@ -64,11 +62,18 @@ def _case(case: str) -> tuple[dict, Plan]:
 @pytest.fixture(scope="module")
 def runs(request: pytest.FixtureRequest) -> dict:
     """The selected cases, two at a time in forked processes (LocalTensorMode is single-threaded work)."""
-    wanted = [f"{item.callspec.params['k']}-{'ddp' if item.callspec.params['k'] == 2 else 'zero2'}"
-              for item in request.session.items
-              if item.module is request.module and item.originalname == "test_mlp_microbatches_equal_the_whole_batch"]
-    if any(item.module is request.module and item.originalname == "test_hf_gpt2_padded_labels_called_with_keywords"
-           for item in request.session.items) and importlib.util.find_spec("transformers") is not None:
+    wanted = [
+        f"{item.callspec.params['k']}-{'ddp' if item.callspec.params['k'] == 2 else 'zero2'}"
+        for item in request.session.items
+        if item.module is request.module and item.originalname == "test_mlp_microbatches_equal_the_whole_batch"
+    ]
+    if (
+        any(
+            item.module is request.module and item.originalname == "test_hf_gpt2_padded_labels_called_with_keywords"
+            for item in request.session.items
+        )
+        and importlib.util.find_spec("transformers") is not None
+    ):
         wanted.append("hf-gpt2")
     return run_two_at_a_time(_case, wanted, cost={"hf-gpt2": 10})
 
@@ -90,7 +95,7 @@ def test_hf_gpt2_padded_labels_called_with_keywords(runs: dict) -> None:
 
     _, batch = build("gpt2", dropout=False, layers=1)
     assert (batch["labels"] == -100).any()
-    halves = [(batch["labels"][i * 2:(i + 1) * 2] != -100).sum().item() for i in range(2)]
+    halves = [(batch["labels"][i * 2 : (i + 1) * 2] != -100).sum().item() for i in range(2)]
     assert halves[0] != halves[1]  # the micro-batches count different numbers of targets
     got, plan = case_result(runs, "hf-gpt2")
     assert plan.microbatches == 2
@@ -98,8 +103,9 @@ def test_hf_gpt2_padded_labels_called_with_keywords(runs: dict) -> None:
 
 def _gloo_worker(rank: int, world: int, k: int) -> dict:
     make, inputs_fn = MODELS["gpt"]
-    return train_sharded(make, _padded_gpt_inputs(), (world,), ("dp",), lr=LR, microbatches=k, backend="eager",
-                         constraints=DP)
+    return train_sharded(
+        make, _padded_gpt_inputs(), (world,), ("dp",), lr=LR, microbatches=k, backend="eager", constraints=DP
+    )
 
 
 def test_gloo_gpt_padded_targets_weighted_by_count() -> None:
@@ -116,7 +122,7 @@ def test_gloo_gpt_padded_targets_weighted_by_count() -> None:
     # a plain average of the two micro-batches' losses is not the whole batch's: the weighting mattered
     model = MODELS["gpt"][0]()
     with torch.no_grad():
-        halves = [model(inputs[0][i * 4:(i + 1) * 4], inputs[1][i * 4:(i + 1) * 4]).item() for i in range(2)]
+        halves = [model(inputs[0][i * 4 : (i + 1) * 4], inputs[1][i * 4 : (i + 1) * 4]).item() for i in range(2)]
     assert abs(sum(halves) / 2 - ref.losses[0]) > 1e-3
 
 
@@ -195,8 +201,9 @@ def test_planner_accumulates_when_the_whole_batch_does_not_fit(caplog: pytest.Lo
         budget = _tight_budget(init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)))
     ref = single_device_reference(_make_mlp, inputs, steps=3, lr=LR)
     with local_ranks(2), caplog.at_level("INFO", logger="autoshard.search.accumulate"):
-        got = train_sharded(_make_mlp, inputs, (2,), ("dp",), lr=LR, backend="eager", memory_budget=budget,
-                            constraints=DP)
+        got = train_sharded(
+            _make_mlp, inputs, (2,), ("dp",), lr=LR, backend="eager", memory_budget=budget, constraints=DP
+        )
     plan = Plan.from_json(got["plan"])
     assert plan.microbatches > 1
     assert plan.peak_memory.total <= budget
@@ -206,8 +213,17 @@ def test_planner_accumulates_when_the_whole_batch_does_not_fit(caplog: pytest.Lo
 
 def _gloo_budget_worker(rank: int, world: int, arg: None) -> dict:
     budget = _tight_budget(init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
-    got = train_sharded(_make_mlp, _big_batch(2048), (world,), ("dp",), steps=1, lr=LR, backend="eager",
-                        memory_budget=budget, constraints=DP)
+    got = train_sharded(
+        _make_mlp,
+        _big_batch(2048),
+        (world,),
+        ("dp",),
+        steps=1,
+        lr=LR,
+        backend="eager",
+        memory_budget=budget,
+        constraints=DP,
+    )
     return {**got, "budget": budget}
 
 
@@ -227,7 +243,9 @@ def test_no_micro_batch_fits_names_the_smallest_budget() -> None:
     make, inputs_fn = MODELS["mlp"]
     with local_ranks(2):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-        with pytest.raises(InfeasibleBudget, match=r"micro-batches tried: 2: .*; 4: .*smallest budget any plan needs") as e:
+        with pytest.raises(
+            InfeasibleBudget, match=r"micro-batches tried: 2: .*; 4: .*smallest budget any plan needs"
+        ) as e:
             autoshard.compile(make(), mesh, inputs_fn(), memory_budget=1, constraints=DP, backend="eager")
     assert e.value.least_bytes and e.value.least_bytes > 1
 
@@ -235,8 +253,9 @@ def test_no_micro_batch_fits_names_the_smallest_budget() -> None:
 def _batch_norm_mlp() -> torch.nn.Module:
     """A stock model whose training step mixes its samples: BatchNorm normalizes by the batch's statistics."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(),
-                               torch.nn.Linear(64, 32), _MSE())
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(), torch.nn.Linear(64, 32), _MSE()
+    )
 
 
 class _MSE(torch.nn.Module):

@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import (
+    assert_close_to_reference,
+    case_result,
+    local_ranks,
+    run_two_at_a_time,
+    selected_cases,
+    single_device_reference,
+)
+from numerics_utils import LR, PARAM_ATOL, train_sharded
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
-
-from harness import (assert_close_to_reference, case_result, local_ranks, run_two_at_a_time, selected_cases,
-                     single_device_reference)
-from numerics_utils import LR, PARAM_ATOL, train_sharded
 
 pytest.importorskip("transformers")
 
@@ -32,8 +37,20 @@ def _make(name: str):
 # no process group, each child simulates its 4 ranks with LocalTensorMode), and each test checks its own case.
 SOLVED_LLAMA = "solved-llama"
 MIXTRAL_EP = "mixtral-ep"
-COST = {MIXTRAL_EP: 4.0, "t5": 12, "gemma": 7.6, "bert": 7.2, "mixtral": 6.5, "mistral": 5.9, "qwen2": 5.5, "llama": 5.0,
-        "phi3": 4.4, "vit": 4.4, SOLVED_LLAMA: 4.0, "gpt2": 3.9}  # seconds on the idle 2-core machine, one thread
+COST = {
+    MIXTRAL_EP: 4.0,
+    "t5": 12,
+    "gemma": 7.6,
+    "bert": 7.2,
+    "mixtral": 6.5,
+    "mistral": 5.9,
+    "qwen2": 5.5,
+    "llama": 5.0,
+    "phi3": 4.4,
+    "vit": 4.4,
+    SOLVED_LLAMA: 4.0,
+    "gpt2": 3.9,
+}  # seconds on the idle 2-core machine, one thread
 
 
 def _run_case(case: str) -> tuple:
@@ -60,11 +77,15 @@ def _run_case(case: str) -> tuple:
 def runs(request: pytest.FixtureRequest) -> dict[str, dict]:
     """Every case this session selected (``-k`` aware), two at a time."""
     cases = selected_cases(request, "test_stock_model_trains_like_one_device", "name")
-    if any(item.module is request.module and item.originalname == "test_solved_plan_on_a_padded_llama_batch"
-           for item in request.session.items):
+    if any(
+        item.module is request.module and item.originalname == "test_solved_plan_on_a_padded_llama_batch"
+        for item in request.session.items
+    ):
         cases.append(SOLVED_LLAMA)
-    if any(item.module is request.module and item.originalname == "test_stock_mixtral_with_experts_sharded"
-           for item in request.session.items):
+    if any(
+        item.module is request.module and item.originalname == "test_stock_mixtral_with_experts_sharded"
+        for item in request.session.items
+    ):
         cases.append(MIXTRAL_EP)
     return run_two_at_a_time(_run_case, cases, cost=COST)
 
@@ -125,7 +146,9 @@ def test_model_output_without_a_loss_says_what_to_pass() -> None:
     del batch["labels"]
     with local_ranks(2):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-        with pytest.raises(ValueError, match=r"CausalLMOutputWithCrossAttentions whose loss is None.*labels=.*loss_fn="):
+        with pytest.raises(
+            ValueError, match=r"CausalLMOutputWithCrossAttentions whose loss is None.*labels=.*loss_fn="
+        ):
             autoshard.plan(model, mesh, batch)
 
 

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from harness import torchrun_example
 
 pytest.importorskip("accelerate")
@@ -24,12 +23,26 @@ SCRIPT = ROOT / "examples" / "accelerate_train.py"
 def _losses(text: str) -> list[float]:
     lines = [ln for ln in text.splitlines() if ln.startswith("losses ")]
     assert lines, text[-4000:]
-    return json.loads(lines[-1][len("losses "):])
+    return json.loads(lines[-1][len("losses ") :])
 
 
 def _accelerate_launch(*args: str) -> list[float]:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(SCRIPT),
+        *args,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]

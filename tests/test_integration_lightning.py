@@ -88,8 +88,9 @@ def test_trainer_with_autoshard_equals_its_ddp_run(sharded: tuple[Path, Run], dd
 
 def test_checkpoint_resumes_where_it_stopped(sharded: tuple[Path, Run]) -> None:
     ckpt, first = sharded
-    assert (ckpt / "step=5.ckpt" / ".metadata").is_file() and (ckpt / "step=5.ckpt" / "meta.pt").is_file(), \
-        first.text[-3000:]
+    assert (ckpt / "step=5.ckpt" / ".metadata").is_file() and (ckpt / "step=5.ckpt" / "meta.pt").is_file(), first.text[
+        -3000:
+    ]
     shutil.rmtree(ckpt / "step=10.ckpt")  # as if the job had stopped after its step-5 checkpoint
     resumed = _launch("--ckpt", str(ckpt), "--ckpt-every", "5", "--resume")
     assert "resuming from" in resumed.text and "step=5.ckpt" in resumed.text, resumed.text[-3000:]
@@ -97,8 +98,10 @@ def test_checkpoint_resumes_where_it_stopped(sharded: tuple[Path, Run]) -> None:
     # the sanity check after step 5 and step 5 check the restored weights, the next steps AdamW's restored moments
     # and step count
     worst = max(_max_relative(resumed.losses, first.losses), _max_relative(resumed.validation, first.validation))
-    assert worst <= 1e-6, (f"resumed {resumed.losses} {resumed.validation} != uninterrupted {first.losses} "
-                           f"{first.validation} (max relative {worst:.2e})")
+    assert worst <= 1e-6, (
+        f"resumed {resumed.losses} {resumed.validation} != uninterrupted {first.losses} "
+        f"{first.validation} (max relative {worst:.2e})"
+    )
     assert (ckpt / "step=10.ckpt" / ".metadata").is_file(), resumed.text[-3000:]
 
 
@@ -110,7 +113,7 @@ def test_fabric_with_autoshard_parallelize_fn_equals_ddp(ddp: Run) -> None:
     assert worst <= RTOL, f"max relative difference {worst:.2e} from DDP:\n fabric {run.losses}\n ddp {ddp.losses}"
 
 
-REFUSALS = r'''
+REFUSALS = r"""
 import json, sys
 import torch
 from torch import nn
@@ -181,7 +184,7 @@ for name, case in cases.items():
     except BaseException as e:  # reported by the test, naming the case
         out[name] = f"{type(e).__name__}: {e}"
 json.dump(out, open(sys.argv[1], "w"))
-'''
+"""
 
 EXPECTED = {  # case -> words its message must hold: the option, and the fix
     "precision": ("precision='16-true'", "'32-true'", "'bf16-mixed'"),
@@ -200,8 +203,14 @@ def test_what_autoshard_cannot_honour_is_refused_before_the_first_step(tmp_path:
     script.write_text(REFUSALS)
     bogus.write_text("not a checkpoint")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    run = subprocess.run([sys.executable, str(script), str(result), str(bogus)], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=180)
+    run = subprocess.run(
+        [sys.executable, str(script), str(result), str(bogus)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert run.returncode == 0 and result.is_file(), run.stdout[-2000:] + run.stderr[-4000:]
     got = json.loads(result.read_text())
     for case, words in EXPECTED.items():

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from harness import torchrun_example
 
 pytest.importorskip("transformers")
@@ -25,15 +24,19 @@ def _history(args: list[str], nproc: int = 2, timeout: float = 600) -> list[dict
     text, out, _ = torchrun_example(SCRIPT, nproc, args, timeout=timeout)
     lines = [ln for ln in out.splitlines() if ln.startswith("history ")]
     assert lines, text[-4000:]
-    return json.loads(lines[-1][len("history "):])
+    return json.loads(lines[-1][len("history ") :])
 
 
 def _series(history: list[dict[str, Any]], key: str) -> dict[int, float]:
     return {h["step"]: h[key] for h in history if key in h}
 
 
-def _assert_same_run(got: list[dict[str, Any]], want: list[dict[str, Any]], rel: float = 1e-4,
-                     keys: tuple[str, ...] = ("loss", "grad_norm", "eval_loss")) -> None:
+def _assert_same_run(
+    got: list[dict[str, Any]],
+    want: list[dict[str, Any]],
+    rel: float = 1e-4,
+    keys: tuple[str, ...] = ("loss", "grad_norm", "eval_loss"),
+) -> None:
     for key in keys:
         a, b = _series(got, key), _series(want, key)
         assert a.keys() == b.keys(), (key, a, b)
@@ -47,15 +50,29 @@ def reference() -> list[dict[str, Any]]:
     return _history(["--reference", "--steps", "12", "--grad-accum", "2", "--eval-steps", "6"])
 
 
-def test_trainer_trains_the_solved_plan_as_its_ddp_run_and_checkpoints_by_rank(reference: list[dict[str, Any]],
-                                                                                 tmp_path: Path) -> None:
+def test_trainer_trains_the_solved_plan_as_its_ddp_run_and_checkpoints_by_rank(
+    reference: list[dict[str, Any]], tmp_path: Path
+) -> None:
     """Default TrainingArguments (columns pruned by the model's signature, no DDP around the module,
     num_items_in_batch, max_grad_norm=1.0, linear decay, weight decay) with accumulation and evaluation: the
     same losses, gradient norms and eval losses as DDP. Checkpoints every 6 steps hold a from_pretrained folder
     and the shards; resuming from step 6 on ONE rank gives steps 7..12 again."""
     out = tmp_path / "run"
-    got = _history(["--steps", "12", "--grad-accum", "2", "--eval-steps", "6", "--out", str(out), "--save-steps", "6",
-                    "--save-model"])
+    got = _history(
+        [
+            "--steps",
+            "12",
+            "--grad-accum",
+            "2",
+            "--eval-steps",
+            "6",
+            "--out",
+            str(out),
+            "--save-steps",
+            "6",
+            "--save-model",
+        ]
+    )
     _assert_same_run(got, reference)
     assert len(_series(got, "loss")) == 12 and len(_series(got, "eval_loss")) == 2
     ck = out / "checkpoint-6"
@@ -68,8 +85,21 @@ def test_trainer_trains_the_solved_plan_as_its_ddp_run_and_checkpoints_by_rank(r
     final = LlamaForCausalLM.from_pretrained(out / "final")
     assert sum(p.numel() for p in final.parameters()) > 0 and all(torch.isfinite(p).all() for p in final.parameters())
 
-    resumed = _history(["--steps", "12", "--grad-accum", "2", "--eval-steps", "6", "--out", str(tmp_path / "again"),
-                        "--resume", str(ck)], nproc=1)
+    resumed = _history(
+        [
+            "--steps",
+            "12",
+            "--grad-accum",
+            "2",
+            "--eval-steps",
+            "6",
+            "--out",
+            str(tmp_path / "again"),
+            "--resume",
+            str(ck),
+        ],
+        nproc=1,
+    )
     later = {s: v for s, v in _series(resumed, "loss").items() if s > 6}
     assert later.keys() == {7, 8, 9, 10, 11, 12}
     for step, value in later.items():
@@ -79,8 +109,11 @@ def test_trainer_trains_the_solved_plan_as_its_ddp_run_and_checkpoints_by_rank(r
 def test_trainer_fsdp_tp_on_a_2x2_mesh_as_its_ddp_run(reference: list[dict[str, Any]]) -> None:
     """fsdp+tp on (dp=2, tp=2): the Trainer gives each of the 4 processes its own rows, which autoshard takes as
     the global batch over both axes (four ranks on two cores: slow, and timed nowhere)."""
-    got = _history(["--steps", "12", "--grad-accum", "2", "--eval-steps", "6", "--mesh", "2x2", "--recipe",
-                    "fsdp+tp"], nproc=4, timeout=600)
+    got = _history(
+        ["--steps", "12", "--grad-accum", "2", "--eval-steps", "6", "--mesh", "2x2", "--recipe", "fsdp+tp"],
+        nproc=4,
+        timeout=600,
+    )
     _assert_same_run(got, reference)
 
 

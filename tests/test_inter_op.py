@@ -27,9 +27,21 @@ def _brute(layers, head, tail, stages, budget, b, schedule="1F1B"):
         worst = 0.0
         ok = True
         for k, (i, j) in enumerate(bounds):
-            t = sum(c.time_s for c in layers[i:j]) + (head.time_s if k == 0 else 0) + (tail.time_s if k == stages - 1 else 0)
-            st = sum(c.state_bytes for c in layers[i:j]) + (head.state_bytes if k == 0 else 0) + (tail.state_bytes if k == stages - 1 else 0)
-            act = sum(c.act_bytes for c in layers[i:j]) + (head.act_bytes if k == 0 else 0) + (tail.act_bytes if k == stages - 1 else 0)
+            t = (
+                sum(c.time_s for c in layers[i:j])
+                + (head.time_s if k == 0 else 0)
+                + (tail.time_s if k == stages - 1 else 0)
+            )
+            st = (
+                sum(c.state_bytes for c in layers[i:j])
+                + (head.state_bytes if k == 0 else 0)
+                + (tail.state_bytes if k == stages - 1 else 0)
+            )
+            act = (
+                sum(c.act_bytes for c in layers[i:j])
+                + (head.act_bytes if k == 0 else 0)
+                + (tail.act_bytes if k == stages - 1 else 0)
+            )
             if budget is not None and st + in_flight(schedule, k, stages, b, 1) * act > budget:
                 ok = False
             worst = max(worst, t)
@@ -43,7 +55,9 @@ def test_split_minimizes_the_slowest_stage_like_brute_force(seed):
     import random
 
     rng = random.Random(seed)
-    layers = [PieceCost(rng.uniform(1, 3), state_bytes=rng.randint(5, 20), act_bytes=rng.randint(1, 4)) for _ in range(9)]
+    layers = [
+        PieceCost(rng.uniform(1, 3), state_bytes=rng.randint(5, 20), act_bytes=rng.randint(1, 4)) for _ in range(9)
+    ]
     head, tail = PieceCost(2.0, state_bytes=30, act_bytes=2), PieceCost(4.0, state_bytes=30, act_bytes=1)
     budget = rng.choice([None, 90, 120])
     got = split_layers(layers, head, tail, stages=3, microbatches=6, memory_budget=budget)
@@ -93,7 +107,9 @@ def test_memory_decides_between_gpipe_and_1f1b():
     head = tail = PieceCost(0.0)
     free = best_split(layers, head, tail, stages=2, microbatches=8, schedules=("GPipe", "1F1B"))
     assert free.schedule == "GPipe"  # equal time: the first listed wins the tie
-    tight = best_split(layers, head, tail, stages=2, microbatches=8, memory_budget=40 + 2 * 40 + 5, schedules=("GPipe", "1F1B"))
+    tight = best_split(
+        layers, head, tail, stages=2, microbatches=8, memory_budget=40 + 2 * 40 + 5, schedules=("GPipe", "1F1B")
+    )
     assert tight.schedule == "1F1B" and max(tight.stage_memory_bytes) <= 125
     assert best_split(layers, head, tail, stages=2, microbatches=8, memory_budget=50) is None
 
@@ -115,9 +131,9 @@ def test_piece_costs_add_up_to_the_plan(sample):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
+    from autoshard.cluster.meshes import fake_world
     from autoshard.cluster.presets import get_cluster
     from autoshard.config import PlanConfig
-    from autoshard.cluster.meshes import fake_world
     from autoshard.models.llama import Llama, LlamaConfig, llama_example_inputs
     from autoshard.pipeline.costs import piece_costs
     from autoshard.search.recompute import plan_graph
@@ -127,15 +143,22 @@ def test_piece_costs_add_up_to_the_plan(sample):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         with torch.device("meta"):
             model = Llama(cfg)
-        planned = plan_graph(model, llama_example_inputs(cfg, 8), mesh, get_cluster("h100-sxm:1x4"),
-                                   PlanConfig(sample_layers=sample, solve_recipes=False))
+        planned = plan_graph(
+            model,
+            llama_example_inputs(cfg, 8),
+            mesh,
+            get_cluster("h100-sxm:1x4"),
+            PlanConfig(sample_layers=sample, solve_recipes=False),
+        )
         plan, gm, ctx = planned.plan, planned.graph, planned.ctx
         head, layers, tail = piece_costs(gm, ctx)
     assert len(layers) == 6
     total = head.time_s + tail.time_s + sum(c.time_s + c.step_s for c in layers) + head.step_s + tail.step_s
     assert math.isclose(total, plan.step_time_s, rel_tol=1e-6), (total, plan.step_time_s)
     state = head.state_bytes + tail.state_bytes + sum(c.state_bytes for c in layers)
-    assert math.isclose(state, plan.peak_memory.parameters + plan.peak_memory.gradients + plan.peak_memory.optimizer, rel_tol=1e-6)
+    assert math.isclose(
+        state, plan.peak_memory.parameters + plan.peak_memory.gradients + plan.peak_memory.optimizer, rel_tol=1e-6
+    )
     assert head.time_s > 0 and tail.time_s > 0 and layers[2].time_s > 0
     assert layers[1] == layers[2]  # identical middle layers cost the same
     # recomputation's numbers: the forward is part of the time, and the layer input [8, 32, 64] fp32 is what a
@@ -159,8 +182,13 @@ def test_deep_narrow_model_on_a_slow_network_gets_balanced_stages():
     cfg = GPTConfig(n_layer=16, d_model=256, n_head=4, vocab=512, seq_len=128)
     with torch.device("meta"):
         model = GPT(cfg)
-    options = search_pipeline(model, gpt_example_inputs(cfg, 32), get_cluster("a100-80gb:4x8"),
-                              PlanConfig(sample_layers=3), microbatch_options=3)
+    options = search_pipeline(
+        model,
+        gpt_example_inputs(cfg, 32),
+        get_cluster("a100-80gb:4x8"),
+        PlanConfig(sample_layers=3),
+        microbatch_options=3,
+    )
     best = options[0]
     flat = next(o for o in options if o.stages == 1)
     assert best.stages > 1 and best.step_time_s < flat.step_time_s
@@ -252,7 +280,9 @@ def test_microbatch_counts_and_stage_start():
 
     cluster = get_cluster("a100-80gb:16x8")  # 8 x 80 GiB per node
     assert stage_start(Big(), cluster, PlanConfig(optimizer="adamw-mixed"), [1, 2, 4, 8, 16]) == 1
-    assert stage_start(Big(), cluster, PlanConfig(optimizer="adamw-mixed", memory_budget="10GiB"), [1, 2, 4, 8, 16]) == 2
+    assert (
+        stage_start(Big(), cluster, PlanConfig(optimizer="adamw-mixed", memory_budget="10GiB"), [1, 2, 4, 8, 16]) == 2
+    )
 
 
 def _small_gpt(batch: int = 16):
@@ -274,8 +304,9 @@ def test_a_fixed_tp_pp_dp_config_prices_megatrons_layout():
     model, inputs = _small_gpt()
     cluster, config = get_cluster("a100-80gb:4x8"), PlanConfig(sample_layers=2)
     again = evaluate_config(model, inputs, cluster, config, tp=8, pp=2, dp=2, microbatches=8, recompute=True)
-    plain = evaluate_config(model, inputs, cluster, config, tp=8, pp=2, dp=2, microbatches=8, schedule=again.split.schedule,
-                            recompute=False)
+    plain = evaluate_config(
+        model, inputs, cluster, config, tp=8, pp=2, dp=2, microbatches=8, schedule=again.split.schedule, recompute=False
+    )
     assert again.recipe == "tp" and again.submesh == (2, 8) and again.stages == again.split.stages == 2
     assert "dp=2 x tp=8" in again.layout and "attn.wq [R, S(0)]" in again.layout  # column-parallel on tp
     sizes = {j - i for i, j in again.split.layers}

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autoshard.testing.launch import launch
-from autoshard.errors import LaunchError
 from autoshard.cluster.meshes import fake_world
+from autoshard.errors import LaunchError
+from autoshard.testing.launch import launch
 
 
 def _sum_of_ranks(rank: int, world: int, arg: int) -> int:

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import local_ranks, single_device_reference
+from numerics_utils import LR
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 from autoshard.runtime.lazy import LazyShardedModule
-
-from harness import local_ranks, single_device_reference
-from numerics_utils import LR
 
 pytest.importorskip("transformers")
 

@@ -11,9 +11,9 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
+from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.testing.launch import launch
 from autoshard.testing.memory_probe import measure_peak
-from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 
 # benchmarks/memory_truth.py's GPT: big enough that the step's tensors, not allocator slack, make its peak
 CFG = GPTConfig(n_layer=2, d_model=256, n_head=4, vocab=2048, seq_len=128, mlp_ratio=4, bias=False)
@@ -35,14 +35,20 @@ def _worker(rank: int, world: int, kw: dict) -> tuple[int, int, int, str]:
     for _ in range(2):
         step()
     held = sum(getattr(t, "_local_tensor", t).nbytes for t in sharded.parameters()) + sum(  # (DTensor or plain)
-        getattr(v, "_local_tensor", v).nbytes for s in opt.state.values() for v in s.values()
-        if isinstance(v, torch.Tensor))
+        getattr(v, "_local_tensor", v).nbytes
+        for s in opt.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    )
     peak = measure_peak(step, attempts=1, baseline=lambda: held + sum(p.nbytes for p in pieces))
     return sharded.plan.peak_memory.total, peak.peak_bytes, sharded.plan.memory_budget_bytes, peak.method
 
 
-@pytest.mark.parametrize("kw", [{}, {"recipe": "zero2"}, {"recompute": ("layers",)}, {"memory_budget": "budget"}],
-                         ids=["solved", "zero2", "recompute", "budget"])
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"recipe": "zero2"}, {"recompute": ("layers",)}, {"memory_budget": "budget"}],
+    ids=["solved", "zero2", "recompute", "budget"],
+)
 def test_predicted_peak_within_10_percent_of_measured(kw):
     if kw.get("memory_budget") == "budget":  # about 90% of the free plan's predicted peak (64.5 MiB)
         kw = {"memory_budget": "58MiB"}

@@ -27,8 +27,9 @@ SMALL = 64  # AdamW's three float32 step counters, the scalar loss
 
 def _mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(D, D, bias=False), nn.ReLU(), nn.Linear(D, D, bias=False), nn.ReLU(),
-                         nn.Linear(D, D, bias=False))
+    return nn.Sequential(
+        nn.Linear(D, D, bias=False), nn.ReLU(), nn.Linear(D, D, bias=False), nn.ReLU(), nn.Linear(D, D, bias=False)
+    )
 
 
 def _trainer(model: nn.Module, fn: nn.Module | None = None):

@@ -35,8 +35,10 @@ def _peaks(mode: str) -> dict[str, int]:
     """``peaks_here`` run from a fresh interpreter at one ATen thread: a rank forked from the test process inherits
     its heap and reuses its free pages without growing its RSS, so its numbers would depend on what the process
     ran before (in the suite's worker, the whole build measured 199 MiB above its start; from a fresh one, 420)."""
-    code = (f"import json, sys, torch; torch.set_num_threads(1); sys.path.insert(0, {os.path.dirname(__file__)!r}); "
-            f"import test_meta_memory as t; print(json.dumps(t.peaks_here({mode!r})))")
+    code = (
+        f"import json, sys, torch; torch.set_num_threads(1); sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+        f"import test_meta_memory as t; print(json.dumps(t.peaks_here({mode!r})))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return {k: int(v) for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}

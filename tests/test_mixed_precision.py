@@ -14,21 +14,20 @@ from dataclasses import replace
 
 import pytest
 import torch
+from harness import assert_close_to_reference, single_device_reference
+from numerics_utils import LR, MODELS, train_sharded
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
-from autoshard.cluster.presets import get_cluster
-from autoshard.config import PlanConfig
-from autoshard.testing.launch import launch
 from autoshard.cluster.meshes import fake_world
-from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
+from autoshard.cluster.presets import get_cluster
 from autoshard.compiler.lower import trace_rank_program
+from autoshard.config import PlanConfig
+from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.plans.plan import Plan
-from autoshard.search.recompute import plan_graph
 from autoshard.plans.report import report
-
-from harness import assert_close_to_reference, single_device_reference
-from numerics_utils import LR, MODELS, train_sharded
+from autoshard.search.recompute import plan_graph
+from autoshard.testing.launch import launch
 
 BF16_RTOL, BF16_ATOL = 2e-2, 5e-4  # a few bf16 ulps (2^-8 relative) on gradients of magnitude ~1e-2
 # bf16 parameters: the backward itself runs in bf16, so a bias gradient (a sum over the batch's tokens) is rounded
@@ -50,8 +49,13 @@ def _saved_bytes(gm: torch.fx.GraphModule) -> dict[torch.dtype, int]:
     out: dict[torch.dtype, int] = {}
     for n in gm.graph.nodes:
         v = n.meta.get("val")
-        if (n.op == "call_function" and n.meta.get("autoshard_phase") == "forward" and isinstance(v, torch.Tensor)
-                and v.is_floating_point() and any(u.meta.get("autoshard_phase") == "backward" for u in n.users)):
+        if (
+            n.op == "call_function"
+            and n.meta.get("autoshard_phase") == "forward"
+            and isinstance(v, torch.Tensor)
+            and v.is_floating_point()
+            and any(u.meta.get("autoshard_phase") == "backward" for u in n.users)
+        ):
             out[v.dtype] = out.get(v.dtype, 0) + v.numel() * v.element_size()
     return out
 
@@ -106,12 +110,20 @@ def test_bf16_parameters_run_the_whole_step_in_bf16() -> None:
     assert high.get(torch.float32, 0) > 0.2 * sum(high.values())  # autocast's fp32 residual stream and softmax
     assert params.plan.peak_memory.parameters == auto.plan.peak_memory.parameters  # fp32 masters either way
     gm = params.graph
-    casts = [n for n in gm.graph.nodes if n.op == "call_function" and n.meta.get("autoshard_phase") == "forward"
-             and n.args and isinstance(n.args[0], torch.fx.Node) and n.args[0].op == "placeholder"
-             and n.args[0].meta["autoshard_role"].kind == "parameter"
-             and getattr(n.meta.get("val"), "dtype", None) == torch.bfloat16]
-    assert len(casts) == sum(1 for n in gm.graph.find_nodes(op="placeholder")
-                             if n.meta["autoshard_role"].kind == "parameter")
+    casts = [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and n.meta.get("autoshard_phase") == "forward"
+        and n.args
+        and isinstance(n.args[0], torch.fx.Node)
+        and n.args[0].op == "placeholder"
+        and n.args[0].meta["autoshard_role"].kind == "parameter"
+        and getattr(n.meta.get("val"), "dtype", None) == torch.bfloat16
+    ]
+    assert len(casts) == sum(
+        1 for n in gm.graph.find_nodes(op="placeholder") if n.meta["autoshard_role"].kind == "parameter"
+    )
     for c in casts:  # next to its first reader, in its module
         first = next(iter(c.users)) if len(c.users) == 1 else None
         assert c.next in c.users and c.meta["autoshard_module"] == c.next.meta["autoshard_module"]
@@ -135,13 +147,19 @@ def test_bf16_matmuls_are_costed_at_the_bf16_rate() -> None:
     with fake_world(8):
         mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
         fp32 = autoshard.plan(model, mesh, gpt_example_inputs(cfg, 32), cluster="h100-sxm", recipe="ddp")
-        mixed = autoshard.plan(model, mesh, gpt_example_inputs(cfg, 32), cluster="h100-sxm", recipe="ddp",
-                               mixed_precision="bf16")
+        mixed = autoshard.plan(
+            model, mesh, gpt_example_inputs(cfg, 32), cluster="h100-sxm", recipe="ddp", mixed_precision="bf16"
+        )
     assert mixed.stages[0].compute_s < 0.5 * fp32.stages[0].compute_s
 
 
-def _assert_params_close(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], most: float = 2.5,
-                         share: float = 0.01, grads: dict[str, torch.Tensor] | None = None) -> None:
+def _assert_params_close(
+    ref: dict[str, torch.Tensor],
+    got: dict[str, torch.Tensor],
+    most: float = 2.5,
+    share: float = 0.01,
+    grads: dict[str, torch.Tensor] | None = None,
+) -> None:
     """Parameters after the AdamW steps: AdamW turns a last-bit difference in a near-zero gradient element into
     an lr-sized step, so a few elements per tensor may be up to ``most`` lr apart; all but ``share`` of them must be
     within lr / 10. With ``grads`` (the reference's first-step gradients), elements whose gradient is below bf16's
@@ -154,25 +172,54 @@ def _assert_params_close(ref: dict[str, torch.Tensor], got: dict[str, torch.Tens
             diff = diff[g > g.max() * 2**-8]
         assert diff.max() <= most * LR, f"{name}: max abs diff {diff.max():.3e} > {most} lr"
         off = (diff > LR / 10).float().mean().item()
-        assert off <= max(share, 2 / want.numel()), f"{name}: {off:.1%} of elements more than lr / 10 from the reference"
+        assert off <= max(share, 2 / want.numel()), (
+            f"{name}: {off:.1%} of elements more than lr / 10 from the reference"
+        )
 
 
 def _worker(rank: int, world: int, arg: None) -> list[dict]:
     from autoshard.models.hf import build
 
     make, inputs_fn = MODELS["gpt"]
-    out = [train_sharded(make, inputs_fn(), (world,), ("dp",), lr=LR, backend="eager", recipe="fsdp",
-                         mixed_precision="bf16", precision_policy="autocast")]
+    out = [
+        train_sharded(
+            make,
+            inputs_fn(),
+            (world,),
+            ("dp",),
+            lr=LR,
+            backend="eager",
+            recipe="fsdp",
+            mixed_precision="bf16",
+            precision_policy="autocast",
+        )
+    ]
     _, batch = build("gpt2", dropout=False, layers=1)
     # a stock transformers model, the solved plan, gradients all-reduced in bf16
-    out.append(train_sharded(lambda: build("gpt2", dropout=False, layers=1)[0], batch, (world,), ("dp",), lr=LR,
-                             mixed_precision="bf16", reduce_dtype="bf16", backend="eager",
-                             precision_policy="autocast"))
+    out.append(
+        train_sharded(
+            lambda: build("gpt2", dropout=False, layers=1)[0],
+            batch,
+            (world,),
+            ("dp",),
+            lr=LR,
+            mixed_precision="bf16",
+            reduce_dtype="bf16",
+            backend="eager",
+            precision_policy="autocast",
+        )
+    )
     # the default policy (bf16 parameters): the zoo GPT under fsdp, and stock GPT-2 solved, under Inductor
-    out.append(train_sharded(make, inputs_fn(), (world,), ("dp",), lr=LR, backend="eager", recipe="fsdp",
-                             mixed_precision="bf16"))
-    out.append(train_sharded(lambda: build("gpt2", dropout=False, layers=1)[0], batch, (world,), ("dp",), lr=LR,
-                             mixed_precision="bf16"))
+    out.append(
+        train_sharded(
+            make, inputs_fn(), (world,), ("dp",), lr=LR, backend="eager", recipe="fsdp", mixed_precision="bf16"
+        )
+    )
+    out.append(
+        train_sharded(
+            lambda: build("gpt2", dropout=False, layers=1)[0], batch, (world,), ("dp",), lr=LR, mixed_precision="bf16"
+        )
+    )
     return out
 
 
@@ -185,11 +232,13 @@ def test_gloo_bf16_matches_single_device_autocast() -> None:
     ref = single_device_reference(make, inputs_fn(), steps=3, lr=LR, autocast=torch.bfloat16)
     ref32 = single_device_reference(make, inputs_fn(), steps=3, lr=LR)
     _, batch = build("gpt2", dropout=False, layers=1)
-    hf = single_device_reference(lambda: build("gpt2", dropout=False, layers=1)[0], batch, steps=3, lr=LR,
-                                 autocast=torch.bfloat16)
+    hf = single_device_reference(
+        lambda: build("gpt2", dropout=False, layers=1)[0], batch, steps=3, lr=LR, autocast=torch.bfloat16
+    )
     for got in results[0][:1]:
-        assert_close_to_reference(replace(ref, params={}), got["losses"], got["grads"], {}, rtol=BF16_RTOL,
-                                  atol=BF16_ATOL)
+        assert_close_to_reference(
+            replace(ref, params={}), got["losses"], got["grads"], {}, rtol=BF16_RTOL, atol=BF16_ATOL
+        )
         _assert_params_close(ref.params, got["params"])
         # the step ran in bf16: its first loss is the autocast run's, not the fp32 run's
         assert abs(got["losses"][0] - ref.losses[0]) < abs(ref32.losses[0] - ref.losses[0]) / 4
@@ -200,11 +249,13 @@ def test_gloo_bf16_matches_single_device_autocast() -> None:
     assert Plan.from_json(got["plan"]).mixed_precision == "bfloat16"
     # bf16 parameters: against one device running the same policy
     low = single_device_reference(make, inputs_fn(), steps=3, lr=LR, param_dtype=torch.bfloat16)
-    hf_low = single_device_reference(lambda: build("gpt2", dropout=False, layers=1)[0], batch, steps=3, lr=LR,
-                                     param_dtype=torch.bfloat16)
+    hf_low = single_device_reference(
+        lambda: build("gpt2", dropout=False, layers=1)[0], batch, steps=3, lr=LR, param_dtype=torch.bfloat16
+    )
     for got, want in ((results[0][2], low), (results[0][3], hf_low)):
-        assert_close_to_reference(replace(want, params={}), got["losses"], got["grads"], {}, rtol=BF16_RTOL,
-                                  atol=PARAMS_ATOL)
+        assert_close_to_reference(
+            replace(want, params={}), got["losses"], got["grads"], {}, rtol=BF16_RTOL, atol=PARAMS_ATOL
+        )
         # gradients computed in bf16 have more near-zero elements whose sign is rounding: AdamW moves each of
         # them by up to lr per step either way (3 steps: at most 6 lr apart)
         _assert_params_close(want.params, got["params"], most=6.0, share=0.02, grads=want.grads)
@@ -217,9 +268,17 @@ def test_gloo_bf16_matches_single_device_autocast() -> None:
 def _pipelined_worker(rank: int, world: int, arg: None) -> dict:
     from autoshard.models.hf import build
 
-    return train_sharded(lambda: build("llama", dropout=False, layers=4, batch=4)[0],
-                         build("llama", dropout=False, layers=4, batch=4)[1], (world,), ("pp",), lr=LR,
-                         backend="eager", mixed_precision="bf16", schedule="1F1B", microbatches=2)
+    return train_sharded(
+        lambda: build("llama", dropout=False, layers=4, batch=4)[0],
+        build("llama", dropout=False, layers=4, batch=4)[1],
+        (world,),
+        ("pp",),
+        lr=LR,
+        backend="eager",
+        mixed_precision="bf16",
+        schedule="1F1B",
+        microbatches=2,
+    )
 
 
 def test_pipeline_stages_run_bf16_parameters() -> None:
@@ -230,9 +289,13 @@ def test_pipeline_stages_run_bf16_parameters() -> None:
     from autoshard.models.hf import build
 
     results = launch(2, _pipelined_worker, None)
-    ref = single_device_reference(lambda: build("llama", dropout=False, layers=4, batch=4)[0],
-                                  build("llama", dropout=False, layers=4, batch=4)[1], steps=3, lr=LR,
-                                  param_dtype=torch.bfloat16)
+    ref = single_device_reference(
+        lambda: build("llama", dropout=False, layers=4, batch=4)[0],
+        build("llama", dropout=False, layers=4, batch=4)[1],
+        steps=3,
+        lr=LR,
+        param_dtype=torch.bfloat16,
+    )
     held = set()
     for got in results:
         names = set(got["grads"])

@@ -22,14 +22,28 @@ transformers = pytest.importorskip("transformers")
 
 def _llama() -> torch.nn.Module:
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2))
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
 
 
 def _args(**kw: object) -> SimpleNamespace:
-    base = dict(deepspeed=None, fsdp="", fp16=False, bf16=False, load_best_model_at_end=False,
-                parallelism_config=None, torch_compile=False)
+    base = dict(
+        deepspeed=None,
+        fsdp="",
+        fp16=False,
+        bf16=False,
+        load_best_model_at_end=False,
+        parallelism_config=None,
+        torch_compile=False,
+    )
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -64,8 +78,12 @@ def test_trainer_options_autoshard_cannot_honour_are_refused_by_name() -> None:
 
     with fake_world(2):
         sharded = autoshard.compile(_llama(), init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)))
-        for name, value in (("deepspeed", "ds.json"), ("fsdp", "full_shard"), ("fp16", True),
-                            ("load_best_model_at_end", True)):
+        for name, value in (
+            ("deepspeed", "ds.json"),
+            ("fsdp", "full_shard"),
+            ("fp16", True),
+            ("load_best_model_at_end", True),
+        ):
             with pytest.raises(InputError, match=f"TrainingArguments\\({name}="):
                 check_arguments(_args(**{name: value}), sharded)
         check_arguments(_args(bf16=True), sharded)

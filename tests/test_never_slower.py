@@ -58,7 +58,8 @@ def _check(plan: autoshard.Plan, alone_of, budget: int) -> int:
         if not fits:
             continue
         assert plan.step_time_s <= alone.step_time_s * (1 + 1e-9), (
-            f"the plan ({plan.step_time_s:.6g} s) is slower than {row.name} alone ({alone.step_time_s:.6g} s)")
+            f"the plan ({plan.step_time_s:.6g} s) is slower than {row.name} alone ({alone.step_time_s:.6g} s)"
+        )
         assert row.step_time_s == pytest.approx(alone.step_time_s, rel=1e-6), row
         assert row.microbatches == alone.microbatches and bool(row.recompute) == bool(alone.recompute_layers), row
         bound += bool(row.recompute) or row.microbatches > 1
@@ -81,8 +82,7 @@ def test_plan_never_slower_than_a_recipe_planned_alone(shape, names, shares):
             except InfeasibleBudget:
                 continue
             assert plan.peak_memory.total <= budget
-            bound += _check(plan, lambda r: autoshard.plan(model, mesh, inputs, memory_budget=budget, recipe=r),
-                            budget)
+            bound += _check(plan, lambda r: autoshard.plan(model, mesh, inputs, memory_budget=budget, recipe=r), budget)
     assert bound, "no recipe needed recomputation or micro-batches: the cases were not memory-bound"
 
 
@@ -99,8 +99,11 @@ def test_pipelined_plan_never_slower_than_the_recipes():
     flat_rows = [r for r in plan.recipes if r.applies and r.fits and r.name not in ("pp+tp+dp", "no stages")]
     assert flat_rows
     assert all(plan.step_time_s <= r.step_time_s * (1 + 1e-9) for r in plan.recipes if r.applies and r.fits)
-    _check(dataclass_without_pipeline_rows(plan), lambda r: autoshard.plan(model, **kw, memory_budget=budget, recipe=r),
-           budget)
+    _check(
+        dataclass_without_pipeline_rows(plan),
+        lambda r: autoshard.plan(model, **kw, memory_budget=budget, recipe=r),
+        budget,
+    )
 
 
 def dataclass_without_pipeline_rows(plan: autoshard.Plan) -> autoshard.Plan:
@@ -125,8 +128,11 @@ def test_each_alone_in_side_processes_as_here_and_the_micro_batch_floor():
     names = ["fsdp", "tp", "cp"]
     here, forked = each_alone(names, one, parallel=False), each_alone(names, one, parallel=True)
     assert list(here) == list(forked) == names
-    assert [here[n].plan for n in ("fsdp", "cp")] == [forked[n].plan for n in ("fsdp", "cp")] == [
-        "plan of fsdp", "plan of cp"]
+    assert (
+        [here[n].plan for n in ("fsdp", "cp")]
+        == [forked[n].plan for n in ("fsdp", "cp")]
+        == ["plan of fsdp", "plan of cp"]
+    )
     assert here["fsdp"].found is not None  # (a side process sends its Plan only: one core runs them here)
     assert (forked["fsdp"].found is None) == ((os.cpu_count() or 1) > 1)
     assert str(forked["tp"]) == str(here["tp"]) == "no tp fits" and forked["tp"].least_bytes == 123
@@ -141,11 +147,11 @@ def test_each_alone_in_side_processes_as_here_and_the_micro_batch_floor():
 def test_step_floor_is_below_every_plans_peak_and_rules_out_what_cannot_fit():
     """``solve_memory.step_floor``: no plan of the program (any recipe's pins, any micro-batch count) peaks below it,
     and a budget under it is refused without planning a micro-batch count."""
+    from autoshard.cluster.presets import get_cluster
     from autoshard.compiler.solve_memory import step_floor
     from autoshard.compiler.solve_recipes import recipe_pins
-    from autoshard.search.recompute import plan_graph
-    from autoshard.cluster.presets import get_cluster
     from autoshard.config import PlanConfig
+    from autoshard.search.recompute import plan_graph
 
     with torch.device("meta"):
         model = _Stack()
@@ -179,6 +185,14 @@ def test_micro_batches_instead_of_recomputation_where_faster():
     # the floor that decides whether a count is planned (search/accumulate.py): the unbudgeted plan of 2, which
     # the budgeted one may undercut only within the slack (its step is the plan's count, not the objective)
     from autoshard.search.accumulate import FLOOR_SLACK
-    free = autoshard.plan("gpt2-124m", cluster="h100-sxm:1x8", seq=1024, global_batch=64, memory_budget="none",
-                          microbatches=2, solve_recipes=False)
+
+    free = autoshard.plan(
+        "gpt2-124m",
+        cluster="h100-sxm:1x8",
+        seq=1024,
+        global_batch=64,
+        memory_budget="none",
+        microbatches=2,
+        solve_recipes=False,
+    )
     assert free.solver.bound_s * 2 * (1 - FLOOR_SLACK) <= plan.step_time_s <= whole.step_time_s

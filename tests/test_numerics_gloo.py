@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.distributed.tensor import Shard
-
-from autoshard.testing.launch import launch
-from autoshard.models.mlp import mlp_example_inputs
 from harness import assert_close_to_reference, local_ranks, single_device_reference
 from numerics_utils import LR, MODELS, PARAM_ATOL, make_mlp, train_sharded
+from torch.distributed.tensor import Shard
+
+from autoshard.models.mlp import mlp_example_inputs
+from autoshard.testing.launch import launch
+
 
 def _hf(name: str) -> tuple:
     """A stock ``transformers`` model of ``autoshard.models.hf.TINY`` as (make model, make batch)."""
@@ -53,7 +54,12 @@ BATCH = {"inputs": {"dp": Shard(0)}}
     [
         ("mlp", (2,), ("dp",), {"constraints": BATCH, "backend": "eager"}),
         ("gpt", (4,), ("dp",), {"constraints": BATCH, "backend": "eager", "memory_budget": "900KiB"}),
-        ("gpt", (2, 2), ("dp", "tp"), {"constraints": {"inputs": "[S(0), R]"}, "cluster": "h100-sxm", "backend": "eager"}),
+        (
+            "gpt",
+            (2, 2),
+            ("dp", "tp"),
+            {"constraints": {"inputs": "[S(0), R]"}, "cluster": "h100-sxm", "backend": "eager"},
+        ),
         ("gpt", (2, 2), ("dp", "tp"), {"recipe": "fsdp", "backend": "eager"}),  # [S(0), S(0)] gathered in groups
         ("gpt", (2,), ("dp",), {"recipe": "zero1", "backend": "eager"}),  # all-reduce, step a shard, gather back
         ("moe", (2,), ("dp",), {"recipe": "ep", "backend": "eager"}),  # experts sharded, tokens all-to-all'd
@@ -66,9 +72,18 @@ BATCH = {"inputs": {"dp": Shard(0)}}
         # a GroupNorm weight gathered in its layer's group from one element a rank: contiguous for native_group_norm
         ("groupnorm", (4,), ("dp",), {"recipe": "fsdp", "backend": "eager"}),
     ],
-    ids=["mlp-dp2-eager", "gpt-dp4-fsdp-eager", "gpt-2x2-tp-eager", "gpt-2x2-fsdp-eager", "gpt-dp2-zero1-eager",
-         "moe-dp2-ep-eager", "llama-cp2-eager", "gpt-vocab-tp2-eager", "hf-mixtral-dp2-ep-eager",
-         "groupnorm-dp4-fsdp-eager"],
+    ids=[
+        "mlp-dp2-eager",
+        "gpt-dp4-fsdp-eager",
+        "gpt-2x2-tp-eager",
+        "gpt-2x2-fsdp-eager",
+        "gpt-dp2-zero1-eager",
+        "moe-dp2-ep-eager",
+        "llama-cp2-eager",
+        "gpt-vocab-tp2-eager",
+        "hf-mixtral-dp2-ep-eager",
+        "groupnorm-dp4-fsdp-eager",
+    ],
 )
 def test_gloo_eager(name, shape, names, kw):
     results = _run(name, shape, names, **kw)
@@ -168,8 +183,9 @@ def test_gloo_after_local_tensor_mode_in_the_parent():
 def _one_device_attention(rank: int, world: int, arg: object) -> tuple:
     import logging
 
-    import autoshard
     from torch.distributed.device_mesh import init_device_mesh
+
+    import autoshard
     from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 
     said: list[str] = []
@@ -192,8 +208,9 @@ def _one_device_attention(rank: int, world: int, arg: object) -> tuple:
     loss = sharded(*sharded.shard_inputs(ids, tgt))
     loss.backward()
     grads = {n: p.grad.full_tensor() for n, p in sharded.named_parameters()}
-    worst = max(float((grads[n] - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-12))
-                for n, p in ref.named_parameters())
+    worst = max(
+        float((grads[n] - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-12)) for n, p in ref.named_parameters()
+    )
     return on_seq, [m for m in said if "unbalanced" in m], float(loss), float(ref_loss), worst
 
 
@@ -202,7 +219,7 @@ def test_one_device_mesh_runs_attention_planned_on_its_sequence_whole():
     alike there); nothing is split, so the kernel runs whole: no causal load balance (the CUDA kernels refused it:
     ``benchmarks/gpu_single.py`` on an H200, 2026-11-27) and no unbalanced fallback, and the step equals one
     device's."""
-    (on_seq, unbalanced, loss, ref_loss, worst), = launch(1, _one_device_attention)
+    ((on_seq, unbalanced, loss, ref_loss, worst),) = launch(1, _one_device_attention)
     assert on_seq  # the case: attention's queries planned on the sequence of the mesh's size-1 axis
     assert not unbalanced, unbalanced
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)

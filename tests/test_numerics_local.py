@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import assert_close_to_reference, case_result, local_ranks, run_two_at_a_time, single_device_reference
+from numerics_utils import LR, MODELS, PARAM_ATOL, train_sharded
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 import autoshard
-
-from harness import (assert_close_to_reference, case_result, local_ranks, run_two_at_a_time,
-                     single_device_reference)
-from numerics_utils import LR, MODELS, PARAM_ATOL, train_sharded
-
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 
 # long enough (1024 tokens, d 512) that an H100 plan splits attention heads over tp and moves the attention output
@@ -43,13 +40,16 @@ CASES = {
     "groupnorm-4-zero1": ("groupnorm", (4,), ("dp",), {"recipe": "zero1"}),
     "groupnorm-4-zero2": ("groupnorm", (4,), ("dp",), {"recipe": "zero2"}),
 }
-USES = {"test_mesh_2x4_batch_on_dp": ("mlp-2x4", "gpt-2x4"), "test_mesh_2x2_zero2_state_sharded_over_both_axes":
-        ("gpt-2x2-zero2",), "test_mesh_8_gpt_fsdp_like_budget": ("gpt-8-budget",),
-        "test_sequence_sharded_residual_trains_like_one_device": ("gpt-seq-4",),
-        "test_expert_parallel_moe_trains_like_one_device": ("moe-ep-4",),
-        "test_context_parallel_causal_attention_trains_like_one_device": ("llama-cp-4",),
-        "test_vocabulary_parallel_loss_trains_like_one_device": ("gpt-vocab-4",),
-        "test_groupnorm_with_zero_state_trains_like_one_device": ("groupnorm-4-zero1", "groupnorm-4-zero2")}
+USES = {
+    "test_mesh_2x4_batch_on_dp": ("mlp-2x4", "gpt-2x4"),
+    "test_mesh_2x2_zero2_state_sharded_over_both_axes": ("gpt-2x2-zero2",),
+    "test_mesh_8_gpt_fsdp_like_budget": ("gpt-8-budget",),
+    "test_sequence_sharded_residual_trains_like_one_device": ("gpt-seq-4",),
+    "test_expert_parallel_moe_trains_like_one_device": ("moe-ep-4",),
+    "test_context_parallel_causal_attention_trains_like_one_device": ("llama-cp-4",),
+    "test_vocabulary_parallel_loss_trains_like_one_device": ("gpt-vocab-4",),
+    "test_groupnorm_with_zero_state_trains_like_one_device": ("groupnorm-4-zero1", "groupnorm-4-zero2"),
+}
 
 
 def _train(case: str) -> tuple:
@@ -68,9 +68,12 @@ def _train(case: str) -> tuple:
 @pytest.fixture(scope="module")
 def runs(request: pytest.FixtureRequest) -> dict:
     """The selected tests' cases, two at a time in forked processes (LocalTensorMode is single-threaded work)."""
-    wanted = [c for item in request.session.items if item.module is request.module
-              for c in USES.get(item.originalname, ())]
-    return run_two_at_a_time(_train, wanted, cost={"gpt-2x4": 4, "gpt-2x2-zero2": 3, "gpt-8-budget": 3, "llama-cp-4": 7, "gpt-vocab-4": 3})
+    wanted = [
+        c for item in request.session.items if item.module is request.module for c in USES.get(item.originalname, ())
+    ]
+    return run_two_at_a_time(
+        _train, wanted, cost={"gpt-2x4": 4, "gpt-2x2-zero2": 3, "gpt-8-budget": 3, "llama-cp-4": 7, "gpt-vocab-4": 3}
+    )
 
 
 def _check(runs: dict, case: str) -> dict:
@@ -130,8 +133,10 @@ def test_expert_parallel_moe_trains_like_one_device(runs):
     experts = {k: v for k, v in plan.parameter_placements().items() if ".moe.w" in k}
     assert len(experts) == 6 and set(experts.values()) == {("S(0)",)}
     fwd = [c for c in plan.stages[0].collectives if c.phase == "forward" and c.kind == "all_to_all"]
-    assert sum(c.consumer.startswith("bmm") for c in fwd) >= 2 and sum(c.consumer.startswith("_unsafe_view")
-                                                                       for c in fwd) == 2, fwd
+    assert (
+        sum(c.consumer.startswith("bmm") for c in fwd) >= 2
+        and sum(c.consumer.startswith("_unsafe_view") for c in fwd) == 2
+    ), fwd
 
 
 def test_context_parallel_causal_attention_trains_like_one_device(runs):
@@ -158,9 +163,17 @@ def test_vocabulary_parallel_loss_trains_like_one_device(runs):
     got = _check(runs, "gpt-vocab-4")
     from autoshard.plans.plan import Plan
 
-    ops = [d for d in Plan.from_json(got["plan"]).stages[0].ops
-           if d.op in ("aten._log_softmax.default", "aten.nll_loss_forward.default", "aten.nll_loss_backward.default",
-                       "aten._log_softmax_backward_data.default")]
+    ops = [
+        d
+        for d in Plan.from_json(got["plan"]).stages[0].ops
+        if d.op
+        in (
+            "aten._log_softmax.default",
+            "aten.nll_loss_forward.default",
+            "aten.nll_loss_backward.default",
+            "aten._log_softmax_backward_data.default",
+        )
+    ]
     assert len(ops) == 4, ops
     for d in ops:  # the log-probabilities (nll_loss_backward's second input) split over the vocabulary on tp
         assert d.inputs[1 if d.op == "aten.nll_loss_backward.default" else 0] == ("S(0)", "S(1)"), d
@@ -182,6 +195,8 @@ def test_inputs_drawn_inside_local_tensor_mode_are_refused():
     make, inputs_fn = MODELS["mlp"]
     with local_ranks(2):
         x, y = inputs_fn()  # inside the mode every rank draws its own batch
-        sharded = autoshard.compile(make(), init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)), (x, y), backend="eager")
+        sharded = autoshard.compile(
+            make(), init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)), (x, y), backend="eager"
+        )
         with pytest.raises(ValueError, match=r"input\[0\].*simulated ranks \[1\].*before entering LocalTensorMode"):
             sharded.shard_inputs(x, y)

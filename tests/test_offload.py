@@ -10,21 +10,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import assert_close_to_reference, single_device_reference
+from numerics_utils import LR, MODELS, PARAM_ATOL
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 import autoshard
+from autoshard.cluster.meshes import fake_world
 from autoshard.cluster.presets import get_cluster
+from autoshard.compiler.parameter_forms import offloaded_params
 from autoshard.config import PlanConfig
 from autoshard.cost.offload import host_memory_rate, offload_cost
-from autoshard.testing.launch import launch
-from autoshard.cluster.meshes import fake_world
-from autoshard.models.mlp import MLP, mlp_example_inputs
-from autoshard.compiler.parameter_forms import offloaded_params
-from autoshard.search.recompute import plan_graph
 from autoshard.errors import InfeasibleBudget
-from harness import assert_close_to_reference, single_device_reference
-from numerics_utils import LR, MODELS, PARAM_ATOL
+from autoshard.models.mlp import MLP, mlp_example_inputs
+from autoshard.search.recompute import plan_graph
+from autoshard.testing.launch import launch
 
 BATCH = {"inputs": {"dp": Shard(0)}}
 
@@ -114,19 +114,26 @@ def _train_offloaded(rank: int, world: int, arg: tuple) -> dict:
         if step == 0:
             grads = {n: _full(p.grad) for n, p in sharded.named_parameters()}
             facts["grad_on_master_device"] = all(p.grad.device == p.device for p in masters.values())
-            facts["distinct"] = all(c.data_ptr() != m.to_local().data_ptr() for c, m in
-                                    zip(copies, (masters[n] for n in names)))
+            facts["distinct"] = all(
+                c.data_ptr() != m.to_local().data_ptr() for c, m in zip(copies, (masters[n] for n in names))
+            )
         opt.step()
         opt.zero_grad()
         after = states.local_inputs([masters[n] for n in names])
         # the compute copy follows the master after each step (gathered from it), not before
-        facts.setdefault("refreshed", []).append(all(
-            torch.equal(c, m.redistribute(mesh, lay).to_local()) and not torch.equal(c, b)
-            for c, b, m, lay in zip(after, before, (masters[n] for n in names), states.compute)))
+        facts.setdefault("refreshed", []).append(
+            all(
+                torch.equal(c, m.redistribute(mesh, lay).to_local()) and not torch.equal(c, b)
+                for c, b, m, lay in zip(after, before, (masters[n] for n in names), states.compute)
+            )
+        )
         losses.append(_scalar(loss))
     facts["state_with_master"] = all(
         isinstance(t, DTensor) and t.placements == p.placements and t.to_local().device == p.to_local().device
-        for p in masters.values() for t in opt.state[p].values() if torch.is_tensor(t) and t.ndim)
+        for p in masters.values()
+        for t in opt.state[p].values()
+        if torch.is_tensor(t) and t.ndim
+    )
     params = {n: _full(p.data) for n, p in sharded.named_parameters()}
     return {"losses": losses, "grads": grads, "params": params, "plan": sharded.plan.to_json(), **facts}
 
@@ -152,8 +159,23 @@ def test_cli_offload_flag_and_progress_line(capsys):
     on the device; the report's step includes the offload's seconds."""
     from autoshard.cli import main
 
-    assert main(["plan", "--model", "gpt2-124m", "--cluster", "a100-80gb:1x8", "--global-batch", "8",
-                 "--no-recipes", "--offload", "optimizer"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "gpt2-124m",
+                "--cluster",
+                "a100-80gb:1x8",
+                "--global-batch",
+                "8",
+                "--no-recipes",
+                "--offload",
+                "optimizer",
+            ]
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
     line = next(x for x in err.splitlines() if "offload    done" in x)
     assert "optimizer state of 196 of 196 parameters in host memory" in line and "pcie-gen4-x16" in line

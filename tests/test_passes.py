@@ -10,15 +10,15 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
-from autoshard.cluster.presets import get_cluster
-from autoshard.config import PlanConfig
 from autoshard.cluster.meshes import fake_world
+from autoshard.cluster.presets import get_cluster
 from autoshard.compiler.capture import capture
 from autoshard.compiler.coarsen import coarsen
 from autoshard.compiler.context import PassContext
 from autoshard.compiler.share_layers import share_layers
 from autoshard.compiler.solve import solve
 from autoshard.compiler.strategies import strategies
+from autoshard.config import PlanConfig
 from autoshard.errors import InfeasibleBudget
 
 
@@ -122,7 +122,11 @@ def test_strategies_placeholders_and_ops(ctx):
     nodes = {n.name: n for n in gm.graph.nodes}
     for g in ctx.groups:
         assert ctx.strategies[g.id], g
-    w = next(g for g in ctx.groups if g.kind == "parameter" and nodes[g.anchor].meta["autoshard_role"].name == "layers.0.fc.weight")
+    w = next(
+        g
+        for g in ctx.groups
+        if g.kind == "parameter" and nodes[g.anchor].meta["autoshard_role"].name == "layers.0.fc.weight"
+    )
     layouts = {s.outputs[0][0] for s in ctx.strategies[w.id]}
     assert layouts == {(Replicate(),), (Shard(0),), (Shard(1),)}  # [16, 8] on dp=2: every even layout
     tangent = next(g for g in ctx.groups if g.kind == "tangent")
@@ -131,7 +135,9 @@ def test_strategies_placeholders_and_ops(ctx):
     assert len(ctx.strategies[mm.id]) >= 3
     # on a matmul big enough to leave the kernel-overhead floor, sharding cuts the per-device compute
     c = PassContext(mesh=ctx.mesh, cluster=ctx.cluster, config=PlanConfig())
-    gm = strategies(share_layers(coarsen(capture(Stack([1024], d=512), (torch.randn(512, 512), torch.randn(512, 512)), c), c), c), c)
+    gm = strategies(
+        share_layers(coarsen(capture(Stack([1024], d=512), (torch.randn(512, 512), torch.randn(512, 512)), c), c), c), c
+    )
     nodes = {n.name: n for n in gm.graph.nodes}
     big = next(g for g in c.groups if nodes[g.anchor].target == torch.ops.aten.addmm.default)
     times = sorted(s.compute_s for s in c.strategies[big.id])
@@ -179,15 +185,29 @@ def test_a_time_out_is_not_an_out_of_memory_verdict(ctx):
 def test_the_runner_owns_one_ordered_list_and_checks_disable_passes() -> None:
     from autoshard.compiler.runner import PASS_NAMES, run_passes
 
-    assert PASS_NAMES == ("capture", "coarsen", "share_layers", "strategies", "solve", "lower", "partition",
-                          "overlap", "compile")
+    assert PASS_NAMES == (
+        "capture",
+        "coarsen",
+        "share_layers",
+        "strategies",
+        "solve",
+        "lower",
+        "partition",
+        "overlap",
+        "compile",
+    )
     model = Stack([16, 16, 16, 16])
     with fake_world(2):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
 
         def run(*disabled: str, last: str = "compile") -> PassContext:
-            c = PassContext(mesh=mesh, cluster=get_cluster("cpu"), config=PlanConfig(disable_passes=disabled),
-                            example_inputs=_inputs(), backend="eager")
+            c = PassContext(
+                mesh=mesh,
+                cluster=get_cluster("cpu"),
+                config=PlanConfig(disable_passes=disabled),
+                example_inputs=_inputs(),
+                backend="eager",
+            )
             run_passes(model, c, "capture", last)
             return c
 

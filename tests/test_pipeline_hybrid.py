@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import assert_close_to_reference, single_device_reference
+from numerics_utils import LR, PARAM_ATOL, _full
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -23,8 +25,6 @@ from autoshard.errors import InputError
 from autoshard.models import hf
 from autoshard.pipeline.blocks import main_sequence
 from autoshard.testing.launch import launch
-from harness import assert_close_to_reference, single_device_reference
-from numerics_utils import LR, PARAM_ATOL, _full
 
 transformers = pytest.importorskip("transformers")
 
@@ -35,9 +35,20 @@ def make_jamba(device: str | None = None) -> nn.Module:
     """A stock JambaForCausalLM, 4 layers: Mamba at 0 and 2, attention at 1 and 3 (attn_layer_period=2,
     offset 1), dense MLPs (one expert per layer), default dropout (none)."""
     config = transformers.JambaConfig(
-        vocab_size=hf.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, num_experts=1, mamba_d_state=8,
-        pad_token_id=hf.PAD, bos_token_id=hf.BOS, eos_token_id=hf.EOS)
+        vocab_size=hf.VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        num_experts=1,
+        mamba_d_state=8,
+        pad_token_id=hf.PAD,
+        bos_token_id=hf.BOS,
+        eos_token_id=hf.EOS,
+    )
     with torch.random.fork_rng(devices=[]), torch.device(device or "cpu"):
         torch.manual_seed(0)
         model = transformers.JambaForCausalLM(config)
@@ -65,8 +76,13 @@ def _train(rank: int, world: int, name: str) -> dict:
         opt.step()
         opt.zero_grad()
     params = {n: _full(p.data) for n, p in sharded.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": params, "kind": type(sharded).__name__,
-            "layers": [list(s.layers) for s in sharded.plan.stages]}
+    return {
+        "losses": losses,
+        "grads": grads,
+        "params": params,
+        "kind": type(sharded).__name__,
+        "layers": [list(s.layers) for s in sharded.plan.stages],
+    }
 
 
 def _check(name: str, container: str) -> list[list[str]]:
@@ -79,8 +95,13 @@ def _check(name: str, container: str) -> list[list[str]]:
         assert got["kind"] == "PipelinedModule"
         held |= set(got["params"])
         own = {n: ref.grads[n] for n in got["params"]}
-        assert_close_to_reference(type(ref)(ref.losses, own, {n: ref.params[n] for n in got["params"]}),
-                                  got["losses"], got["grads"], got["params"], param_atol=PARAM_ATOL)
+        assert_close_to_reference(
+            type(ref)(ref.losses, own, {n: ref.params[n] for n in got["params"]}),
+            got["losses"],
+            got["grads"],
+            got["params"],
+            param_atol=PARAM_ATOL,
+        )
     assert held == set(ref.params), sorted(set(ref.params) - held)
     stages = [[n for n in s if n.startswith(container + ".")] for s in results[0]["layers"]]
     depth = main_sequence(_make(name))[1]
@@ -104,8 +125,10 @@ def test_convnext_splits_into_two_stages() -> None:
     stage graph makes its outputs contiguous (``pipeline/wiring.py``); before, the traced backward viewed the
     received gradient in strides it did not have."""
     stages = _check("convnext", "convnext.encoder.stages")
-    assert stages == [["convnext.embeddings", "convnext.encoder.stages.0"],
-                      ["convnext.encoder.stages.1", "convnext.layernorm", "classifier"]], stages
+    assert stages == [
+        ["convnext.embeddings", "convnext.encoder.stages.0"],
+        ["convnext.encoder.stages.1", "convnext.layernorm", "classifier"],
+    ], stages
 
 
 class _Light(nn.Module):
@@ -147,8 +170,9 @@ def test_blocks_of_different_classes_are_balanced_by_their_priced_costs() -> Non
     with torch.device("meta"):
         model = _Hybrid()
     inputs = (torch.randn(4096, 1024, device="meta"), torch.randint(0, 16, (4096,), device="meta"))
-    plan = autoshard.plan(model, {"pp": 2, "dp": 2}, example_inputs=inputs, cluster="a100-80gb:2x2",
-                          solve_recipes=False)
+    plan = autoshard.plan(
+        model, {"pp": 2, "dp": 2}, example_inputs=inputs, cluster="a100-80gb:2x2", solve_recipes=False
+    )
     blocks = [[n for n in s.layers if n.startswith("blocks.")] for s in plan.stages]
     assert len(blocks) == 2 and blocks[0][0] == "blocks.0" and blocks[-1][-1] == "blocks.7", blocks
     assert len(blocks[0]) < len(blocks[1]), blocks
@@ -181,8 +205,13 @@ def test_an_offline_plan_lists_the_sequence_it_split() -> None:
     with torch.device("meta"):
         model = _Prelude()
     assert main_sequence(model) == ("blocks", 3)
-    plan = autoshard.plan(model, {"pp": 2, "dp": 2}, example_inputs=(torch.randn(256, 64, device="meta"),),
-                          cluster="a100-80gb:2x2", solve_recipes=False)
+    plan = autoshard.plan(
+        model,
+        {"pp": 2, "dp": 2},
+        example_inputs=(torch.randn(256, 64, device="meta"),),
+        cluster="a100-80gb:2x2",
+        solve_recipes=False,
+    )
     listed = [list(s.layers) for s in plan.stages]
     assert listed[0][:2] == ["pre", "embed"] and "pre" not in listed[1], listed
     assert sorted(n for s in listed for n in s if n.startswith("blocks.")) == ["blocks.0", "blocks.1", "blocks.2"]
@@ -221,8 +250,13 @@ def test_a_model_with_no_sequence_of_blocks_is_told_which_structure_allows_a_cut
     with torch.device("meta"):
         model = _NoBlocks()
     with pytest.raises(InputError) as err:
-        autoshard.plan(model, {"pp": 2, "dp": 2}, example_inputs=(torch.randn(16, 64, device="meta"),),
-                       cluster="a100-80gb:2x2", solve_recipes=False)
+        autoshard.plan(
+            model,
+            {"pp": 2, "dp": 2},
+            example_inputs=(torch.randn(16, 64, device="meta"),),
+            cluster="a100-80gb:2x2",
+            solve_recipes=False,
+        )
     msg = str(err.value)
     assert "_NoBlocks has none" in msg and "layers (nn.ModuleList of 1: nothing to cut between)" in msg, msg
     assert "self.blocks = nn.ModuleList([...])" in msg and "without a pp axis" in msg, msg

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import Reference, assert_close_to_reference, single_device_reference
+from numerics_utils import LR, PARAM_ATOL, _full
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
-from autoshard.testing.launch import launch
 from autoshard.models import hf
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.models.llama import Llama, LlamaConfig, llama_example_inputs
-from harness import Reference, assert_close_to_reference, single_device_reference
-from numerics_utils import LR, PARAM_ATOL, _full
+from autoshard.testing.launch import launch
 
 PP_CFG = GPTConfig(n_layer=4, d_model=32, n_head=4, vocab=64, seq_len=16, bias=False)
 BATCH = 8
@@ -40,13 +40,21 @@ def make_pp_llama() -> Llama:
 def _hf(name: str, layers: int) -> tuple:
     """A stock transformers model (default config, default attention, use_cache on) and its padded batch of
     keyword arguments (labels -100 on the padding: micro-batches count different numbers of targets)."""
-    return (lambda: hf.build(name, batch=BATCH, dropout=False, layers=layers)[0],
-            lambda: hf.build(name, batch=BATCH, dropout=False, layers=layers)[1])
+    return (
+        lambda: hf.build(name, batch=BATCH, dropout=False, layers=layers)[0],
+        lambda: hf.build(name, batch=BATCH, dropout=False, layers=layers)[1],
+    )
 
 
 # name -> (make model, make global inputs); Llama's rotary tables cross stage boundaries as gradient-free outputs
-MODELS = {"gpt": (make_pp_gpt, _inputs), "llama": (make_pp_llama, lambda: llama_example_inputs(LLAMA_CFG, BATCH)),
-          "hf-gpt2": _hf("gpt2", 2), "hf-llama": _hf("llama", 4), "hf-t5": _hf("t5", 2), "hf-vit": _hf("vit", 2)}
+MODELS = {
+    "gpt": (make_pp_gpt, _inputs),
+    "llama": (make_pp_llama, lambda: llama_example_inputs(LLAMA_CFG, BATCH)),
+    "hf-gpt2": _hf("gpt2", 2),
+    "hf-llama": _hf("llama", 4),
+    "hf-t5": _hf("t5", 2),
+    "hf-vit": _hf("vit", 2),
+}
 
 
 def _train(rank: int, world: int, arg: tuple) -> dict:
@@ -69,9 +77,15 @@ def _train(rank: int, world: int, arg: tuple) -> dict:
     sharded.load_state_dict(state)
     seen: dict[int, str] = {}
     first = {n: seen.setdefault(id(p), n) for n, p in make().named_parameters(remove_duplicate=False)}
-    return {"losses": losses, "grads": grads, "params": params, "plan": sharded.plan.to_json(),
-            "state_keys": sorted({first.get(n, n) for n in state} & set(params)), "kind": type(sharded).__name__,
-            "split": _split_backwards(sharded)}
+    return {
+        "losses": losses,
+        "grads": grads,
+        "params": params,
+        "plan": sharded.plan.to_json(),
+        "state_keys": sorted({first.get(n, n) for n in state} & set(params)),
+        "kind": type(sharded).__name__,
+        "split": _split_backwards(sharded),
+    }
 
 
 def _split_backwards(sharded) -> list[dict]:
@@ -82,14 +96,23 @@ def _split_backwards(sharded) -> list[dict]:
             continue
         parts = m.program._split
         ops = [[str(n.target) for n in g.graph.nodes if n.op == "call_function"] for g in (parts.inputs, parts.weights)]
-        out.append({"weight_runs": m._deferred.weight_runs, "input_ops": ops[0], "weight_ops": ops[1],
-                    "input_grads": parts.n_input_grads})
+        out.append(
+            {
+                "weight_runs": m._deferred.weight_runs,
+                "input_ops": ops[0],
+                "weight_ops": ops[1],
+                "input_grads": parts.n_input_grads,
+            }
+        )
     return out
 
 
 def _only(ref: Reference, names: set[str]) -> Reference:
-    return Reference(ref.losses, {n: g for n, g in ref.grads.items() if n in names},
-                     {n: p for n, p in ref.params.items() if n in names})
+    return Reference(
+        ref.losses,
+        {n: g for n, g in ref.grads.items() if n in names},
+        {n: p for n, p in ref.params.items() if n in names},
+    )
 
 
 def _run(shape: tuple[int, ...], names: tuple[str, ...], **kw) -> list[dict]:
@@ -102,8 +125,9 @@ def _run(shape: tuple[int, ...], names: tuple[str, ...], **kw) -> list[dict]:
     held: set[str] = set()
     for r, got in enumerate(results):
         held |= set(got["params"])
-        assert_close_to_reference(_only(ref, set(got["params"])), got["losses"], got["grads"], got["params"],
-                                  param_atol=PARAM_ATOL)
+        assert_close_to_reference(
+            _only(ref, set(got["params"])), got["losses"], got["grads"], got["params"], param_atol=PARAM_ATOL
+        )
         assert got["plan"] == results[0]["plan"], f"rank {r} runs a different plan from rank 0"
         assert got["state_keys"] == sorted(got["params"]), "state_dict names differ from the parameters' names"
     assert held == set(ref.params), f"parameters held by no stage: {sorted(set(ref.params) - held)}"
@@ -114,13 +138,24 @@ def _run(shape: tuple[int, ...], names: tuple[str, ...], **kw) -> list[dict]:
     "shape,names,kw",
     [
         ((2, 2), ("pp", "dp"), {"schedule": "1F1B", "microbatches": 2}),
-        ((2, 2), ("pp", "tp"), {"schedule": "GPipe", "microbatches": 4, "cluster": "h100-sxm",
-                                "constraints": {"params": {"tp": "S(0)"}}}),
+        (
+            (2, 2),
+            ("pp", "tp"),
+            {"schedule": "GPipe", "microbatches": 4, "cluster": "h100-sxm", "constraints": {"params": {"tp": "S(0)"}}},
+        ),
         ((4,), ("pp",), {"schedule": "1F1B", "microbatches": 4}),
         ((2,), ("pp",), {"schedule": "Interleaved1F1B", "microbatches": 2}),
         ((2,), ("pp",), {"schedule": "1F1B", "microbatches": 2, "model": "llama"}),
-        ((2, 2), ("pp", "dp"), {"schedule": "InterleavedZeroBubble", "microbatches": 4, "cluster": "h100-sxm",
-                                "constraints": {"inputs": {"dp": "S(0)"}}}),
+        (
+            (2, 2),
+            ("pp", "dp"),
+            {
+                "schedule": "InterleavedZeroBubble",
+                "microbatches": 4,
+                "cluster": "h100-sxm",
+                "constraints": {"inputs": {"dp": "S(0)"}},
+            },
+        ),
     ],
     ids=["2x2-1f1b", "2x2-tp-gpipe", "4-stages-1f1b", "2x2chunks-interleaved", "llama-2-stages", "2x2-zero-bubble"],
 )
@@ -132,18 +167,30 @@ def test_pipeline_matches_single_device(shape, names, kw):
     if kw["schedule"] == "InterleavedZeroBubble":  # B and W ran apart: every stage, every micro-batch, 3 steps
         for got in results:
             assert len(got["split"]) == 2 and all(s["weight_runs"] == 3 * kw["microbatches"] for s in got["split"])
-            reduces = [[op for op in s[part] if "all_reduce" in op or "reduce_scatter" in op]
-                       for s in got["split"] for part in ("input_ops", "weight_ops")]
+            reduces = [
+                [op for op in s[part] if "all_reduce" in op or "reduce_scatter" in op]
+                for s in got["split"]
+                for part in ("input_ops", "weight_ops")
+            ]
             assert not any(reduces[0::2]) and any(reduces[1::2]), reduces  # gradient reductions run in W only
             assert all(any(op.startswith("aten.mm") for op in s["weight_ops"]) for s in got["split"])
             # the stages after the first send their input gradients: matmuls in B too
-            assert any(s["input_grads"] and any(op.startswith("aten.mm") for op in s["input_ops"]) for s in got["split"])
+            assert any(
+                s["input_grads"] and any(op.startswith("aten.mm") for op in s["input_ops"]) for s in got["split"]
+            )
 
 
 def test_pipeline_inductor_2x2():
     """The compiled path: each stage's forward and backward are Inductor C++ kernels."""
-    results = _run((2, 2), ("pp", "tp"), schedule="1F1B", microbatches=2, backend="inductor", cluster="h100-sxm",
-                   constraints={"params": {"tp": "S(0)"}})
+    results = _run(
+        (2, 2),
+        ("pp", "tp"),
+        schedule="1F1B",
+        microbatches=2,
+        backend="inductor",
+        cluster="h100-sxm",
+        constraints={"params": {"tp": "S(0)"}},
+    )
     plan = autoshard.Plan.from_json(results[0]["plan"])
     assert [s.ranks for s in plan.stages] == [(0, 1), (2, 3)]
     for stage in plan.stages:  # each stage really is 2-way sharded inside
@@ -153,8 +200,16 @@ def test_pipeline_inductor_2x2():
 def _auto(rank: int, world: int, arg: None) -> dict:
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     inputs = _inputs()
-    sharded = autoshard.compile(make_pp_gpt(), mesh, inputs, cluster="h100-sxm:1x4", pipeline="auto",
-                                microbatches=4, schedule="1F1B", backend="eager")
+    sharded = autoshard.compile(
+        make_pp_gpt(),
+        mesh,
+        inputs,
+        cluster="h100-sxm:1x4",
+        pipeline="auto",
+        microbatches=4,
+        schedule="1F1B",
+        backend="eager",
+    )
     return {"kind": type(sharded).__name__, "plan": sharded.plan.to_json(), "loss": float(sharded.step(*inputs))}
 
 
@@ -218,8 +273,11 @@ def _misuse(rank: int, world: int, arg: None) -> list[str]:
     model, batch = hf.build("gpt2", batch=BATCH, dropout=False)
     sharded = autoshard.compile(model, mesh, batch, backend="eager", microbatches=2, schedule="GPipe")
     out = []
-    for call in (lambda: sharded(**batch), lambda: sharded.shard_inputs(**batch),
-                 lambda: sharded.step(input_ids=batch["input_ids"])):
+    for call in (
+        lambda: sharded(**batch),
+        lambda: sharded.shard_inputs(**batch),
+        lambda: sharded.step(input_ids=batch["input_ids"]),
+    ):
         try:
             call()
             out.append("no error")

@@ -109,7 +109,7 @@ def test_report_shows_the_pipeline(piped: Plan) -> None:
     r = report(piped)
     assert "pipeline: 2 stages" in r and f"{piped.microbatches} micro-batches" in r and "bubble" in r
     assert f"schedule {piped.schedule}" in r and "stage balance" in r
-    table = r[r.index("pipeline: 2 stages"):]
+    table = r[r.index("pipeline: 2 stages") :]
     assert "0–7" in table and "8–15" in table and "dp=8" in table
     assert "== stage 0  mesh dp=8  ranks 0–7  layers wte, wpe" in r and "== stage 1  mesh dp=8  ranks 8–15" in r
     rows = {line.split()[0]: line for line in table.splitlines()[2:4]}
@@ -124,16 +124,22 @@ def test_model_that_fits_one_node_gets_no_stages(caplog: pytest.LogCaptureFixtur
     with torch.device("meta"):
         model = GPT(cfg)
     with caplog.at_level(logging.INFO, logger="autoshard.pipeline"):
-        plan = autoshard.plan(model, example_inputs=gpt_example_inputs(cfg, 4), cluster="h100-sxm:1x4",
-                              pipeline="auto", solve_recipes=False)
+        plan = autoshard.plan(
+            model,
+            example_inputs=gpt_example_inputs(cfg, 4),
+            cluster="h100-sxm:1x4",
+            pipeline="auto",
+            solve_recipes=False,
+        )
     assert len(plan.stages) == 1 and "pp" not in plan.mesh.names and plan.schedule is None
     assert any("no stages: one stage is fastest" in m for m in caplog.messages), caplog.messages
 
 
 def test_a_pp_mesh_axis_fixes_the_stage_count_and_names_the_sub_mesh() -> None:
     model, inputs = _deep_narrow()
-    plan = autoshard.plan(model, {"pp": 2, "tp": 8}, example_inputs=inputs, cluster="a100-80gb:2x8",
-                          solve_recipes=False)
+    plan = autoshard.plan(
+        model, {"pp": 2, "tp": 8}, example_inputs=inputs, cluster="a100-80gb:2x8", solve_recipes=False
+    )
     assert len(plan.stages) == 2 and plan.mesh.names == ("pp", "tp")
     assert all(s.mesh.names == ("tp",) for s in plan.stages)
     assert {c.axis for s in plan.stages for c in s.collectives} <= {"tp", "pp"}
@@ -185,8 +191,14 @@ def test_a_tight_memory_budget_is_met_by_every_stage() -> None:
     with torch.device("meta"):
         model = GPT(DEEP)
     budget = 300 * 2**20
-    plan = autoshard.plan(model, example_inputs=gpt_example_inputs(DEEP, 8), cluster="a100-80gb:2x8",
-                          pipeline="auto", solve_recipes=False, memory_budget=budget)
+    plan = autoshard.plan(
+        model,
+        example_inputs=gpt_example_inputs(DEEP, 8),
+        cluster="a100-80gb:2x8",
+        pipeline="auto",
+        solve_recipes=False,
+        memory_budget=budget,
+    )
     assert len(plan.stages) == 2 and plan.memory_budget_bytes == budget
     assert all(0 < s.memory.total <= budget for s in plan.stages)
     flat = next(b for b in plan.recipes if b.name == FLAT_NAME)

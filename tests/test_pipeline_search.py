@@ -16,13 +16,13 @@ from torch.distributed.device_mesh import init_device_mesh
 import autoshard
 import autoshard.pipeline.compile_stages as pipeline_compile
 import autoshard.pipeline.search as pipeline_search
+from autoshard.cluster.meshes import fake_world
 from autoshard.cluster.presets import get_cluster
 from autoshard.config import PlanConfig
-from autoshard.cluster.meshes import fake_world
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
+from autoshard.plans.report import report
 from autoshard.runtime.pipelined import EXECUTABLE_SCHEDULES
 from autoshard.solver.inter_op import SCHEDULES, SPLIT_BACKWARD
-from autoshard.plans.report import report
 
 DEEP = GPTConfig(n_layer=8, d_model=1024, n_head=8, vocab=512, seq_len=128)
 CLUSTER = "a100-80gb:2x8"
@@ -38,8 +38,9 @@ def _compile_choice(model: GPT, inputs: tuple) -> pipeline_compile.PipelineChoic
     """What ``compile`` chooses on a (pp=2, dp=8) mesh, on a fake world (its solves broadcast from rank 0)."""
     with fake_world(16):
         mesh = init_device_mesh("cpu", (2, 8), mesh_dim_names=("pp", "dp"))
-        return pipeline_compile.choose_pipeline(model, inputs, mesh, get_cluster(CLUSTER), PlanConfig(sample_layers=3),
-                                                [2], None, None)
+        return pipeline_compile.choose_pipeline(
+            model, inputs, mesh, get_cluster(CLUSTER), PlanConfig(sample_layers=3), [2], None, None
+        )
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +101,11 @@ def test_the_search_finds_what_solving_every_configuration_finds() -> None:
     assert not any(o.estimated for o in every) and any(o.estimated for o in some)
     assert len(some) == len(every) and not some[0].estimated and some[-1].estimated
     best, found = every[0], some[0]
-    assert (found.stages, found.microbatches, found.split.schedule) == (best.stages, best.microbatches,
-                                                                       best.split.schedule)
+    assert (found.stages, found.microbatches, found.split.schedule) == (
+        best.stages,
+        best.microbatches,
+        best.split.schedule,
+    )
     assert found.step_time_s == pytest.approx(best.step_time_s, rel=1e-9)
 
 

@@ -11,17 +11,17 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 import autoshard
-from autoshard.cluster.presets import get_cluster
-from autoshard.config import PlanConfig
 from autoshard.cluster.meshes import fake_world
+from autoshard.cluster.presets import get_cluster
+from autoshard.compiler.lower import collective_counts, lower
+from autoshard.config import PlanConfig
+from autoshard.errors import InfeasibleBudget
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.models.llama import Llama, LlamaConfig, llama_example_inputs
 from autoshard.models.mlp import MLP, mlp_example_inputs
 from autoshard.models.moe import MoEConfig, MoEDecoder, moe_example_inputs
-from autoshard.compiler.lower import collective_counts, lower
-from autoshard.search.recompute import plan_graph
-from autoshard.errors import InfeasibleBudget
 from autoshard.plans.report import report
+from autoshard.search.recompute import plan_graph
 
 BATCH_ON_DP = {"inputs": {"dp": Shard(0)}}
 
@@ -77,8 +77,9 @@ def test_mlp_budget_shards_optimizer_state_then_parameters():
         ddp = autoshard.plan(_mlp(), mesh, _mlp_inputs(), constraints=BATCH_ON_DP)
         assert not any(t.zero for t in ddp.stages[0].tensors)
         weights = ("fc1.weight", "fc2.weight")
-        mid = autoshard.plan(_mlp(), mesh, _mlp_inputs(), constraints=BATCH_ON_DP,
-                             memory_budget=int(ddp.peak_memory.total * 0.8))
+        mid = autoshard.plan(
+            _mlp(), mesh, _mlp_inputs(), constraints=BATCH_ON_DP, memory_budget=int(ddp.peak_memory.total * 0.8)
+        )
         assert mid.peak_memory.total <= mid.memory_budget_bytes
         layouts = {t.name: t for t in mid.stages[0].tensors}
         assert any(layouts[w].placements != ("R",) or layouts[w].zero for w in weights)
@@ -115,8 +116,13 @@ def test_transformer_block_is_megatron_on_tp():
         model = GPT(cfg)
     with fake_world(4):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        planned = plan_graph(model, gpt_example_inputs(cfg, 2), mesh, get_cluster("h100-sxm"),
-                                   PlanConfig(constraints={"inputs": "[S(0), R]"}))
+        planned = plan_graph(
+            model,
+            gpt_example_inputs(cfg, 2),
+            mesh,
+            get_cluster("h100-sxm"),
+            PlanConfig(constraints={"inputs": "[S(0), R]"}),
+        )
         plan, gm, ctx = planned.plan, planned.graph, planned.ctx
         pl = plan.parameter_placements()
         # column-parallel first MLP matmul (weight rows = output features split), row-parallel second
@@ -170,12 +176,14 @@ def test_fsdp_gathers_each_layers_parameters_with_one_collective_per_phase():
         apart = collective_counts(trace_rank_program(gm, ctx, group_gathers=False))
     # one group per phase and layer (the 2 blocks, and the root: embeddings and final norm)
     assert sorted((g[0], g[1]) for g in groups) == sorted(
-        (ph, layer) for ph in ("forward", "backward") for layer in (("layers", 0), ("layers", 1), ("", -1)))
+        (ph, layer) for ph in ("forward", "backward") for layer in (("layers", 0), ("layers", 1), ("", -1))
+    )
     assert sum(len(m) for m in groups.values()) >= 20
     # every gathered use but one per group is now served by its group's single all-gather
     assert apart["all_gather_into_tensor"] - grouped["all_gather_into_tensor"] == len(uses) - len(groups)
     assert {k: v for k, v in grouped.items() if k != "all_gather_into_tensor"} == {
-        k: v for k, v in apart.items() if k != "all_gather_into_tensor"}
+        k: v for k, v in apart.items() if k != "all_gather_into_tensor"
+    }
 
 
 def test_long_sequence_block_is_tensor_parallel_with_sequence_sharded_residuals():
@@ -207,8 +215,7 @@ def test_long_sequence_block_is_tensor_parallel_with_sequence_sharded_residuals(
     assert _pinned_objective(ctx, wo, (Shard(1),)) > sol.objective_s
     # the norms run on the gathered sequence: sharding one saves 0.04 ms of norm work, but the backward's
     # fc1 weight gradient then needs the norm's output gathered once more (0.12 ms)
-    [ln2] = [g for g in ctx.groups if g.module == "layers.0.ln2" and "layer_norm" in g.anchor
-             and g.phase == "forward"]
+    [ln2] = [g for g in ctx.groups if g.module == "layers.0.ln2" and "layer_norm" in g.anchor and g.phase == "forward"]
     assert ctx.problem.strategies[ln2.id][sol.choice[ln2.id]].outputs[0][0] == (Replicate(),)
     assert _pinned_objective(ctx, ln2, (Shard(1),)) > sol.objective_s
 
@@ -219,20 +226,27 @@ def test_mixture_of_experts_is_expert_parallel_with_all_to_all_tokens():
     tokens, and the tokens come back to their sequences by an all-to-all; no collective ever moves an expert
     weight or its gradient. The cost comparisons: DDP (every expert replicated, 4x the memory) and the ep
     recipe."""
-    cfg = MoEConfig(n_layer=2, d_model=2048, n_head=16, n_kv_head=8, ffn=8192, n_experts=8, top_k=2, vocab=1024,
-                    seq_len=2048)
+    cfg = MoEConfig(
+        n_layer=2, d_model=2048, n_head=16, n_kv_head=8, ffn=8192, n_experts=8, top_k=2, vocab=1024, seq_len=2048
+    )
     planned = _planned(MoEDecoder, cfg, moe_example_inputs(cfg, 8), (8,), ("dp",), "h100-sxm", BATCH_ON_DP)
     plan, gm, ctx = planned.plan, planned.graph, planned.ctx
     experts = {k: v for k, v in plan.parameter_placements().items() if ".moe.w" in k}
     assert len(experts) == 3 * cfg.n_layer and set(experts.values()) == {("S(0)",)}
     stage = plan.stages[0]
-    bmms = [d for d in stage.ops if ".moe" in d.module and d.op.startswith("aten.bmm") and d.phase == "forward"
-            and d.shape[0] == cfg.n_experts]
+    bmms = [
+        d
+        for d in stage.ops
+        if ".moe" in d.module and d.op.startswith("aten.bmm") and d.phase == "forward" and d.shape[0] == cfg.n_experts
+    ]
     assert len(bmms) == 3 * cfg.n_layer and all(d.inputs == (("S(0)",), ("S(0)",)) for d in bmms), bmms
     fwd = [c for c in stage.collectives if c.phase == "forward"]
     assert sum(c.kind == "all_to_all" for c in fwd) >= 2 * cfg.n_layer, fwd
-    weights = {n.name for n in gm.graph.nodes if n.op == "placeholder" and ".moe.w" in
-               getattr(n.meta.get("autoshard_role"), "name", "")}
+    weights = {
+        n.name
+        for n in gm.graph.nodes
+        if n.op == "placeholder" and ".moe.w" in getattr(n.meta.get("autoshard_role"), "name", "")
+    }
     moved = [c for c in stage.collectives if c.tensor in weights or ".moe.w" in c.consumer]
     assert not moved, moved
     recipes = {r.name: r for r in ctx.recipes}
@@ -248,8 +262,9 @@ def test_long_sequence_attention_is_context_parallel():
     axis, each cost more. (On one axis of 8 the ring also beats splitting the heads, Ulysses-style: 61.4 ms
     against 62.0 ms on this model with 2 K/V heads.)"""
     cfg = LlamaConfig(n_layer=2, d_model=1024, n_head=8, n_kv_head=8, ffn=3584, vocab=512, seq_len=32768)
-    planned = _planned(Llama, cfg, llama_example_inputs(cfg, 1), (2, 8), ("cp", "tp"), "h100-sxm:2x8",
-                             {"inputs": "[S(1), R]"})
+    planned = _planned(
+        Llama, cfg, llama_example_inputs(cfg, 1), (2, 8), ("cp", "tp"), "h100-sxm:2x8", {"inputs": "[S(1), R]"}
+    )
     plan, gm, ctx = planned.plan, planned.graph, planned.ctx
     attn = [d for d in plan.stages[0].ops if d.op.startswith("aten._scaled_dot_product_flash_attention_for_cpu")]
     fwd = [d for d in attn if d.phase == "forward"]
@@ -260,11 +275,16 @@ def test_long_sequence_attention_is_context_parallel():
     assert all(d.output == layout and d.inputs == (layout,) * 3 for d in fwd), fwd
     assert all(d.inputs[1:4] == (layout,) * 3 for d in bwd), bwd
     seq = layout.index("S(2)")
-    [g] = [g for g in ctx.groups if g.module == "layers.0.attention" and g.phase == "forward"
-           and "flash_attention" in g.anchor]
+    [g] = [
+        g
+        for g in ctx.groups
+        if g.module == "layers.0.attention" and g.phase == "forward" and "flash_attention" in g.anchor
+    ]
     cands = ctx.problem.strategies[g.id]
     heads = tuple(Shard(1) if a != seq else Replicate() for a in range(2))
-    gathered = {i for i, st in enumerate(cands) if st.outputs[0][0][seq] == Shard(2) and st.inputs[0][1][seq] == Replicate()}
+    gathered = {
+        i for i, st in enumerate(cands) if st.outputs[0][0][seq] == Shard(2) and st.inputs[0][1][seq] == Replicate()
+    }
     assert gathered
     gathered_s = ctx.problem.solve(memory_budget=None, time_limit_s=30, pins={g.id: gathered}).objective_s
     assert gathered_s > ctx.solution.objective_s
@@ -280,8 +300,7 @@ def test_large_vocabulary_is_megatron_with_vocabulary_parallel_loss():
     embedding lookup reads a hidden-split copy of the tied weight: DTensor's vocabulary-split lookup leaves a
     masked partial the planner does not take.)"""
     cfg = GPTConfig(n_layer=1, d_model=2048, n_head=16, vocab=65536, seq_len=512, bias=False)
-    planned = _planned(GPT, cfg, gpt_example_inputs(cfg, 8), (2, 2), ("dp", "tp"), "h100-sxm",
-                             {"inputs": "[S(0), R]"})
+    planned = _planned(GPT, cfg, gpt_example_inputs(cfg, 8), (2, 2), ("dp", "tp"), "h100-sxm", {"inputs": "[S(0), R]"})
     plan, gm, ctx = planned.plan, planned.graph, planned.ctx
     tp = {k: v[1] for k, v in plan.parameter_placements().items()}
     for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.fc1"):
@@ -289,9 +308,17 @@ def test_large_vocabulary_is_megatron_with_vocabulary_parallel_loss():
     for name in ("attn.wo", "mlp.fc2"):
         assert tp[f"layers.0.{name}.weight"] == "S(1)", name  # row-parallel
     assert tp["wte.weight"] == "S(0)"  # the output layer split over the vocabulary
-    loss = [d for d in plan.stages[0].ops if d.op in ("aten._log_softmax.default", "aten.nll_loss_forward.default",
-                                                     "aten.nll_loss_backward.default",
-                                                     "aten._log_softmax_backward_data.default")]
+    loss = [
+        d
+        for d in plan.stages[0].ops
+        if d.op
+        in (
+            "aten._log_softmax.default",
+            "aten.nll_loss_forward.default",
+            "aten.nll_loss_backward.default",
+            "aten._log_softmax_backward_data.default",
+        )
+    ]
     assert len(loss) == 4 and all(("S(0)", "S(1)") in d.inputs for d in loss), loss
     fwd = [c for c in plan.stages[0].collectives if c.axis == "tp" and c.phase == "forward"]
     # one reduction of the layer's activations after wo and one after fc2: both reduce-scattered onto the

@@ -20,13 +20,13 @@ from autoshard.cli import main
 from autoshard.cluster.meshes import fake_world
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.notation import describe, format_bytes, format_seconds
-from autoshard.plans.html.page import VIEWS, render_html, write_html
 from autoshard.plans.html.layouts import tensor_tiles
+from autoshard.plans.html.page import VIEWS, render_html, write_html
 from autoshard.plans.html.schedule import idle_share, simulate
 from autoshard.plans.plan import MeshSpec, Plan
+from autoshard.plans.report import report
 from autoshard.plans.words import axis_roles, plan_in_words, what_bounds
 from autoshard.solver.inter_op import pipeline_time
-from autoshard.plans.report import report
 
 CFG = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab=128, seq_len=16, bias=False)
 
@@ -65,12 +65,18 @@ def plans() -> dict[str, Plan]:
     with fake_world(4):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         torch.manual_seed(0)
-        small = autoshard.plan(GPT(CFG), mesh, gpt_example_inputs(CFG, 8), cluster="a100-80gb",
-                               constraints={"inputs": {"dp": torch.distributed.tensor.Shard(0)}})
+        small = autoshard.plan(
+            GPT(CFG),
+            mesh,
+            gpt_example_inputs(CFG, 8),
+            cluster="a100-80gb",
+            constraints={"inputs": {"dp": torch.distributed.tensor.Shard(0)}},
+        )
     piped = autoshard.plan("gpt2-124m", {"pp": 2, "dp": 4}, cluster="a100-80gb:2x4", global_batch=16, time_limit_s=5)
     # one micro-batch: left free, the planner fits 5 GB by accumulating instead, and this case must recompute
-    tight = autoshard.plan("gpt2-124m", cluster="a100-80gb:1x2", global_batch=16, memory_budget="5GB", microbatches=1,
-                           time_limit_s=5)
+    tight = autoshard.plan(
+        "gpt2-124m", cluster="a100-80gb:1x2", global_batch=16, memory_budget="5GB", microbatches=1, time_limit_s=5
+    )
     return {"small": small, "pipelined": piped, "memory-bound": tight}
 
 
@@ -101,7 +107,9 @@ def test_every_view_is_drawn_from_the_plans_numbers(plans: dict[str, Plan]) -> N
     assert stage.compute_s + stage.comm_s == pytest.approx(tight.step_time_s, rel=1e-6)
     for term in (stage.compute_s - tight.recompute_s, tight.recompute_s, stage.comm_s):
         assert f"{format_seconds(term)} ({term / tight.step_time_s:.0%})" in bounds, bounds
-    assert f"memory binds: {format_bytes(tight.peak_memory.total)} of {format_bytes(tight.memory_budget_bytes)}" in bounds
+    assert (
+        f"memory binds: {format_bytes(tight.peak_memory.total)} of {format_bytes(tight.memory_budget_bytes)}" in bounds
+    )
     assert "recomputing " + describe(tight.recompute_layers) in bounds
     assert "memory binds" not in what_bounds(plans["small"]) and "pipeline idle" in what_bounds(plans["pipelined"])
     small = plans["small"]  # each recipe's largest terms against the plan, a layout change among them
@@ -174,8 +182,30 @@ def test_the_terminal_report_starts_with_the_plan_in_words(plans: dict[str, Plan
 
 def test_cli_writes_the_page(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "plan.html"
-    assert main(["plan", "--model", "gpt2-124m", "--cluster", "a100-80gb:1x2", "--global-batch", "4", "--seq", "128",
-                 "--no-recipes", "--time-limit", "5", "-q", "--html", str(out), "--out", str(tmp_path / "p.json")]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "gpt2-124m",
+                "--cluster",
+                "a100-80gb:1x2",
+                "--global-batch",
+                "4",
+                "--seq",
+                "128",
+                "--no-recipes",
+                "--time-limit",
+                "5",
+                "-q",
+                "--html",
+                str(out),
+                "--out",
+                str(tmp_path / "p.json"),
+            ]
+        )
+        == 0
+    )
     plan = Plan.from_json((tmp_path / "p.json").read_text())
     assert list(_parse(out.read_text()).sections) == list(VIEWS)
     assert plan_in_words(plan) in out.read_text() and capsys.readouterr().out.startswith(plan_in_words(plan))
@@ -208,8 +238,9 @@ def test_the_page_renders_in_a_real_browser(plans: dict[str, Plan], tmp_path: Pa
         page = render_html(plan)
         probe = tmp_path / f"{name}-probe.html"
         probe.write_text(page.replace("<head>", "<head>" + _PROBE, 1))
-        dom = subprocess.run([chromium, *flags, "--dump-dom", probe.as_uri()], capture_output=True, text=True,
-                             timeout=120).stdout
+        dom = subprocess.run(
+            [chromium, *flags, "--dump-dom", probe.as_uri()], capture_output=True, text=True, timeout=120
+        ).stdout
         found = re.search(r'<pre id="__check">(.*?)</pre>', dom, re.S)
         assert found, f"{name}: the page did not finish loading:\n{dom[-2000:]}"
         check = json.loads(found.group(1).replace("&quot;", '"').replace("&amp;", "&"))
@@ -222,8 +253,12 @@ def test_the_page_renders_in_a_real_browser(plans: dict[str, Plan], tmp_path: Pa
         shot = tmp_path / f"{name}.png"
         plain = tmp_path / f"{name}.html"
         plain.write_text(page)
-        subprocess.run([chromium, *flags, "--window-size=1150,1600", f"--screenshot={shot}", plain.as_uri()],
-                       capture_output=True, timeout=120, check=True)
+        subprocess.run(
+            [chromium, *flags, "--window-size=1150,1600", f"--screenshot={shot}", plain.as_uri()],
+            capture_output=True,
+            timeout=120,
+            check=True,
+        )
         assert shot.stat().st_size > 20_000  # a page of charts, not a blank one
 
 
@@ -234,21 +269,25 @@ def test_compile_writes_the_page_of_the_plan_it_runs(tmp_path: Path) -> None:
     with local_ranks(2):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
         torch.manual_seed(0)
-        sharded = autoshard.compile(GPT(CFG), mesh, gpt_example_inputs(CFG, 4), backend="eager", recipe="fsdp",
-                                    report=out)
+        sharded = autoshard.compile(
+            GPT(CFG), mesh, gpt_example_inputs(CFG, 4), backend="eager", recipe="fsdp", report=out
+        )
     page = out.read_text()
     assert plan_in_words(sharded.plan) in page and "dp=2 FSDP (ZeRO-3)" in page
     assert list(_parse(page).sections) == list(VIEWS)
 
 
-def test_explain_prices_every_difference_and_the_terms_add_up(plans: dict[str, Plan], tmp_path: Path,
-                                                             capsys: pytest.CaptureFixture) -> None:
+def test_explain_prices_every_difference_and_the_terms_add_up(
+    plans: dict[str, Plan], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     from autoshard.plans.explain import explain
 
     with fake_world(4):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        ddp, fsdp = (autoshard.plan(GPT(CFG), mesh, gpt_example_inputs(CFG, 8), recipe=r, solve_recipes=False)
-                     for r in ("ddp", "fsdp"))
+        ddp, fsdp = (
+            autoshard.plan(GPT(CFG), mesh, gpt_example_inputs(CFG, 8), recipe=r, solve_recipes=False)
+            for r in ("ddp", "fsdp")
+        )
     e = explain(ddp, fsdp)
     assert sum(c.value for c in e.time) == pytest.approx(fsdp.step_time_s - ddp.step_time_s, rel=1e-9, abs=1e-12)
     assert sum(c.value for c in e.memory) == e.memory_delta_bytes == fsdp.peak_memory.total - ddp.peak_memory.total
@@ -276,10 +315,13 @@ def test_measured_numbers_are_drawn_next_to_the_predictions(plans: dict[str, Pla
     import dataclasses
 
     plan = plans["small"]
-    recipes = tuple(dataclasses.replace(r, measured_s=r.step_time_s * 1.1, measured_peak_bytes=r.peak_memory_bytes + 1)
-                    for r in plan.recipes)
-    timed = dataclasses.replace(plan, recipes=recipes, measured_s=plan.step_time_s * 0.9,
-                                measured_peak_bytes=int(plan.peak_memory.total * 1.05))
+    recipes = tuple(
+        dataclasses.replace(r, measured_s=r.step_time_s * 1.1, measured_peak_bytes=r.peak_memory_bytes + 1)
+        for r in plan.recipes
+    )
+    timed = dataclasses.replace(
+        plan, recipes=recipes, measured_s=plan.step_time_s * 0.9, measured_peak_bytes=int(plan.peak_memory.total * 1.05)
+    )
     assert Plan.from_json(timed.to_json()) == timed
     page = render_html(timed)
     text = re.sub(r"\s+", " ", _parse(page).sections["memory"]["text"])

@@ -40,12 +40,22 @@ def _verdict(rows):
 
 
 def test_ratio_uses_the_fastest_fitting_recipe_only():
-    row = _row(0.8, 10 * G, 20 * G, [RecipeSummary("tp", 0.5, 30 * G, False), RecipeSummary("fsdp", 1.0, 9 * G, True),
-                                     RecipeSummary("hsdp", float("inf"), 0, False)])
+    row = _row(
+        0.8,
+        10 * G,
+        20 * G,
+        [
+            RecipeSummary("tp", 0.5, 30 * G, False),
+            RecipeSummary("fsdp", 1.0, 9 * G, True),
+            RecipeSummary("hsdp", float("inf"), 0, False),
+        ],
+    )
     assert row.best().name == "fsdp" and abs(row.ratio() - 0.8) < 1e-12
     assert not row.over() and row.excludes_ddp()
-    assert _verdict([row]) == "verdict: goal met: the plan never loses to a fitting recipe and beats the best one " \
-                              "by the margin asked"
+    assert (
+        _verdict([row]) == "verdict: goal met: the plan never loses to a fitting recipe and beats the best one "
+        "by the margin asked"
+    )
 
 
 def test_verdict_names_each_failure():

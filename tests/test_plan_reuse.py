@@ -9,14 +9,13 @@ import json
 
 import pytest
 import torch
+from harness import local_ranks
+from numerics_utils import MODELS
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 from autoshard.plans.fingerprint import canonical_json, digest
 from autoshard.plans.plan import Plan
-
-from harness import local_ranks
-from numerics_utils import MODELS
 
 # a saved plan with more than placements in it: recomputed layers, ZeRO-2 gradient and state layouts
 SAVED = {"recompute": ["layers"], "recipe": "zero2"}
@@ -46,15 +45,18 @@ def test_a_plan_for_another_program_is_refused_naming_what_differs() -> None:
     with local_ranks(2):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
         saved = autoshard.plan(make(), mesh, (tokens, targets))
-        with pytest.raises(ValueError, match=r"inputs: the plan's 'args\[0\] int64\[8, 16\].*now 'args\[0\] int64\[4, 16\]"):
+        with pytest.raises(
+            ValueError, match=r"inputs: the plan's 'args\[0\] int64\[8, 16\].*now 'args\[0\] int64\[4, 16\]"
+        ):
             autoshard.compile(make(), mesh, (tokens[:4], targets[:4]), backend="eager", plan=saved)
         with pytest.raises(ValueError, match=r"options: .*bfloat16"):
             autoshard.compile(make(), mesh, (tokens, targets), backend="eager", plan=saved, mixed_precision="bf16")
         # a plan whose fingerprint was dropped is still checked decision by decision
         stage = saved.stages[0]
         bad = dataclasses.replace(stage.ops[0], output=("S(5)",))
-        tampered = dataclasses.replace(saved, fingerprint=(), stages=(dataclasses.replace(
-            stage, ops=(bad, *stage.ops[1:])),))
+        tampered = dataclasses.replace(
+            saved, fingerprint=(), stages=(dataclasses.replace(stage, ops=(bad, *stage.ops[1:])),)
+        )
         with pytest.raises(ValueError, match=rf"plan= asks {bad.node} .*not one of its"):
             autoshard.compile(make(), mesh, (tokens, targets), backend="eager", plan=tampered)
 
@@ -76,8 +78,9 @@ def test_a_saved_zoo_plan_replays_offline_with_its_own_choices() -> None:
     no budget (it was refused for the recomputation the search tried) and, where candidates agree on the layouts
     a plan names but one holds a view DTensor offers as _StridedShard, the one a plan can name (it crashed)."""
     saved = autoshard.plan("llama3-8b", mesh=(8, 8), cluster="h100-sxm:8x8", global_batch=64)
-    again = autoshard.plan("llama3-8b", mesh=(8, 8), cluster="h100-sxm:8x8", global_batch=64,
-                           plan=Plan.from_json(saved.to_json()))
+    again = autoshard.plan(
+        "llama3-8b", mesh=(8, 8), cluster="h100-sxm:8x8", global_batch=64, plan=Plan.from_json(saved.to_json())
+    )
     assert again.solver.status == "REUSED"
     assert again.step_time_s == pytest.approx(saved.step_time_s, rel=1e-9)
     assert again.parameter_placements() == saved.parameter_placements()

@@ -14,9 +14,9 @@ from torch.distributed.device_mesh import init_device_mesh
 import autoshard
 import autoshard.api
 import autoshard.search.accumulate
-from autoshard.testing.launch import launch
 from autoshard.cluster.meshes import fake_world
 from autoshard.ir import repeated_layers
+from autoshard.testing.launch import launch
 
 pytest.importorskip("transformers")
 
@@ -44,7 +44,7 @@ def _per_layer(plan: autoshard.Plan) -> dict[int, tuple]:
     for o in plan.stages[0].ops:
         m = re.match(r"model\.layers\.(\d+)(\.|$)", o.module)
         if m:
-            rel = o.module[m.end(1):]
+            rel = o.module[m.end(1) :]
             out.setdefault(int(m.group(1)), []).append((rel, o.op, o.phase, o.shape, o.output, o.inputs))
     return {i: _up_to_axis_swap(tuple(v)) for i, v in out.items()}
 
@@ -53,10 +53,12 @@ def _up_to_axis_swap(decisions: tuple) -> tuple:
     """One layer's decisions with the two axes of the (2, 2) mesh possibly swapped, in one canonical order: both
     axes are alike on this cluster, so a layer that splits on one or on the other costs the same to the
     nanosecond, and which of the two the solver returns is not a property of sampling."""
+
     def swap(x):
         if isinstance(x, tuple) and len(x) == 2 and all(isinstance(p, str) for p in x):
             return (x[1], x[0])
         return tuple(swap(y) for y in x) if isinstance(x, tuple) else x
+
     return min(decisions, tuple(swap(d) for d in decisions))
 
 
@@ -66,8 +68,11 @@ def _plan_both(rank: int, world: int, arg: tuple) -> dict:
     model, batch = arg
     with fake_world(4):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        plan = autoshard.plan(model, mesh, batch, **FAST) if rank == 0 else \
-            autoshard.plan(model, mesh, batch, sample_layers=None, **FAST)
+        plan = (
+            autoshard.plan(model, mesh, batch, **FAST)
+            if rank == 0
+            else autoshard.plan(model, mesh, batch, sample_layers=None, **FAST)
+        )
     return {"plan": plan.to_json(), "layers": len(model.model.layers), "configured": model.config.num_hidden_layers}
 
 
@@ -123,8 +128,8 @@ def test_compile_captures_every_layer(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_constraint_on_some_layers_only_keeps_every_layer() -> None:
     """A constraint that pins layers 1 and 10-19 but not the others: sampled layers could not stand for them."""
-    from autoshard.config import PlanConfig
     from autoshard.compiler.capture_layers import constraints_uneven
+    from autoshard.config import PlanConfig
 
     model, _ = _tiny_llama()
     some = PlanConfig(constraints={"model.layers.1*.mlp.*": "[R, R]", "inputs": "[S(0), R]"})

@@ -30,8 +30,10 @@ def _transposed() -> torch.Tensor:
 
 # (what, the capture decomposition's call, one device's call): the values, or dropout's kept elements
 FILLS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]] = {
-    "dropout": (lambda x: DECOMPOSITIONS[aten.native_dropout.default](x, 0.1, True)[0] != 0,
-                lambda x: F.dropout(x, 0.1) != 0),
+    "dropout": (
+        lambda x: DECOMPOSITIONS[aten.native_dropout.default](x, 0.1, True)[0] != 0,
+        lambda x: F.dropout(x, 0.1) != 0,
+    ),
     # bernoulli.p is also what capture makes of the in-place form (F.dropout's ``empty_like(x).bernoulli_(1 - p)``);
     # the out-of-place torch.bernoulli(x, p) of a transposed x fills contiguous on one device: the one form drawn
     # in another order, as the captured graph cannot tell the two apart

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import case_result, local_ranks, run_two_at_a_time, selected_cases
+from numerics_utils import LR, PARAM_ATOL, _full, _scalar
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 import autoshard
 from autoshard.runtime.stage_random import StageStreams
 from autoshard.testing.launch import launch
-from harness import case_result, local_ranks, run_two_at_a_time, selected_cases
-from numerics_utils import LR, PARAM_ATOL, _full, _scalar
 
 pytest.importorskip("transformers")
 
@@ -37,9 +37,17 @@ def _phimoe(batch: int = 4, seq: int = 16) -> tuple[torch.nn.Module, dict[str, t
     """A stock ``PhimoeForCausalLM`` from its config class (default dropout, jitter and sampled routing)."""
     import transformers
 
-    config = transformers.PhimoeConfig(vocab_size=hf.VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                                       num_experts_per_tok=2, max_position_embeddings=64)
+    config = transformers.PhimoeConfig(
+        vocab_size=hf.VOCAB,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = transformers.PhimoeForCausalLM(config)
@@ -119,8 +127,9 @@ def _local_case(case: tuple[str, tuple[int, ...]]) -> tuple[dict, dict]:
 
 @pytest.fixture(scope="module")
 def local_runs(request: pytest.FixtureRequest) -> dict:
-    return run_two_at_a_time(_local_case, selected_cases(request, "test_dropout_draws_what_one_device_draws", "case"),
-                             cost=COST)
+    return run_two_at_a_time(
+        _local_case, selected_cases(request, "test_dropout_draws_what_one_device_draws", "case"), cost=COST
+    )
 
 
 @pytest.mark.parametrize("case", LOCAL, ids=[f"{n}-{'x'.join(map(str, s))}" for n, s in LOCAL])
@@ -150,8 +159,9 @@ def test_local_draws_are_seeded_alike_on_replicas_and_differ_by_piece() -> None:
     exact = reference("gpt2", steps=1)
     model, batch = hf.build("gpt2")
     with local_ranks(4):
-        sharded = autoshard.compile(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")), batch,
-                                    recipe="fsdp+tp")
+        sharded = autoshard.compile(
+            model, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")), batch, recipe="fsdp+tp"
+        )
         losses = []
         for seed in (SEED, SEED, SEED + 1):
             torch.manual_seed(seed)
@@ -217,10 +227,18 @@ def _replicas_agree(results: list[dict]) -> None:
             assert torch.equal(g, results[0]["grads"][n]), f"rank {r}'s gradient of {n} differs from rank 0's"
 
 
-@pytest.mark.parametrize("backend,shape,kw", [
-    ("inductor", (2,), {"constraints": {"inputs": {"dp": Shard(0)}}, "recompute": "transformer.h", "random": "exact"}),
-    ("eager", (2,), {"torch_compile": True, "random": "exact"}),
-], ids=["inductor-dp2-recomputed", "torch-compile-backend"])
+@pytest.mark.parametrize(
+    "backend,shape,kw",
+    [
+        (
+            "inductor",
+            (2,),
+            {"constraints": {"inputs": {"dp": Shard(0)}}, "recompute": "transformer.h", "random": "exact"},
+        ),
+        ("eager", (2,), {"torch_compile": True, "random": "exact"}),
+    ],
+    ids=["inductor-dp2-recomputed", "torch-compile-backend"],
+)
 def test_stock_gpt2_with_dropout_on_gloo_ranks(backend: str, shape: tuple, kw: dict) -> None:
     """Lowered programs on real ranks: Inductor's (which calls ATen's random kernels, not its own), each layer
     recomputed in the backward from its saved mask; the ``torch.compile`` backend (the eager FX graphs)."""
@@ -243,8 +261,9 @@ def _pipelined(rank: int, world: int, arg: None) -> dict:
     out = {}
     for mode in ("exact", "local"):
         model, _ = hf.build("gpt2", batch=8, layers=2)
-        sharded = autoshard.compile(model, mesh, _unpadded(), backend="eager", schedule="1F1B", microbatches=2,
-                                    random=mode)
+        sharded = autoshard.compile(
+            model, mesh, _unpadded(), backend="eager", schedule="1F1B", microbatches=2, random=mode
+        )
         losses, grads = [], {}
         for seed in (SEED, SEED, SEED + 1):
             torch.manual_seed(seed)
@@ -312,8 +331,9 @@ def test_stage_streams_differ_by_stage_and_step_and_leave_the_generator_in_step(
 def _accumulated(rank: int, world: int, arg: None) -> dict:
     model, batch = hf.build("gpt2", batch=8)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    sharded = autoshard.compile(model, mesh, batch, backend="eager", microbatches=2,
-                                constraints={"inputs": {"dp": Shard(0)}})
+    sharded = autoshard.compile(
+        model, mesh, batch, backend="eager", microbatches=2, constraints={"inputs": {"dp": Shard(0)}}
+    )
     torch.manual_seed(SEED)
     loss = float(sharded.step(**batch))
     return {"losses": [loss], "grads": {n: _full(p.grad) for n, p in sharded.named_parameters()}}
@@ -350,8 +370,13 @@ def test_draws_that_read_values_run_whole_and_equal_one_device() -> None:
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     with local_ranks(2):
-        sharded = autoshard.compile(model, init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)), (x,),
-                                    constraints={"inputs": {"dp": Shard(0)}}, random="exact")
+        sharded = autoshard.compile(
+            model,
+            init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)),
+            (x,),
+            constraints={"inputs": {"dp": Shard(0)}},
+            random="exact",
+        )
         torch.manual_seed(SEED)
         got = _scalar(sharded.step(x))
         grads = {n: _full(p.grad) for n, p in sharded.named_parameters()}

@@ -11,10 +11,9 @@ from __future__ import annotations
 import time
 
 import pytest
+from numerics_utils import MODELS
 
 from autoshard.testing.launch import launch
-
-from numerics_utils import MODELS
 
 BOUND_S = 10.0  # what "bounded" means here: far below gloo's 30-minute timeout, far above a step on 2 cores
 
@@ -30,8 +29,7 @@ def _worker(rank: int, world: int, how: str) -> dict:
     make, inputs_fn = MODELS["gpt"]
     ids, labels = inputs_fn()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    sharded = autoshard.compile(make(), mesh, (ids, labels), backend="eager",
-                                constraints={"inputs": {"dp": Shard(0)}})
+    sharded = autoshard.compile(make(), mesh, (ids, labels), backend="eager", constraints={"inputs": {"dp": Shard(0)}})
     opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
     raised_at = torch.zeros(1, dtype=torch.float64)
     if how == "hook" and rank == 1:  # raises in the backward of the second step, after its gradients' collectives
@@ -57,8 +55,13 @@ def _worker(rank: int, world: int, how: str) -> dict:
             opt.zero_grad()
             out["steps"] += 1
     except Exception as e:  # noqa: BLE001 - returned for the test to check
-        out.update(error=type(e).__name__, message=str(e), at=time.time(), failed_rank=getattr(e, "rank", None),
-                   group_closed=not dist.is_initialized())
+        out.update(
+            error=type(e).__name__,
+            message=str(e),
+            at=time.time(),
+            failed_rank=getattr(e, "rank", None),
+            group_closed=not dist.is_initialized(),
+        )
         out["raised_at"] = float(raised_at[0])
         if how == "dtype" and rank == 1:  # the failing process lives on (a notebook, a retry loop): its closed
             time.sleep(BOUND_S + 2)  # connections, not its exit, must end the others' wait

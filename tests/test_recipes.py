@@ -7,20 +7,26 @@ import math
 
 import pytest
 import torch
+from harness import (
+    assert_close_to_reference,
+    case_result,
+    local_ranks,
+    run_two_at_a_time,
+    selected_cases,
+    single_device_reference,
+)
+from numerics_utils import LR, MODELS, PARAM_ATOL, train_sharded
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
-from autoshard.config import normalize
-from autoshard.models.moe import MoEConfig, MoEDecoder, moe_example_inputs
-from autoshard.solver.recipes import applicable, is_expert_weight, tp_role
 from autoshard.cluster.meshes import fake_world
+from autoshard.config import normalize
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.models.llama import Llama, LlamaConfig, llama_example_inputs
 from autoshard.models.mlp import MLP, mlp_example_inputs
+from autoshard.models.moe import MoEConfig, MoEDecoder, moe_example_inputs
 from autoshard.plans.report import report
-from harness import (assert_close_to_reference, case_result, local_ranks, run_two_at_a_time, selected_cases,
-                     single_device_reference)
-from numerics_utils import LR, MODELS, PARAM_ATOL, train_sharded
+from autoshard.solver.recipes import applicable, is_expert_weight, tp_role
 
 CFG = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab=128, seq_len=16)
 SMALL_LLAMA = LlamaConfig(n_layer=2, d_model=128, n_head=4, n_kv_head=2, ffn=256, vocab=256, seq_len=32)
@@ -75,7 +81,9 @@ def test_each_recipe_has_the_placements_its_name_promises():
     assert set(hsdp.values()) == {("R", "S(0)")}  # sharded within the last axis, replicated over the first
     for z in (zero1, zero2):  # replicated for compute; gradients (ZeRO-2) and optimizer state sharded on both axes
         params = [t for t in z.stages[0].tensors if t.role == "parameter"]
-        assert {(t.placements, t.state_placements, t.zero) for t in params} == {(("R", "R"), ("S(0)", "S(0)"), z.recipe)}
+        assert {(t.placements, t.state_placements, t.zero) for t in params} == {
+            (("R", "R"), ("S(0)", "S(0)"), z.recipe)
+        }
         assert {t.grad_placements for t in params} == {("R", "R") if z.recipe == "zero1" else ("S(0)", "S(0)")}
     # the state's share: ZeRO-1 and ZeRO-2 hold a quarter of DDP's optimizer state, ZeRO-2 a quarter of its gradients
     assert zero1.peak_memory.optimizer * 4 == full.optimizer and zero1.peak_memory.gradients == full.gradients
@@ -109,8 +117,9 @@ def test_ep_recipe_shards_experts_and_needs_them():
         ep = autoshard.recipe("ep", model, mesh, moe_example_inputs(cfg, 8)).parameter_placements()
         with pytest.raises(ValueError, match="recipe 'ep' shards stacked expert weights .* this model has none"):
             autoshard.recipe("ep", MLP(16, 32, 16), mesh, mlp_example_inputs(8, 16, 16))
-    assert {k: v for k, v in ep.items() if ".moe.w" in k} == {f"layers.0.moe.{w}": ("S(1)", "S(0)")
-                                                               for w in ("w1", "w2", "w3")}
+    assert {k: v for k, v in ep.items() if ".moe.w" in k} == {
+        f"layers.0.moe.{w}": ("S(1)", "S(0)") for w in ("w1", "w2", "w3")
+    }
     assert {v for k, v in ep.items() if ".moe.w" not in k} == {("R", "R")}
 
 
@@ -175,7 +184,11 @@ def _train_recipe(case: tuple) -> tuple:
 @pytest.fixture(scope="module")
 def trained(request: pytest.FixtureRequest) -> dict:
     """The selected cases' LocalTensorMode runs, two at a time in forked processes (single-threaded work)."""
-    cases = [(r, s, n) for r, s, n in TRAINED if (r, s, n) in selected_cases(request, "test_recipe_plan_trains_like_one_device", "case")]
+    cases = [
+        (r, s, n)
+        for r, s, n in TRAINED
+        if (r, s, n) in selected_cases(request, "test_recipe_plan_trains_like_one_device", "case")
+    ]
     return run_two_at_a_time(_train_recipe, cases)
 
 
@@ -197,7 +210,9 @@ def test_sampled_layers_stand_for_the_whole_model():
         for sample in (None, 3):
             with torch.device("meta"):
                 model = GPT(cfg)
-            plans.append(autoshard.plan(model, mesh, gpt_example_inputs(cfg, 8), sample_layers=sample, solve_recipes=False))
+            plans.append(
+                autoshard.plan(model, mesh, gpt_example_inputs(cfg, 8), sample_layers=sample, solve_recipes=False)
+            )
     full, sampled = plans
     assert "3 of 6" in sampled.sampled_layers and not full.sampled_layers
     assert math.isclose(sampled.step_time_s, full.step_time_s, rel_tol=1e-6)
@@ -218,8 +233,9 @@ def llama_on_2x4():
         mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
         with torch.device("meta"):
             llama = Llama(cfg)
-        planned = plan_graph(llama, llama_example_inputs(cfg, 8), mesh, get_cluster("h100-sxm:1x8"),
-                             PlanConfig(solve_recipes=False))
+        planned = plan_graph(
+            llama, llama_example_inputs(cfg, 8), mesh, get_cluster("h100-sxm:1x8"), PlanConfig(solve_recipes=False)
+        )
     return planned.graph, planned.ctx
 
 
@@ -241,8 +257,9 @@ def test_the_integer_program_prices_any_choice_as_evaluate_does(llama_on_2x4):
             if math.isfinite(problem.evaluate(trial)):
                 choice = trial
         assert choice != base
-        sol = problem.solve(memory_budget=None, time_limit_s=10, pins={c: {i} for c, i in choice.items()},
-                            within=every, what="forced")
+        sol = problem.solve(
+            memory_budget=None, time_limit_s=10, pins={c: {i} for c, i in choice.items()}, within=every, what="forced"
+        )
         assert math.isclose(sol.objective_s, problem.evaluate(choice), rel_tol=1e-9, abs_tol=1e-6)
         assert sol.objective_s > problem.evaluate(base)
 

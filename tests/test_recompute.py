@@ -9,31 +9,40 @@ from __future__ import annotations
 import json
 
 import torch
+from harness import assert_close_to_reference, single_device_reference
+from numerics_utils import LR, MODELS, PARAM_ATOL, train_sharded
 from torch.distributed.tensor import Shard
 
 import autoshard
-from autoshard.testing.launch import launch
 from autoshard.compiler.capture_recompute import LayerReplay, layer_modes, mix_specs, sampled_specs
-from autoshard.search.recompute import best_mix
 from autoshard.plans.report import report
-from harness import assert_close_to_reference, single_device_reference
-from numerics_utils import LR, MODELS, PARAM_ATOL, train_sharded
+from autoshard.search.recompute import best_mix
+from autoshard.testing.launch import launch
 
 
 def _program_counts(sharded) -> dict:
     program = sharded._program
-    return {"saved": program.n_saved,  # tensors the forward keeps for the backward
-            "backward_mm": sum(1 for n in program.bw_gm.graph.nodes  # matmuls run (saved ones come in by name)
-                               if n.op == "call_function" and "mm" in str(n.target)),
-            # attention forwards run again in the backward (a kernel tagged as random for its dropout_p, at 0)
-            "backward_attention": sum(1 for n in program.bw_gm.graph.nodes if n.op == "call_function"
-                                      and "scaled_dot_product" in str(n.target) and "backward" not in str(n.target))}
+    return {
+        "saved": program.n_saved,  # tensors the forward keeps for the backward
+        "backward_mm": sum(
+            1
+            for n in program.bw_gm.graph.nodes  # matmuls run (saved ones come in by name)
+            if n.op == "call_function" and "mm" in str(n.target)
+        ),
+        # attention forwards run again in the backward (a kernel tagged as random for its dropout_p, at 0)
+        "backward_attention": sum(
+            1
+            for n in program.bw_gm.graph.nodes
+            if n.op == "call_function" and "scaled_dot_product" in str(n.target) and "backward" not in str(n.target)
+        ),
+    }
 
 
 def _worker(rank: int, world: int, recompute: tuple[str, ...]) -> dict:
     make, inputs_fn = MODELS["gpt"]
-    return train_sharded(make, inputs_fn(), (world,), ("dp",), lr=LR, recompute=recompute, backend="eager",
-                         probe=_program_counts)
+    return train_sharded(
+        make, inputs_fn(), (world,), ("dp",), lr=LR, recompute=recompute, backend="eager", probe=_program_counts
+    )
 
 
 def test_recomputed_layers_save_less_and_train_like_one_device():

@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import assert_close_to_reference, single_device_reference
+from numerics_utils import LR, MODELS, PARAM_ATOL, train_sharded
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 from autoshard.buckets import bucket_starts
-from autoshard.cluster.presets import get_cluster
-from autoshard.cost.comm import collective_time
-from autoshard.testing.launch import launch
 from autoshard.cluster.meshes import fake_world
-from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
+from autoshard.cluster.presets import get_cluster
 from autoshard.compiler.lower import collective_counts
-from harness import assert_close_to_reference, single_device_reference
-from numerics_utils import LR, MODELS, PARAM_ATOL, train_sharded
+from autoshard.cost.comm import collective_time
+from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
+from autoshard.testing.launch import launch
 
 CFG = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab=128, seq_len=16)
 
@@ -38,8 +38,9 @@ def test_bundled_links_have_no_latency_and_the_same_bandwidth() -> None:
 def test_a_ddp_plan_pays_one_latency_per_bucket_not_per_gradient() -> None:
     with fake_world(2):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-        plan = autoshard.plan(GPT(CFG), mesh, gpt_example_inputs(CFG, 4), recipe="ddp", cluster="cpu",
-                              solve_recipes=False)
+        plan = autoshard.plan(
+            GPT(CFG), mesh, gpt_example_inputs(CFG, 4), recipe="ddp", cluster="cpu", solve_recipes=False
+        )
     params = {t.name for t in plan.stages[0].tensors if t.role == "parameter"}
     grads = [c for c in plan.stages[0].collectives if c.consumer in params and c.kind == "all_reduce"]
     buckets = [c for c in grads if c.tensor.startswith("bucket of")]
@@ -48,7 +49,9 @@ def test_a_ddp_plan_pays_one_latency_per_bucket_not_per_gradient() -> None:
     assert len(members) == len(params)  # every gradient, priced at its bytes
     link = get_cluster("cpu").intra_node
     for c in members:  # bytes only
-        assert c.time_s == pytest.approx(collective_time("all_reduce", c.nbytes, 2, get_cluster("cpu").bundled().intra_node))
+        assert c.time_s == pytest.approx(
+            collective_time("all_reduce", c.nbytes, 2, get_cluster("cpu").bundled().intra_node)
+        )
     assert buckets[0].time_s == pytest.approx(collective_time("all_reduce", 0, 2, link))  # the latency, once
     assert buckets[0].tensor == f"bucket of {len(members)} gradients"
 
@@ -56,11 +59,13 @@ def test_a_ddp_plan_pays_one_latency_per_bucket_not_per_gradient() -> None:
 def _ddp_worker(rank: int, world: int, parameters: str) -> dict:
     make, inputs_fn = MODELS["gpt"]
     probe = lambda s: {  # noqa: E731
-        "fw": collective_counts(s._program.fw_gm), "bw": collective_counts(s._program.bw_gm),
+        "fw": collective_counts(s._program.fw_gm),
+        "bw": collective_counts(s._program.bw_gm),
         "plain": all(type(p) is torch.nn.Parameter and not hasattr(p, "_local_tensor") for p in s.parameters()),
     }
-    return train_sharded(make, inputs_fn(), (2,), ("dp",), lr=LR, recipe="ddp", backend="eager",
-                         parameters=parameters, probe=probe)
+    return train_sharded(
+        make, inputs_fn(), (2,), ("dp",), lr=LR, recipe="ddp", backend="eager", parameters=parameters, probe=probe
+    )
 
 
 @pytest.mark.parametrize("parameters", ["auto", "dtensor"])

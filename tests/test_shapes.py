@@ -10,12 +10,11 @@ from typing import Any
 
 import pytest
 import torch
+from numerics_utils import LR
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 from autoshard.testing.launch import launch
-
-from numerics_utils import LR
 
 pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -25,8 +24,16 @@ SHAPES = ((4, 32), (4, 24), (4, 17), (2, 32), (4, 24))  # the last: a shape met 
 
 def _llama() -> torch.nn.Module:
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
 
 
 def _batches() -> list[torch.Tensor]:
@@ -58,8 +65,9 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 def _compiled(rank: int, world: int, arg: None) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     batches = _batches()
-    sharded = autoshard.compile(_llama(), mesh, example_inputs=dict(input_ids=batches[0], labels=batches[0]),
-                                backend="eager", recipe="fsdp+tp")
+    sharded = autoshard.compile(
+        _llama(), mesh, example_inputs=dict(input_ids=batches[0], labels=batches[0]), backend="eager", recipe="fsdp+tp"
+    )
     placements = {n: str(p.placements) for n, p in sharded.named_parameters()}
     opt = torch.optim.AdamW(sharded.parameters(), lr=LR)
     losses = []
@@ -69,17 +77,19 @@ def _compiled(rank: int, world: int, arg: None) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
-    return {"losses": losses, "params": {n: _full(p) for n, p in sharded.named_parameters()},
-            "kept": len(sharded._shapes.programs), "moved": placements != {n: str(p.placements)
-                                                                     for n, p in sharded.named_parameters()}}
+    return {
+        "losses": losses,
+        "params": {n: _full(p) for n, p in sharded.named_parameters()},
+        "kept": len(sharded._shapes.programs),
+        "moved": placements != {n: str(p.placements) for n, p in sharded.named_parameters()},
+    }
 
 
 def _backend(rank: int, world: int, arg: None) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     model = _llama()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    compiled = torch.compile(model, backend="autoshard", options={"mesh": mesh, "backend": "eager",
-                                                                  "recipe": "fsdp"})
+    compiled = torch.compile(model, backend="autoshard", options={"mesh": mesh, "backend": "eager", "recipe": "fsdp"})
     losses = []
     for ids in _batches():
         piece = ids.chunk(2)[rank]  # DDP's convention: each rank its half of the batch
@@ -94,8 +104,9 @@ def _backend(rank: int, world: int, arg: None) -> dict[str, Any]:
 def _uneven(rank: int, world: int, arg: None) -> str:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     ids = _batches()[0]
-    sharded = autoshard.compile(_llama(), mesh, example_inputs=dict(input_ids=ids, labels=ids), backend="eager",
-                                recipe="ddp")
+    sharded = autoshard.compile(
+        _llama(), mesh, example_inputs=dict(input_ids=ids, labels=ids), backend="eager", recipe="ddp"
+    )
     short = ids[:3]  # a last batch of 3 on 2 data-parallel ranks
     try:
         sharded(**sharded.shard_inputs(input_ids=short, labels=short))

@@ -101,9 +101,12 @@ FACADES = ("autoshard", "autoshard._torch_compat")  # the public API; the one do
 
 def _imported_names(tree: ast.Module) -> dict[str, tuple[str, str]]:
     """Local name -> (autoshard module, imported name), for every ``from autoshard... import`` in the module."""
-    return {a.asname or a.name: (node.module, a.name) for node in ast.walk(tree)
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("autoshard")
-            for a in node.names}
+    return {
+        a.asname or a.name: (node.module, a.name)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("autoshard")
+        for a in node.names
+    }
 
 
 def _all(tree: ast.Module) -> list[str]:
@@ -129,24 +132,38 @@ def test_no_reexport_shims() -> None:
 
 
 def test_no_private_names_across_modules() -> None:
-    bad = [f"{name}: {n} from {mod}" for name, path in _modules().items()
-           for _, (mod, n) in _imported_names(ast.parse(path.read_text())).items()
-           if n.startswith("_") and not n.startswith("__") and n != "_torch_compat" and mod != name]
+    bad = [
+        f"{name}: {n} from {mod}"
+        for name, path in _modules().items()
+        for _, (mod, n) in _imported_names(ast.parse(path.read_text())).items()
+        if n.startswith("_") and not n.startswith("__") and n != "_torch_compat" and mod != name
+    ]
     assert not bad, "private names imported from another module (make them public or move them):\n" + "\n".join(bad)
 
 
 def test_no_any_aliases() -> None:
     """``Plan = Any`` erases a type: an annotation names the type (under ``TYPE_CHECKING`` if need be)."""
-    bad = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in _modules().values()
-           for node in ast.parse(path.read_text()).body
-           if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Name) and node.value.id == "Any"]
+    bad = [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for path in _modules().values()
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Name) and node.value.id == "Any"
+    ]
     assert not bad, "module-level aliases of Any:\n" + "\n".join(bad)
 
 
 # a parameter named for one of the project's types is annotated with that type, never ``Any``: the reader goes by
 # the name, and the runtime's program is typed by the protocols it owns (``autoshard/runtime/program.py``)
-PROJECT_TYPES = {"plan": "Plan", "program": "Program", "planned": "Planned", "solution": "Solution",
-                 "cluster": "ClusterProfile", "config": "PlanConfig", "ctx": "PassContext", "req": "PlanRequest"}
+PROJECT_TYPES = {
+    "plan": "Plan",
+    "program": "Program",
+    "planned": "Planned",
+    "solution": "Solution",
+    "cluster": "ClusterProfile",
+    "config": "PlanConfig",
+    "ctx": "PassContext",
+    "req": "PlanRequest",
+}
 
 
 def _any_for_project_types(tree: ast.Module, path: str) -> list[str]:
@@ -174,16 +191,21 @@ def _any_for_project_types(tree: ast.Module, path: str) -> list[str]:
 
 
 def test_project_types_are_not_any() -> None:
-    bad = [b for name, path in _modules().items()
-           for b in _any_for_project_types(ast.parse(path.read_text()), str(path.relative_to(ROOT)))]
+    bad = [
+        b
+        for name, path in _modules().items()
+        for b in _any_for_project_types(ast.parse(path.read_text()), str(path.relative_to(ROOT)))
+    ]
     assert not bad, "project types annotated Any (name the type; under TYPE_CHECKING if need be):\n" + "\n".join(bad)
     probe = ast.parse("def f(plan: Any, program: Any | None = None) -> None: ...")
     assert len(_any_for_project_types(probe, "x.py")) == 2  # (the check sees what it is for)
 
 
 # At most this many lines of code per file: beyond it, in this code base, a module has been doing two jobs.
-# Docstrings, comments and blank lines are not counted: the limit never argues against explaining.
-CODE_LINES = 350
+# Docstrings, comments and blank lines are not counted: the limit never argues against explaining. Lines as ruff
+# format writes them (a call that does not fit in one line takes one line per argument): 350 lines before the
+# code was formatted, whose 29,500 lines of code became 34,500.
+CODE_LINES = 400
 
 
 def code_lines(text: str) -> int:
@@ -193,11 +215,22 @@ def code_lines(text: str) -> int:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
                 doc.update(range(first.lineno, first.end_lineno + 1))
     skip = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
-    return len({line for tok in tokenize.generate_tokens(io.StringIO(text).readline) if tok.type not in skip
-                for line in range(tok.start[0], tok.end[0] + 1) if line not in doc})
+    return len(
+        {
+            line
+            for tok in tokenize.generate_tokens(io.StringIO(text).readline)
+            if tok.type not in skip
+            for line in range(tok.start[0], tok.end[0] + 1)
+            if line not in doc
+        }
+    )
 
 
 def test_code_lines_counts_code_only() -> None:
@@ -206,7 +239,10 @@ def test_code_lines_counts_code_only() -> None:
 
 
 def test_every_file_reads_in_one_sitting() -> None:
-    files = [*(ROOT / "autoshard").rglob("*.py"), *(p for d in ("benchmarks", "tests") for p in (ROOT / d).rglob("*.py"))]
+    files = [
+        *(ROOT / "autoshard").rglob("*.py"),
+        *(p for d in ("benchmarks", "tests") for p in (ROOT / d).rglob("*.py")),
+    ]
     assert len(files) > 100
     long = {str(p.relative_to(ROOT)): n for p in files if (n := code_lines(p.read_text())) > CODE_LINES}
     assert not long, f"files over {CODE_LINES} lines of code: {long}"
@@ -216,25 +252,63 @@ def test_every_file_reads_in_one_sitting() -> None:
 # rules, the shared IR and where weights come from (weights/) know nothing of the passes, the searches, pipelines
 # or the runtime
 LAYERS = {
-    "autoshard.runtime": ("autoshard.compiler", "autoshard.search", "autoshard.api", "autoshard.solver",
-                          "autoshard.pipeline"),
-    "autoshard.solver": ("autoshard.compiler", "autoshard.search", "autoshard.api", "autoshard.pipeline",
-                         "autoshard.runtime"),
-    "autoshard.cost": ("autoshard.compiler", "autoshard.search", "autoshard.api", "autoshard.pipeline",
-                       "autoshard.runtime", "autoshard.solver"),
-    "autoshard.rules": ("autoshard.compiler", "autoshard.search", "autoshard.api", "autoshard.pipeline",
-                        "autoshard.runtime", "autoshard.solver"),
-    "autoshard.weights": ("autoshard.compiler", "autoshard.search", "autoshard.api", "autoshard.pipeline",
-                          "autoshard.runtime", "autoshard.solver"),
-    "autoshard.ir": ("autoshard.compiler", "autoshard.search", "autoshard.api", "autoshard.pipeline",
-                     "autoshard.runtime", "autoshard.solver"),
+    "autoshard.runtime": (
+        "autoshard.compiler",
+        "autoshard.search",
+        "autoshard.api",
+        "autoshard.solver",
+        "autoshard.pipeline",
+    ),
+    "autoshard.solver": (
+        "autoshard.compiler",
+        "autoshard.search",
+        "autoshard.api",
+        "autoshard.pipeline",
+        "autoshard.runtime",
+    ),
+    "autoshard.cost": (
+        "autoshard.compiler",
+        "autoshard.search",
+        "autoshard.api",
+        "autoshard.pipeline",
+        "autoshard.runtime",
+        "autoshard.solver",
+    ),
+    "autoshard.rules": (
+        "autoshard.compiler",
+        "autoshard.search",
+        "autoshard.api",
+        "autoshard.pipeline",
+        "autoshard.runtime",
+        "autoshard.solver",
+    ),
+    "autoshard.weights": (
+        "autoshard.compiler",
+        "autoshard.search",
+        "autoshard.api",
+        "autoshard.pipeline",
+        "autoshard.runtime",
+        "autoshard.solver",
+    ),
+    "autoshard.ir": (
+        "autoshard.compiler",
+        "autoshard.search",
+        "autoshard.api",
+        "autoshard.pipeline",
+        "autoshard.runtime",
+        "autoshard.solver",
+    ),
 }
 
 
 def test_no_up_calls() -> None:
     g = import_graph()
-    bad = [f"{a} -> {b}" for a, b in g.edges for low, banned in LAYERS.items()
-           if (a == low or a.startswith(low + ".")) and any(b == x or b.startswith(x + ".") for x in banned)]
+    bad = [
+        f"{a} -> {b}"
+        for a, b in g.edges
+        for low, banned in LAYERS.items()
+        if (a == low or a.startswith(low + ".")) and any(b == x or b.startswith(x + ".") for x in banned)
+    ]
     assert not bad, "imports from a lower layer up:\n" + "\n".join(sorted(bad))
 
 
@@ -245,21 +319,42 @@ def test_bad_input_errors_share_the_base_class() -> None:
     import autoshard
     from autoshard.errors import AutoshardError
 
-    bare = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in _modules().values()
-            for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
-            and isinstance(node.exc.func, ast.Name) and node.exc.func.id in ("ValueError", "TypeError")]
-    assert not bare, "raise InputError or CallError (autoshard.errors) instead of ValueError or TypeError at:\n" + \
-        "\n".join(bare)
-    runtime = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in _modules().values()
-               if "_torch_compat" not in path.parts
-               for node in ast.walk(ast.parse(path.read_text()))
-               if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
-               and isinstance(node.exc.func, ast.Name) and node.exc.func.id == "RuntimeError"]
-    assert not runtime, ("raise UsageError, InternalError, LaunchError or RankFailed (autoshard.errors) instead of a "
-                         "bare RuntimeError at:\n" + "\n".join(runtime))
-    for name in ("InputError", "CallError", "InfeasibleBudget", "SolverTimeout", "DataDependentError", "LaunchError",
-                 "UsageError", "InternalError"):
+    bare = [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for path in _modules().values()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Raise)
+        and isinstance(node.exc, ast.Call)
+        and isinstance(node.exc.func, ast.Name)
+        and node.exc.func.id in ("ValueError", "TypeError")
+    ]
+    assert not bare, (
+        "raise InputError or CallError (autoshard.errors) instead of ValueError or TypeError at:\n" + "\n".join(bare)
+    )
+    runtime = [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for path in _modules().values()
+        if "_torch_compat" not in path.parts
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Raise)
+        and isinstance(node.exc, ast.Call)
+        and isinstance(node.exc.func, ast.Name)
+        and node.exc.func.id == "RuntimeError"
+    ]
+    assert not runtime, (
+        "raise UsageError, InternalError, LaunchError or RankFailed (autoshard.errors) instead of a "
+        "bare RuntimeError at:\n" + "\n".join(runtime)
+    )
+    for name in (
+        "InputError",
+        "CallError",
+        "InfeasibleBudget",
+        "SolverTimeout",
+        "DataDependentError",
+        "LaunchError",
+        "UsageError",
+        "InternalError",
+    ):
         assert issubclass(getattr(autoshard, name), AutoshardError), name
     assert issubclass(autoshard.InputError, ValueError) and issubclass(autoshard.InfeasibleBudget, ValueError)
     assert issubclass(autoshard.CallError, TypeError)

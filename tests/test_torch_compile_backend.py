@@ -9,13 +9,12 @@ import sys
 
 import pytest
 import torch
+from harness import assert_close_to_reference, single_device_reference
+from numerics_utils import LR, MODELS, PARAM_ATOL
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 from autoshard.testing.launch import launch
-
-from harness import assert_close_to_reference, single_device_reference
-from numerics_utils import LR, MODELS, PARAM_ATOL
 
 
 def _full(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -49,8 +48,14 @@ def _worker(rank: int, world: int, arg: tuple) -> dict:
     params = {n: _full(p, p.data) for n, p in model.named_parameters()}
     sharded = sum(p.numel() < autoshard.as_dtensor(p).numel() for p in model.parameters())
     counts = torch._dynamo.utils.counters["stats"]
-    return {"losses": losses, "grads": grads, "params": params, "frames": int(counts["unique_graphs"]),
-            "sharded": sharded, "norm": norm}
+    return {
+        "losses": losses,
+        "grads": grads,
+        "params": params,
+        "frames": int(counts["unique_graphs"]),
+        "sharded": sharded,
+        "norm": norm,
+    }
 
 
 def test_backend_trains_like_one_device_on_2x2() -> None:
@@ -142,8 +147,15 @@ def test_a_meta_built_model_gets_values_and_trains_through_the_backend(tmp_path)
 
     ckpt = str(tmp_path / "hf")
     torch.manual_seed(1)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     AutoModelForCausalLM.from_config(cfg).save_pretrained(ckpt)
     results = launch(2, _meta_built, ckpt, timeout=400)
     make, inputs_fn = MODELS["gpt"]

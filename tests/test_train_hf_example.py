@@ -60,7 +60,8 @@ def test_torchrun_trains_checkpoints_and_resumes(first_run: tuple[Path, str, dic
 
 
 def test_torchrun_pipeline_stages_and_backend_train_like_the_plain_compile(
-        first_run: tuple[Path, str, dict[int, float]]) -> None:
+    first_run: tuple[Path, str, dict[int, float]],
+) -> None:
     """The same stock model and batches through pipeline stages (``--pp 2``: two stages, padded rows weighted by
     their tokens) and through ``torch.compile(backend="autoshard")`` with the config's default KV cache: the
     same losses as ``autoshard.compile`` on a data-parallel mesh (the first run's steps 0-2)."""

@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+from harness import local_ranks
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
@@ -15,14 +16,13 @@ import autoshard
 from autoshard.cluster.meshes import fake_world
 from autoshard.models.mlp import MLP, mlp_example_inputs
 
-from harness import local_ranks
-
 
 def _mlp_plan(constraints: dict) -> autoshard.Plan:
     with fake_world(4):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        return autoshard.plan(MLP(16, 30, 16), mesh, mlp_example_inputs(8, 16, 16), constraints=constraints,
-                              solve_recipes=False)
+        return autoshard.plan(
+            MLP(16, 30, 16), mesh, mlp_example_inputs(8, 16, 16), constraints=constraints, solve_recipes=False
+        )
 
 
 @pytest.mark.parametrize(
@@ -53,8 +53,11 @@ def test_a_meta_model_without_values_is_refused_at_its_first_step() -> None:
     with local_ranks(2):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
         sharded = autoshard.compile(model, mesh, inputs, recipe="fsdp")  # each rank allocates its shards only
-        with pytest.raises(RuntimeError, match=r"built on the meta device and still have no values \(fc1\.weight.*"
-                                               r"init_weights\(seed=0\).*load_pretrained"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"built on the meta device and still have no values \(fc1\.weight.*"
+            r"init_weights\(seed=0\).*load_pretrained",
+        ):
             sharded.step(*inputs)
 
 
@@ -115,7 +118,6 @@ def test_op_without_a_rule_runs_replicated_with_one_warning(caplog: pytest.LogCa
         assert torch.allclose(grads[n]._local_tensors[0], p.grad, atol=1e-6), n
 
 
-
 def _warnings_of_one_rank(rank: int, world: int, arg: None) -> list[str]:
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.WARNING)
@@ -164,12 +166,16 @@ def test_labels_passed_positionally_to_a_stock_hf_model_get_an_error_naming_the_
     ids = torch.randint(0, 128, (4, 16))
     with fake_world(2):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-        with pytest.raises(autoshard.CallError, match=r"GPT2LMHeadModel\.forward raised AttributeError: .*"
-                           r"modeling_gpt2\.py:\d+.*bound as input_ids=int64\[4, 16\], \w+=int64\[4, 16\].*"
-                           r"pass it by keyword"):
+        with pytest.raises(
+            autoshard.CallError,
+            match=r"GPT2LMHeadModel\.forward raised AttributeError: .*"
+            r"modeling_gpt2\.py:\d+.*bound as input_ids=int64\[4, 16\], \w+=int64\[4, 16\].*"
+            r"pass it by keyword",
+        ):
             autoshard.plan(transformers.GPT2LMHeadModel(cfg), mesh, (ids, ids), solve_recipes=False)
-        plan = autoshard.plan(transformers.GPT2LMHeadModel(cfg), mesh, {"input_ids": ids, "labels": ids},
-                              solve_recipes=False)  # the fix the message names works
+        plan = autoshard.plan(
+            transformers.GPT2LMHeadModel(cfg), mesh, {"input_ids": ids, "labels": ids}, solve_recipes=False
+        )  # the fix the message names works
     assert plan.step_time_s > 0
 
 

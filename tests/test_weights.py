@@ -24,11 +24,11 @@ from typing import Any
 
 import pytest
 import torch
+from harness import local_ranks
 from torch import nn
 
 import autoshard
 from autoshard.testing.launch import launch
-from harness import local_ranks
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
@@ -37,8 +37,15 @@ LR = 1e-2
 
 
 def _cfg(**kw: Any) -> LlamaConfig:
-    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=64)
+    base = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return LlamaConfig(**{**base, **kw})
 
 
@@ -128,8 +135,9 @@ def test_init_statistics_match_from_config() -> None:
         assert abs(a.float().std() - b.float().std()) < 0.1 * a.float().std() + 1e-6, name
 
 
-def _train(model: Any, batch: dict[str, torch.Tensor], steps: int, opt: torch.optim.Optimizer
-           ) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _train(
+    model: Any, batch: dict[str, torch.Tensor], steps: int, opt: torch.optim.Optimizer
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     losses, grads = [], {}
     for s in range(steps):
         opt.zero_grad(set_to_none=True)
@@ -215,8 +223,11 @@ def test_pretrained_into_shards_trains_like_from_pretrained_and_resumes_on_anoth
 def test_a_checkpoint_of_another_model_is_refused_naming_the_key(tmp_path: Any) -> None:
     AutoModelForCausalLM.from_config(_cfg(hidden_size=32, intermediate_size=64)).save_pretrained(tmp_path / "small")
     model = AutoModelForCausalLM.from_config(_cfg())
-    with pytest.raises(ValueError, match=r"model\.embed_tokens\.weight has shape \(256, 32\) in the checkpoint but "
-                                         r"\(256, 64\) in the model"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.embed_tokens\.weight has shape \(256, 32\) in the checkpoint but "
+        r"\(256, 64\) in the model",
+    ):
         autoshard.load_pretrained(model, tmp_path / "small")
     AutoModelForCausalLM.from_config(_cfg(num_hidden_layers=1)).save_pretrained(tmp_path / "short")
     with pytest.raises(ValueError, match=r"missing from the checkpoint: model\.layers\.1\.\S+ \(\d+, \d+\) and "):
@@ -240,14 +251,20 @@ def test_a_truncated_or_incomplete_checkpoint_is_refused_naming_the_file(tmp_pat
     cut = shutil.copytree(tmp_path / "good", tmp_path / "cut")
     with open(cut / files[-1], "r+b") as f:
         f.truncate(os.path.getsize(cut / files[-1]) - 1000)
-    with pytest.raises(ValueError, match=rf"{files[-1]} is truncated: \d+ bytes where its header describes \d+; "
-                                         r"\S+ (and \d+ more tensors )?end past its end"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{files[-1]} is truncated: \d+ bytes where its header describes \d+; "
+        r"\S+ (and \d+ more tensors )?end past its end",
+    ):
         autoshard.load_pretrained(model, cut)
 
     partial = shutil.copytree(tmp_path / "good", tmp_path / "partial")
     os.remove(partial / files[1])
-    with pytest.raises(ValueError, match=rf"index model.safetensors.index.json puts \d+ tensors \(\S+, ...\) in "
-                                         rf"{files[1]}, which is not there"):
+    with pytest.raises(
+        ValueError,
+        match=rf"index model.safetensors.index.json puts \d+ tensors \(\S+, ...\) in "
+        rf"{files[1]}, which is not there",
+    ):
         autoshard.load_pretrained(model, partial)
 
     foreign = shutil.copytree(tmp_path / "good", tmp_path / "foreign")
@@ -262,9 +279,12 @@ def _pipelined_then_plain(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     out: dict[str, Any] = {}
-    pp = autoshard.compile(_meta_llama(tie_word_embeddings=True, num_hidden_layers=4),
-                           init_device_mesh("cpu", (2,), mesh_dim_names=("pp",)), example_inputs=_batch(),
-                           backend="eager")
+    pp = autoshard.compile(
+        _meta_llama(tie_word_embeddings=True, num_hidden_layers=4),
+        init_device_mesh("cpu", (2,), mesh_dim_names=("pp",)),
+        example_inputs=_batch(),
+        backend="eager",
+    )
     pp.init_weights(seed=7)
     out["init"] = {n: _whole(p)[0].clone() for n, p in pp.state_dict().items()}
     pp.load_pretrained(ckpt)  # the stage holding the LM head reads the tied embedding's key
@@ -272,9 +292,13 @@ def _pipelined_then_plain(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     out["losses"], _ = _train(pp, _batch(), 2, opt)
     model_sd, optim_sd = get_state_dict(pp, opt)  # each stage's ranks write their part
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt + "-dcp")
-    plain = autoshard.compile(_meta_llama(tie_word_embeddings=True, num_hidden_layers=4),
-                              init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)), example_inputs=_batch(),
-                              backend="eager", recipe="fsdp")
+    plain = autoshard.compile(
+        _meta_llama(tie_word_embeddings=True, num_hidden_layers=4),
+        init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)),
+        example_inputs=_batch(),
+        backend="eager",
+        recipe="fsdp",
+    )
     opt2 = torch.optim.AdamW(plain.parameters(), lr=LR)
     model_sd, optim_sd = get_state_dict(plain, opt2)
     state = {"model": model_sd, "optim": optim_sd}

@@ -16,9 +16,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import autoshard
+from autoshard.cluster.meshes import fake_world
 from autoshard.cluster.presets import get_cluster
 from autoshard.config import PlanConfig
-from autoshard.cluster.meshes import fake_world
 from autoshard.models.bert import BertConfig
 from autoshard.models.gpt import GPTConfig
 from autoshard.models.llama import LlamaConfig
@@ -292,9 +292,9 @@ def test_plan_step_time_prices_any_choice_like_the_solver() -> None:
     whole, a value moved once for its consumers) never more. Candidates with moves inside their group are forced in."""
     import math as _math
 
+    from autoshard.compiler.plan_collectives import plan_collectives
     from autoshard.compiler.solve import annotate
     from autoshard.plans.plan import Plan
-    from autoshard.compiler.plan_collectives import plan_collectives
     from autoshard.search.planned import build_plan
     from autoshard.solver.pricing import GRAD_SINK_CREDIT
 
@@ -307,8 +307,9 @@ def test_plan_step_time_prices_any_choice_like_the_solver() -> None:
     m = _tiny("mixtral", n_layer=2)
     with fake_world(8):
         mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
-        planned = plan_graph(m.build(), m.example_inputs(8), mesh, get_cluster("h100-sxm"),
-                                   PlanConfig(solve_recipes=False))
+        planned = plan_graph(
+            m.build(), m.example_inputs(8), mesh, get_cluster("h100-sxm"), PlanConfig(solve_recipes=False)
+        )
         plan, gm, ctx = planned.plan, planned.graph, planned.ctx
         assert _math.isclose(priced(plan), plan.solver.objective_s, rel_tol=1e-4)
         problem = ctx.problem

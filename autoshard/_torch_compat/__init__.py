@@ -30,14 +30,20 @@ from autoshard._torch_compat.capture import (
     placeholder_role,
     planning_decompositions,
     split_for_pipeline,
+    tag_traced,
     tree_flatten,
     tree_flatten_with_path,
     tree_unflatten,
-    tag_traced,
 )
 from autoshard._torch_compat.checkpoint import consolidate_safetensors
-from autoshard._torch_compat.collectives import (all_gather_dim0, all_reduce_on, permute_on_axis, reduce_scatter_dim0,
-                                                 swap_mirrored, waited)
+from autoshard._torch_compat.collectives import (
+    all_gather_dim0,
+    all_reduce_on,
+    permute_on_axis,
+    reduce_scatter_dim0,
+    swap_mirrored,
+    waited,
+)
 from autoshard._torch_compat.dtensor import (
     AxisRules,
     OpOverload,
@@ -57,8 +63,13 @@ from autoshard._torch_compat.dtensor import (
     single_dim_rules,
     tensor_meta,
 )
-from autoshard._torch_compat.dynamo import (compiling_call, forget_guards_on, forget_guards_on_module,
-                                           graph_break_reason, outside_dynamo)
+from autoshard._torch_compat.dynamo import (
+    compiling_call,
+    forget_guards_on,
+    forget_guards_on_module,
+    graph_break_reason,
+    outside_dynamo,
+)
 from autoshard._torch_compat.worlds import (
     abort_process_groups,
     default_store,

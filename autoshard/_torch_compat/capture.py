@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import operator
-
 import contextlib
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +13,6 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from autoshard.errors import InputError
-
 
 # ----------------------------------------------------------------------------------------------- capture
 
@@ -260,8 +258,10 @@ def _drop_unused(gm: fx.GraphModule, keep_draws: bool) -> None:
         if n.op != "call_function" or n.users:
             continue
         if isinstance(n.target, torch._ops.OpOverload) and (
-                n.target.namespace == "_c10d_functional" or n.target._schema.is_mutable
-                or (keep_draws and n.target.namespace == "autoshard")):
+            n.target.namespace == "_c10d_functional"
+            or n.target._schema.is_mutable
+            or (keep_draws and n.target.namespace == "autoshard")
+        ):
             continue  # (an unread autoshard draw of the forward still moves the generator, as one device's does)
         gm.graph.erase_node(n)
     gm.recompile()
@@ -333,7 +333,8 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor])
         # embeddings and losses, torch 2.13): the same graph without vectorization
         logging.getLogger(__name__).warning(
             "Inductor's vectorized C++ code generation failed (%s); compiling this graph without vectorization",
-            str(e).splitlines()[0][:160])
+            str(e).splitlines()[0][:160],
+        )
         with inductor_config.patch({**INDUCTOR_CONFIG, "cpp.simdlen": 1}):
             compiled = compile_fx_inner(gm, list(example_inputs))
 
@@ -364,8 +365,14 @@ def planning_decompositions() -> dict:
 
 
 def _batch_norm_by_sums(
-    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, running_mean: torch.Tensor,
-    running_var: torch.Tensor, training: bool, momentum: float, eps: float,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    training: bool,
+    momentum: float,
+    eps: float,
 ) -> Any:
     """Training batch norm with its mean and (biased) variance as two sums over every dim but the channels (two
     passes, as ATen's own), each a linear reduction that DTensor sums across a sharded batch; returns what the

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import logging
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -136,6 +136,7 @@ def _over_the_mesh(raws: list[RawStrategy], ndim: int) -> list[RawStrategy]:
     """Strategies whose placements cover every mesh axis: torch 2.11's ``constant_pad_nd`` strategy gives one
     ``Replicate`` on a 2-D mesh (a stock Hugging Face loss pads its labels), which is whole on every axis; a
     shorter placement that shards is dropped."""
+
     def short(pl: Placements | None) -> bool:
         return pl is not None and len(pl) != ndim
 
@@ -271,7 +272,9 @@ def single_dim_rules(
         width = len(rules[0]) if rules else None
         if width is None:
             return None
-        replicate = tuple(None if i < n_out and i < len(metas) and metas[i] is None else Replicate() for i in range(width))
+        replicate = tuple(
+            None if i < n_out and i < len(metas) and metas[i] is None else Replicate() for i in range(width)
+        )
         if not any(all(p is None or isinstance(p, Replicate) for p in r) for r in rules):
             rules.insert(0, replicate)
         return AxisRules(n_out, tuple(rules))
@@ -333,7 +336,9 @@ def redistribute(t: DTensor, mesh: DeviceMesh, placements: Sequence[Placement]) 
     """``DTensor.redistribute`` that also makes Partial targets (R -> P), which the public API refuses but
     DTensor's own dispatch does when an op wants a Partial input (a zeroed copy on all but one rank)."""
     placements = tuple(placements)
-    if t.dtype == torch.bool and any(isinstance(h, (Shard, Partial)) and h != w for h, w in zip(t.placements, placements)):
+    if t.dtype == torch.bool and any(
+        isinstance(h, (Shard, Partial)) and h != w for h, w in zip(t.placements, placements)
+    ):
         # moved as bytes: Inductor's C++ code types a collective's boolean result as int64 (torch 2.13: "expected
         # predicate to be bool, got torch.int64" where a gathered padding mask is read)
         return redistribute(t.to(torch.uint8), mesh, placements).to(torch.bool)
@@ -374,8 +379,10 @@ def _summed_axes(have: Sequence[Placement], want: Sequence[Placement]) -> tuple[
     """The mesh axes of a move that only sums Partial(sum) into Replicate (every other axis unchanged); () for any
     other move."""
     axes = tuple(a for a, (h, w) in enumerate(zip(have, want)) if h != w)
-    if any(not (isinstance(have[a], Partial) and have[a].reduce_op == "sum" and isinstance(want[a], Replicate))
-           for a in axes):
+    if any(
+        not (isinstance(have[a], Partial) and have[a].reduce_op == "sum" and isinstance(want[a], Replicate))
+        for a in axes
+    ):
         return ()
     return axes
 

@@ -23,6 +23,7 @@ def compiling_call(example_inputs: Sequence[Any]) -> tuple[nn.Module, tuple, dic
     while parent is not None:
         frames.append(parent)
         parent = getattr(parent, "parent", None)
+
     def owns(value: object) -> bool:
         return isinstance(value, nn.Module) and any(id(p) in inputs for p in value.parameters())
 

@@ -30,8 +30,12 @@ def inductor_schedule_overlap(gm: fx.GraphModule, estimate: Estimator, bucketing
     overlap-preserving collective bucketing (and FSDP all-gather pre-bucketing). Returns the new graph module."""
     from torch._inductor.fx_passes import overlap_scheduling as sched
 
-    wanted = {"collective_bucketing": bucketing, "custom_runtime_estimation": estimate,
-              "compute_estimator": "analytical", "pre_bucketing_fsdp_collectives": bucketing}
+    wanted = {
+        "collective_bucketing": bucketing,
+        "custom_runtime_estimation": estimate,
+        "compute_estimator": "analytical",
+        "pre_bucketing_fsdp_collectives": bucketing,
+    }
     known = inspect.signature(sched.schedule_overlap_bucketing).parameters  # (2.11 may lack the last two)
     roofline = sched.estimate_roofline_runtime_ms
     sched.estimate_roofline_runtime_ms = lambda node: estimate(node, None) or 0.0

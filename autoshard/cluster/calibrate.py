@@ -55,8 +55,15 @@ from autoshard.errors import LaunchError
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "Calibration", "calibrate", "measure_copy_bandwidth", "measure_kernel_overhead", "measure_matmul", "summary", "write_profile",
+    "Calibration",
+    "calibrate",
+    "measure_copy_bandwidth",
+    "measure_kernel_overhead",
+    "measure_matmul",
+    "summary",
+    "write_profile",
 ]
+
 
 @dataclass(frozen=True)
 class Calibration:
@@ -139,10 +146,13 @@ def _compute_worker(cfg: CalibrationConfig, path: str, start: Any) -> None:
         efficiency = 1.0
         for dtype_name in cfg.dtypes:
             try:
-                runs = {s: measure_matmul(getattr(torch, dtype_name), s, cfg.warmup, cfg.reps) for s in cfg.matmul_sizes}
+                runs = {
+                    s: measure_matmul(getattr(torch, dtype_name), s, cfg.warmup, cfg.reps) for s in cfg.matmul_sizes
+                }
             except RuntimeError as exc:
-                logger.info("%s matmul unsupported here (%s); it falls back to float32 in the cost model",
-                            dtype_name, exc)
+                logger.info(
+                    "%s matmul unsupported here (%s); it falls back to float32 in the cost model", dtype_name, exc
+                )
                 continue
             matmul[dtype_name] = {s: med for s, (med, _) in runs.items()}
             fastest = max(runs, key=lambda s: runs[s][0])
@@ -151,8 +161,9 @@ def _compute_worker(cfg: CalibrationConfig, path: str, start: Any) -> None:
                 efficiency = runs[fastest][0] / runs[fastest][1]
         copy = measure_copy_bandwidth(cfg.copy_bytes, cfg.warmup, cfg.reps)
         overhead = measure_kernel_overhead(max(cfg.warmup, 10), max(cfg.reps * 10, 50))
-        Path(path).write_text(json.dumps({"matmul": matmul, "peak": peak, "efficiency": efficiency,
-                                          "copy": copy, "overhead": overhead}))
+        Path(path).write_text(
+            json.dumps({"matmul": matmul, "peak": peak, "efficiency": efficiency, "copy": copy, "overhead": overhead})
+        )
     except BaseException as exc:  # noqa: BLE001 - reported to the parent through the file
         Path(path + ".error").write_text(f"{type(exc).__name__}: {exc}")
         raise
@@ -172,10 +183,13 @@ def measure_compute(cfg: CalibrationConfig) -> dict[str, Any]:
         if any(proc.exitcode != 0 for proc in procs) or not all(os.path.exists(p) for p in paths):
             errors = [Path(p + ".error").read_text() for p in paths if os.path.exists(p + ".error")]
             detail = "; ".join(errors) or f"exit codes {[proc.exitcode for proc in procs]}"
-            raise LaunchError(f"calibrate: the compute measurement failed or timed out ({cfg.timeout_s} s): {detail}", detail)
+            raise LaunchError(
+                f"calibrate: the compute measurement failed or timed out ({cfg.timeout_s} s): {detail}", detail
+            )
         runs = [json.loads(Path(p).read_text()) for p in paths]
-    matmul = {d: {int(k): min(r["matmul"][d][k] for r in runs) for k in sizes}
-              for d, sizes in runs[0]["matmul"].items()}
+    matmul = {
+        d: {int(k): min(r["matmul"][d][k] for r in runs) for k in sizes} for d, sizes in runs[0]["matmul"].items()
+    }
     peak = {d: min(r["peak"][d] for r in runs) for d in runs[0]["peak"]}
     return {
         "matmul": matmul,
@@ -213,9 +227,11 @@ def calibrate(cfg: CalibrationConfig | None = None, name: str = "calibrated-cpu"
     cfg = cfg or CalibrationConfig()
     fits, syncs = measure_collectives(cfg)  # fork first, before any multi-threaded work here
     cpu = _cpu_name()
-    stamp = (f"measured by autoshard calibrate on {datetime.datetime.now(datetime.timezone.utc).date()}, "
-             f"{socket.gethostname()}/{cpu}, torch {torch.__version__}, {cfg.threads} thread(s) per rank, "
-             f"median of {cfg.reps} after {cfg.warmup} warm-up")
+    stamp = (
+        f"measured by autoshard calibrate on {datetime.datetime.now(datetime.timezone.utc).date()}, "
+        f"{socket.gethostname()}/{cpu}, torch {torch.__version__}, {cfg.threads} thread(s) per rank, "
+        f"median of {cfg.reps} after {cfg.warmup} warm-up"
+    )
     compute = measure_compute(cfg)
     matmul: dict[str, dict[int, float]] = compute["matmul"]
     peak: dict[str, float] = compute["peak"]
@@ -223,8 +239,9 @@ def calibrate(cfg: CalibrationConfig | None = None, name: str = "calibrated-cpu"
     copy_median, copy_best = compute["copy"]
     overhead: float = compute["overhead"]
     sizes = ", ".join(f"{s}x{s}" for s in cfg.matmul_sizes)
-    rates = "; ".join(f"{d} " + ", ".join(f"{s}: {f / 1e9:.3g}" for s, f in v.items()) + " GFLOP/s median"
-                      for d, v in matmul.items())
+    rates = "; ".join(
+        f"{d} " + ", ".join(f"{s}: {f / 1e9:.3g}" for s, f in v.items()) + " GFLOP/s median" for d, v in matmul.items()
+    )
     device = DeviceSpec(
         name=f"{cpu} ({cfg.threads} thread(s) per rank)",
         peak_flops=peak,
@@ -239,16 +256,21 @@ def calibrate(cfg: CalibrationConfig | None = None, name: str = "calibrated-cpu"
             "memory_bytes": f"{stamp}: physical memory (sysconf) divided by the {cfg.ranks} ranks",
             "concurrency": f"{stamp}: compute, copy and overhead measured in {cfg.ranks} processes at once, slowest "
             "rank kept",
-            "memory_bandwidth": f"{stamp}: Tensor.copy_ of {_mib(cfg.copy_bytes)} fp32, best run, bytes read + "
-            "written",
+            "memory_bandwidth": f"{stamp}: Tensor.copy_ of {_mib(cfg.copy_bytes)} fp32, best run, bytes read + written",
             "memory_efficiency": f"{stamp}: median / best of the copy",
             "kernel_overhead": f"{stamp}: eager torch.add of 8 floats, median",
         },
     )
-    detail = "; ".join(f"axis {f.axis} {f.kind} n={f.group_size}: {_mib(f.small_bytes)} {f.small_s * 1e6:.0f} us, "
-                       f"{_mib(f.large_bytes)} {f.large_s * 1e3:.2f} ms" for f in fits)
-    sync = "; ".join(f"axis {f.axis}: {f.compute_s * 1e6:.0f} -> {f.with_collective_s * 1e6:.0f} us per chunk, "
-                     f"all_reduce alone {f.collective_s * 1e6:.0f} us" for f in syncs)
+    detail = "; ".join(
+        f"axis {f.axis} {f.kind} n={f.group_size}: {_mib(f.small_bytes)} {f.small_s * 1e6:.0f} us, "
+        f"{_mib(f.large_bytes)} {f.large_s * 1e3:.2f} ms"
+        for f in fits
+    )
+    sync = "; ".join(
+        f"axis {f.axis}: {f.compute_s * 1e6:.0f} -> {f.with_collective_s * 1e6:.0f} us per chunk, "
+        f"all_reduce alone {f.collective_s * 1e6:.0f} us"
+        for f in syncs
+    )
     link = Link(
         name=f"gloo-loopback ({cfg.ranks} forked ranks)",
         latency=statistics.median(f.latency for f in fits),
@@ -259,13 +281,23 @@ def calibrate(cfg: CalibrationConfig | None = None, name: str = "calibrated-cpu"
         f"through both sizes, median over axes and kinds of the fits; slowest rank's medians: {detail}; sync: a "
         f"small all_reduce after each equal compute chunk, beyond its after-barrier time, median over axes: {sync}",
     )
-    network = Link(name="gloo-tcp (assumed = loopback)", latency=link.latency, bandwidth=link.bandwidth, sync=link.sync,
-                   source="assumption: calibrate runs on one machine; taken equal to the measured loopback link")
-    memcpy = Link(name="host-memcpy", bandwidth=copy_best / 2, latency=overhead,
-                  source=f"derived from the measured memory_bandwidth / 2 (a copy reads and writes) and "
-                  f"kernel_overhead ({stamp})")
-    profile = ClusterProfile(name, device, cfg.ranks, 1, intra_node=link, inter_node=network, host_link=memcpy,
-                             all_to_all="ring")  # gloo ranks: DTensor all-gathers a Shard(i) -> Shard(j) move
+    network = Link(
+        name="gloo-tcp (assumed = loopback)",
+        latency=link.latency,
+        bandwidth=link.bandwidth,
+        sync=link.sync,
+        source="assumption: calibrate runs on one machine; taken equal to the measured loopback link",
+    )
+    memcpy = Link(
+        name="host-memcpy",
+        bandwidth=copy_best / 2,
+        latency=overhead,
+        source=f"derived from the measured memory_bandwidth / 2 (a copy reads and writes) and "
+        f"kernel_overhead ({stamp})",
+    )
+    profile = ClusterProfile(
+        name, device, cfg.ranks, 1, intra_node=link, inter_node=network, host_link=memcpy, all_to_all="ring"
+    )  # gloo ranks: DTensor all-gathers a Shard(i) -> Shard(j) move
     return Calibration(profile, matmul, fits, syncs)
 
 
@@ -288,9 +320,15 @@ def summary(calibration: Calibration) -> Sequence[str]:
         f"  link {link.name}: latency {link.latency * 1e6:.1f} us/step, bandwidth {link.bandwidth / 1e9:.3f} GB/s, "
         f"sync {link.sync * 1e6:.1f} us",
     ]
-    lines += [f"    axis {f.axis} {f.kind:<14} n={f.group_size} latency {f.latency * 1e6:8.1f} us  bandwidth "
-              f"{f.bandwidth / 1e9:.3f} GB/s" for f in calibration.collectives]
-    lines += [f"    axis {f.axis} sync probe      n={f.group_size} compute {f.compute_s * 1e6:.0f} us, with all_reduce "
-              f"{f.with_collective_s * 1e6:.0f} us, all_reduce alone {f.collective_s * 1e6:.0f} us -> sync "
-              f"{f.sync * 1e6:.0f} us" for f in calibration.syncs]
+    lines += [
+        f"    axis {f.axis} {f.kind:<14} n={f.group_size} latency {f.latency * 1e6:8.1f} us  bandwidth "
+        f"{f.bandwidth / 1e9:.3f} GB/s"
+        for f in calibration.collectives
+    ]
+    lines += [
+        f"    axis {f.axis} sync probe      n={f.group_size} compute {f.compute_s * 1e6:.0f} us, with all_reduce "
+        f"{f.with_collective_s * 1e6:.0f} us, all_reduce alone {f.collective_s * 1e6:.0f} us -> sync "
+        f"{f.sync * 1e6:.0f} us"
+        for f in calibration.syncs
+    ]
     return lines

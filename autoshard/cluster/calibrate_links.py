@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from autoshard.cluster.calibration_config import CalibrationConfig
 from autoshard.errors import InputError, LaunchError
 
@@ -65,8 +66,9 @@ class SyncFit:
 # ---------------------------------------------------------------------------------------------- collectives
 
 
-def fit_ring(kind: str, n: int, small_bytes: float, small_s: float, large_bytes: float,
-             large_s: float) -> tuple[float, float]:
+def fit_ring(
+    kind: str, n: int, small_bytes: float, small_s: float, large_bytes: float, large_s: float
+) -> tuple[float, float]:
     """``(latency, bandwidth)`` with which :func:`autoshard.cost.collectives.algorithm_time` (``ring``, one node)
     gives ``small_s`` for ``small_bytes`` and ``large_s`` for ``large_bytes`` on ``n`` devices.
 
@@ -127,8 +129,9 @@ def _collective_worker(rank: int, cfg: CalibrationConfig, tmpdir: str) -> None:
     torch.set_num_threads(1)
     try:
         store = dist.FileStore(os.path.join(tmpdir, "store"), cfg.ranks)
-        dist.init_process_group("gloo", rank=rank, world_size=cfg.ranks, store=store,
-                                timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=cfg.ranks, store=store, timeout=datetime.timedelta(seconds=cfg.timeout_s)
+        )
         shape = cfg.mesh_shape()
         # the *_single names replace the *_tensor ones in newer torch; same (output, input) arguments
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -190,8 +193,7 @@ def measure_collectives(cfg: CalibrationConfig) -> tuple[tuple[CollectiveFit, ..
     :func:`calibrate` does."""
     ctx = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="autoshard_calibrate_") as tmpdir:
-        procs = [ctx.Process(target=_collective_worker, args=(r, cfg, tmpdir), daemon=True)
-                 for r in range(cfg.ranks)]
+        procs = [ctx.Process(target=_collective_worker, args=(r, cfg, tmpdir), daemon=True) for r in range(cfg.ranks)]
         run_all(procs, cfg.timeout_s)
         errors = sorted(Path(tmpdir).glob("error*.txt"))
         if errors or any(p.exitcode != 0 for p in procs):
@@ -204,16 +206,32 @@ def measure_collectives(cfg: CalibrationConfig) -> tuple[tuple[CollectiveFit, ..
         small = min(t for k, t in slowest.items() if k.startswith(f"{axis}/all_reduce/"))
         bare, loaded = slowest[f"{axis}/sync/compute"], slowest[f"{axis}/sync/with"]
         syncs.append(SyncFit(axis, n, bare, loaded, small, max(0.0, loaded - bare - small)))
-        logger.info("axis %d sync probe: compute %.3g s, with all_reduce %.3g s, all_reduce alone %.3g s -> sync "
-                    "%.3g s", axis, bare, loaded, small, syncs[-1].sync)
+        logger.info(
+            "axis %d sync probe: compute %.3g s, with all_reduce %.3g s, all_reduce alone %.3g s -> sync %.3g s",
+            axis,
+            bare,
+            loaded,
+            small,
+            syncs[-1].sync,
+        )
         for kind in COLLECTIVE_KINDS:
             (sb, ss), (lb, ls) = sorted(
                 (int(k.rsplit("/", 1)[1]), t) for k, t in slowest.items() if k.startswith(f"{axis}/{kind}/")
             )
             latency, bandwidth = fit_ring(kind, n, sb, ss, lb, ls)
             fits.append(CollectiveFit(kind, axis, n, sb, ss, lb, ls, latency, bandwidth))
-            logger.info("axis %d %s n=%d: %d B %.3g s, %d B %.3g s -> latency %.3g s, bandwidth %.3g B/s",
-                        axis, kind, n, sb, ss, lb, ls, latency, bandwidth)
+            logger.info(
+                "axis %d %s n=%d: %d B %.3g s, %d B %.3g s -> latency %.3g s, bandwidth %.3g B/s",
+                axis,
+                kind,
+                n,
+                sb,
+                ss,
+                lb,
+                ls,
+                latency,
+                bandwidth,
+            )
     return tuple(fits), tuple(syncs)
 
 

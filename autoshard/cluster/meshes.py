@@ -44,8 +44,10 @@ def parse_mesh_spec(text: str) -> tuple[int, ...] | dict[str, int]:
     for part in text.replace("×", ",").replace(" x ", ",").split(","):
         name, _, size = part.strip().partition("=")
         if not name.strip() or not size.strip().isdigit() or int(size) < 1 or name.strip() in out:
-            raise InputError(f"cannot parse mesh {text!r}; write named axes outer first, e.g. 'pp=4,tp=8' or "
-                             "'pp=2,dp=2,tp=8' (each name once), or sizes such as '16x8'")
+            raise InputError(
+                f"cannot parse mesh {text!r}; write named axes outer first, e.g. 'pp=4,tp=8' or "
+                "'pp=2,dp=2,tp=8' (each name once), or sizes such as '16x8'"
+            )
         out[name.strip()] = int(size)
     return out
 

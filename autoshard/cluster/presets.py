@@ -80,8 +80,9 @@ def _cpu() -> ClusterProfile:
         "reads b and writes b, and the 27 GB/s counts both, so b moves at ~13.5 GB/s; latency = the measured "
         "1.2 us eager-op overhead (one Tensor.copy_ call)",
     )
-    return ClusterProfile("cpu", device, 8, 1, intra_node=loopback, inter_node=network, host_link=memcpy,
-                          all_to_all="ring")  # gloo: DTensor all-gathers a Shard(i) -> Shard(j) move
+    return ClusterProfile(
+        "cpu", device, 8, 1, intra_node=loopback, inter_node=network, host_link=memcpy, all_to_all="ring"
+    )  # gloo: DTensor all-gathers a Shard(i) -> Shard(j) move
 
 
 def _hopper(name: str, memory_bytes: int, memory_bandwidth: float, memory_source: str) -> ClusterProfile:
@@ -127,8 +128,11 @@ def _hopper(name: str, memory_bytes: int, memory_bandwidth: float, memory_source
         source="DGX H100 / ConnectX-7: 8 x 400 Gb/s NDR InfiniBand per node, one per GPU = 50 GB/s per direction "
         "per GPU; latency: assumption, ~5 us per ring step across the IB fabric",
     )
-    pcie = pcie_link(5, f"NVIDIA {'H200' if name == 'h200' else 'H100'} datasheet (SXM): PCIe Gen5 128 GB/s "
-                 "bidirectional = 64 GB/s per direction per GPU (a Gen5 x16 link per GPU, as in DGX H100/H200)")
+    pcie = pcie_link(
+        5,
+        f"NVIDIA {'H200' if name == 'h200' else 'H100'} datasheet (SXM): PCIe Gen5 128 GB/s "
+        "bidirectional = 64 GB/s per direction per GPU (a Gen5 x16 link per GPU, as in DGX H100/H200)",
+    )
     return ClusterProfile(name, device, 8, 1, intra_node=nvlink, inter_node=infiniband, host_link=pcie)
 
 
@@ -136,8 +140,7 @@ def _a100() -> ClusterProfile:
     datasheet = "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM column, dense)"
     device = DeviceSpec(
         name="a100-80gb",
-        peak_flops={"float32": 19.5e12, "tfloat32": 156e12, "bfloat16": 312e12, "float16": 312e12,
-                    "float64": 19.5e12},
+        peak_flops={"float32": 19.5e12, "tfloat32": 156e12, "bfloat16": 312e12, "float16": 312e12, "float64": 19.5e12},
         memory_bytes=80 * 2**30,
         memory_bandwidth=2.039e12,
         flops_efficiency=0.7,

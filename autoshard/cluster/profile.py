@@ -17,6 +17,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
+
 from autoshard.errors import InputError
 
 logger = logging.getLogger(__name__)
@@ -122,8 +123,10 @@ class ClusterProfile:
         if self.host_link is None:
             object.__setattr__(self, "host_link", default_host_link(self.device))
         if self.all_to_all not in ("pairwise", "ring"):
-            raise InputError(f"ClusterProfile {self.name!r}: all_to_all must be 'pairwise' (NCCL) or 'ring' (gloo: "
-                             f"gathered whole), got {self.all_to_all!r}")
+            raise InputError(
+                f"ClusterProfile {self.name!r}: all_to_all must be 'pairwise' (NCCL) or 'ring' (gloo: "
+                f"gathered whole), got {self.all_to_all!r}"
+            )
 
     def num_devices(self) -> int:
         return self.nodes * self.devices_per_node
@@ -148,7 +151,7 @@ class ClusterProfile:
             raise InputError(f"axis {axis} is out of range for mesh shape {tuple(mesh_shape)}")
         i = axis % ndim
         n = int(mesh_shape[i])
-        stride = math.prod(int(s) for s in mesh_shape[i + 1:])
+        stride = math.prod(int(s) for s in mesh_shape[i + 1 :])
         per = self.devices_per_node
         if n * stride <= per:
             return AxisLayout(n, n, 1)
@@ -175,8 +178,12 @@ class ClusterProfile:
         """The links as one gradient of DDP's all-reduce buckets sees them: its bytes cross at full bandwidth,
         and the collective's latency is paid once by the whole bucket, not by each member
         (``autoshard/buckets.py``; the solver and the plan add it per bucket): links with no latency."""
-        return replace(self, name=f"{self.name} (bundled)", intra_node=replace(self.intra_node, latency=0.0),
-                       inter_node=replace(self.inter_node, latency=0.0))
+        return replace(
+            self,
+            name=f"{self.name} (bundled)",
+            intra_node=replace(self.intra_node, latency=0.0),
+            inter_node=replace(self.inter_node, latency=0.0),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form; ``ClusterProfile.from_dict(p.to_dict()) == p``."""
@@ -184,8 +191,14 @@ class ClusterProfile:
         device = {f.name: getattr(dev, f.name) for f in fields(dev)}
         device.update(peak_flops=dict(dev.peak_flops), sources=dict(dev.sources))
         links = {key: asdict(getattr(self, key)) for key in ("intra_node", "inter_node", "host_link")}
-        return {"name": self.name, "device": device, "devices_per_node": self.devices_per_node, "nodes": self.nodes,
-                **links, "all_to_all": self.all_to_all}
+        return {
+            "name": self.name,
+            "device": device,
+            "devices_per_node": self.devices_per_node,
+            "nodes": self.nodes,
+            **links,
+            "all_to_all": self.all_to_all,
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ClusterProfile:
@@ -213,7 +226,9 @@ class ClusterProfile:
                 inter_node=Link(**data["inter_node"]),
                 host_link=None if host is None else Link(**host),
                 # profiles written before the field: gloo ones (calibrated on CPU ranks) gather whole
-                all_to_all=data.get("all_to_all", "ring" if data["intra_node"]["name"].startswith("gloo") else "pairwise"),
+                all_to_all=data.get(
+                    "all_to_all", "ring" if data["intra_node"]["name"].startswith("gloo") else "pairwise"
+                ),
             )
         except (KeyError, TypeError) as exc:
             raise InputError(
@@ -249,18 +264,29 @@ def check_mesh(cluster: ClusterProfile, mesh_shape: Sequence[int]) -> None:
 def pcie_link(gen: int, source: str, name: str = "") -> Link:
     """PCIe x16 to host memory: 16 lanes x 16 GT/s (Gen4) or 32 GT/s (Gen5) / 8 = 32 or 64 GB/s per direction
     (128b/130b encoding takes ~1.5% of that; pinned-memory copies reach ~80-85% of it in practice)."""
-    return Link(name=name or f"pcie-gen{gen}-x16", bandwidth={4: 32e9, 5: 64e9}[gen], latency=1e-5,
-                source=f"{source}; latency: assumption, ~10 us per copy (cudaMemcpyAsync launch + DMA setup)")
+    return Link(
+        name=name or f"pcie-gen{gen}-x16",
+        bandwidth={4: 32e9, 5: 64e9}[gen],
+        latency=1e-5,
+        source=f"{source}; latency: assumption, ~10 us per copy (cudaMemcpyAsync launch + DMA setup)",
+    )
 
 
 def default_host_link(device: DeviceSpec) -> Link:
     """Host link of a profile that names none (e.g. JSON written before ``host_link`` existed): PCIe Gen4 x16,
     the slower generation of the presets, capped at half the device's memory bandwidth (a copy reads and writes
     every byte) so that a CPU profile is not credited with more than its own memcpy."""
-    link = pcie_link(4, "default, the profile names no host_link: PCIe Gen4 x16 assumed, 32 GB/s per direction",
-                 "pcie-gen4-x16 (default)")
+    link = pcie_link(
+        4,
+        "default, the profile names no host_link: PCIe Gen4 x16 assumed, 32 GB/s per direction",
+        "pcie-gen4-x16 (default)",
+    )
     cap = device.memory_bandwidth / 2
     if cap >= link.bandwidth:
         return link
-    return replace(link, name="host-memcpy (default)", bandwidth=cap,
-                   source=f"{link.source}; capped at memory_bandwidth / 2 = {cap:.3g} B/s (a copy reads + writes)")
+    return replace(
+        link,
+        name="host-memcpy (default)",
+        bandwidth=cap,
+        source=f"{link.source}; capped at memory_bandwidth / 2 = {cap:.3g} B/s (a copy reads + writes)",
+    )

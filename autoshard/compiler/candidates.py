@@ -22,14 +22,12 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autoshard import _torch_compat as tc
 from autoshard import rules as op_rules
-from autoshard.ir import Placements, output_vals
-from autoshard.ir import tensor_args
 from autoshard.compiler.context import PassContext
+from autoshard.ir import Placements, output_vals, tensor_args
 from autoshard.messages import warn
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
-
 
 
 def shard_factor(placements: Placements | None, mesh_shape: Sequence[int]) -> int:
@@ -165,8 +163,11 @@ class CandidateEnumerator:
 
     @staticmethod
     def key(node: fx.Node) -> tuple:
-        return (node.target, tuple(_key_arg(a) for a in node.args),
-                tuple((k, _key_arg(v)) for k, v in node.kwargs.items()))
+        return (
+            node.target,
+            tuple(_key_arg(a) for a in node.args),
+            tuple((k, _key_arg(v)) for k, v in node.kwargs.items()),
+        )
 
     def key_id(self, node: fx.Node) -> int:
         """The number of the node's op signature (``key``): equal for nodes of equal signature."""
@@ -191,8 +192,14 @@ class CandidateEnumerator:
         own = op_rules.candidates(node, self.ties)  # an op family autoshard has its own rule for (autoshard/rules)
         if own is not None:  # (even shards only: a batch of 1 is not split)
             vals = [a.meta["val"] for a in ins] + list(output_vals(node))
-            return [c for c in own if all(pl is None or v is None or evenly_divisible(v.shape, pl, self.mesh_shape)
-                                          for pl, v in zip((*c.inputs, *c.outputs), vals))]
+            return [
+                c
+                for c in own
+                if all(
+                    pl is None or v is None or evenly_divisible(v.shape, pl, self.mesh_shape)
+                    for pl, v in zip((*c.inputs, *c.outputs), vals)
+                )
+            ]
         args, kwargs = _meta_args(node)
         found: dict[tuple, tc.RawStrategy] = {}
         errors: list[str] = []
@@ -229,14 +236,17 @@ class CandidateEnumerator:
                         found.setdefault((c.inputs, c.outputs), c)
         for c in op_rules.more_candidates(node, list(found.values()), self.mesh_shape):
             vals = [a.meta["val"] for a in ins] + list(output_vals(node))
-            if all(pl is None or v is None or evenly_divisible(v.shape, pl, self.mesh_shape)
-                   for pl, v in zip((*c.inputs, *c.outputs), vals)):
+            if all(
+                pl is None or v is None or evenly_divisible(v.shape, pl, self.mesh_shape)
+                for pl, v in zip((*c.inputs, *c.outputs), vals)
+            ):
                 found.setdefault((c.inputs, c.outputs), c)
         if not found:
             if str(op) not in self.warned:
                 self.warned.add(str(op))
                 why = errors[0] if errors else "DTensor has no sharding rule for it"
-                warn(log, 
+                warn(
+                    log,
                     "autoshard: no sharding strategy for %s (%s); it runs replicated (every input gathered to "
                     "[R, ...]). Register a rule with torch.distributed.tensor.experimental.register_sharding to "
                     "shard it.",
@@ -244,7 +254,11 @@ class CandidateEnumerator:
                     why[:200],
                 )
             rep = tuple(Replicate() for _ in self.mesh_shape)
-            return [tc.RawStrategy(tuple(rep for _ in ins), tuple(rep if v is not None else None for v in output_vals(node)))]
+            return [
+                tc.RawStrategy(
+                    tuple(rep for _ in ins), tuple(rep if v is not None else None for v in output_vals(node))
+                )
+            ]
         return list(found.values())
 
     def follow(self, node: fx.Node, k: int, placement: Placements) -> tc.RawStrategy | None:

@@ -37,7 +37,6 @@ import torch.fx.traceback as fx_traceback
 from torch import nn
 
 from autoshard import _torch_compat as tc
-from autoshard.inputs import CallSignature, as_call, describe, signature_of
 from autoshard.compiler.capture_cleanup import (
     constant_values,
     drop_assertions,
@@ -47,6 +46,7 @@ from autoshard.compiler.capture_cleanup import (
 from autoshard.compiler.context import PassContext
 from autoshard.compiler.precision import place_parameter_casts, run_model
 from autoshard.errors import AutoshardError, CallError, DataDependentError, InputError
+from autoshard.inputs import CallSignature, as_call, describe, signature_of
 from autoshard.rules import random_draws
 from autoshard.weights.shards import is_unfilled
 
@@ -222,8 +222,13 @@ class _LossOnly(nn.Module):
     """Calls the model as the example call did and keeps only the loss (see ``loss_of``); ``form`` is then how
     the model shaped its output (``loss_form``)."""
 
-    def __init__(self, inner: nn.Module, signature: CallSignature, loss_fn: Callable[[Any], torch.Tensor] | None,
-                 precision: Callable[..., Any]) -> None:
+    def __init__(
+        self,
+        inner: nn.Module,
+        signature: CallSignature,
+        loss_fn: Callable[[Any], torch.Tensor] | None,
+        precision: Callable[..., Any],
+    ) -> None:
         super().__init__()
         self.inner = inner
         self.signature = signature
@@ -265,11 +270,17 @@ def _data_dependent(model: str, op: str, cause: BaseException) -> DataDependentE
 
 def _user_frame(e: BaseException) -> str:
     """' at file:line (code)' of the innermost frame of the model's own code in the exception's traceback."""
-    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)),
-            os.path.dirname(os.path.abspath(tc.__file__)).rpartition(os.sep)[0])
+    skip = (
+        os.path.dirname(torch.__file__),
+        os.path.dirname(os.path.abspath(__file__)),
+        os.path.dirname(os.path.abspath(tc.__file__)).rpartition(os.sep)[0],
+    )
     stdlib = os.path.dirname(contextlib.__file__)  # (but not the libraries installed under it: transformers)
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(skip)
-              and not (f.filename.startswith(stdlib) and "-packages" not in f.filename)]
+    frames = [
+        f
+        for f in traceback.extract_tb(e.__traceback__)
+        if not f.filename.startswith(skip) and not (f.filename.startswith(stdlib) and "-packages" not in f.filename)
+    ]
     if not frames:
         return ""
     f = frames[-1]
@@ -299,16 +310,25 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], ctx: PassContext) -
     cfg = ctx.config
 
     def precision(inner: nn.Module, call_args: tuple, kwargs: dict) -> Any:
-        return run_model(inner, call_args, kwargs, cfg.mixed_precision, cfg.precision_policy, device,
-                         cast_inputs=not ctx.stage)
+        return run_model(
+            inner, call_args, kwargs, cfg.mixed_precision, cfg.precision_policy, device, cast_inputs=not ctx.stage
+        )
 
-    wrapper = (_Outputs(traced, signature, precision) if ctx.stage
-               else _LossOnly(traced, signature, ctx.config.loss_fn, precision))
+    wrapper = (
+        _Outputs(traced, signature, precision)
+        if ctx.stage
+        else _LossOnly(traced, signature, ctx.config.loss_fn, precision)
+    )
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(_annotate_modules(traced))
-            gm = tc.export_joint(stack, wrapper, args, fake_mode, decompositions={**tc.planning_decompositions(),
-                                                                          **random_draws.DECOMPOSITIONS})
+            gm = tc.export_joint(
+                stack,
+                wrapper,
+                args,
+                fake_mode,
+                decompositions={**tc.planning_decompositions(), **random_draws.DECOMPOSITIONS},
+            )
     except AutoshardError:
         raise
     except Exception as e:
@@ -366,8 +386,10 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], ctx: PassContext) -
         gm.recompile()
     _inherit_modules(gm)
     ctx.output_roles = [
-        tc.OutputRole(r.kind, r.name[len("inner.") :]) if r.kind in ("grad", "buffer") and r.name.startswith("inner.")
-        else r for r in ctx.output_roles
+        tc.OutputRole(r.kind, r.name[len("inner.") :])
+        if r.kind in ("grad", "buffer") and r.name.startswith("inner.")
+        else r
+        for r in ctx.output_roles
     ]
     trained = {r.name for r in ctx.output_roles if r.kind == "grad"}
     for node in gm.graph.find_nodes(op="placeholder"):  # a parameter without a gradient is frozen (ir.is_frozen)

@@ -17,6 +17,7 @@ from torch import nn
 
 from autoshard import _torch_compat as tc
 
+
 def drop_assertions(gm: fx.GraphModule) -> bool:
     """Remove metadata assertions (``_assert_tensor_metadata`` from an exported ``.to()``, as in the stage modules
     ``torch.distributed.pipelining`` cuts): checks of the traced program with no value to place or run."""
@@ -42,8 +43,9 @@ def constant_values(gm: fx.GraphModule, fake_mode: Any) -> bool:
         t = getattr(gm, node.target, None)
         if isinstance(t, torch.Tensor) and t.numel() == 1:
             with gm.graph.inserting_before(node):
-                made = gm.graph.call_function(torch.ops.aten.full.default, (list(t.shape), t.item()),
-                                              {"dtype": t.dtype, "device": t.device})
+                made = gm.graph.call_function(
+                    torch.ops.aten.full.default, (list(t.shape), t.item()), {"dtype": t.dtype, "device": t.device}
+                )
             made.meta.update(node.meta)
             node.replace_all_uses_with(made)
             gm.graph.erase_node(node)
@@ -89,8 +91,12 @@ def _pure(node: fx.Node) -> bool:
     if node.op == "get_attr":
         return True
     # (a random draw nothing reads still moves the generator, as one device's does: kept)
-    return (isinstance(t, tc.OpOverload) and not t._schema.is_mutable and t.namespace != "_c10d_functional"
-            and torch.Tag.nondeterministic_seeded not in t.tags)
+    return (
+        isinstance(t, tc.OpOverload)
+        and not t._schema.is_mutable
+        and t.namespace != "_c10d_functional"
+        and torch.Tag.nondeterministic_seeded not in t.tags
+    )
 
 
 def merge_tied_parameters(gm: fx.GraphModule, model: nn.Module) -> bool:

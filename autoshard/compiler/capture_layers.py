@@ -17,11 +17,11 @@ import logging
 import torch.fx as fx
 from torch import nn
 
+from autoshard.compiler.capture import capture
+from autoshard.compiler.capture_recompute import sampled_specs, tag_recompute
+from autoshard.compiler.context import PassContext
 from autoshard.config import PlanConfig
 from autoshard.ir import repeated_layers
-from autoshard.compiler.capture import capture
-from autoshard.compiler.context import PassContext
-from autoshard.compiler.capture_recompute import sampled_specs, tag_recompute
 from autoshard.messages import warn
 
 log = logging.getLogger(__name__)
@@ -62,11 +62,13 @@ def constraints_uneven(model: nn.Module, path: str, total: int, config: PlanConf
     rel: dict[int, list[str]] = {i: [] for i in range(total)}
     for name, _ in model.named_parameters(remove_duplicate=False):
         if name.startswith(prefix):
-            idx, _, tail = name[len(prefix):].partition(".")
+            idx, _, tail = name[len(prefix) :].partition(".")
             if idx.isdigit():
                 rel[int(idx)].append(tail)
     for key in keys:
-        pinned = {frozenset(t for t in tails if fnmatch.fnmatchcase(f"{prefix}{i}.{t}", key)) for i, tails in rel.items()}
+        pinned = {
+            frozenset(t for t in tails if fnmatch.fnmatchcase(f"{prefix}{i}.{t}", key)) for i, tails in rel.items()
+        }
         if len(pinned) > 1:
             return key
     return None
@@ -92,8 +94,14 @@ def capture_model(model: nn.Module, ctx: PassContext) -> fx.GraphModule:
     else:
         gm = _capture_some(model, ctx)
         if cache is not None:
-            cache.captured = (copy_graph(gm), ctx.signature, list(ctx.output_roles), dict(ctx.param_modules),
-                              ctx.sampled_layers, ctx.stats.get("nodes_captured"))
+            cache.captured = (
+                copy_graph(gm),
+                ctx.signature,
+                list(ctx.output_roles),
+                dict(ctx.param_modules),
+                ctx.sampled_layers,
+                ctx.stats.get("nodes_captured"),
+            )
     specs = ctx.config.recompute
     if specs and ctx.sampled_layers is not None:  # the captured layers stand for all: their modes too
         specs = sampled_specs(specs, *ctx.sampled_layers)[0]
@@ -120,12 +128,18 @@ def _capture_some(model: nn.Module, ctx: PassContext) -> fx.GraphModule:
     if found is not None and found[0]:
         uneven = constraints_uneven(model, found[0], found[1], ctx.config)
         if uneven is not None:
-            log.info("capture: constraint %r pins some of the layers in %s but not others; capturing every layer",
-                     uneven, found[0])
+            log.info(
+                "capture: constraint %r pins some of the layers in %s but not others; capturing every layer",
+                uneven,
+                found[0],
+            )
             found = None
         elif not _frozen_alike(model, found[0]):
-            log.info("capture: some of the layers in %s are frozen (requires_grad=False) where others train; "
-                     "capturing every layer", found[0])
+            log.info(
+                "capture: some of the layers in %s are frozen (requires_grad=False) where others train; "
+                "capturing every layer",
+                found[0],
+            )
             found = None
     if found is not None and found[1] > k and found[0]:
         path, total = found
@@ -137,8 +151,15 @@ def _capture_some(model: nn.Module, ctx: PassContext) -> fx.GraphModule:
             log.info("capture: %d of the %d identical layers in %s captured; they stand for all", k, total, path)
             return gm
         except Exception as e:  # a forward that needs all its layers (indexes them, checks the count ...)
-            warn(log, "capture: could not trace %s with %d of its %d layers (%s: %s); capturing every layer",
-                        path, k, total, type(e).__name__, str(e)[:200])
+            warn(
+                log,
+                "capture: could not trace %s with %d of its %d layers (%s: %s); capturing every layer",
+                path,
+                k,
+                total,
+                type(e).__name__,
+                str(e)[:200],
+            )
             ctx.sampled_layers = None
     ctx.param_modules = _param_modules(model)
     return capture(model, ctx.example_inputs, ctx)

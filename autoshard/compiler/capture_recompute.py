@@ -40,20 +40,32 @@ import torch.fx as fx
 
 from autoshard import _torch_compat as tc
 from autoshard.cost.compute import compute_time, op_flops
-from autoshard.notation import FULL, SELECTIVE, parse_spec, spec
-from autoshard.ir import is_saved, is_view, layer_key, owns_storage, tensor_args
 from autoshard.errors import InputError
+from autoshard.ir import is_saved, is_view, layer_key, owns_storage, tensor_args
+from autoshard.notation import FULL, SELECTIVE, parse_spec, spec
 
 log = logging.getLogger(__name__)
 
 KEPT = "autoshard_replay_input"  # meta key: a kept value a replay reads (see the module docstring)
 MUST_SAVE = type(tc.PREFER_RECOMPUTE).MUST_SAVE  # the same enum (torch.utils.checkpoint.CheckpointPolicy)
 # what selective recomputation keeps (torch's selective-checkpoint examples and torchtitan's op list save these)
-EXPENSIVE = frozenset({
-    "mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution", "_scaled_mm", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
-})
+EXPENSIVE = frozenset(
+    {
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "convolution",
+        "_convolution",
+        "_scaled_mm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_flash_attention_forward",
+        "_efficient_attention_forward",
+    }
+)
 
 
 def _inside(module: str, prefix: str) -> bool:
@@ -98,8 +110,9 @@ def sampled_specs(specs: Sequence[str], container: str, k: int, total: int) -> t
         m = max(pool, key=lambda x: (left[x], str(x)))
         captured.append(m)
         left[m] -= 1
-    others = tuple(s for s in specs if not _inside(container, parse_spec(s)[0])
-                   and not _inside(parse_spec(s)[0], container))
+    others = tuple(
+        s for s in specs if not _inside(container, parse_spec(s)[0]) and not _inside(parse_spec(s)[0], container)
+    )
     return others + layer_specs(container, captured), counts
 
 
@@ -111,9 +124,11 @@ def tag_recompute(gm: fx.GraphModule, specs: Sequence[str], modules: Sequence[st
     parsed = [parse_spec(s) for s in specs]
     unknown = [p for p, _ in parsed if not any(_inside(m, p) for m in modules)]
     if unknown:
-        raise InputError(f"recompute={list(specs)}: {unknown} name no module of the model; give module paths "
-                         f"such as {[m for m in modules if m.count('.') == 1][:3]} or a container of layers, "
-                         f"optionally with ':selective'")
+        raise InputError(
+            f"recompute={list(specs)}: {unknown} name no module of the model; give module paths "
+            f"such as {[m for m in modules if m.count('.') == 1][:3]} or a container of layers, "
+            f"optionally with ':selective'"
+        )
     region: dict[fx.Node, tuple] = {}
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.meta.get("autoshard_phase") != "forward":
@@ -127,13 +142,18 @@ def tag_recompute(gm: fx.GraphModule, specs: Sequence[str], modules: Sequence[st
         n.meta["recompute"] = MUST_SAVE if keep else tc.PREFER_RECOMPUTE
     for n in region:  # a region's outputs (read by another layer or module) are saved: replays start there
         if n.meta["recompute"] == tc.PREFER_RECOMPUTE and any(
-                u.op == "output" or (u.meta.get("autoshard_phase") == "forward" and region.get(u) != region[n])
-                for u in n.users):
+            u.op == "output" or (u.meta.get("autoshard_phase") == "forward" and region.get(u) != region[n])
+            for u in n.users
+        ):
             n.meta["recompute"] = MUST_SAVE
     _mark_kept(gm)
     replayed = sum(is_recomputed(n) for n in region)
-    log.info("recompute: %d forward ops inside %s run again in the backward, %d saved", replayed, list(specs),
-             len(region) - replayed)
+    log.info(
+        "recompute: %d forward ops inside %s run again in the backward, %d saved",
+        replayed,
+        list(specs),
+        len(region) - replayed,
+    )
     return replayed
 
 
@@ -218,8 +238,13 @@ def _once_s(n: fx.Node, mesh_shape: Sequence[int], device: object) -> float:
             split *= size
 
     def conv(a: object) -> object:
-        return a.meta.get("val") if isinstance(a, fx.Node) else type(a)(conv(x) for x in a) if isinstance(
-            a, (list, tuple)) else a
+        return (
+            a.meta.get("val")
+            if isinstance(a, fx.Node)
+            else type(a)(conv(x) for x in a)
+            if isinstance(a, (list, tuple))
+            else a
+        )
 
     flops = op_flops(n.target, conv(tuple(n.args)), {k: conv(v) for k, v in n.kwargs.items()}, val) / split
     dtype = next((str(v.dtype) for v in vals if isinstance(v, torch.Tensor)), "float32")
@@ -252,8 +277,9 @@ def _by_layer(gm: fx.GraphModule, mesh_shape: Sequence[int], keys: set) -> tuple
     return kept, again
 
 
-def layer_replays(gm: fx.GraphModule, mesh_shape: Sequence[int], device: object, mode: str = FULL
-                  ) -> dict[tuple, LayerReplay]:
+def layer_replays(
+    gm: fx.GraphModule, mesh_shape: Sequence[int], device: object, mode: str = FULL
+) -> dict[tuple, LayerReplay]:
     """Per recomputed layer (``ir.layer_key``) of a solved graph whose layers are tagged in ``mode``: what full
     and selective recomputation of it free and cost in its layout, each mode's tags put on the graph in turn
     (and its own put back) so that bytes are counted as ``strategies`` counts them. A selective graph cannot say
@@ -282,8 +308,10 @@ def layer_replays(gm: fx.GraphModule, mesh_shape: Sequence[int], device: object,
         for n, tag in tagged.items():
             n.meta["recompute"] = tag
         _mark_kept(gm, reset=True)
-    return {k: LayerReplay(save[k] - own[k], save[k] - sel[k], times[k][0], times[k][1], own_again[k], sel_again[k])
-            for k in keys}
+    return {
+        k: LayerReplay(save[k] - own[k], save[k] - sel[k], times[k][0], times[k][1], own_again[k], sel_again[k])
+        for k in keys
+    }
 
 
 def typical_replay(replays: Iterable[LayerReplay]) -> LayerReplay:
@@ -297,8 +325,11 @@ def typical_replay(replays: Iterable[LayerReplay]) -> LayerReplay:
 def replay_time(gm: fx.GraphModule, mesh_shape: Sequence[int], device: object, weight: Mapping[int, float]) -> float:
     """The time the replays of a solved graph add to its step (a captured layer counted as the layers it stands
     for: ``weight`` by group, ``ctx.group_weight``)."""
-    return sum(_once_s(n, mesh_shape, device) * weight.get(n.meta["autoshard"].group, 1.0)
-               for n in gm.graph.nodes if is_recomputed(n) and n.meta.get("autoshard") is not None)
+    return sum(
+        _once_s(n, mesh_shape, device) * weight.get(n.meta["autoshard"].group, 1.0)
+        for n in gm.graph.nodes
+        if is_recomputed(n) and n.meta.get("autoshard") is not None
+    )
 
 
 def mix_specs(container: str, counts: tuple[int, int, int]) -> tuple[str, ...]:
@@ -307,6 +338,18 @@ def mix_specs(container: str, counts: tuple[int, int, int]) -> tuple[str, ...]:
     return layer_specs(container, [FULL] * full + [SELECTIVE] * sel + [None] * saved)
 
 
-__all__ = ["EXPENSIVE", "KEPT", "LayerReplay", "is_recomputed",
-           "layer_modes", "layer_replays", "layer_specs", "mix_specs", "replay_time", "sampled_specs",
-           "stored", "tag_recompute", "typical_replay"]
+__all__ = [
+    "EXPENSIVE",
+    "KEPT",
+    "LayerReplay",
+    "is_recomputed",
+    "layer_modes",
+    "layer_replays",
+    "layer_specs",
+    "mix_specs",
+    "replay_time",
+    "sampled_specs",
+    "stored",
+    "tag_recompute",
+    "typical_replay",
+]

@@ -26,20 +26,35 @@ import torch
 import torch.fx as fx
 
 from autoshard import _torch_compat as tc
+from autoshard.compiler.context import PassContext
 from autoshard.ir import Group, layer_key, tensor_args
 from autoshard.rules.random_draws import is_draw
-from autoshard.compiler.context import PassContext
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
 # Ops whose output layout is a function of one input's layout and that cost little: views, aliases, copies.
 VIEW_LIKE = {
-    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
-    aten.transpose.int, aten.permute.default, aten.expand.default, aten.unsqueeze.default,
-    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.clone.default, aten._to_copy.default,
-    aten.detach.default, aten.alias.default, aten.contiguous.default, aten.slice.Tensor,
-    aten.select.int, aten.lift_fresh_copy.default, aten.view_as.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.t.default,
+    aten.transpose.int,
+    aten.permute.default,
+    aten.expand.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+    aten.clone.default,
+    aten._to_copy.default,
+    aten.detach.default,
+    aten.alias.default,
+    aten.contiguous.default,
+    aten.slice.Tensor,
+    aten.select.int,
+    aten.lift_fresh_copy.default,
+    aten.view_as.default,
 }
 
 
@@ -100,7 +115,12 @@ def _coarsen(gm: fx.GraphModule, ctx: PassContext, follow: bool) -> fx.GraphModu
     def new_group(node: fx.Node, kind: str) -> None:
         gid = len(members)
         members[gid] = [node.name]
-        info[gid] = (node.name, kind, node.meta.get("autoshard_module", ""), node.meta.get("autoshard_phase", "forward"))
+        info[gid] = (
+            node.name,
+            kind,
+            node.meta.get("autoshard_module", ""),
+            node.meta.get("autoshard_phase", "forward"),
+        )
         node.meta["autoshard_group"] = gid
         node.meta["autoshard_kind"] = kind
 
@@ -141,7 +161,8 @@ def _coarsen(gm: fx.GraphModule, ctx: PassContext, follow: bool) -> fx.GraphModu
         new_group(node, "op")
 
     ctx.groups = [
-        Group(gid, info[gid][0], tuple(members[gid]), info[gid][1], info[gid][2], info[gid][3]) for gid in sorted(members)
+        Group(gid, info[gid][0], tuple(members[gid]), info[gid][1], info[gid][2], info[gid][3])
+        for gid in sorted(members)
     ]
     ctx.stats["groups"] = len(ctx.groups)
     n_nodes = sum(len(m) for m in members.values())

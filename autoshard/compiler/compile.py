@@ -31,11 +31,11 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate
 
 from autoshard import _torch_compat as tc
-from autoshard.ir import param_offload_of
 from autoshard.compiler.context import FORWARD_KINDS, PassContext
 from autoshard.compiler.lower import PlanInterpreter, param_placements_of
 from autoshard.compiler.split_backward import split_backward
 from autoshard.errors import InternalError
+from autoshard.ir import param_offload_of
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +95,9 @@ class CompiledProgram:
         self._split = split_backward(self.bw_gm, is_input_grad)
         self._bw_in = self._bw_w = None
 
-    def backward_input(self, saved: list[torch.Tensor],
-                       grad_outs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def backward_input(
+        self, saved: list[torch.Tensor], grad_outs: Sequence[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(the input gradients, what :meth:`backward_weight` needs) of :meth:`backward_many`."""
         args = list(saved) + [grad_outs[i] for i in self.tangent_of]
         kept = [args[i] for i in self._split.arg_slots]  # (before the call: a compiled graph may free its args)
@@ -152,8 +153,11 @@ class InterpretedProgram:
         self.interp.bind(env, self.primals, flat)
         self.interp.run(env, self.fw_nodes)
         rep = [Replicate()] * self.interp.mesh.ndim
-        outs = [(r, env[src.name].redistribute(self.interp.mesh, rep).to_local())
-                for src, r in zip(self.interp.output.args[0], self.roles) if r.kind in kinds]
+        outs = [
+            (r, env[src.name].redistribute(self.interp.mesh, rep).to_local())
+            for src, r in zip(self.interp.output.args[0], self.roles)
+            if r.kind in kinds
+        ]
         return outs, env
 
     def backward(self, env: dict[str, Any], grad_loss: torch.Tensor) -> list[torch.Tensor]:

@@ -16,12 +16,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 
-from autoshard.config import PlanConfig
 from autoshard.cluster.profile import ClusterProfile
+from autoshard.config import PlanConfig
 from autoshard.ir import Group, GroupStrategy
 from autoshard.runtime.program import Program
 

@@ -25,19 +25,25 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autoshard import _torch_compat as tc
 from autoshard.buckets import gather_axes
-from autoshard.cost.reshard import reshard_time as redistribute_time
-from autoshard.ir import Group, Placements, gather_group, is_parameter, tensor_args
 from autoshard.compiler.candidates import CandidateEnumerator
 from autoshard.compiler.context import PassContext
+from autoshard.cost.reshard import reshard_time as redistribute_time
+from autoshard.ir import Group, Placements, gather_group, is_parameter, tensor_args
 
 __all__ = ["follow_members"]
 
 _MAX_BRANCHES = 16  # ways one anchor candidate may be followed (producers moved first or not)
 
 
-def follow_members(group: Group, nodes: dict[str, fx.Node], pos: dict[str, int], cand: tc.RawStrategy,
-                   en: CandidateEnumerator, ctx: PassContext, gather_sizes: Mapping[tuple, int]
-                   ) -> Iterator[tuple[list, list, float]]:
+def follow_members(
+    group: Group,
+    nodes: dict[str, fx.Node],
+    pos: dict[str, int],
+    cand: tc.RawStrategy,
+    en: CandidateEnumerator,
+    ctx: PassContext,
+    gather_sizes: Mapping[tuple, int],
+) -> Iterator[tuple[list, list, float]]:
     """Every way the group's followers can take the anchor candidate ``cand`` (see the module docstring).
     Yields (outputs, inputs, in-group comm seconds) per member. A parameter's gather rides its layer's gather
     group (``ir.gather_group``, of ``gather_sizes``), as the integer program prices it between groups."""
@@ -68,10 +74,21 @@ def follow_members(group: Group, nodes: dict[str, fx.Node], pos: dict[str, int],
                 need = raw.inputs[k]
                 move = 0.0
                 if need != have:
-                    rides = (is_parameter(producer) and gather_axes(tuple(have), tuple(need), shape, ms) is not None
-                             and gather_group(node, gather_sizes))
-                    move = redistribute_time(have, need, shape, v.element_size(), ms, ctx.cluster, waits=not rides,
-                                             bundle_share=1.0 / rides if rides else 0.0)
+                    rides = (
+                        is_parameter(producer)
+                        and gather_axes(tuple(have), tuple(need), shape, ms) is not None
+                        and gather_group(node, gather_sizes)
+                    )
+                    move = redistribute_time(
+                        have,
+                        need,
+                        shape,
+                        v.element_size(),
+                        ms,
+                        ctx.cluster,
+                        waits=not rides,
+                        bundle_share=1.0 / rides if rides else 0.0,
+                    )
                     if math.isinf(move):  # a move DTensor cannot make: this branch cannot run
                         continue
                 done = {**moved, producer.name: want} if len(wants) > 1 else moved

@@ -35,15 +35,14 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoshard import _torch_compat as tc
 from autoshard import rules
-from autoshard.rules import random_draws
-from autoshard.ir import NodeSharding
-from autoshard.notation import local_shape, placements_str
 from autoshard.buckets import bucketable, gather_all, gather_axes, scatter_axes
+from autoshard.compiler.context import PassContext
 from autoshard.compiler.lower_buckets import by_size, reduce_together, scatter_together
 from autoshard.config import BUCKET_BYTES, FIRST_BUCKET_BYTES
-from autoshard.ir import layer_key, sums, tensor_args
-from autoshard.compiler.context import PassContext
+from autoshard.ir import NodeSharding, layer_key, sums, tensor_args
 from autoshard.messages import warn
+from autoshard.notation import local_shape, placements_str
+from autoshard.rules import random_draws
 
 log = logging.getLogger(__name__)
 _VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
@@ -58,8 +57,9 @@ def _wrap(t: torch.Tensor, mesh: DeviceMesh, placements: Sequence, global_val: t
 def _contiguous(x: DTensor) -> DTensor:
     """``x`` with its local tensor and its own metadata both contiguous."""
     stride = torch.empty(x.shape, device="meta").stride()
-    return DTensor.from_local(x.to_local().contiguous(), x.device_mesh, x.placements, run_check=False,
-                              shape=x.shape, stride=stride)
+    return DTensor.from_local(
+        x.to_local().contiguous(), x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=stride
+    )
 
 
 def _split_only(sh: NodeSharding, mesh_shape: tuple[int, ...]) -> NodeSharding:
@@ -74,8 +74,9 @@ def _split_only(sh: NodeSharding, mesh_shape: tuple[int, ...]) -> NodeSharding:
             return pl
         return tuple(Replicate() if isinstance(p, Shard) and n == 1 else p for p, n in zip(pl, mesh_shape))
 
-    return dataclasses.replace(sh, outputs=tuple(whole(p) for p in sh.outputs),
-                               inputs=tuple(whole(p) for p in sh.inputs))
+    return dataclasses.replace(
+        sh, outputs=tuple(whole(p) for p in sh.outputs), inputs=tuple(whole(p) for p in sh.inputs)
+    )
 
 
 def _all_replicated(sh: NodeSharding) -> bool:
@@ -97,7 +98,11 @@ class PlanInterpreter:
         self.gathered: dict[tuple, DTensor] = {}
 
     def phase_nodes(self, phase: str) -> list[fx.Node]:
-        return [n for n in self.nodes if n.op in ("call_function", "get_attr") and n.meta.get("autoshard_phase", "forward") == phase]
+        return [
+            n
+            for n in self.nodes
+            if n.op in ("call_function", "get_attr") and n.meta.get("autoshard_phase", "forward") == phase
+        ]
 
     def bind(self, env: dict[str, Any], names: Sequence[fx.Node], locals_: Sequence[torch.Tensor]) -> None:
         for node, t in zip(names, locals_):
@@ -151,8 +156,11 @@ class PlanInterpreter:
             # a view traced on one memory layout, run on another (DTensor's local results need not keep the
             # traced strides, and a DTensor's own strides are the traced ones): the same values through a
             # contiguous copy of the local tensor
-            if node.target not in _VIEWS or not isinstance(args[0], DTensor) or (
-                    args[0].is_contiguous() and args[0].to_local().is_contiguous()):
+            if (
+                node.target not in _VIEWS
+                or not isinstance(args[0], DTensor)
+                or (args[0].is_contiguous() and args[0].to_local().is_contiguous())
+            ):
                 raise
             out = node.target(_contiguous(args[0]), *args[1:], **kwargs)
         return self._match(node, sh, out)
@@ -209,7 +217,12 @@ class PlanInterpreter:
             want = sh.outputs[0]
             if want is not None and tuple(out.placements) != tuple(want):
                 self.mismatches += 1
-                log.debug("%s: DTensor produced %s, plan says %s", node.name, placements_str(out.placements), placements_str(want))
+                log.debug(
+                    "%s: DTensor produced %s, plan says %s",
+                    node.name,
+                    placements_str(out.placements),
+                    placements_str(want),
+                )
                 out = tc.redistribute(out, self.mesh, want)
             return out
         if isinstance(out, (tuple, list)):
@@ -222,8 +235,13 @@ class PlanInterpreter:
             return type(out)(res)
         return out
 
-    def outputs(self, env: dict[str, Any], output_roles: Sequence, param_placements: dict[str, tuple],
-                reduce_dtype: torch.dtype | None = None) -> list[Any]:
+    def outputs(
+        self,
+        env: dict[str, Any],
+        output_roles: Sequence,
+        param_placements: dict[str, tuple],
+        reduce_dtype: torch.dtype | None = None,
+    ) -> list[Any]:
         """Loss, outputs and updated buffers made Replicate, gradients moved to their parameter's (or input's) gradient placement
         (``param_placements``), all as local tensors. ``reduce_dtype``: floating gradients that a move sums
         (Partial) are cast to it for the collective and back after (mixed precision's bf16 reduction)."""
@@ -259,8 +277,11 @@ class PlanInterpreter:
             members.sort(key=lambda m: order[m[0]])
             for chunk in by_size(members, FIRST_BUCKET_BYTES, BUCKET_BYTES):
                 vals = [v for _, v in chunk]
-                reduced = (reduce_together(self.mesh, vals, have, want) if axes is None
-                           else scatter_together(self.mesh, axes, vals, want[axes[0]].dim))
+                reduced = (
+                    reduce_together(self.mesh, vals, have, want)
+                    if axes is None
+                    else scatter_together(self.mesh, axes, vals, want[axes[0]].dim)
+                )
                 for slot, local in zip((i for i, _ in chunk), reduced):
                     result[slot] = local.to(dtypes[slot]) if slot in dtypes else local
         return result
@@ -273,11 +294,19 @@ def _reduced_in(dtype: torch.dtype | None, val: DTensor, want: tuple) -> bool:
 
 
 _aten = torch.ops.aten
-_PARAM_VIEWS = {_aten.t.default, _aten.view.default, _aten._unsafe_view.default, _aten.permute.default,
-                _aten.transpose.int, _aten.reshape.default}  # what a parameter goes through before its matmul
+_PARAM_VIEWS = {
+    _aten.t.default,
+    _aten.view.default,
+    _aten._unsafe_view.default,
+    _aten.permute.default,
+    _aten.transpose.int,
+    _aten.reshape.default,
+}  # what a parameter goes through before its matmul
 
 
-def _gather_groups(nodes: Sequence[fx.Node], mesh_shape: tuple[int, ...]) -> tuple[dict[tuple, list], dict[tuple, tuple]]:
+def _gather_groups(
+    nodes: Sequence[fx.Node], mesh_shape: tuple[int, ...]
+) -> tuple[dict[tuple, list], dict[tuple, tuple]]:
     """Parameters gathered Shard(0) -> Replicate on some axes (directly, or through views such as the ``t`` before
     a matmul), grouped by (phase, layer, axes, dtype).
 
@@ -331,8 +360,11 @@ def param_placements_of(gm: fx.GraphModule, which: str = "compute") -> dict[str,
     """Placements of the parameters and inputs by role name: the layout the program computes with
     (``"compute"``), the one its gradients are delivered in (``"grad"``), or the one the optimizer steps
     (``"state"``; ZeRO-1/2 parameters shard their gradient and state further than their compute layout)."""
-    pick = {"compute": lambda sh: sh.outputs[0], "grad": lambda sh: sh.grad_layout,
-            "state": lambda sh: sh.state_layout}[which]
+    pick = {
+        "compute": lambda sh: sh.outputs[0],
+        "grad": lambda sh: sh.grad_layout,
+        "state": lambda sh: sh.state_layout,
+    }[which]
     return {
         n.meta["autoshard_role"].name: tuple(pick(n.meta["autoshard"]))
         for n in gm.graph.find_nodes(op="placeholder")
@@ -400,8 +432,11 @@ def lower(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     (``ctx.backend``). Keeps the solved global graph (``ctx.planned``) and which forward outputs have a tangent
     (``ctx.tangent_of``: a tangent's role is ``tangent[i]`` for forward output i), in tangent order."""
     ctx.planned = gm
-    ctx.tangent_of = tuple(int(n.meta["autoshard_role"].name[len("tangent["):-1])
-                           for n in gm.graph.find_nodes(op="placeholder") if n.meta["autoshard_role"].kind == "tangent")
+    ctx.tangent_of = tuple(
+        int(n.meta["autoshard_role"].name[len("tangent[") : -1])
+        for n in gm.graph.find_nodes(op="placeholder")
+        if n.meta["autoshard_role"].kind == "tangent"
+    )
     decompositions = tc.decomposition_table() if ctx.backend == "inductor" else None
     lowered = trace_rank_program(gm, ctx, decompositions)
     ctx.stats["lowered_nodes"] = sum(1 for n in lowered.graph.nodes if n.op == "call_function")
@@ -416,4 +451,3 @@ def collective_counts(gm: fx.GraphModule) -> dict[str, int]:
             if n.target.namespace == "_c10d_functional" and n.target._opname != "wait_tensor":
                 counts[n.target._opname] = counts.get(n.target._opname, 0) + 1
     return counts
-

@@ -24,7 +24,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from autoshard import _torch_compat as tc
-
 from autoshard.buckets import bucket_starts
 
 
@@ -60,9 +59,10 @@ def scatter_together(mesh: DeviceMesh, axes: tuple[int, ...], vals: list[DTensor
     for group in groups:
         k = math.prod(mesh.size(a) for a in group)
         # chunk r of each gradient as row r: (k, rest), by moving the k chunks of ``dim`` in front
-        flat = torch.cat([t.unflatten(dim, (k, t.shape[dim] // k)).movedim(dim, 0).reshape(k, -1) for t in locals_],
-                         dim=1)
+        flat = torch.cat(
+            [t.unflatten(dim, (k, t.shape[dim] // k)).movedim(dim, 0).reshape(k, -1) for t in locals_], dim=1
+        )
         mine = tc.reduce_scatter_dim0(flat, mesh, group).reshape(-1)
         pieces = torch.split(mine, [t.numel() // k for t in locals_])
-        locals_ = [p.view(*t.shape[:dim], t.shape[dim] // k, *t.shape[dim + 1:]) for p, t in zip(pieces, locals_)]
+        locals_ = [p.view(*t.shape[:dim], t.shape[dim] // k, *t.shape[dim + 1 :]) for p, t in zip(pieces, locals_)]
     return locals_

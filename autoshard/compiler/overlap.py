@@ -43,9 +43,19 @@ log = logging.getLogger(__name__)
 _aten = torch.ops.aten
 # ops that only move or reshape data: cheap to run early, right after their inputs
 _MOVES = {
-    _aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.cat.default,
-    _aten.clone.default, _aten.t.default, _aten.permute.default, _aten.alias.default,
-    _aten.expand.default, _aten.slice.Tensor, _aten.select.int, _aten.squeeze.dim, _aten.unsqueeze.default,
+    _aten.view.default,
+    _aten._unsafe_view.default,
+    _aten.reshape.default,
+    _aten.cat.default,
+    _aten.clone.default,
+    _aten.t.default,
+    _aten.permute.default,
+    _aten.alias.default,
+    _aten.expand.default,
+    _aten.slice.Tensor,
+    _aten.select.int,
+    _aten.squeeze.dim,
+    _aten.unsqueeze.default,
 }
 
 
@@ -70,8 +80,11 @@ def _moved_input(n: fx.Node, memo: dict[fx.Node, bool]) -> bool:
         if n.op in ("placeholder", "get_attr"):
             memo[n] = True
         else:
-            memo[n] = (n.op == "call_function" and n.target in _MOVES | _CASTS
-                       and all(_moved_input(a, memo) for a in n.all_input_nodes))
+            memo[n] = (
+                n.op == "call_function"
+                and n.target in _MOVES | _CASTS
+                and all(_moved_input(a, memo) for a in n.all_input_nodes)
+            )
     return memo[n]
 
 
@@ -190,8 +203,14 @@ def _prefetch_one_ahead(graph: fx.Graph, side: set[fx.Node]) -> int:
     previous layer starts computing), so that it runs while that layer computes; at most two layers' gathered
     parameters are alive. Runs after the waits are sunk. Returns how many nodes were moved."""
     memo: dict[fx.Node, bool] = {}
-    kept = [n for n in graph.nodes if n.op == "call_function" and _is_collective(n) and n not in side
-            and all(_moved_input(a, memo) for a in n.all_input_nodes)]
+    kept = [
+        n
+        for n in graph.nodes
+        if n.op == "call_function"
+        and _is_collective(n)
+        and n not in side
+        and all(_moved_input(a, memo) for a in n.all_input_nodes)
+    ]
     moved = 0
     pos = {n: float(i) for i, n in enumerate(graph.nodes)}  # positions, kept up to date as nodes move
     for prev, nxt in zip(kept, kept[1:]):

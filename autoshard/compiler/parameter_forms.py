@@ -44,9 +44,15 @@ def state_variants(s: GroupStrategy, val: torch.Tensor, ctx: PassContext) -> lis
     size = val.numel() * val.element_size()
     out = []
     for axes in subsets:
-        state = next((st for d in range(val.ndim)
-                      for st in [tuple(Shard(d) if a in axes else p for a, p in enumerate(compute))]
-                      if evenly_divisible(val.shape, st, ms)), None)
+        state = next(
+            (
+                st
+                for d in range(val.ndim)
+                for st in [tuple(Shard(d) if a in axes else p for a, p in enumerate(compute))]
+                if evenly_divisible(val.shape, st, ms)
+            ),
+            None,
+        )
         if state is None:
             continue
         gather = after_step_gather(state, compute, val, ctx)
@@ -57,9 +63,18 @@ def state_variants(s: GroupStrategy, val: torch.Tensor, ctx: PassContext) -> lis
         opt = shard * ctx.config.optimizer_factor
         for grad in (state, compute):  # ZeRO-2, ZeRO-1
             g = size // shard_factor(grad, ms)
-            out.append(dataclasses.replace(
-                s, comm_s=s.comm_s + gather, state_bytes=param + g + opt, param_bytes=param, grad_bytes=g,
-                optimizer_bytes=opt, grad_placements=grad, state_placements=state))
+            out.append(
+                dataclasses.replace(
+                    s,
+                    comm_s=s.comm_s + gather,
+                    state_bytes=param + g + opt,
+                    param_bytes=param,
+                    grad_bytes=g,
+                    optimizer_bytes=opt,
+                    grad_placements=grad,
+                    state_placements=state,
+                )
+            )
     return out
 
 
@@ -72,8 +87,9 @@ def after_step_gather(state: tuple, compute: tuple, val: torch.Tensor, ctx: Pass
     ms, shape = ctx.mesh_shape, tuple(val.shape)
     if gather_axes(state, compute, shape, ms) is None:
         return redistribute_time(state, compute, shape, val.element_size(), ms, ctx.cluster)
-    return redistribute_time(state, compute, shape, val.element_size(), ms, ctx.cluster,
-                             bundle_share=1.0 / after_step_members(ctx))
+    return redistribute_time(
+        state, compute, shape, val.element_size(), ms, ctx.cluster, bundle_share=1.0 / after_step_members(ctx)
+    )
 
 
 def after_step_members(ctx: PassContext) -> float:
@@ -122,11 +138,22 @@ def offload_variants(s: GroupStrategy, val: torch.Tensor, ctx: PassContext) -> l
     # where host memory is the device's (forced on a CPU cluster, to run the mechanism), the master and the state
     # stay in the device's count: the compute copy is then one more copy, not one fewer
     param, opt = (on_device + shard, shard * factor) if shared else (on_device, 0)
-    return [dataclasses.replace(
-        s, compute_s=s.compute_s + cost.total_s, comm_s=s.comm_s + gather, state_bytes=param + shard + opt,
-        param_bytes=param, grad_bytes=shard, optimizer_bytes=opt, grad_placements=moved, state_placements=moved,
-        offload="params" if mode == "params" else "optimizer", offload_s=cost.total_s,
-        host_bytes=shard * (2 + factor))]
+    return [
+        dataclasses.replace(
+            s,
+            compute_s=s.compute_s + cost.total_s,
+            comm_s=s.comm_s + gather,
+            state_bytes=param + shard + opt,
+            param_bytes=param,
+            grad_bytes=shard,
+            optimizer_bytes=opt,
+            grad_placements=moved,
+            state_placements=moved,
+            offload="params" if mode == "params" else "optimizer",
+            offload_s=cost.total_s,
+            host_bytes=shard * (2 + factor),
+        )
+    ]
 
 
 def forced_offload(result: dict[tuple, GroupStrategy], mode: str, ms: tuple[int, ...], name: str) -> dict:
@@ -134,11 +161,14 @@ def forced_offload(result: dict[tuple, GroupStrategy], mode: str, ms: tuple[int,
     copy is sharded over every axis of size > 1, where the parameter has such a layout."""
     kept = {k: v for k, v in result.items() if v.offload}
     if not kept:
-        raise InputError(f"offload={mode!r}: parameter {name} has no offloaded layout on mesh {ms} (the optimizer "
-                         "keeps no state, optimizer='none'?); use offload='auto' or 'none'")
+        raise InputError(
+            f"offload={mode!r}: parameter {name} has no offloaded layout on mesh {ms} (the optimizer "
+            "keeps no state, optimizer='none'?); use offload='auto' or 'none'"
+        )
     if mode == "params":
-        sharded = {k: v for k, v in kept.items()
-                   if all(isinstance(p, Shard) or n == 1 for p, n in zip(v.outputs[0][0], ms))}
+        sharded = {
+            k: v for k, v in kept.items() if all(isinstance(p, Shard) or n == 1 for p, n in zip(v.outputs[0][0], ms))
+        }
         kept = sharded or kept
     return kept
 
@@ -158,15 +188,30 @@ def offload_summary(gm: fx.GraphModule, ctx: PassContext, solution: object = Non
     """What ``solution`` (default ``ctx.solution``) holds in host memory, over every layer (shared layers weighted
     by the layers they stand for): None when nothing is offloaded."""
     sol = solution if solution is not None else ctx.solution
-    found = [(ctx.strategies[g.id][sol.choice[g.id]], ctx.group_weight.get(g.id, 1.0))
-             for g in ctx.groups if g.kind == "parameter"]
+    found = [
+        (ctx.strategies[g.id][sol.choice[g.id]], ctx.group_weight.get(g.id, 1.0))
+        for g in ctx.groups
+        if g.kind == "parameter"
+    ]
     off = [(s, w) for s, w in found if s.offload]
     if not off:
         return None
-    return OffloadSummary(mode=max({s.offload for s, _ in off}), params=round(sum(w for _, w in off)),
-                          total=round(sum(w for _, w in found)), host_bytes=int(sum(w * s.host_bytes for s, w in off)),
-                          step_s=sum(w * s.offload_s for s, w in off), link=ctx.cluster.host_link.name)
+    return OffloadSummary(
+        mode=max({s.offload for s, _ in off}),
+        params=round(sum(w for _, w in off)),
+        total=round(sum(w for _, w in found)),
+        host_bytes=int(sum(w * s.host_bytes for s, w in off)),
+        step_s=sum(w * s.offload_s for s, w in off),
+        link=ctx.cluster.host_link.name,
+    )
 
 
-__all__ = ["after_step_gather", "after_step_members", "forced_offload", "offload_summary", "offload_variants",
-           "offloaded_params", "state_variants"]
+__all__ = [
+    "after_step_gather",
+    "after_step_members",
+    "forced_offload",
+    "offload_summary",
+    "offload_variants",
+    "offloaded_params",
+    "state_variants",
+]

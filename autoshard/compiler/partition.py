@@ -21,5 +21,7 @@ from autoshard.compiler.context import PassContext
 
 def partition(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ctx.forward_graph, ctx.backward_graph = tc.partition_joint(gm, num_fwd_outputs=ctx.forward_outputs)
-    ctx.stats["saved_for_backward"] = len(ctx.forward_graph.graph.find_nodes(op="output")[0].args[0]) - ctx.forward_outputs
+    ctx.stats["saved_for_backward"] = (
+        len(ctx.forward_graph.graph.find_nodes(op="output")[0].args[0]) - ctx.forward_outputs
+    )
     return gm

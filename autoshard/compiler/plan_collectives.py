@@ -37,11 +37,11 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
 from autoshard.buckets import bucket_share, bucket_starts, gather_axes
+from autoshard.compiler.context import PassContext
+from autoshard.compiler.parameter_forms import after_step_members
 from autoshard.cost.comm import redistribute_steps, sync_time
 from autoshard.cost.memory import local_bytes
-from autoshard.compiler.parameter_forms import after_step_members
 from autoshard.ir import gather_group, gather_group_sizes, is_state, layer_key, tensor_args, view_root
-from autoshard.compiler.context import PassContext
 from autoshard.plans.plan import CollectiveStat
 
 __all__ = ["plan_collectives", "weight_of"]
@@ -53,8 +53,9 @@ def weight_of(nodes: dict[str, fx.Node], name: str, ctx: PassContext) -> float:
     return ctx.group_weight.get(sh.group, 1.0) if sh is not None else 1.0
 
 
-def _gather_group(src: fx.Node, a: tuple, b: tuple, consumer: fx.Node, phase: str,
-                  mesh_shape: tuple[int, ...]) -> tuple | None:
+def _gather_group(
+    src: fx.Node, a: tuple, b: tuple, consumer: fx.Node, phase: str, mesh_shape: tuple[int, ...]
+) -> tuple | None:
     """The lowering's gather group of a parameter's move (phase, layer, axes, dtype), or None when the move is
     not a dim-0 all-gather of a parameter (through views) that the lowering bundles."""
     root = view_root(src)
@@ -87,8 +88,16 @@ def plan_collectives(gm: fx.GraphModule, ctx: PassContext, per_edge: bool = Fals
     made: set[tuple] = set()
     after_step: list[tuple] = []  # the moves after the optimizer step so far
 
-    def add(src: fx.Node, a: Sequence, b: Sequence, consumer: str, phase: str, repeat: float,
-            itemsize: int | None = None, sink: bool = False) -> None:
+    def add(
+        src: fx.Node,
+        a: Sequence,
+        b: Sequence,
+        consumer: str,
+        phase: str,
+        repeat: float,
+        itemsize: int | None = None,
+        sink: bool = False,
+    ) -> None:
         if a is None or b is None or tuple(a) == tuple(b):
             return
         a, b = tuple(a), tuple(b)
@@ -108,23 +117,43 @@ def plan_collectives(gm: fx.GraphModule, ctx: PassContext, per_edge: bool = Fals
         elif consumer in nodes and (found := _gather_group(src, a, b, nodes[consumer], phase, mesh_shape)):
             bundle, share = found, 1.0 / max(1, gather_group(nodes[consumer], sizes))
         elif phase == "optimizer" and gather_axes(a, b, shape, mesh_shape) is not None:
-            bundle, share = ("gather", phase, gather_axes(a, b, shape, mesh_shape), v.dtype), 1.0 / n_params  # ParamStates'
+            bundle, share = (
+                ("gather", phase, gather_axes(a, b, shape, mesh_shape), v.dtype),
+                1.0 / n_params,
+            )  # ParamStates'
         steps = redistribute_steps(*move, bundled if bundle else ctx.cluster)
-        back_to_back = phase == "optimizer" and bool(after_step) and not per_edge  # ZeRO's gathers after the step: one wait
+        back_to_back = (
+            phase == "optimizer" and bool(after_step) and not per_edge
+        )  # ZeRO's gathers after the step: one wait
         after_step.extend([key] if phase == "optimizer" else [])
         pays = not bundle and not back_to_back and not (per_edge and sink)  # the solver: no wait on a gradient's
         for st in steps:  # each collective of a move pays its link's sync
             wait = sync_time((st,), mesh_shape, ctx.cluster) if pays else 0.0
-            out.append(CollectiveStat(st.kind, names[st.axis], int(st.nbytes), float(st.time) + wait, src.name,
-                                      consumer, phase, repeat))
+            out.append(
+                CollectiveStat(
+                    st.kind, names[st.axis], int(st.nbytes), float(st.time) + wait, src.name, consumer, phase, repeat
+                )
+            )
         if bundle:  # the bundle's collectives: latency and sync, once per bucket or group (the solver: shares)
             per = 1.0 if bundle[0] == "bucket" or phase == "optimizer" else repeat  # a group is per layer
-            latency = [CollectiveStat(f.kind, names[f.axis], 0, f.time - st.time + sync_time((st,), mesh_shape, ctx.cluster),
-                                      "", consumer, phase, per)
-                       for f, st in zip(redistribute_steps(*move, ctx.cluster), steps)]
+            latency = [
+                CollectiveStat(
+                    f.kind,
+                    names[f.axis],
+                    0,
+                    f.time - st.time + sync_time((st,), mesh_shape, ctx.cluster),
+                    "",
+                    consumer,
+                    phase,
+                    per,
+                )
+                for f, st in zip(redistribute_steps(*move, ctx.cluster), steps)
+            ]
             if per_edge:
-                out.extend(dataclasses.replace(st, tensor=f"share of {bundle[0]}", time_s=st.time_s * share,
-                                               repeat=repeat) for st in latency)
+                out.extend(
+                    dataclasses.replace(st, tensor=f"share of {bundle[0]}", time_s=st.time_s * share, repeat=repeat)
+                    for st in latency
+                )
             else:
                 if bundle[0] == "bucket":  # a captured layer standing for r layers makes r such gradients
                     whole, part = int(repeat), repeat - int(repeat)
@@ -152,8 +181,16 @@ def plan_collectives(gm: fx.GraphModule, ctx: PassContext, per_edge: bool = Fals
         if role.kind in ("loss", "output", "buffer"):
             add(src, have, rep, "output" if role.kind != "buffer" else role.name, "forward", w)
         elif role.kind in ("grad", "input_grad"):
-            add(src, have, params[role.name].meta["autoshard"].grad_layout, role.name, "backward", w,
-                ctx.config.reduce_itemsize, sink=True)
+            add(
+                src,
+                have,
+                params[role.name].meta["autoshard"].grad_layout,
+                role.name,
+                "backward",
+                w,
+                ctx.config.reduce_itemsize,
+                sink=True,
+            )
     for name, ph in params.items():  # ZeRO-1/2: the stepped master shard gathered back to the compute layout
         sh = ph.meta["autoshard"]
         if sh.state is not None and tuple(sh.state) != tuple(sh.outputs[0]):
@@ -165,6 +202,8 @@ def plan_collectives(gm: fx.GraphModule, ctx: PassContext, per_edge: bool = Fals
         else:
             starts, what = [0], "parameters"
         for i, j in zip(starts, [*starts[1:], len(members)]):
-            out += [dataclasses.replace(st, tensor=f"{'bucket' if what == 'gradients' else 'group'} of {j - i} {what}")
-                    for st in members[i][2]]
+            out += [
+                dataclasses.replace(st, tensor=f"{'bucket' if what == 'gradients' else 'group'} of {j - i} {what}")
+                for st in members[i][2]
+            ]
     return out

@@ -31,8 +31,15 @@ from autoshard import _torch_compat as tc
 _CASTS = {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default}
 
 
-def run_model(inner: nn.Module, args: tuple, kwargs: Mapping[str, Any], mixed_precision: str | None,
-              policy: str, device: torch.device, cast_inputs: bool = True) -> Any:
+def run_model(
+    inner: nn.Module,
+    args: tuple,
+    kwargs: Mapping[str, Any],
+    mixed_precision: str | None,
+    policy: str,
+    device: torch.device,
+    cast_inputs: bool = True,
+) -> Any:
     """``inner(*args, **kwargs)`` under the precision policy (module docstring). ``cast_inputs=False``: a
     pipeline stage, whose inputs are the previous stage's values in the dtypes the model made them (the stages'
     split was traced under the policy, ``autoshard/pipeline/wiring.py: split_model``, and cast the model's own
@@ -49,7 +56,6 @@ def run_model(inner: nn.Module, args: tuple, kwargs: Mapping[str, Any], mixed_pr
         leaves = [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in leaves]
         args, kwargs = tc.tree_unflatten(leaves, spec)
     return torch.func.functional_call(inner, cast, args, kwargs, strict=False)
-
 
 
 def place_parameter_casts(gm: fx.GraphModule) -> bool:
@@ -72,4 +78,3 @@ def place_parameter_casts(gm: fx.GraphModule) -> bool:
             first.prepend(node)
             changed = True
     return changed
-

@@ -28,7 +28,6 @@ from autoshard.compiler.capture_layers import capture_model
 from autoshard.compiler.coarsen import coarsen, coarsen_per_node
 from autoshard.compiler.compile import compile_program, run_graphs
 from autoshard.compiler.context import BACKENDS, PassContext, debug_enabled
-from autoshard.runtime.program import Program
 from autoshard.compiler.lower import lower
 from autoshard.compiler.overlap import overlap
 from autoshard.compiler.partition import partition
@@ -36,6 +35,7 @@ from autoshard.compiler.share_layers import share_layers, share_nothing
 from autoshard.compiler.solve import solve
 from autoshard.compiler.strategies import strategies
 from autoshard.errors import CallError, InputError, InternalError
+from autoshard.runtime.program import Program
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +89,15 @@ def check_disabled(names: tuple[str, ...]) -> None:
     optional = [p.name for p in PASSES if p.when_disabled is not None]
     for name in names:
         if name not in PASS_NAMES:
-            raise InputError(f"disable_passes: {name!r} is not a pass; the passes are {', '.join(PASS_NAMES)} "
-                             f"(of which these can be disabled: {', '.join(optional)})")
+            raise InputError(
+                f"disable_passes: {name!r} is not a pass; the passes are {', '.join(PASS_NAMES)} "
+                f"(of which these can be disabled: {', '.join(optional)})"
+            )
         if name not in optional:
-            raise InputError(f"disable_passes: the {name} pass cannot be disabled (every later pass needs what it "
-                             f"makes); these can: {', '.join(optional)}")
+            raise InputError(
+                f"disable_passes: the {name} pass cannot be disabled (every later pass needs what it "
+                f"makes); these can: {', '.join(optional)}"
+            )
 
 
 def _check(spec: PassSpec, out: object, ctx: PassContext) -> None:
@@ -123,7 +127,7 @@ def run_passes(module: nn.Module, ctx: PassContext, first: str, last: str) -> fx
         # planning runs on fake tensors whatever the caller's mode; the program passes run in it
         # (LocalTensorMode's interpreted program is built inside it)
         planning = i <= last_planning
-        with ctx.timed(spec.name), (tc.outside_local_tensor_mode() if planning else contextlib.nullcontext()):
+        with ctx.timed(spec.name), tc.outside_local_tensor_mode() if planning else contextlib.nullcontext():
             out = fn(gm, ctx)
         _check(spec, out, ctx)
         gm = out

@@ -22,9 +22,9 @@ from collections import defaultdict
 
 import torch.fx as fx
 
-from autoshard.ir import is_frozen, layer_key
-from autoshard.compiler.context import PassContext
 from autoshard.compiler.capture_recompute import layer_modes, sampled_specs
+from autoshard.compiler.context import PassContext
+from autoshard.ir import is_frozen, layer_key
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +35,20 @@ def _signature(group, nodes: dict[str, fx.Node], prefix: str) -> tuple:
     for name in group.members:
         n = nodes[name]
         v = n.meta.get("val")
-        shape = tuple(v.shape) if hasattr(v, "shape") else tuple(tuple(x.shape) if hasattr(x, "shape") else None for x in (v or ()))
-        members.append((n.op if n.op == "placeholder" else str(n.target), shape, n.meta.get("autoshard_follow"),
-                        n.meta.get("recompute"),  # a recomputed layer is not like one that saves
-                        is_frozen(n)))  # nor a frozen weight like a trained one (it holds no gradient or state)
+        shape = (
+            tuple(v.shape)
+            if hasattr(v, "shape")
+            else tuple(tuple(x.shape) if hasattr(x, "shape") else None for x in (v or ()))
+        )
+        members.append(
+            (
+                n.op if n.op == "placeholder" else str(n.target),
+                shape,
+                n.meta.get("autoshard_follow"),
+                n.meta.get("recompute"),  # a recomputed layer is not like one that saves
+                is_frozen(n),
+            )
+        )  # nor a frozen weight like a trained one (it holds no gradient or state)
     return (group.kind, group.phase, rel, tuple(members))
 
 
@@ -64,8 +74,15 @@ def _weigh_sampled(ctx: PassContext, container: str, members: dict[int, list[int
         for idx in members[ref]:
             for g in by_index[idx]:
                 ctx.group_weight[g.id] = w
-        log.info("share_layers: %s: %d captured layers like layer %d (recompute %s) stand for %d (weight %.2f each)",
-                 container, n, ref, mode or "none", n + missing, w)
+        log.info(
+            "share_layers: %s: %d captured layers like layer %d (recompute %s) stand for %d (weight %.2f each)",
+            container,
+            n,
+            ref,
+            mode or "none",
+            n + missing,
+            w,
+        )
 
 
 def share_layers(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

@@ -18,14 +18,14 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autoshard.compiler.context import PassContext
-from autoshard.config import normalize
 from autoshard.compiler.solve_memory import layouts_of, solve_within, step_floor
 from autoshard.compiler.solve_recipes import best_recipe, recipe_model, recipe_pins, solve_recipes
 from autoshard.compiler.solve_reuse import program_fingerprint, reused_solution
-from autoshard.solver.intra_op import IntraOpProblem, Solution
+from autoshard.config import normalize
 from autoshard.errors import InfeasibleBudget, InputError, RankFailed
-from autoshard.rules import random_draws
 from autoshard.messages import warn
+from autoshard.rules import random_draws
+from autoshard.solver.intra_op import IntraOpProblem, Solution
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,9 @@ def same_program(gm: fx.GraphModule, ctx: PassContext) -> None:
         return
     # every rank saw the difference: only now are the op lists gathered, to name the first that differs
     everyone: list = [None] * len(prints)
-    dist.all_gather_object(everyone, [f"{n.name} = {n.target}{_shape(n)}" for n in gm.graph.nodes
-                                      if n.op == "call_function"])
+    dist.all_gather_object(
+        everyone, [f"{n.name} = {n.target}{_shape(n)}" for n in gm.graph.nodes if n.op == "call_function"]
+    )
     r, ref, other = bad[0], everyone[0], everyone[bad[0]]
     theirs = dict(prints[r])
     parts = "; ".join(f"{k}: rank 0 {v!r}, rank {r} {theirs.get(k)!r}" for k, v in prints[0] if theirs.get(k) != v)
@@ -94,8 +95,17 @@ def problem_of(gm: fx.GraphModule, ctx: PassContext) -> IntraOpProblem:
     """The integer program of the graph after ``strategies`` (built once per graph and context, then solved under
     each side condition)."""
     canon = ctx.layer_of_group or {g.id: g.id for g in ctx.groups}
-    return IntraOpProblem(gm, ctx.groups, ctx.strategies, canon, ctx.output_roles, ctx.mesh_shape, ctx.cluster,
-                          ctx.group_weight, grad_itemsize=ctx.config.reduce_itemsize)
+    return IntraOpProblem(
+        gm,
+        ctx.groups,
+        ctx.strategies,
+        canon,
+        ctx.output_roles,
+        ctx.mesh_shape,
+        ctx.cluster,
+        ctx.group_weight,
+        grad_itemsize=ctx.config.reduce_itemsize,
+    )
 
 
 def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
@@ -130,7 +140,9 @@ def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
 
     def _within() -> Solution:
         return solve_within(
-            gm, ctx, ctx.config.memory_budget,
+            gm,
+            ctx,
+            ctx.config.memory_budget,
             time_limit_s=ctx.config.time_limit_s,
             pins=pins,
             num_workers=ctx.config.num_workers,
@@ -157,10 +169,16 @@ def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
     _add_time(ctx, "with_recipes", t1)
     best = best_recipe(ctx)
     if best is not None and best.objective_s < sol.objective_s * (1 - 1e-12):
-        log.info("solve: the %s recipe (%.6f s) beats the searched plan (%.6f s, %s); keeping it", best.name,
-                 best.objective_s, sol.objective_s, sol.status)
-        sol = dataclasses.replace(best.solution, status=f"{sol.status}, {best.name} kept", bound_s=sol.bound_s,
-                                  variables=sol.variables)  # (the program searched: a recipe may solve a smaller one)
+        log.info(
+            "solve: the %s recipe (%.6f s) beats the searched plan (%.6f s, %s); keeping it",
+            best.name,
+            best.objective_s,
+            sol.objective_s,
+            sol.status,
+        )
+        sol = dataclasses.replace(
+            best.solution, status=f"{sol.status}, {best.name} kept", bound_s=sol.bound_s, variables=sol.variables
+        )  # (the program searched: a recipe may solve a smaller one)
     return sol
 
 

@@ -17,12 +17,12 @@ from typing import Any
 
 import torch.fx as fx
 
+from autoshard.compiler.context import PassContext
 from autoshard.cost.memory import temporaries, transients
+from autoshard.errors import InfeasibleBudget
 from autoshard.ir import NodeSharding
 from autoshard.notation import format_bytes
-from autoshard.compiler.context import PassContext
 from autoshard.solver.intra_op import Solution
-from autoshard.errors import InfeasibleBudget
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +36,14 @@ def layouts_of(ctx: PassContext, sol: Solution) -> dict[str, NodeSharding]:
         s = ctx.strategies[g.id][sol.choice[g.id]]
         for i, name in enumerate(g.members):
             first = i == 0 and g.kind == "parameter"
-            out[name] = NodeSharding(g.id, s.outputs[i], s.inputs[i], s.grad_placements if first else None,
-                                     s.state_placements if first else None, s.offload if first else "")
+            out[name] = NodeSharding(
+                g.id,
+                s.outputs[i],
+                s.inputs[i],
+                s.grad_placements if first else None,
+                s.state_placements if first else None,
+                s.offload if first else "",
+            )
     return out
 
 
@@ -51,8 +57,13 @@ def temporaries_of(gm: fx.GraphModule, ctx: PassContext, sol: Solution) -> int:
         opt += w * s.optimizer_bytes
     factor = ctx.config.optimizer_factor
     layouts = layouts_of(ctx, sol)
-    t = transients(gm, ctx.mesh_shape, ctx.output_roles, layouts,
-                   weight=lambda n: ctx.group_weight.get(layouts[n.name].group, 1.0) if n.name in layouts else 1.0)
+    t = transients(
+        gm,
+        ctx.mesh_shape,
+        ctx.output_roles,
+        layouts,
+        weight=lambda n: ctx.group_weight.get(layouts[n.name].group, 1.0) if n.name in layouts else 1.0,
+    )
     return temporaries(t, acts, opt / factor if factor else 0.0)
 
 
@@ -69,8 +80,11 @@ def step_floor(ctx: PassContext, pins: dict[int, set[int]] | None = None) -> int
     total = 0.0
     for c, gids in members.items():
         keep = (pins or {}).get(c)
-        total += min(sum(ctx.group_weight.get(g, 1.0) * _state_and_step(ctx.strategies[g][i], factor) for g in gids)
-                     for i in range(len(ctx.strategies[c])) if keep is None or i in keep)
+        total += min(
+            sum(ctx.group_weight.get(g, 1.0) * _state_and_step(ctx.strategies[g][i], factor) for g in gids)
+            for i in range(len(ctx.strategies[c]))
+            if keep is None or i in keep
+        )
     return math.floor(total * (1 - 1e-9))
 
 
@@ -102,9 +116,14 @@ def solve_within(gm: fx.GraphModule, ctx: PassContext, budget: int | None, **kw:
             want = (solvable + unsolvable) // 2
         if want <= solvable:
             break
-        log.info("solve %s: peak %s with %s of temporaries is over the budget %s; solving again with %s held back",
-                 what, format_bytes(sol.memory_bytes + extra), format_bytes(extra), format_bytes(budget),
-                 format_bytes(want))
+        log.info(
+            "solve %s: peak %s with %s of temporaries is over the budget %s; solving again with %s held back",
+            what,
+            format_bytes(sol.memory_bytes + extra),
+            format_bytes(extra),
+            format_bytes(budget),
+            format_bytes(want),
+        )
         try:
             sol, held, proof = ctx.problem.solve(memory_budget=budget - want, **kw), want, None
         except InfeasibleBudget as e:
@@ -115,11 +134,16 @@ def solve_within(gm: fx.GraphModule, ctx: PassContext, budget: int | None, **kw:
             f"memory_budget={format_bytes(budget)} per device is below what any {what} needs with the step's "
             f"temporaries: about {format_bytes(least)} (the state and saved activations sharded as far as the mesh "
             f"allows, plus {format_bytes(extra)} of backward temporaries and gathered weights). Raise the budget, "
-            "use more devices, or a smaller batch.", int(least))
+            "use more devices, or a smaller batch.",
+            int(least),
+        )
     peak = sol.memory_bytes + temporaries_of(gm, ctx, sol)
     raise InfeasibleBudget(
         f"memory_budget={format_bytes(budget)} per device: the plan that fits it on the solver's count still peaks "
         f"at {format_bytes(peak)} with the step's temporaries (backward temporaries, gathered weights); raise the "
-        f"budget to at least {format_bytes(peak)}, use more devices, or a smaller batch.", int(peak))
+        f"budget to at least {format_bytes(peak)}, use more devices, or a smaller batch.",
+        int(peak),
+    )
+
 
 __all__ = ["layouts_of", "solve_within", "step_floor", "temporaries_of"]

@@ -21,23 +21,31 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
-from autoshard.config import normalize
-from autoshard.ir import is_frozen, tensor_args, view_root
-from autoshard.rules import attention
 from autoshard.compiler.context import PassContext
 from autoshard.compiler.solve_memory import solve_within
+from autoshard.config import normalize
 from autoshard.errors import InfeasibleBudget, InputError, SolverTimeout
+from autoshard.ir import is_frozen, tensor_args, view_root
 from autoshard.notation import placement_str
-from autoshard.solver.recipes import (RecipeResult, applicable, candidate_state_kind, even_prefix, is_expert_weight,
-                                      recipe_placements, state_kind)
+from autoshard.rules import attention
+from autoshard.solver.recipes import (
+    RecipeResult,
+    applicable,
+    candidate_state_kind,
+    even_prefix,
+    is_expert_weight,
+    recipe_placements,
+    state_kind,
+)
 
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
 
-def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext,
-                memo: dict[frozenset[int], dict[int, set[int]]] | None = None) -> tuple[dict[int, set[int]], list[str]]:
+def recipe_pins(
+    recipe: str, gm: fx.GraphModule, ctx: PassContext, memo: dict[frozenset[int], dict[int, set[int]]] | None = None
+) -> tuple[dict[int, set[int]], list[str]]:
     """Candidate subsets per canonical group that realise ``recipe``; raises ValueError when it cannot apply.
     ``memo``: the batch ops' pins by data-parallel axes, shared by the recipes of one plan (``_batch_pins``)."""
     recipe = normalize(recipe)
@@ -45,11 +53,15 @@ def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext,
     nodes = {n.name: n for n in gm.graph.nodes}
     ms = ctx.mesh_shape
     if recipe == "cp" and not has_attention(gm):
-        raise InputError("recipe 'cp' shards the sequence of attention and this model has no attention op that "
-                         "autoshard can shard on the sequence (self-attention of at least 256 tokens); use fsdp or tp")
+        raise InputError(
+            "recipe 'cp' shards the sequence of attention and this model has no attention op that "
+            "autoshard can shard on the sequence (self-attention of at least 256 tokens); use fsdp or tp"
+        )
     if recipe == "ep" and not has_experts(gm, ctx):
-        raise InputError("recipe 'ep' shards stacked expert weights ([experts, in, out] parameters of a mixture of "
-                         "experts) and this model has none; use fsdp, tp or fsdp+tp")
+        raise InputError(
+            "recipe 'ep' shards stacked expert weights ([experts, in, out] parameters of a mixture of "
+            "experts) and this model has none; use fsdp, tp or fsdp+tp"
+        )
     pins: dict[int, set[int]] = {}
     dp_axes: set[int] = set()
     bent = unmatched = kept_whole = 0
@@ -66,8 +78,10 @@ def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext,
         cands = ctx.strategies[g.id]
         layouts = [s.outputs[0][0] for s in cands]
         kinds = [candidate_state_kind(s.grad_placements, s.state_placements) for s in cands]
-        whole = [s.state_placements is None or all(isinstance(p, Shard) or n == 1
-                                                   for p, n in zip(s.state_placements, ms)) for s in cands]
+        whole = [
+            s.state_placements is None or all(isinstance(p, Shard) or n == 1 for p, n in zip(s.state_placements, ms))
+            for s in cands
+        ]
         trained = role.kind == "parameter" and not is_frozen(node)  # (a frozen one has no state to shard or offload)
         want = state_kind(recipe) if trained else ""
         # a recipe keeps its state on the device, unless PlanConfig.offload forces every parameter's to the host:
@@ -76,8 +90,11 @@ def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext,
         host = forced and trained
 
         def matching(layout: tuple, kind: str) -> set[int]:  # the state sharded over every axis it can be
-            return {i for i, pl in enumerate(layouts) if tuple(pl) == layout and offloaded[i] == host
-                    and (host or (kinds[i] == kind and whole[i]))}
+            return {
+                i
+                for i, pl in enumerate(layouts)
+                if tuple(pl) == layout and offloaded[i] == host and (host or (kinds[i] == kind and whole[i]))
+            }
 
         keep = matching(target, want)
         if not keep and want:  # a parameter whose state cannot be sharded evenly stays whole, as ddp holds it
@@ -103,8 +120,13 @@ def recipe_pins(recipe: str, gm: fx.GraphModule, ctx: PassContext,
                 )
             raise InputError(
                 f"recipe {recipe!r} needs {role.name} {list(shape)} placed {{{want}}}, which its candidates do not "
-                f"include (" + ("offload='params' keeps only layouts sharded over every axis; " if
-                                 ctx.config.offload == "params" else "") + "a constraint in PlanConfig.constraints may "
+                f"include ("
+                + (
+                    "offload='params' keeps only layouts sharded over every axis; "
+                    if ctx.config.offload == "params"
+                    else ""
+                )
+                + "a constraint in PlanConfig.constraints may "
                 "forbid it)"
             )
         pins[g.id] = keep
@@ -141,8 +163,12 @@ def has_experts(gm: fx.GraphModule, ctx: PassContext) -> bool:
     """Whether the model has stacked expert weights (``autoshard.solver.recipes.is_expert_weight``)."""
     for n in gm.graph.nodes:
         role = n.meta.get("autoshard_role")
-        if n.op == "placeholder" and role is not None and role.kind == "parameter" and is_expert_weight(
-                ctx.param_modules.get(role.name, ""), tuple(n.meta["val"].shape)):
+        if (
+            n.op == "placeholder"
+            and role is not None
+            and role.kind == "parameter"
+            and is_expert_weight(ctx.param_modules.get(role.name, ""), tuple(n.meta["val"].shape))
+        ):
             return True
     return False
 
@@ -150,11 +176,14 @@ def has_experts(gm: fx.GraphModule, ctx: PassContext) -> bool:
 def has_attention(gm: fx.GraphModule) -> bool:
     """Whether the graph has an attention op that may shard its sequence (``autoshard/rules/attention.py``)."""
     ops = attention.RULE.ops()
-    return any(n.op == "call_function" and str(n.target) in ops and attention.splits_sequence(n) for n in gm.graph.nodes)
+    return any(
+        n.op == "call_function" and str(n.target) in ops and attention.splits_sequence(n) for n in gm.graph.nodes
+    )
 
 
-def _expert_op_pins(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int], pinned: dict[int, set[int]]
-                    ) -> dict[int, set[int]]:
+def _expert_op_pins(
+    gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int], pinned: dict[int, set[int]]
+) -> dict[int, set[int]]:
     """Expert parallelism moves the tokens to their experts, not the experts to the tokens: an op that reads an
     expert weight (or a view of one) takes it sharded on every mesh axis the recipe shards it on (no op gathers
     an expert's weights, which is FSDP over the experts). Ops left with no such candidate keep all of theirs."""
@@ -168,28 +197,40 @@ def _expert_op_pins(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int],
         role = node.meta["autoshard_role"]
         if is_expert_weight(ctx.param_modules.get(role.name, ""), tuple(node.meta["val"].shape)):
             cands = ctx.strategies[canon[g.id]]
-            axes = [tuple(a for a, p in enumerate(cands[i].outputs[0][0]) if isinstance(p, Shard))
-                    for i in pinned[canon[g.id]]]
+            axes = [
+                tuple(a for a, p in enumerate(cands[i].outputs[0][0]) if isinstance(p, Shard))
+                for i in pinned[canon[g.id]]
+            ]
             sharded[name] = tuple(sorted(set.intersection(*(set(a) for a in axes)))) if axes else ()
     pins: dict[int, set[int]] = {}
     for g in ctx.groups:
         if g.kind != "op" or canon[g.id] != g.id:
             continue
-        reads = [(m, k, sharded[view_root(a).name]) for m, name in enumerate(g.members)
-                 for k, a in enumerate(tensor_args(nodes[name])) if sharded.get(view_root(a).name)]
+        reads = [
+            (m, k, sharded[view_root(a).name])
+            for m, name in enumerate(g.members)
+            for k, a in enumerate(tensor_args(nodes[name]))
+            if sharded.get(view_root(a).name)
+        ]
         if not reads:
             continue
         cands = ctx.strategies[g.id]
-        keep = {i for i, s in enumerate(cands)
-                if all(s.inputs[m][k] is not None and all(isinstance(s.inputs[m][k][a], Shard) for a in axes)
-                       for m, k, axes in reads)}
+        keep = {
+            i
+            for i, s in enumerate(cands)
+            if all(
+                s.inputs[m][k] is not None and all(isinstance(s.inputs[m][k][a], Shard) for a in axes)
+                for m, k, axes in reads
+            )
+        }
         if keep and len(keep) < len(cands):
             pins[g.id] = keep
     return pins
 
 
-def _batch_pins(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int], dp_axes: frozenset[int]
-                ) -> dict[int, set[int]]:
+def _batch_pins(
+    gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int], dp_axes: frozenset[int]
+) -> dict[int, set[int]]:
     """Data parallelism: every op on the batch (downstream of an input) runs on its batch shard. On the
     data-parallel axes such an op neither takes a batch-derived input whole (Replicate: an activation gather
     and the op computed whole on every rank, which the hand-written recipe never does) nor makes a Replicate
@@ -225,9 +266,14 @@ def _batch_pins(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int], dp_
     return pins
 
 
-def solve_recipe(recipe: str, gm: fx.GraphModule, ctx: PassContext, time_limit_s: float | None = None,
-                 pinned: tuple[dict[int, set[int]], list[str]] | None = None,
-                 within: dict[int, frozenset[int]] | None = None) -> RecipeResult:
+def solve_recipe(
+    recipe: str,
+    gm: fx.GraphModule,
+    ctx: PassContext,
+    time_limit_s: float | None = None,
+    pinned: tuple[dict[int, set[int]], list[str]] | None = None,
+    within: dict[int, frozenset[int]] | None = None,
+) -> RecipeResult:
     """Solve ``ctx.problem`` with the recipe's layouts pinned; over the budget it is solved without one and
     marked as not fitting (OOM), so its time is still known. ``pinned``: ``recipe_pins``' answer, when known;
     ``within``: the model it shares with other recipes (``shared_models``)."""
@@ -238,8 +284,14 @@ def solve_recipe(recipe: str, gm: fx.GraphModule, ctx: PassContext, time_limit_s
         return RecipeResult(recipe, None, False, float("inf"), f"n/a: {e}")
     limit = float(time_limit_s if time_limit_s is not None else min(ctx.config.time_limit_s, 10.0))
     budget = ctx.config.memory_budget
-    kw = dict(time_limit_s=limit, pins=pins, num_workers=ctx.config.num_workers, seed=ctx.config.seed, what=recipe,
-              within=within)
+    kw = dict(
+        time_limit_s=limit,
+        pins=pins,
+        num_workers=ctx.config.num_workers,
+        seed=ctx.config.seed,
+        what=recipe,
+        within=within,
+    )
     fits = True
     outcomes = ctx.cache.recipe_outcomes if ctx.cache is not None else None  # (the same pins, budget and program)
     key = (tuple(ctx.config.recompute), recipe)
@@ -263,8 +315,9 @@ def solve_recipe(recipe: str, gm: fx.GraphModule, ctx: PassContext, time_limit_s
     return RecipeResult(recipe, sol, fits, ctx.problem.evaluate(choice), "; ".join(notes))
 
 
-def shared_models(pinned: dict[str, tuple[dict[int, set[int]], list[str]]], ctx: PassContext
-                  ) -> dict[str, dict[int, frozenset[int]]]:
+def shared_models(
+    pinned: dict[str, tuple[dict[int, set[int]], list[str]]], ctx: PassContext
+) -> dict[str, dict[int, frozenset[int]]]:
     """Recipes that pin the ops alike (data parallelism's batch shards: ddp, zero1, zero2, fsdp, hsdp; or no op at
     all: tp, fsdp+tp) and differ only in their parameters' layouts solve copies of one model over the union of their
     candidates, built once: a third to a half of the model over every candidate, which is what a solve's time
@@ -317,7 +370,9 @@ def _pins(recipes: Sequence[str], gm: fx.GraphModule, ctx: PassContext) -> dict:
     return pinned
 
 
-def solve_recipes(gm: fx.GraphModule, ctx: PassContext, alongside: Callable[[], T] | None = None) -> tuple[list[RecipeResult], T | None]:
+def solve_recipes(
+    gm: fx.GraphModule, ctx: PassContext, alongside: Callable[[], T] | None = None
+) -> tuple[list[RecipeResult], T | None]:
     """Every recipe that applies to this mesh, solved (kept on ``ctx.recipes``), and ``alongside`` (the
     plan's own solve) run first on the same pool: CP-SAT releases the GIL while it searches, so a 2-core
     laptop solves two programs at a time."""
@@ -339,7 +394,11 @@ def solve_recipes(gm: fx.GraphModule, ctx: PassContext, alongside: Callable[[], 
         pool.shutdown(wait=done, cancel_futures=True)
     ctx.recipes = results
     for r in results:
-        log.info("recipe %-8s %s", r.name, f"{r.objective_s:.6f} s" + ("" if r.fits else " (over budget)") if r.solution else r.note)
+        log.info(
+            "recipe %-8s %s",
+            r.name,
+            f"{r.objective_s:.6f} s" + ("" if r.fits else " (over budget)") if r.solution else r.note,
+        )
     return results, own_result
 
 

@@ -14,17 +14,22 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from autoshard.plans.fingerprint import fingerprint, mismatch
+from autoshard.compiler.context import PassContext
+from autoshard.errors import InputError
 from autoshard.ir import GroupStrategy
 from autoshard.notation import placements_tuple
-from autoshard.compiler.context import PassContext
+from autoshard.plans.fingerprint import fingerprint, mismatch
 from autoshard.solver.intra_op import Solution
-from autoshard.errors import InputError
 
 
 def _tensor_key(s: GroupStrategy) -> tuple:
     zero = s.state_placements is not None
-    return (placements_tuple(s.outputs[0][0]), placements_tuple(s.grad_placements) if zero else (), placements_tuple(s.state_placements), s.offload)
+    return (
+        placements_tuple(s.outputs[0][0]),
+        placements_tuple(s.grad_placements) if zero else (),
+        placements_tuple(s.state_placements),
+        s.offload,
+    )
 
 
 def _op_key(s: GroupStrategy) -> tuple:
@@ -61,13 +66,18 @@ def reused_solution(gm: fx.GraphModule, ctx: PassContext, plan: object) -> Solut
     """The solution that realises ``plan`` on this captured program (see the module docstring)."""
     stages = getattr(plan, "stages", ())
     if len(stages) != 1:
-        raise InputError(f"plan= runs a single-stage plan; this one has {len(stages)} pipeline stages (compile with "
-                         "the 'pp' mesh and let it plan the stages)")
+        raise InputError(
+            f"plan= runs a single-stage plan; this one has {len(stages)} pipeline stages (compile with "
+            "the 'pp' mesh and let it plan the stages)"
+        )
     if plan.fingerprint:
         diff = mismatch(plan.fingerprint, program_fingerprint(gm, ctx))
         if diff:
-            raise InputError("plan= was made for another program; what differs: " + "; ".join(diff)
-                             + ". Re-plan (autoshard.plan / compile without plan=) for this one.")
+            raise InputError(
+                "plan= was made for another program; what differs: "
+                + "; ".join(diff)
+                + ". Re-plan (autoshard.plan / compile without plan=) for this one."
+            )
     tensors = {t.name: (t.placements, t.grad_placements, t.state_placements, t.offload) for t in stages[0].tensors}
     ops = {d.node: (d.output, d.inputs) for d in stages[0].ops}
     nodes = {n.name: n for n in gm.graph.nodes}
@@ -86,13 +96,17 @@ def reused_solution(gm: fx.GraphModule, ctx: PassContext, plan: object) -> Solut
         elif group.anchor in ops:
             want, key = ops[group.anchor], _op_key
         else:
-            raise InputError(f"plan= names no layout for {group.anchor} ({anchor.target}); the plan does not match "
-                             "this program: re-plan it")
+            raise InputError(
+                f"plan= names no layout for {group.anchor} ({anchor.target}); the plan does not match "
+                "this program: re-plan it"
+            )
         hits = [i for i, s in enumerate(cands) if _key_or_none(key, s) == want]
         hits = [i for i in hits if _nameable(cands[i])] or hits
         if not hits:
-            raise InputError(f"plan= asks {group.anchor} ({anchor.target}) for {want}, which is not one of its "
-                             f"{len(cands)} candidates here; re-plan it for this program")
+            raise InputError(
+                f"plan= asks {group.anchor} ({anchor.target}) for {want}, which is not one of its "
+                f"{len(cands)} candidates here; re-plan it for this program"
+            )
         choice_c[c] = hits[0]
         if len(hits) > 1:
             ties[c] = hits

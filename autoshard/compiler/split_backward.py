@@ -71,8 +71,9 @@ def split_backward(gm: fx.GraphModule, is_input_grad: Sequence[bool]) -> SplitBa
             env1[n].meta = dict(n.meta)
         elif n in first and n.op != "output":
             env1[n] = g1.node_copy(n, lambda a: env1[a])
-    g1.output([env1[o] if isinstance(o, fx.Node) else o for o, f in zip(outs, is_input_grad) if f]
-              + [env1[c] for c in carry])
+    g1.output(
+        [env1[o] if isinstance(o, fx.Node) else o for o, f in zip(outs, is_input_grad) if f] + [env1[c] for c in carry]
+    )
 
     g2 = fx.Graph()
     env2: dict[fx.Node, fx.Node] = {}

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
 import math
 import operator
+from collections.abc import Mapping
 
 import torch
 import torch.fx as fx
@@ -40,16 +40,25 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autoshard import _torch_compat as tc
 from autoshard import rules
-from autoshard.cost.comm import axis_collective_time, point_to_point_time
-from autoshard.cost.compute import compute_time, op_flops
-from autoshard.ir import (Group, GroupStrategy, NodeOut, gather_group, gather_group_sizes, is_frozen, is_state,
-                          output_vals, tensor_args)
 from autoshard.compiler.candidates import CandidateEnumerator, evenly_divisible, shard_factor, summed
+from autoshard.compiler.capture_recompute import is_recomputed, stored
 from autoshard.compiler.context import PassContext
 from autoshard.compiler.follow import follow_members
 from autoshard.compiler.parameter_forms import forced_offload, offload_variants, state_variants
-from autoshard.compiler.capture_recompute import is_recomputed, stored
+from autoshard.cost.comm import axis_collective_time, point_to_point_time
+from autoshard.cost.compute import compute_time, op_flops
 from autoshard.errors import InputError, InternalError
+from autoshard.ir import (
+    Group,
+    GroupStrategy,
+    NodeOut,
+    gather_group,
+    gather_group_sizes,
+    is_frozen,
+    is_state,
+    output_vals,
+    tensor_args,
+)
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -63,7 +72,9 @@ def _placeholder_candidates(node: fx.Node, ctx: PassContext) -> list[tc.RawStrat
     if role.kind in ("buffer", "tangent") or val.ndim == 0:
         cands = [rep]
     else:
-        cands = [tuple(p) for p in tc.all_placements(nd, val.ndim) if evenly_divisible(val.shape, tuple(p), ctx.mesh_shape)]
+        cands = [
+            tuple(p) for p in tc.all_placements(nd, val.ndim) if evenly_divisible(val.shape, tuple(p), ctx.mesh_shape)
+        ]
     alias = ""
     if role.kind == "input" and ctx.signature is not None and role.index < ctx.signature.num_tensors:
         alias = ctx.signature.names[role.index]
@@ -103,8 +114,12 @@ def _facts(node: fx.Node, memo: dict[str, _OpFacts | None]) -> _OpFacts | None:
         facts = _OpFacts(
             tuple(None if v is None else v.numel() * v.element_size() for v in vals),
             tuple(a.meta["val"].numel() * a.meta["val"].element_size() for a in tensor_args(node)),
-            op_flops(node.target, *_real_args(node)), dtype, is_recomputed(node), stored(node),
-            rules.rule_for(node.target) is not None)
+            op_flops(node.target, *_real_args(node)),
+            dtype,
+            is_recomputed(node),
+            stored(node),
+            rules.rule_for(node.target) is not None,
+        )
     memo[node.name] = facts
     return facts
 
@@ -123,8 +138,14 @@ def _layout(p: tuple, ms: tuple[int, ...], seen: dict) -> tuple[tuple, int, int]
 
 
 def _cost(
-    group: Group, nodes: dict[str, fx.Node], outs: list[NodeOut], ins: list[tuple], comm: float, ctx: PassContext,
-    memo: dict[str, _OpFacts | None], seen: dict[int, tuple[tuple, int, int]],
+    group: Group,
+    nodes: dict[str, fx.Node],
+    outs: list[NodeOut],
+    ins: list[tuple],
+    comm: float,
+    ctx: PassContext,
+    memo: dict[str, _OpFacts | None],
+    seen: dict[int, tuple[tuple, int, int]],
 ) -> GroupStrategy:
     """``seen``: ``_layout``'s memo."""
     ms = ctx.mesh_shape
@@ -158,11 +179,16 @@ def _cost(
             # vocabulary-parallel loss's row all-reduces; a ring's chunk sends, "overlapped": they hide behind
             # the op's compute)
             sends = rules.exchanges(node, i, ms)
-            hidden = sum(point_to_point_time(b, ms, axis, ctx.cluster) for kind, axis, b in sends
-                         if kind == "overlapped")
-            once = max(once, hidden) + sum(point_to_point_time(b, ms, axis, ctx.cluster) if kind == "point_to_point"
-                                           else axis_collective_time(kind, b, ms, axis, ctx.cluster)
-                                           for kind, axis, b in sends if kind != "overlapped")
+            hidden = sum(
+                point_to_point_time(b, ms, axis, ctx.cluster) for kind, axis, b in sends if kind == "overlapped"
+            )
+            once = max(once, hidden) + sum(
+                point_to_point_time(b, ms, axis, ctx.cluster)
+                if kind == "point_to_point"
+                else axis_collective_time(kind, b, ms, axis, ctx.cluster)
+                for kind, axis, b in sends
+                if kind != "overlapped"
+            )
         # a recomputed op (autoshard/compiler/capture_recompute.py) runs again in the backward and is not saved for it
         compute += 2 * once if f.recomputed else once
         if f.stored:  # saved for the backward (or for a replay), not replayed
@@ -193,8 +219,13 @@ def _real(a: object) -> object:  # (not a recursive closure: that is a reference
     return a
 
 
-def group_strategies(group: Group, nodes: dict[str, fx.Node], ctx: PassContext, en: CandidateEnumerator,
-                     gather_sizes: Mapping[tuple, int]) -> list[GroupStrategy]:
+def group_strategies(
+    group: Group,
+    nodes: dict[str, fx.Node],
+    ctx: PassContext,
+    en: CandidateEnumerator,
+    gather_sizes: Mapping[tuple, int],
+) -> list[GroupStrategy]:
     """Every candidate of ``group``; ``gather_sizes``: ``ir.gather_group_sizes`` of the graph (a parameter's gather
     inside the group rides its layer's gather group)."""
     anchor = nodes[group.anchor]
@@ -252,7 +283,9 @@ def _interface(group: Group, nodes: dict[str, fx.Node]) -> tuple[list[int], list
     return outs, ins
 
 
-def _prune_dominated(group: Group, nodes: dict[str, fx.Node], found: dict[tuple, GroupStrategy]) -> dict[tuple, GroupStrategy]:
+def _prune_dominated(
+    group: Group, nodes: dict[str, fx.Node], found: dict[tuple, GroupStrategy]
+) -> dict[tuple, GroupStrategy]:
     """Of candidates that look the same from outside the group (same layouts on every tensor crossing its
     boundary), keep the one with the least time, then memory: the others can never be better."""
     outs, ins = _interface(group, nodes)
@@ -275,8 +308,9 @@ def _prune_dominated(group: Group, nodes: dict[str, fx.Node], found: dict[tuple,
     return kept
 
 
-def _signature(group: Group, nodes: dict[str, fx.Node], en: CandidateEnumerator,
-               gather_sizes: Mapping[tuple, int]) -> tuple | None:
+def _signature(
+    group: Group, nodes: dict[str, fx.Node], en: CandidateEnumerator, gather_sizes: Mapping[tuple, int]
+) -> tuple | None:
     """Everything an op group's candidates and their costs depend on, per member: its op signature (target,
     argument shapes, strides, dtypes and constants), which member it follows, where each tensor argument comes
     from (a member's position, or outside), whether it is state, stored for the backward or recomputed, and
@@ -291,12 +325,19 @@ def _signature(group: Group, nodes: dict[str, fx.Node], en: CandidateEnumerator,
         node = nodes[name]
         if node.op != "call_function":
             return None
-        sig.append((en.key_id(node), node.meta.get("autoshard_follow", -1),
-                    tuple(pos.get(a.name, -1) for a in tensor_args(node)),
-                    tuple(summed(a) for a in tensor_args(node)) if name == group.anchor else (),
-                    is_state(node), stored(node), is_recomputed(node),
-                    any(u.name not in pos or u.op == "output" for u in node.users),
-                    gather_group(node, gather_sizes) if any(is_state(a) for a in tensor_args(node)) else 0))
+        sig.append(
+            (
+                en.key_id(node),
+                node.meta.get("autoshard_follow", -1),
+                tuple(pos.get(a.name, -1) for a in tensor_args(node)),
+                tuple(summed(a) for a in tensor_args(node)) if name == group.anchor else (),
+                is_state(node),
+                stored(node),
+                is_recomputed(node),
+                any(u.name not in pos or u.op == "output" for u in node.users),
+                gather_group(node, gather_sizes) if any(is_state(a) for a in tensor_args(node)) else 0,
+            )
+        )
     return (group.kind, tuple(sig))
 
 
@@ -329,5 +370,3 @@ def strategies(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ctx.stats["strategies"] = sum(len(ctx.strategies[g.id]) for g in ctx.groups if canon[g.id] == g.id)
     log.info("strategies: %d candidates over %d groups", ctx.stats["strategies"], len(ctx.groups))
     return gm
-
-

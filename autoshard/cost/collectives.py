@@ -59,8 +59,14 @@ from autoshard.cluster.profile import AxisLayout, Link
 from autoshard.errors import InputError
 
 __all__ = [
-    "ALGORITHMS", "COLLECTIVES", "TREE_BANDWIDTH_FACTOR", "algorithm_time", "applicable_algorithms",
-    "best_algorithm", "ring_bandwidth", "ring_pass",
+    "ALGORITHMS",
+    "COLLECTIVES",
+    "TREE_BANDWIDTH_FACTOR",
+    "algorithm_time",
+    "applicable_algorithms",
+    "best_algorithm",
+    "ring_bandwidth",
+    "ring_pass",
 ]
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
@@ -101,8 +107,9 @@ def applicable_algorithms(kind: str, layout: AxisLayout, all_to_all: str = "pair
     return algorithms
 
 
-def algorithm_time(kind: str, nbytes: float, layout: AxisLayout, intra: Link, inter: Link, algorithm: str,
-                   all_to_all: str = "pairwise") -> float:
+def algorithm_time(
+    kind: str, nbytes: float, layout: AxisLayout, intra: Link, inter: Link, algorithm: str, all_to_all: str = "pairwise"
+) -> float:
     """Seconds for collective ``kind`` of full size ``nbytes`` with ``algorithm`` (formulas: module docstring).
 
     Raises ValueError for an unknown kind or algorithm, or one that does not apply (``tree`` is all_reduce only;
@@ -126,8 +133,10 @@ def algorithm_time(kind: str, nbytes: float, layout: AxisLayout, intra: Link, in
         link = intra if k == 1 else inter
         return ring_pass(nbytes, n, link.latency, link.bandwidth)
     if algorithm == "ring":
-        one = (n - k) * intra.latency + (k - 1) * inter.latency + nbytes * (n - 1) / n / ring_bandwidth(
-            layout, intra, inter
+        one = (
+            (n - k) * intra.latency
+            + (k - 1) * inter.latency
+            + nbytes * (n - 1) / n / ring_bandwidth(layout, intra, inter)
         )
         return 2.0 * one if kind == "all_reduce" else one
     if algorithm == "tree":
@@ -140,8 +149,9 @@ def algorithm_time(kind: str, nbytes: float, layout: AxisLayout, intra: Link, in
     return 2.0 * (local + network) if kind == "all_reduce" else local + network
 
 
-def best_algorithm(kind: str, nbytes: float, layout: AxisLayout, intra: Link, inter: Link,
-                   all_to_all: str = "pairwise") -> tuple[str, float]:
+def best_algorithm(
+    kind: str, nbytes: float, layout: AxisLayout, intra: Link, inter: Link, all_to_all: str = "pairwise"
+) -> tuple[str, float]:
     """``(algorithm, seconds)`` of the cheapest applicable algorithm; ties go to the earlier one in
     :data:`ALGORITHMS` (so a 1-device axis, or an empty message, reports ``ring``)."""
     best_name, best_time = "", float("inf")

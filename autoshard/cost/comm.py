@@ -46,8 +46,14 @@ from autoshard.errors import InputError
 from autoshard.notation import mesh_str, placements_str
 
 __all__ = [
-    "CollectiveStep", "axis_collective", "axis_collective_time", "collective_time", "point_to_point_time",
-    "redistribute_steps", "redistribute_time", "sync_time",
+    "CollectiveStep",
+    "axis_collective",
+    "axis_collective_time",
+    "collective_time",
+    "point_to_point_time",
+    "redistribute_steps",
+    "redistribute_time",
+    "sync_time",
 ]
 
 
@@ -186,8 +192,12 @@ def sync_time(steps: Sequence[CollectiveStep], mesh_shape: Sequence[int], cluste
 
 # Phase numbers of the docstring's order; free moves are phase 1 (they only update the sharding state).
 _FREE_SCATTER, _REDUCE_SCATTER, _ALL_TO_ALL, _ALL_REDUCE, _ALL_GATHER = 1, 2, 3, 4, 5
-_KIND = {_REDUCE_SCATTER: "reduce_scatter", _ALL_TO_ALL: "all_to_all", _ALL_REDUCE: "all_reduce",
-         _ALL_GATHER: "all_gather"}
+_KIND = {
+    _REDUCE_SCATTER: "reduce_scatter",
+    _ALL_TO_ALL: "all_to_all",
+    _ALL_REDUCE: "all_reduce",
+    _ALL_GATHER: "all_gather",
+}
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -232,7 +242,7 @@ def _plan(
     if len(phases) > 1 and all(ph == _ALL_REDUCE for ph, _ in phases) and axes == list(range(axes[0], axes[-1] + 1)):
         # Partial -> Replicate on neighbouring axes: ONE all-reduce over them flattened (as the lowering runs it,
         # _torch_compat.redistribute), laid out like one axis of their product
-        merged = (*mesh[:axes[0]], math.prod(mesh[a] for a in axes), *mesh[axes[-1] + 1:])
+        merged = (*mesh[: axes[0]], math.prod(mesh[a] for a in axes), *mesh[axes[-1] + 1 :])
         divisor = math.prod(mesh[a] for a, s in enumerate(sharded) if s)
         nbytes = -(-total // divisor)
         algorithm, seconds = best_algorithm("all_reduce", nbytes, cluster.axis_layout(merged, axes[0]), intra, inter)
@@ -283,6 +293,3 @@ def _check_shard_dim(
             f"cannot redistribute {placements_str(src)} -> {placements_str(dst)}: {placements_str((p,))[1:-1]} names tensor dim {p.dim}, "
             f"but the tensor has shape {list(shape)} ({ndim} dims)"
         )
-
-
-

@@ -82,8 +82,9 @@ def _output_bytes(node: fx.Node, sh: NodeSharding | None, mesh_shape: Sequence[i
     return _local_bytes(val, sh.outputs[0] if sh.outputs else None, mesh_shape)
 
 
-def _gathers(node: fx.Node, args: Sequence[fx.Node], lay: Callable[[fx.Node], NodeSharding | None],
-             mesh_shape: Sequence[int]) -> int:
+def _gathers(
+    node: fx.Node, args: Sequence[fx.Node], lay: Callable[[fx.Node], NodeSharding | None], mesh_shape: Sequence[int]
+) -> int:
     """Bytes of the inputs ``node`` (tensor arguments ``args``) takes in a larger local layout than their producers
     give (made for it)."""
     sh = lay(node)
@@ -119,8 +120,11 @@ def graph_walk(gm: fx.GraphModule, output_roles: Sequence) -> GraphWalk:
     def root(n: fx.Node) -> fx.Node:
         if n not in roots:
             r = n
-            while r.op == "call_function" and (is_view(r.target) or r.target is operator.getitem) and (
-                    args := tensor_args(r)):
+            while (
+                r.op == "call_function"
+                and (is_view(r.target) or r.target is operator.getitem)
+                and (args := tensor_args(r))
+            ):
                 r = args[0] if r.target is not operator.getitem else r.args[0]
             roots[n] = r
         return roots[n]
@@ -150,22 +154,34 @@ def graph_walk(gm: fx.GraphModule, output_roles: Sequence) -> GraphWalk:
             parts = layer_parts(n.meta.get("autoshard_module", "") + ".")
             replays.append((f"{parts[0]}.{parts[1]}" if parts else n.meta.get("autoshard_module", ""), n))
     steps = tuple(
-        (i, n, "backward" if n.meta.get("autoshard_phase") == "backward" else "forward",
-         root(n) is n and n not in counted and not (is_saved(n) or any(is_saved(v) for v in _views(n))),
-         tuple(tensor_args(n)))
-        for i, n in enumerate(nodes) if n.op == "call_function")
+        (
+            i,
+            n,
+            "backward" if n.meta.get("autoshard_phase") == "backward" else "forward",
+            root(n) is n and n not in counted and not (is_saved(n) or any(is_saved(v) for v in _views(n))),
+            tuple(tensor_args(n)),
+        )
+        for i, n in enumerate(nodes)
+        if n.op == "call_function"
+    )
     params = {n.meta["autoshard_role"].name: n for n in gm.graph.find_nodes(op="placeholder")}
     return GraphWalk(tuple(grads), steps, {i: tuple(b) for i, b in free_at.items()}, tuple(replays), params)
 
 
-def transients(gm: fx.GraphModule, mesh_shape: Sequence[int], output_roles: Sequence,
-               layouts: Mapping[str, NodeSharding] | None = None,
-               weight: Callable[[fx.Node], float] | None = None, walk: GraphWalk | None = None) -> Transients:
+def transients(
+    gm: fx.GraphModule,
+    mesh_shape: Sequence[int],
+    output_roles: Sequence,
+    layouts: Mapping[str, NodeSharding] | None = None,
+    weight: Callable[[fx.Node], float] | None = None,
+    walk: GraphWalk | None = None,
+) -> Transients:
     """The forward's and the backward's temporaries at their peaks (see the module docstring), with the
     ``layouts`` of a solution by node name (default: those written on the graph by ``passes.solve.annotate``).
     (A peak over the captured graph: a captured layer standing for several identical ones changes nothing,
     except in the all-reduce buckets, which hold every layer's gradients: a gradient counts ``weight(node)``
     times there.) ``walk``: ``graph_walk(gm, output_roles)``, when already made."""
+
     def lay(n: fx.Node) -> NodeSharding | None:
         return layouts.get(n.name) if layouts is not None else n.meta.get("autoshard")
 

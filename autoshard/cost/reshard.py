@@ -42,8 +42,9 @@ def reshard_time(
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _time(src: tuple, dst: tuple, shape: tuple, itemsize: int, mesh_shape: tuple, cluster: ClusterProfile,
-          waits: bool) -> float:
+def _time(
+    src: tuple, dst: tuple, shape: tuple, itemsize: int, mesh_shape: tuple, cluster: ClusterProfile, waits: bool
+) -> float:
     """Memoized: the planner asks for the same move of the same shape thousands of times (every candidate pair of
     every edge, each layer alike); every argument is an immutable value, the cluster a frozen dataclass."""
     try:

@@ -43,13 +43,17 @@ def loop_defaults(module: Any) -> None:
         module.split_batch_over_every_rank("Accelerate's data loader (an Accelerator, or a Trainer, in this process)")
     precision = str(state.mixed_precision)
     if precision == "fp16":
-        raise InputError("the Accelerator's mixed_precision is 'fp16', which needs loss scaling autoshard does not do: "
-                         "use 'bf16' (Accelerator(mixed_precision='bf16'), TrainingArguments(bf16=True))")
+        raise InputError(
+            "the Accelerator's mixed_precision is 'fp16', which needs loss scaling autoshard does not do: "
+            "use 'bf16' (Accelerator(mixed_precision='bf16'), TrainingArguments(bf16=True))"
+        )
     if precision == "bf16":
         given = module.plan_options.get("mixed_precision")
         if given is None:
             module.plan_options["mixed_precision"] = "bf16"
             module.plan_options.setdefault("precision_policy", "autocast")  # the Accelerator's bf16 is autocast
-            log.info("autoshard: the Accelerator's mixed_precision='bf16' is the plan's (bf16 compute, fp32 "
-                     "parameters, gradients and optimizer state) under precision_policy=%r",
-                     module.plan_options["precision_policy"])
+            log.info(
+                "autoshard: the Accelerator's mixed_precision='bf16' is the plan's (bf16 compute, fp32 "
+                "parameters, gradients and optimizer state) under precision_policy=%r",
+                module.plan_options["precision_policy"],
+            )

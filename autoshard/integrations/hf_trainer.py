@@ -89,32 +89,39 @@ def install() -> None:
 def check_arguments(args: Any, model: nn.Module) -> None:
     """Refuse what autoshard cannot honour; make ``bf16=True`` the plan's mixed precision."""
     if isinstance(model, PipelinedModule) or getattr(model, "_pipelined", False):
-        raise InputError("the Trainer calls the model's forward once per micro-batch; a pipelined module trains with "
-                         "step() over its micro-batches. Compile without a 'pp' mesh axis and without "
-                         "pipeline='auto' for the Trainer")
+        raise InputError(
+            "the Trainer calls the model's forward once per micro-batch; a pipelined module trains with "
+            "step() over its micro-batches. Compile without a 'pp' mesh axis and without "
+            "pipeline='auto' for the Trainer"
+        )
     if isinstance(model, ShardedModule):
-        raise InputError("the Trainer passes each process its own rows and calls the model as it is called: compile "
-                         "the model for it without example_inputs (autoshard.compile(model, mesh)), which plans at "
-                         "the first call from those rows")
+        raise InputError(
+            "the Trainer passes each process its own rows and calls the model as it is called: compile "
+            "the model for it without example_inputs (autoshard.compile(model, mesh)), which plans at "
+            "the first call from those rows"
+        )
     model.split_batch_over_every_rank("the Trainer's data loader")
     refused = {
         "deepspeed": "DeepSpeed shards the model itself; autoshard has sharded it already: drop deepspeed=",
         "fsdp": "FSDP shards the model itself; autoshard has sharded it already (the plan may be FSDP's: "
-                "compile(..., recipe='fsdp')): drop fsdp=",
+        "compile(..., recipe='fsdp')): drop fsdp=",
         "fp16": "float16 needs loss scaling, which autoshard does not do: use bf16=True",
         "load_best_model_at_end": "reloading the best checkpoint into the shards is not built yet: set it False "
-                                  "and load the best checkpoint folder's autoshard-state with "
-                                  "autoshard.weights.training_state.load_training_state",
+        "and load the best checkpoint folder's autoshard-state with "
+        "autoshard.weights.training_state.load_training_state",
         "parallelism_config": "Accelerate's parallelism config shards the model itself; the mesh given to "
-                              "autoshard.compile says how it is sharded: drop parallelism_config=",
+        "autoshard.compile says how it is sharded: drop parallelism_config=",
     }
     for name, why in refused.items():
         value = getattr(args, name, None)
         if value and value not in ("", [], "no"):
             raise InputError(f"TrainingArguments({name}={value!r}) with an autoshard module: {why}")
     if getattr(args, "torch_compile", False):
-        warn(log, "TrainingArguments(torch_compile=True): autoshard compiles each rank's program itself (compile's "
-                  "backend=); the Trainer's torch.compile is not applied")
+        warn(
+            log,
+            "TrainingArguments(torch_compile=True): autoshard compiles each rank's program itself (compile's "
+            "backend=); the Trainer's torch.compile is not applied",
+        )
     if getattr(args, "bf16", False):
         _bf16(model)
 
@@ -124,14 +131,18 @@ def _bf16(model: nn.Module) -> None:
         if model.plan_options.get("mixed_precision") in (None, "bf16", "bfloat16"):
             model.plan_options["mixed_precision"] = "bf16"
             model.plan_options.setdefault("precision_policy", "autocast")  # what bf16=True means to the Trainer
-            log.info("autoshard: TrainingArguments(bf16=True): planned with mixed_precision='bf16' (bf16 compute, "
-                     "fp32 parameters, gradients and optimizer state) under precision_policy=%r",
-                     model.plan_options["precision_policy"])
+            log.info(
+                "autoshard: TrainingArguments(bf16=True): planned with mixed_precision='bf16' (bf16 compute, "
+                "fp32 parameters, gradients and optimizer state) under precision_policy=%r",
+                model.plan_options["precision_policy"],
+            )
             return
     plan = model.plan
     if plan.mixed_precision not in ("bfloat16", "bf16"):
-        raise InputError(f"TrainingArguments(bf16=True), but the module was planned with mixed_precision="
-                         f"{plan.mixed_precision or None!r}: compile with mixed_precision='bf16', or drop bf16=True")
+        raise InputError(
+            f"TrainingArguments(bf16=True), but the module was planned with mixed_precision="
+            f"{plan.mixed_precision or None!r}: compile with mixed_precision='bf16', or drop bf16=True"
+        )
 
 
 def _wrap_model(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -159,8 +170,9 @@ def _save(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, output_dir, state_dict)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if state_dict is not None:
-            raise InputError("Trainer.save_model with a state_dict: an autoshard module writes its own shards; call "
-                             "it without one")
+            raise InputError(
+                "Trainer.save_model with a state_dict: an autoshard module writes its own shards; call it without one"
+            )
         self.model.save_pretrained(output_dir)  # every rank: its shards, consolidated into whole tensors
         if self.args.should_save:
             from transformers.trainer import TRAINING_ARGS_NAME
@@ -202,9 +214,11 @@ def _load_from_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
                 f"resume_from_checkpoint={resume_from_checkpoint!r} has no {STATE_DIR}/ folder: it was not written "
                 "by a Trainer training an autoshard module. To start from its weights, load them into the model "
                 "before autoshard.compile (from_pretrained), or into the module (load_pretrained), and train "
-                "without resume_from_checkpoint")
-        log.info("autoshard: the model's shards are read with the optimizer's from %s/%s", resume_from_checkpoint,
-                 STATE_DIR)
+                "without resume_from_checkpoint"
+            )
+        log.info(
+            "autoshard: the model's shards are read with the optimizer's from %s/%s", resume_from_checkpoint, STATE_DIR
+        )
         return None
 
     return load
@@ -238,19 +252,29 @@ def _load_optimizer_and_scheduler(original: Callable[..., Any]) -> Callable[...,
 
 
 def _sft_loss(original: Callable[..., Any]) -> Callable[..., Any]:
-    def compute_loss(self: Any, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
-                     num_items_in_batch: Any = None) -> Any:
+    def compute_loss(
+        self: Any,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> Any:
         if not is_autoshard_module(self.model):
             return original(self, model, inputs, return_outputs, num_items_in_batch)
         from transformers import Trainer
 
         if not getattr(self, "_autoshard_said_metrics", False):
             self._autoshard_said_metrics = True
-            warn(log, "TRL's %s with an autoshard module: the loss is the model's own (the same negative "
-                      "log-likelihood); TRL's per-token metrics (entropy, mean_token_accuracy) need per-token outputs "
-                      "a sharded training program does not return, and are not logged", type(self).__name__)
+            warn(
+                log,
+                "TRL's %s with an autoshard module: the loss is the model's own (the same negative "
+                "log-likelihood); TRL's per-token metrics (entropy, mean_token_accuracy) need per-token outputs "
+                "a sharded training program does not return, and are not logged",
+                type(self).__name__,
+            )
         inputs = {**inputs, "use_cache": False}
-        return Trainer.compute_loss(self, model, inputs, return_outputs=return_outputs,
-                                    num_items_in_batch=num_items_in_batch)
+        return Trainer.compute_loss(
+            self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
 
     return compute_loss

@@ -101,22 +101,30 @@ def compile_for_lightning(model: nn.Module, device_mesh: DeviceMesh | None, opti
     if isinstance(model, (LazyShardedModule, ShardedModule, PipelinedModule)):
         return model
     if device_mesh is None:
-        raise InputError("autoshard's parallelize needs the device mesh of a ModelParallelStrategy (self.device_mesh "
-                         "in configure_model is None under other strategies): use Trainer(strategy=autoshard."
-                         "integrations.lightning.AutoshardStrategy()), or lightning's ModelParallelStrategy")
+        raise InputError(
+            "autoshard's parallelize needs the device mesh of a ModelParallelStrategy (self.device_mesh "
+            "in configure_model is None under other strategies): use Trainer(strategy=autoshard."
+            "integrations.lightning.AutoshardStrategy()), or lightning's ModelParallelStrategy"
+        )
     if isinstance(model, pl.LightningModule):
-        raise InputError(f"parallelize got the LightningModule {type(model).__name__}: pass the module whose forward "
-                         "returns the loss (self.model = parallelize(self.model, self.device_mesh)), or use "
-                         "AutoshardStrategy(), which finds it")
+        raise InputError(
+            f"parallelize got the LightningModule {type(model).__name__}: pass the module whose forward "
+            "returns the loss (self.model = parallelize(self.model, self.device_mesh)), or use "
+            "AutoshardStrategy(), which finds it"
+        )
     placed = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
     if placed:
-        raise InputError(f"parameters {placed[:3]} are DTensors already (fully_shard or parallelize_module was "
-                         "applied): autoshard lays out every parameter itself; give it the plain model")
+        raise InputError(
+            f"parameters {placed[:3]} are DTensors already (fully_shard or parallelize_module was "
+            "applied): autoshard lays out every parameter itself; give it the plain model"
+        )
     options = dict(options)
     names = tuple(device_mesh.mesh_dim_names or ())
     if "pp" in names or options.get("pipeline") == "auto":
-        raise InputError("Lightning calls the model's forward once per batch; a pipelined module trains with step() "
-                         "over micro-batches: use a mesh without a 'pp' axis, and no pipeline='auto'")
+        raise InputError(
+            "Lightning calls the model's forward once per batch; a pipelined module trains with step() "
+            "over micro-batches: use a mesh without a 'pp' axis, and no pipeline='auto'"
+        )
     if BATCH_AXIS in names:
         options.setdefault("batch_axes", (BATCH_AXIS,))
     device_mesh = planning_mesh(device_mesh, options.get("batch_axes"))
@@ -124,8 +132,11 @@ def compile_for_lightning(model: nn.Module, device_mesh: DeviceMesh | None, opti
     sharded = autoshard.compile(model, device_mesh, **options)
     assert isinstance(sharded, LazyShardedModule)  # no example inputs: planned at the first call
     sharded.register_forward_pre_hook(_refuse_autocast)
-    log.info("autoshard: %s compiled for Lightning on mesh %s, planned at its first call", type(model).__name__,
-             dict(zip(names, device_mesh.shape)))
+    log.info(
+        "autoshard: %s compiled for Lightning on mesh %s, planned at its first call",
+        type(model).__name__,
+        dict(zip(names, device_mesh.shape)),
+    )
     return sharded
 
 
@@ -133,7 +144,9 @@ def planning_mesh(mesh: DeviceMesh, batch_axes: Any) -> DeviceMesh:
     """The mesh without its axes of size 1 that do not split the batch (Lightning's mesh on one node is
     (data_parallel=1, tensor_parallel=N)): they hold no choice, and the plan is made on the axes that do."""
     names = tuple(mesh.mesh_dim_names or ())
-    needed = () if batch_axes in (None, "all") else ((batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes))
+    needed = (
+        () if batch_axes in (None, "all") else ((batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes))
+    )
     kept = tuple(n for n, size in zip(names, mesh.shape) if size > 1 or n in needed)
     if len(names) != mesh.ndim or not kept or kept == names:
         return mesh
@@ -150,7 +163,8 @@ def _refuse_autocast(module: nn.Module, args: Any) -> None:
             "precision='bf16-mixed' / '16-mixed' around lightning.*.ModelParallelStrategy): its program runs in the "
             "precision it was planned for. Use precision='32-true' with parallelizer(mixed_precision='bf16') (bf16 "
             "compute, fp32 parameters and optimizer state), or the Trainer's AutoshardStrategy, which makes "
-            "'bf16-mixed' the plan's")
+            "'bf16-mixed' the plan's"
+        )
 
 
 # --------------------------------------------------------------------------- the Trainer's strategy
@@ -162,15 +176,27 @@ class AutoshardStrategy(ModelParallelStrategy):
     ``**compile_options``: ``autoshard.compile``'s (``backend``, ``memory_budget``, ``mixed_precision``, ...).
     """
 
-    def __init__(self, module: str | None = None, data_parallel_size: int | str = "auto",
-                 tensor_parallel_size: int | str = "auto", process_group_backend: str | None = None,
-                 timeout: timedelta | None = default_pg_timeout, **compile_options: Any) -> None:
-        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
-                         save_distributed_checkpoint=True, process_group_backend=process_group_backend,
-                         timeout=timeout)
+    def __init__(
+        self,
+        module: str | None = None,
+        data_parallel_size: int | str = "auto",
+        tensor_parallel_size: int | str = "auto",
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        **compile_options: Any,
+    ) -> None:
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            save_distributed_checkpoint=True,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
         if "batch_axes" in compile_options:
-            raise InputError("AutoshardStrategy(batch_axes=...): its data loaders give every process its own rows, so "
-                             "the batch is split over every rank; drop batch_axes")
+            raise InputError(
+                "AutoshardStrategy(batch_axes=...): its data loaders give every process its own rows, so "
+                "the batch is split over every rank; drop batch_axes"
+            )
         self._module_name = module
         self._compile_options = compile_options
         self._sharded: LazyShardedModule | None = None
@@ -203,8 +229,10 @@ class AutoshardStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         bf16 = check_precision(self.precision_plugin)
         if self._layer_sync is not None:
-            log.info("autoshard: Trainer(sync_batchnorm=True): training batch norm is the global batch's already "
-                     "(SyncBatchNorm's statistics); no module is converted")
+            log.info(
+                "autoshard: Trainer(sync_batchnorm=True): training batch norm is the global batch's already "
+                "(SyncBatchNorm's statistics); no module is converted"
+            )
             self._layer_sync = None
         self._sharded = self._compile(self.lightning_module)
         if bf16:
@@ -216,50 +244,68 @@ class AutoshardStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if len(self.optimizers) > 1:
-                raise InputError(f"configure_optimizers returned {len(self.optimizers)} optimizers: AutoshardStrategy "
-                                 "trains one module with one optimizer (param groups may differ); use one "
-                                 "optimizer with several param groups")
+                raise InputError(
+                    f"configure_optimizers returned {len(self.optimizers)} optimizers: AutoshardStrategy "
+                    "trains one module with one optimizer (param groups may differ); use one "
+                    "optimizer with several param groups"
+                )
             self._sharded.when_compiled(self._adopt_optimizers)
         self.setup_precision_plugin()
 
     def _compile(self, lm: pl.LightningModule) -> LazyShardedModule:
         """The module to train: an autoshard module ``configure_model`` made, else the chosen child compiled."""
-        made = [(n, m) for n, m in lm.named_children() if isinstance(m, (LazyShardedModule, ShardedModule,
-                                                                              PipelinedModule))]
+        made = [
+            (n, m) for n, m in lm.named_children() if isinstance(m, (LazyShardedModule, ShardedModule, PipelinedModule))
+        ]
         if len(made) > 1:
-            raise InputError(f"{type(lm).__name__} holds {len(made)} autoshard modules ({[n for n, _ in made]}): "
-                             "AutoshardStrategy trains one; compile one module")
+            raise InputError(
+                f"{type(lm).__name__} holds {len(made)} autoshard modules ({[n for n, _ in made]}): "
+                "AutoshardStrategy trains one; compile one module"
+            )
         if made:
             name, sharded = made[0]
             if isinstance(sharded, ShardedModule):
-                raise InputError(f"{type(lm).__name__}.{name} was compiled with example_inputs (global shapes): the "
-                                 "Trainer gives each process its own rows; compile without example_inputs (or let "
-                                 "AutoshardStrategy compile it)")
+                raise InputError(
+                    f"{type(lm).__name__}.{name} was compiled with example_inputs (global shapes): the "
+                    "Trainer gives each process its own rows; compile without example_inputs (or let "
+                    "AutoshardStrategy compile it)"
+                )
         else:
             name = self._choose_child(lm)
-            sharded = compile_for_lightning(getattr(lm, name), self.device_mesh,
-                                            {**self._compile_options, "batch_axes": "all"})
+            sharded = compile_for_lightning(
+                getattr(lm, name), self.device_mesh, {**self._compile_options, "batch_axes": "all"}
+            )
             setattr(lm, name, sharded)
         if not isinstance(sharded, LazyShardedModule) or not sharded.batch_axes:
-            raise InputError(f"{type(lm).__name__}.{name} is pipelined: Lightning calls its forward once per batch; "
-                             "compile it without a 'pp' mesh axis and without pipeline='auto'")
+            raise InputError(
+                f"{type(lm).__name__}.{name} is pipelined: Lightning calls its forward once per batch; "
+                "compile it without a 'pp' mesh axis and without pipeline='auto'"
+            )
         self._init_meta(sharded)
-        log.info("autoshard: AutoshardStrategy trains %s.%s (%s) on mesh %s", type(lm).__name__, name,
-                 type(sharded.module).__name__, dict(zip(sharded.mesh.mesh_dim_names or (), sharded.mesh.shape)))
+        log.info(
+            "autoshard: AutoshardStrategy trains %s.%s (%s) on mesh %s",
+            type(lm).__name__,
+            name,
+            type(sharded.module).__name__,
+            dict(zip(sharded.mesh.mesh_dim_names or (), sharded.mesh.shape)),
+        )
         return sharded
 
     def _choose_child(self, lm: pl.LightningModule) -> str:
         if self._module_name is not None:
             child = getattr(lm, self._module_name, None)
             if not isinstance(child, nn.Module):
-                raise InputError(f"AutoshardStrategy(module={self._module_name!r}): {type(lm).__name__} has no such "
-                                 f"submodule; its children are {[n for n, _ in lm.named_children()]}")
+                raise InputError(
+                    f"AutoshardStrategy(module={self._module_name!r}): {type(lm).__name__} has no such "
+                    f"submodule; its children are {[n for n, _ in lm.named_children()]}"
+                )
             return self._module_name
         owners = [n for n, m in lm.named_children() if any(True for _ in m.parameters())]
         if len(owners) != 1:
             raise InputError(
                 f"AutoshardStrategy compiles the module whose forward returns the loss; {type(lm).__name__} has "
-                f"{len(owners)} children with parameters ({owners}): name it, AutoshardStrategy(module='model')")
+                f"{len(owners)} children with parameters ({owners}): name it, AutoshardStrategy(module='model')"
+            )
         return owners[0]
 
     def _init_meta(self, sharded: LazyShardedModule) -> None:
@@ -273,18 +319,24 @@ class AutoshardStrategy(ModelParallelStrategy):
     def _plan_bf16(self, sharded: LazyShardedModule) -> None:
         given = sharded.plan_options.get("mixed_precision")
         if given not in (None, "bf16", "bfloat16"):
-            raise InputError(f"Trainer(precision='bf16-mixed'), but AutoshardStrategy was given mixed_precision="
-                             f"{given!r}: drop one of them")
+            raise InputError(
+                f"Trainer(precision='bf16-mixed'), but AutoshardStrategy was given mixed_precision="
+                f"{given!r}: drop one of them"
+            )
         if is_compiled(sharded):
             if sharded.plan.mixed_precision not in ("bf16", "bfloat16"):
-                raise InputError("Trainer(precision='bf16-mixed'), but the module was planned in another precision "
-                                 "by an earlier run: compile it again, or use the earlier run's precision")
+                raise InputError(
+                    "Trainer(precision='bf16-mixed'), but the module was planned in another precision "
+                    "by an earlier run: compile it again, or use the earlier run's precision"
+                )
             return
         sharded.plan_options["mixed_precision"] = "bf16"
         sharded.plan_options.setdefault("precision_policy", "autocast")  # Lightning's bf16-mixed is autocast
-        log.info("autoshard: Trainer(precision='bf16-mixed') is the plan's mixed precision (bf16 compute, fp32 "
-                 "parameters, gradients and optimizer state) under precision_policy=%r",
-                 sharded.plan_options["precision_policy"])
+        log.info(
+            "autoshard: Trainer(precision='bf16-mixed') is the plan's mixed precision (bf16 compute, fp32 "
+            "parameters, gradients and optimizer state) under precision_policy=%r",
+            sharded.plan_options["precision_policy"],
+        )
 
     def _adopt_optimizers(self, compiled: nn.Module) -> None:
         for optimizer in self.optimizers:
@@ -298,17 +350,22 @@ class AutoshardStrategy(ModelParallelStrategy):
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return {}
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path,
-                        storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
+    ) -> None:
         """A folder: the model's and the optimizer's shards (DCP, every rank) and the rest in ``meta.pt``."""
         if storage_options is not None:
-            raise InputError("AutoshardStrategy writes checkpoints with torch.distributed.checkpoint: "
-                             "save_checkpoint(..., storage_options=...) is not taken; drop it")
+            raise InputError(
+                "AutoshardStrategy writes checkpoints with torch.distributed.checkpoint: "
+                "save_checkpoint(..., storage_options=...) is not taken; drop it"
+            )
         path = Path(self.broadcast(os.fspath(filepath)))
         sharded = self.sharded
         if not is_compiled(sharded):
-            raise InputError("a checkpoint before the first training step: the model is laid out (and its shards made) "
-                             "at its first call; save after a step")
+            raise InputError(
+                "a checkpoint before the first training step: the model is laid out (and its shards made) "
+                "at its first call; save after a step"
+            )
         if self.global_rank == 0 and path.is_file():  # a file of an earlier run under this name
             path.unlink()
         self.barrier()
@@ -327,9 +384,11 @@ class AutoshardStrategy(ModelParallelStrategy):
         when they exist (at the first step of a module not planned yet)."""
         path = Path(self.broadcast(os.fspath(checkpoint_path)))
         if not (path / META).is_file() or not (path / ".metadata").is_file():
-            raise InputError(f"ckpt_path={os.fspath(path)!r} is not a checkpoint AutoshardStrategy wrote (a folder "
-                             f"with {META} and a torch.distributed.checkpoint): to start from a model's weights, "
-                             "load them into the model before fit, and pass no ckpt_path")
+            raise InputError(
+                f"ckpt_path={os.fspath(path)!r} is not a checkpoint AutoshardStrategy wrote (a folder "
+                f"with {META} and a torch.distributed.checkpoint): to start from a model's weights, "
+                "load them into the model before fit, and pass no ckpt_path"
+            )
         metadata = torch.load(path / META, weights_only=weights_only)
         optimizers = list(self.optimizers)
 
@@ -361,8 +420,13 @@ def check_precision(precision: Precision) -> bool:
     bf16 = isinstance(precision, MixedPrecision) and precision.precision == "bf16-mixed"
     if not bf16 and type(precision) is not Precision:
         name = getattr(precision, "precision", type(precision).__name__)
-        why = ("float16 needs loss scaling, which autoshard does not do" if "16" in str(name) and "bf16" not in str(name)
-               else "autoshard keeps fp32 parameters, gradients and optimizer state and plans the compute precision")
-        raise InputError(f"Trainer(precision={name!r}) with AutoshardStrategy: {why}; use precision='32-true', or "
-                         "'bf16-mixed' (the plan's mixed precision: bf16 compute, fp32 parameters and state)")
+        why = (
+            "float16 needs loss scaling, which autoshard does not do"
+            if "16" in str(name) and "bf16" not in str(name)
+            else "autoshard keeps fp32 parameters, gradients and optimizer state and plans the compute precision"
+        )
+        raise InputError(
+            f"Trainer(precision={name!r}) with AutoshardStrategy: {why}; use precision='32-true', or "
+            "'bf16-mixed' (the plan's mixed precision: bf16 compute, fp32 parameters and state)"
+        )
     return bf16

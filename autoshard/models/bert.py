@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
 from autoshard.errors import InputError
 
 __all__ = ["MLP", "Bert", "BertConfig", "BertLayer", "SelfAttention", "bert_example_inputs", "init_encoder_weights"]

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from autoshard.models.tokens import next_token_batch
 from autoshard.errors import InputError
+from autoshard.models.tokens import next_token_batch
 
 __all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "FeedForward", "gpt_example_inputs"]
 
@@ -157,8 +157,6 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
-def gpt_example_inputs(
-    cfg: GPTConfig, batch: int, seq: int | None = None, *, seed: int = 0
-) -> tuple[Tensor, Tensor]:
+def gpt_example_inputs(cfg: GPTConfig, batch: int, seq: int | None = None, *, seed: int = 0) -> tuple[Tensor, Tensor]:
     """Random ``(tokens, targets)`` for this config (see ``next_token_batch``)."""
     return next_token_batch(cfg.vocab, cfg.seq_len, batch, seq, seed)

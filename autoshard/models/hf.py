@@ -63,8 +63,11 @@ class DenoisingLoss(nn.Module):
 
 def denoising_batch(batch: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"noisy": torch.randn(batch, 3, 16, 16, generator=g),
-            "timesteps": torch.randint(0, 1000, (batch,), generator=g), "noise": torch.randn(batch, 3, 16, 16, generator=g)}
+    return {
+        "noisy": torch.randn(batch, 3, 16, 16, generator=g),
+        "timesteps": torch.randint(0, 1000, (batch,), generator=g),
+        "noise": torch.randn(batch, 3, 16, 16, generator=g),
+    }
 
 
 def _padded(batch: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,55 +105,151 @@ def seq2seq_batch(batch: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
 
 def image_batch(batch: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"pixel_values": torch.randn(batch, 3, 32, 32, generator=g), "labels": torch.randint(0, 10, (batch,), generator=g)}
+    return {
+        "pixel_values": torch.randn(batch, 3, 32, 32, generator=g),
+        "labels": torch.randint(0, 10, (batch,), generator=g),
+    }
 
 
-_DECODER = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-                vocab_size=VOCAB, num_hidden_layers=2, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
+_DECODER = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=VOCAB,
+    num_hidden_layers=2,
+    pad_token_id=PAD,
+    bos_token_id=BOS,
+    eos_token_id=EOS,
+)
 
 TINY: dict[str, TinyModel] = {
     m.name: m
     for m in (
-        TinyModel("gpt2", "GPT2LMHeadModel", "causal LM",
-                  lambda tf: tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, bos_token_id=BOS,
-                                           eos_token_id=EOS), lm_batch),
+        TinyModel(
+            "gpt2",
+            "GPT2LMHeadModel",
+            "causal LM",
+            lambda tf: tf.GPT2Config(
+                n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS
+            ),
+            lm_batch,
+        ),
         TinyModel("llama", "LlamaForCausalLM", "causal LM", lambda tf: tf.LlamaConfig(**_DECODER), lm_batch),
         TinyModel("mistral", "MistralForCausalLM", "causal LM", lambda tf: tf.MistralConfig(**_DECODER), lm_batch),
         TinyModel("qwen2", "Qwen2ForCausalLM", "causal LM", lambda tf: tf.Qwen2Config(**_DECODER), lm_batch),
-        TinyModel("gemma", "GemmaForCausalLM", "causal LM", lambda tf: tf.GemmaConfig(head_dim=16, **_DECODER), lm_batch),
+        TinyModel(
+            "gemma", "GemmaForCausalLM", "causal LM", lambda tf: tf.GemmaConfig(head_dim=16, **_DECODER), lm_batch
+        ),
         TinyModel("phi3", "Phi3ForCausalLM", "causal LM", lambda tf: tf.Phi3Config(**_DECODER), lm_batch),
-        TinyModel("mixtral", "MixtralForCausalLM", "causal LM (MoE)",
-                  lambda tf: tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **_DECODER), lm_batch),
-        TinyModel("bert", "BertForMaskedLM", "masked LM",
-                  lambda tf: tf.BertConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128,
-                                           vocab_size=VOCAB, num_hidden_layers=2, pad_token_id=PAD), mlm_batch),
-        TinyModel("t5", "T5ForConditionalGeneration", "encoder-decoder",
-                  lambda tf: tf.T5Config(d_model=64, d_kv=16, num_heads=4, d_ff=128, vocab_size=VOCAB, num_layers=2,
-                                         pad_token_id=PAD, eos_token_id=EOS, decoder_start_token_id=PAD),
-                  seq2seq_batch),
-        TinyModel("vit", "ViTForImageClassification", "image classification",
-                  lambda tf: tf.ViTConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128,
-                                          num_hidden_layers=2, image_size=32, patch_size=8, num_labels=10),
-                  image_batch),
+        TinyModel(
+            "mixtral",
+            "MixtralForCausalLM",
+            "causal LM (MoE)",
+            lambda tf: tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **_DECODER),
+            lm_batch,
+        ),
+        TinyModel(
+            "bert",
+            "BertForMaskedLM",
+            "masked LM",
+            lambda tf: tf.BertConfig(
+                hidden_size=64,
+                num_attention_heads=4,
+                intermediate_size=128,
+                vocab_size=VOCAB,
+                num_hidden_layers=2,
+                pad_token_id=PAD,
+            ),
+            mlm_batch,
+        ),
+        TinyModel(
+            "t5",
+            "T5ForConditionalGeneration",
+            "encoder-decoder",
+            lambda tf: tf.T5Config(
+                d_model=64,
+                d_kv=16,
+                num_heads=4,
+                d_ff=128,
+                vocab_size=VOCAB,
+                num_layers=2,
+                pad_token_id=PAD,
+                eos_token_id=EOS,
+                decoder_start_token_id=PAD,
+            ),
+            seq2seq_batch,
+        ),
+        TinyModel(
+            "vit",
+            "ViTForImageClassification",
+            "image classification",
+            lambda tf: tf.ViTConfig(
+                hidden_size=64,
+                num_attention_heads=4,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                image_size=32,
+                patch_size=8,
+                num_labels=10,
+            ),
+            image_batch,
+        ),
         # convolutional vision models (BatchNorm's running statistics updated in training: ResNet, EfficientNet)
-        TinyModel("resnet", "ResNetForImageClassification", "image classification (BatchNorm)",
-                  lambda tf: tf.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10,
-                                             layer_type="basic"), image_batch),
-        TinyModel("convnext", "ConvNextForImageClassification", "image classification (LayerNorm)",
-                  lambda tf: tf.ConvNextConfig(num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10,
-                                               image_size=32),
-                  image_batch),
-        TinyModel("efficientnet", "EfficientNetForImageClassification", "image classification (BatchNorm)",
-                  lambda tf: tf.EfficientNetConfig(image_size=32, width_coefficient=0.25, depth_coefficient=0.25,
-                                                   hidden_dim=320, num_labels=10), image_batch),
-        TinyModel("swin", "SwinForImageClassification", "image classification (windows)",
-                  lambda tf: tf.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 4],
-                                           window_size=4, num_labels=10), image_batch),
-        TinyModel("unet2d", "UNet2DModel", "diffusion (denoising loss)",
-                  lambda lib: dict(sample_size=16, in_channels=3, out_channels=3, layers_per_block=1,
-                                   block_out_channels=(16, 32), down_block_types=("DownBlock2D", "AttnDownBlock2D"),
-                                   up_block_types=("AttnUpBlock2D", "UpBlock2D"), norm_num_groups=8),
-                  denoising_batch, library="diffusers", wrap=DenoisingLoss),
+        TinyModel(
+            "resnet",
+            "ResNetForImageClassification",
+            "image classification (BatchNorm)",
+            lambda tf: tf.ResNetConfig(
+                embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10, layer_type="basic"
+            ),
+            image_batch,
+        ),
+        TinyModel(
+            "convnext",
+            "ConvNextForImageClassification",
+            "image classification (LayerNorm)",
+            lambda tf: tf.ConvNextConfig(
+                num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10, image_size=32
+            ),
+            image_batch,
+        ),
+        TinyModel(
+            "efficientnet",
+            "EfficientNetForImageClassification",
+            "image classification (BatchNorm)",
+            lambda tf: tf.EfficientNetConfig(
+                image_size=32, width_coefficient=0.25, depth_coefficient=0.25, hidden_dim=320, num_labels=10
+            ),
+            image_batch,
+        ),
+        TinyModel(
+            "swin",
+            "SwinForImageClassification",
+            "image classification (windows)",
+            lambda tf: tf.SwinConfig(
+                image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4, num_labels=10
+            ),
+            image_batch,
+        ),
+        TinyModel(
+            "unet2d",
+            "UNet2DModel",
+            "diffusion (denoising loss)",
+            lambda lib: dict(
+                sample_size=16,
+                in_channels=3,
+                out_channels=3,
+                layers_per_block=1,
+                block_out_channels=(16, 32),
+                down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+                up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+                norm_num_groups=8,
+            ),
+            denoising_batch,
+            library="diffusers",
+            wrap=DenoisingLoss,
+        ),
     )
 }
 
@@ -162,8 +261,16 @@ def _no_dropout(config: Any) -> Any:
     return config
 
 
-def build(name: str, *, batch: int = 4, seq: int = 16, seed: int = 0, dropout: bool = True,
-          device: str | torch.device | None = None, layers: int | None = None) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+def build(
+    name: str,
+    *,
+    batch: int = 4,
+    seq: int = 16,
+    seed: int = 0,
+    dropout: bool = True,
+    device: str | torch.device | None = None,
+    layers: int | None = None,
+) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """The stock model ``name`` (see ``TINY``) in train mode, seeded, and a batch of keyword arguments;
     ``layers`` overrides the number of blocks (2 by default)."""
     if name not in TINY:

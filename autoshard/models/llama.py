@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from autoshard.models.tokens import next_token_batch
 from autoshard.errors import InputError
+from autoshard.models.tokens import next_token_batch
 
 __all__ = [
     "Attention",
@@ -126,7 +126,9 @@ class LlamaConfig:
         )
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
+def rope_tables(
+    seq_len: int, head_dim: int, theta: float, device: torch.device | str | None = None
+) -> tuple[Tensor, Tensor]:
     """(cos, sin), each (seq_len, head_dim // 2) float32: angle[t, i] = t * theta^(-2i / head_dim)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
@@ -264,8 +266,6 @@ class Llama(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
-def llama_example_inputs(
-    cfg: LlamaConfig, batch: int, seq: int | None = None, seed: int = 0
-) -> tuple[Tensor, Tensor]:
+def llama_example_inputs(cfg: LlamaConfig, batch: int, seq: int | None = None, seed: int = 0) -> tuple[Tensor, Tensor]:
     """Random ``(tokens, targets)`` for this config (see ``next_token_batch``)."""
     return next_token_batch(cfg.vocab, cfg.seq_len, batch, seq, seed)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
 from autoshard.errors import InputError
 
 __all__ = ["MLP", "mlp_example_inputs"]

@@ -43,9 +43,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from autoshard.errors import InputError
 from autoshard.models.llama import Attention, LlamaConfig, RMSNorm, rope_tables
 from autoshard.models.tokens import next_token_batch
-from autoshard.errors import InputError
 
 __all__ = ["MoEConfig", "MoEDecoder", "MoEFeedForward", "MoEBlock", "moe_example_inputs", "route"]
 

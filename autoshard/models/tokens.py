@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
 from autoshard.errors import InputError
 
 
-def next_token_batch(vocab: int, max_seq: int, batch: int, seq: int | None = None, seed: int = 0) -> tuple[Tensor, Tensor]:
+def next_token_batch(
+    vocab: int, max_seq: int, batch: int, seq: int | None = None, seed: int = 0
+) -> tuple[Tensor, Tensor]:
     """Random ``(tokens, targets)`` of shape (batch, seq), int64, drawn from a private generator.
 
     ``targets`` is ``tokens`` shifted left by one, with a fresh random last column.

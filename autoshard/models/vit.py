@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from autoshard.models.bert import MLP, SelfAttention, init_encoder_weights
 from autoshard.errors import InputError
+from autoshard.models.bert import MLP, SelfAttention, init_encoder_weights
 
 __all__ = ["ViT", "ViTBlock", "ViTConfig", "patchify", "vit_example_inputs"]
 

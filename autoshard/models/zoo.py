@@ -33,13 +33,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from autoshard.errors import InputError
+from autoshard.messages import warn
 from autoshard.models.bert import Bert, BertConfig, bert_example_inputs
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 from autoshard.models.llama import Llama, LlamaConfig, llama_example_inputs
 from autoshard.models.moe import MoEConfig, MoEDecoder, moe_example_inputs
 from autoshard.models.vit import ViT, ViTConfig, vit_example_inputs
-from autoshard.errors import InputError
-from autoshard.messages import warn
 
 __all__ = ["ZooModel", "get_model", "known_models"]
 

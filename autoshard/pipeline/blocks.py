@@ -97,8 +97,9 @@ def _describe(model: nn.Module) -> list[str]:
             out.append(f"{name} ({kind}: fewer than 2 blocks with parameters)")
     more = [f"and {len(out) - _SHOWN} more"] if len(out) > _SHOWN else []
     top = [f"{n} ({type(m).__name__})" for n, m in model.named_children()]
-    tail = [f"top-level modules {', '.join(top[:_SHOWN])}{', ...' if len(top) > _SHOWN else ''}" if top
-            else "no submodules"]
+    tail = [
+        f"top-level modules {', '.join(top[:_SHOWN])}{', ...' if len(top) > _SHOWN else ''}" if top else "no submodules"
+    ]
     return out[:_SHOWN] + more + tail
 
 

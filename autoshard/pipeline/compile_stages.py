@@ -33,18 +33,19 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from autoshard.cluster.profile import ClusterProfile
+from autoshard.compiler.runner import rank_program
 from autoshard.config import PlanConfig
 from autoshard.inputs import signature_of
+from autoshard.pipeline.blocks import main_sequence, no_sequence_error, outside_part
 from autoshard.pipeline.pricing import SearchSpace
 from autoshard.pipeline.search import search_stages
 from autoshard.pipeline.solves import KeyCosts, StageSolves, micro_call
 from autoshard.pipeline.wiring import loss_counter, split_model, stage_examples
-from autoshard.runtime.stage_values import StageWiring
 from autoshard.plans.plan import MeshSpec, Plan
-from autoshard.pipeline.blocks import main_sequence, no_sequence_error, outside_part
+from autoshard.runtime.pipelined import EXECUTABLE_SCHEDULES, LossWeighting, PipelinedModule, TiedParameter
+from autoshard.runtime.stage_module import StageModule
+from autoshard.runtime.stage_values import StageWiring
 from autoshard.search.recompute import plan_graph
-from autoshard.runtime.pipelined import EXECUTABLE_SCHEDULES, LossWeighting, PipelinedModule, StageModule, TiedParameter
-from autoshard.compiler.runner import rank_program
 from autoshard.solver.inter_op import SPLIT_BACKWARD, StageSplit
 
 log = logging.getLogger(__name__)
@@ -117,15 +118,22 @@ def choose_pipeline(
     container = found[0]
     solves = StageSolves(model, inputs, config, RealStageMeshes(mesh, cluster), container)
     # boundaries here are whole (Replicate): every device sends the whole activation, not its share
-    space = SearchSpace(boundary="whole", schedules=(schedule,) if schedule else EXECUTABLE_SCHEDULES,
-                        microbatches=microbatches, recompute=False, fallback=(), polish=False)
+    space = SearchSpace(
+        boundary="whole",
+        schedules=(schedule,) if schedule else EXECUTABLE_SCHEDULES,
+        microbatches=microbatches,
+        recompute=False,
+        fallback=(),
+        polish=False,
+    )
     rungs = [(s, *_sub_of(mesh, s)) for s in stage_counts]
     options = search_stages(model, inputs, cluster, config, rungs, space, solves)
     best = next((o for o in options if not o.estimated and o.split is not None), None)
     if best is None or best.costs is None:
         return None
-    return PipelineChoice(best.stages, best.submesh, best.names, best.split, container,
-                          _stage_times(best.split, best.costs, best.p2p_s))
+    return PipelineChoice(
+        best.stages, best.submesh, best.names, best.split, container, _stage_times(best.split, best.costs, best.p2p_s)
+    )
 
 
 def _stage_times(split: StageSplit, kc: KeyCosts, p2p: float) -> tuple[float, ...]:
@@ -133,8 +141,10 @@ def _stage_times(split: StageSplit, kc: KeyCosts, p2p: float) -> tuple[float, ..
     send each way per boundary it touches."""
     n = len(split.layers)
     return tuple(
-        sum(c.time_s for c in kc.layers[a:b]) + (kc.head.time_s if k == 0 else 0.0)
-        + (kc.tail.time_s if k == n - 1 else 0.0) + 2 * p2p * ((k > 0) + (k < n - 1))
+        sum(c.time_s for c in kc.layers[a:b])
+        + (kc.head.time_s if k == 0 else 0.0)
+        + (kc.tail.time_s if k == n - 1 else 0.0)
+        + 2 * p2p * ((k > 0) + (k < n - 1))
         for k, (a, b) in enumerate(split.layers)
     )
 
@@ -188,8 +198,11 @@ def compile_pipelined(
     sig, _ = signature_of(inputs)
     _, mb = signature_of(micro_call(inputs, M))
     spec = {f"{choice.container}.{start}": SplitPoint.BEGINNING for start, _ in split.layers[1:]}
-    low = getattr(torch, config.mixed_precision) if config.mixed_precision and config.precision_policy == "params" \
+    low = (
+        getattr(torch, config.mixed_precision)
+        if config.mixed_precision and config.precision_policy == "params"
         else None
+    )
     pipe, wiring = split_model(model, sig, mb, spec, config.loss_fn, low)
     n = pipe.num_stages
     ex_args, ex_sends = stage_examples(pipe, wiring, mb, low)
@@ -206,8 +219,12 @@ def compile_pipelined(
         pins.update({p: placements[canon.get(p, p)] for p in pnames if canon.get(p, p) in placements})
         # a parameter tied across stages is pinned to its first holder's compute layout, and its copies' gradients
         # are summed across stages: their master layouts must match too, so tied models keep masters unsharded
-        cfg = dataclasses.replace(config, constraints=pins, solve_recipes=False,
-                                  shard_state=config.shard_state and len(set(canon.values())) == len(canon))
+        cfg = dataclasses.replace(
+            config,
+            constraints=pins,
+            solve_recipes=False,
+            shard_state=config.shard_state and len(set(canon.values())) == len(canon),
+        )
         planned = plan_graph(mod, ex_args[k], submesh, cluster, cfg, broadcast_solution=True, stage=True)
         plan, gm, ctx = planned.plan, planned.graph, planned.ctx
         for node in gm.graph.find_nodes(op="placeholder"):  # the solved layouts, as Placement objects
@@ -218,14 +235,22 @@ def compile_pipelined(
             holders.setdefault(p, []).append(k)
         start, stop = split.layers[k]
         # the stage's modules outside the repeated layers (embeddings first on stage 0, the head last)
-        extra = list(dict.fromkeys(outside_part(p.rpartition(".")[0], choice.container) for p in pnames
-                                   if not p.startswith(choice.container + ".")))
+        extra = list(
+            dict.fromkeys(
+                outside_part(p.rpartition(".")[0], choice.container)
+                for p in pnames
+                if not p.startswith(choice.container + ".")
+            )
+        )
         body = [f"{choice.container}.{i}" for i in range(start, stop)]
         layers = tuple(extra + body if k == 0 else body + extra)
         ranks = tuple(range((k % S) * k_sub, (k % S + 1) * k_sub))
         stage_plans.append(plan)
-        stage_specs.append(dataclasses.replace(plan.stages[0], index=k, ranks=ranks, layers=layers,
-                                               microbatch_time_s=choice.stage_times[k]))
+        stage_specs.append(
+            dataclasses.replace(
+                plan.stages[0], index=k, ranks=ranks, layers=layers, microbatch_time_s=choice.stage_times[k]
+            )
+        )
         if k % S == pp_rank:
             grad_names = [r.name for r in ctx.output_roles if r.kind in ("grad", "input_grad")]
             local[k] = StageModule(mod, submesh, plan, rank_program(gm, ctx, backend), grad_names, wiring[k])
@@ -256,9 +281,24 @@ def compile_pipelined(
     stage_out = {k: meta(ex_sends[k]) for k in local}
     weighting = LossWeighting(*loss_counter(pipe.get_stage_module(n - 1), wiring[n - 1]))
     device = torch.device(mesh.device_type)
-    return PipelinedModule(combined, local, n, full.get_group("pp"), pp_rank, stage_in, stage_out, sig, weighting,
-                           tied, local_index, device, canon, frozenset(model.state_dict()), tree=model,
-                           split_backward=combined.schedule in SPLIT_BACKWARD)
+    return PipelinedModule(
+        combined,
+        local,
+        n,
+        full.get_group("pp"),
+        pp_rank,
+        stage_in,
+        stage_out,
+        sig,
+        weighting,
+        tied,
+        local_index,
+        device,
+        canon,
+        frozenset(model.state_dict()),
+        tree=model,
+        split_backward=combined.schedule in SPLIT_BACKWARD,
+    )
 
 
 def _tied_groups(holders: dict[str, list[int]], S: int, k_sub: int) -> list[TiedParameter]:

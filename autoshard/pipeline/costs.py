@@ -30,11 +30,11 @@ import torch
 import torch.fx as fx
 
 from autoshard.cluster.profile import DeviceSpec
-from autoshard.ir import layer_key
 from autoshard.compiler.context import PassContext
+from autoshard.errors import InputError
+from autoshard.ir import layer_key
 from autoshard.solver.inter_op import PieceCost
 from autoshard.solver.pricing import GRAD_SINK_CREDIT
-from autoshard.errors import InputError
 
 if TYPE_CHECKING:
     from autoshard.solver.intra_op import Solution
@@ -140,16 +140,18 @@ def boundary_node(gm: fx.GraphModule, ctx: PassContext) -> fx.Node | None:
 Outer = tuple[tuple[str, int, bool, bool, bool], ...]  # (kind, bytes, gradient reduction, forward, state)
 
 
-def piece_costs(gm: fx.GraphModule, ctx: PassContext, solution: Solution | None = None,
-                container: str | None = None) -> tuple[PieceCost, list[PieceCost], PieceCost]:
+def piece_costs(
+    gm: fx.GraphModule, ctx: PassContext, solution: Solution | None = None, container: str | None = None
+) -> tuple[PieceCost, list[PieceCost], PieceCost]:
     """(head, per-layer costs in order at full depth, tail) of ``solution`` (default ``ctx.solution``), which
     must be the one annotated onto ``gm``; the layers are those of ``container`` (default: ``container_of``)."""
     head, layers, tail, _ = piece_detail(gm, ctx, solution, container)
     return head, layers, tail
 
 
-def piece_detail(gm: fx.GraphModule, ctx: PassContext, solution: Solution | None = None,
-                 container: str | None = None) -> tuple[PieceCost, list[PieceCost], PieceCost, list[Outer]]:
+def piece_detail(
+    gm: fx.GraphModule, ctx: PassContext, solution: Solution | None = None, container: str | None = None
+) -> tuple[PieceCost, list[PieceCost], PieceCost, list[Outer]]:
     """:func:`piece_costs` and, per piece (head, layers, tail), the collectives on the mesh's outermost axis as
     (kind, bytes gathered, gradient reduction, forward, of a parameter or its gradient): what the stage search
     prices again for a sub-mesh whose outer axis has another size (``pipeline.search``)."""
@@ -158,8 +160,10 @@ def piece_detail(gm: fx.GraphModule, ctx: PassContext, solution: Solution | None
     sol = solution if solution is not None else ctx.solution
     container = container or container_of(ctx)
     if container is None:
-        raise InputError("the model has no repeated layers (modules named like 'layers.0', 'h.1'): nothing to split "
-                         "into pipeline stages")
+        raise InputError(
+            "the model has no repeated layers (modules named like 'layers.0', 'h.1'): nothing to split "
+            "into pipeline stages"
+        )
     piece_of_module, first_layer = _piece_of_modules(gm, ctx, container)
     position = {n.name: i for i, n in enumerate(gm.graph.nodes)}
     pieces: dict[Any, PieceCost] = defaultdict(lambda: PieceCost(0.0))
@@ -199,7 +203,11 @@ def piece_detail(gm: fx.GraphModule, ctx: PassContext, solution: Solution | None
             piece = TAIL if c.consumer == "output" else group_piece[node_group[c.consumer]]
             pieces[piece] += PieceCost(c.time_s, fwd_s=fwd)
         if c.axis == ctx.mesh_names[0]:
-            state = grad or kinds.get(node_group.get(c.tensor, -1)) in ("parameter", "buffer") or c.tensor.startswith("group of")
+            state = (
+                grad
+                or kinds.get(node_group.get(c.tensor, -1)) in ("parameter", "buffer")
+                or c.tensor.startswith("group of")
+            )
             outer[piece].append((c.kind, c.nbytes, grad, c.phase == "forward", state))
     for piece, nbytes in _input_bytes(gm, ctx, group_piece).items():
         pieces[piece] += PieceCost(0.0, input_bytes=nbytes)
@@ -207,8 +215,11 @@ def piece_detail(gm: fx.GraphModule, ctx: PassContext, solution: Solution | None
     order = captured
     if ctx.sampled_layers is not None:
         _, k, total = ctx.sampled_layers
-        weights = {group_piece[g.id]: w for g, w in ((g, ctx.group_weight.get(g.id, 1.0)) for g in ctx.groups)
-                   if isinstance(group_piece[g.id], int) and w != 1.0}
+        weights = {
+            group_piece[g.id]: w
+            for g, w in ((g, ctx.group_weight.get(g.id, 1.0)) for g in ctx.groups)
+            if isinstance(group_piece[g.id], int) and w != 1.0
+        }
         ref = next(iter(weights), captured[len(captured) // 2])
         # the missing layers sit between the captured first ones and the captured last one
         at = captured.index(ref) + 1

@@ -21,11 +21,11 @@ from torch import nn
 
 from autoshard.cluster.profile import ClusterProfile
 from autoshard.config import PlanConfig
+from autoshard.errors import InputError
 from autoshard.pipeline.pricing import PipelineOption, p2p_seconds
 from autoshard.pipeline.search import MEGATRON
 from autoshard.pipeline.solves import FakeStageMeshes, StageSolves
 from autoshard.solver.inter_op import best_split
-from autoshard.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -58,26 +58,51 @@ def evaluate_config(
         raise InputError(f"tp={tp} x pp={pp} x dp={dp} = {tp * pp * dp} devices, but {cluster.name} has {n}")
     batch = int(example_inputs[0].shape[0])
     if batch % microbatches or (batch // microbatches) % dp:
-        raise InputError(f"global batch {batch} in {microbatches} micro-batches does not split over dp={dp}; "
-                         f"use a micro-batch count that divides {batch} into multiples of {dp} sequences")
+        raise InputError(
+            f"global batch {batch} in {microbatches} micro-batches does not split over dp={dp}; "
+            f"use a micro-batch count that divides {batch} into multiples of {dp} sequences"
+        )
     sub, names = ((dp, tp), ("dp", "tp")) if dp > 1 and tp > 1 else ((tp,), ("tp",)) if tp > 1 else ((dp,), ("dp",))
     recipe = "tp" if tp > 1 else "ddp"
     scheds = (schedule,) if schedule else ("1F1B",) if pp == 1 else MEGATRON_SCHEDULES
     if solves is None:
         from autoshard.pipeline.blocks import main_sequence
 
-        solves = StageSolves(model, example_inputs, config, FakeStageMeshes(cluster),
-                             (main_sequence(model) or ("",))[0], strict_inputs=False)
+        solves = StageSolves(
+            model,
+            example_inputs,
+            config,
+            FakeStageMeshes(cluster),
+            (main_sequence(model) or ("",))[0],
+            strict_inputs=False,
+        )
     kc = solves.costs(pp, (sub, names, microbatches), recipe)
     split, layout = None, ""
     if kc is not None:
         p2p = p2p_seconds(cluster, dp * tp, pp, kc.boundary_bytes / (dp * tp))
-        split = best_split(list(kc.layers), kc.head, kc.tail, pp, microbatches, config.memory_budget, p2p, scheds,
-                           max_chunks, recompute, even=True)
+        split = best_split(
+            list(kc.layers),
+            kc.head,
+            kc.tail,
+            pp,
+            microbatches,
+            config.memory_budget,
+            p2p,
+            scheds,
+            max_chunks,
+            recompute,
+            even=True,
+        )
         layout = kc.layout
     note = "" if split is not None else "does not fit the memory budget"
-    log.info("config tp=%d pp=%d dp=%d, %d micro-batches: %s", tp, pp, dp, microbatches,
-             f"{split.step_time_s:.6f} s ({split.schedule} x{split.chunks})" if split else note)
+    log.info(
+        "config tp=%d pp=%d dp=%d, %d micro-batches: %s",
+        tp,
+        pp,
+        dp,
+        microbatches,
+        f"{split.step_time_s:.6f} s ({split.schedule} x{split.chunks})" if split else note,
+    )
     return PipelineOption(pp, sub, microbatches, split, note, recipe=recipe, layout=layout)
 
 
@@ -110,8 +135,18 @@ def megatron_recipe(
         for mbs in sorted(microbatch_sizes):
             if batch % (dp * mbs) or batch // (dp * mbs) < pp:
                 continue
-            o = evaluate_config(model, example_inputs, cluster, config, tp=tp, pp=pp, dp=dp,
-                                microbatches=batch // (dp * mbs), recompute=recompute, solves=solves)
+            o = evaluate_config(
+                model,
+                example_inputs,
+                cluster,
+                config,
+                tp=tp,
+                pp=pp,
+                dp=dp,
+                microbatches=batch // (dp * mbs),
+                recompute=recompute,
+                solves=solves,
+            )
             if o.split is None:
                 break  # the recipe's state is the same and B >= pp: larger micro-batches only need more memory
             if best is None or o.step_time_s < best.step_time_s:

@@ -34,18 +34,17 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from autoshard.cluster.meshes import mesh_names
 from autoshard.cluster.profile import ClusterProfile
 from autoshard.config import PlanConfig
+from autoshard.errors import InputError
 from autoshard.notation import format_bytes, format_seconds
-from autoshard.cluster.meshes import mesh_names
 from autoshard.pipeline.blocks import outside_part
-from autoshard.pipeline.costs import container_of, piece_costs
+from autoshard.pipeline.costs import container_of, optimizer_step_s, piece_costs
 from autoshard.pipeline.pricing import PipelineOption
-from autoshard.pipeline.costs import optimizer_step_s
 from autoshard.pipeline.solves import FREE, FakeStageMeshes, StageSolves
 from autoshard.plans.plan import CollectiveStat, MemoryBreakdown, MeshSpec, Plan, StagePlan
 from autoshard.solver.inter_op import PieceCost
-from autoshard.errors import InputError
 
 if TYPE_CHECKING:
     import torch.fx as fx
@@ -118,15 +117,23 @@ def _cut(gm: fx.GraphModule, ctx: PassContext, sub: Plan, solution: Solution, co
         for m in g.members:
             for u in nodes[m].users:
                 user = group_of.get(u.name)
-                if user is not None and user.id != g.id and user.phase == "forward" and group_piece[user.id] not in found:
+                if (
+                    user is not None
+                    and user.id != g.id
+                    and user.phase == "forward"
+                    and group_piece[user.id] not in found
+                ):
                     found.append(group_piece[user.id])
         return found or [group_piece[g.id]]
 
     if len(sub.stages) != 1:
         raise InputError(f"a stage's plan has {len(sub.stages)} stages")
     stage = sub.stages[0]
-    tensor_group = {n.meta["autoshard_role"].name: group_of[n.name] for n in gm.graph.find_nodes(op="placeholder")
-                    if n.name in group_of}
+    tensor_group = {
+        n.meta["autoshard_role"].name: group_of[n.name]
+        for n in gm.graph.find_nodes(op="placeholder")
+        if n.name in group_of
+    }
     tensors: dict[Piece, list[Any]] = defaultdict(list)
     for t in stage.tensors:
         for p in tensor_pieces(tensor_group[t.name]):
@@ -163,8 +170,11 @@ def _cut(gm: fx.GraphModule, ctx: PassContext, sub: Plan, solution: Solution, co
         # as pipeline_costs extrapolates: the missing layers are copies of the first weighted (shared) layer
         # and sit right after it
         _, k, total = ctx.sampled_layers
-        weighted = [group_piece[g.id] for g in ctx.groups
-                    if ctx.group_weight.get(g.id, 1.0) != 1.0 and isinstance(group_piece[g.id], int)]
+        weighted = [
+            group_piece[g.id]
+            for g in ctx.groups
+            if ctx.group_weight.get(g.id, 1.0) != 1.0 and isinstance(group_piece[g.id], int)
+        ]
         ref = weighted[0] if weighted else captured[len(captured) // 2]
         at = captured.index(ref) + 1
         full = captured[:at] + [ref] * (total - k) + captured[at:]
@@ -176,7 +186,7 @@ def _renamer(container: str, captured: int, layer: int) -> Callable[[str], str]:
 
     def rename(name: str) -> str:
         if name == old or name.startswith(old + "."):
-            return new + name[len(old):]
+            return new + name[len(old) :]
         return name
 
     return rename
@@ -216,8 +226,11 @@ def _stage(
         ops += [dataclasses.replace(d, module=rename(d.module)) for d in cut.ops.get(p, ())]
         for c in cut.collectives.get(p, ()):
             once = c.consumer in cut.params  # a gradient reduction runs once per step, after the micro-batches
-            collectives.append(dataclasses.replace(c, axis=axis_of.get(c.axis, c.axis), consumer=rename(c.consumer),
-                                                   repeat=1.0 if once else float(b)))
+            collectives.append(
+                dataclasses.replace(
+                    c, axis=axis_of.get(c.axis, c.axis), consumer=rename(c.consumer), repeat=1.0 if once else float(b)
+                )
+            )
         a, g, o = cut.state.get(p, (0.0, 0.0, 0.0))
         param, grad, opt = param + a, grad + g, opt + o
     own = ([head] if rank == 0 else []) + [layer_costs[i] for i in layers] + ([tail] if last else [])
@@ -232,8 +245,18 @@ def _stage(
         link = cluster.inter_node if cluster.nodes > 1 else cluster.intra_node
         nbytes = int(max(0.0, send - link.latency) * link.bandwidth)
         for phase, peer in (("forward", rank + 1), ("backward", rank - 1)):
-            collectives.append(CollectiveStat("send_recv", "pp", nbytes, send, "stage boundary",
-                                              f"stage {peer % option.stages}", phase, float(b * chunks)))
+            collectives.append(
+                CollectiveStat(
+                    "send_recv",
+                    "pp",
+                    nbytes,
+                    send,
+                    "stage boundary",
+                    f"stage {peer % option.stages}",
+                    phase,
+                    float(b * chunks),
+                )
+            )
     state = sum(c.state_bytes for c in own)
     once = sum(c.step_s for c in own) + optimizer_step_s(state, cluster.device, optimizer_factor)
     per_mb = sum(c.time_s * c.repeat / b for c in collectives if c.consumer not in cut.params)
@@ -247,8 +270,16 @@ def _stage(
     names = [n for n in cut.modules[HEAD]] if rank == 0 else []
     names += [f"{cut.container}.{i}" for i in layers] + (list(cut.modules[TAIL]) if last else [])
     k = mesh.size
-    log.info("pipeline stage %d: ranks %d-%d, %s ... %s, %s per micro-batch, %s per device", rank, rank * k,
-             rank * k + k - 1, names[0], names[-1], format_seconds(t), format_bytes(memory.total))
+    log.info(
+        "pipeline stage %d: ranks %d-%d, %s ... %s, %s per micro-batch, %s per device",
+        rank,
+        rank * k,
+        rank * k + k - 1,
+        names[0],
+        names[-1],
+        format_seconds(t),
+        format_bytes(memory.total),
+    )
     return StagePlan(
         index=rank,
         mesh=mesh,
@@ -289,8 +320,15 @@ def pipelined_plan(
     if solves is None:
         from autoshard.pipeline.blocks import main_sequence
 
-        solves = StageSolves(model, example_inputs, config, FakeStageMeshes(cluster),
-                             (main_sequence(model) or ("",))[0], reuse=False, strict_inputs=False)
+        solves = StageSolves(
+            model,
+            example_inputs,
+            config,
+            FakeStageMeshes(cluster),
+            (main_sequence(model) or ("",))[0],
+            reuse=False,
+            strict_inputs=False,
+        )
     # the stage layout the search costed: the free intra-op plan, or the recipe it fell back to when the free
     # plan's stages did not fit (option.recipe)
     label = FREE if option.recipe == (config.recipe or "") else option.recipe
@@ -303,8 +341,9 @@ def pipelined_plan(
         raise InputError(f"the re-planned sub-mesh has {len(cut.full)} layers but the split covers {depth}")
     mesh = MeshSpec(sub_shape, names)
     axis_of = dict(zip(default, names))
-    stages = tuple(_stage(option, r, cut, costs, mesh, axis_of, cluster, config.optimizer_factor)
-                   for r in range(option.stages))
+    stages = tuple(
+        _stage(option, r, cut, costs, mesh, axis_of, cluster, config.optimizer_factor) for r in range(option.stages)
+    )
     return Plan(
         mesh=MeshSpec((option.stages, *sub_shape), ("pp", *names)) if option.stages > 1 else mesh,
         cluster=cluster.name,

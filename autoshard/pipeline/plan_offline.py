@@ -19,17 +19,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoshard.cluster.meshes import mesh_names
 from autoshard.cluster.profile import ClusterProfile
 from autoshard.config import PlanConfig
-from autoshard.cluster.meshes import mesh_names
+from autoshard.errors import InfeasibleBudget, InputError, LaunchError
 from autoshard.notation import format_seconds
 from autoshard.pipeline.megatron import megatron_recipe
 from autoshard.pipeline.plan import FLAT_NAME, pipelined_plan
 from autoshard.pipeline.pricing import PipelineOption
 from autoshard.pipeline.search import MEGATRON, search_pipeline, stage_meshes
 from autoshard.pipeline.solves import FakeStageMeshes, StageSolves
-from autoshard.plans.plan import RecipeSummary, Plan
-from autoshard.errors import InfeasibleBudget, InputError, LaunchError
+from autoshard.plans.plan import Plan, RecipeSummary
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,13 @@ def flat_summary(options: Sequence[PipelineOption]) -> RecipeSummary | None:
         return None
     if flat.split is None:
         return RecipeSummary(FLAT_NAME, math.inf, 0, False, flat.note or "no 1-stage plan fits the memory budget")
-    return RecipeSummary(FLAT_NAME, flat.step_time_s, max(flat.split.stage_memory_bytes), True,
-                           "the intra-op plan of the whole cluster" + (" (estimated)" if flat.estimated else ""))
+    return RecipeSummary(
+        FLAT_NAME,
+        flat.step_time_s,
+        max(flat.split.stage_memory_bytes),
+        True,
+        "the intra-op plan of the whole cluster" + (" (estimated)" if flat.estimated else ""),
+    )
 
 
 def recipe_rows(options: Sequence[PipelineOption]) -> list[RecipeSummary]:
@@ -82,8 +87,10 @@ def choose(options: Sequence[PipelineOption], stages: int | None = None) -> tupl
     if stages is not None:
         mine = [o for o in free if o.stages == stages]
         if not mine:
-            raise InputError(f"no {stages}-stage configuration was planned: each stage needs at least one of the "
-                             "model's repeated layers (a ModuleList of identical blocks); use fewer stages")
+            raise InputError(
+                f"no {stages}-stage configuration was planned: each stage needs at least one of the "
+                "model's repeated layers (a ModuleList of identical blocks); use fewer stages"
+            )
         if mine[0].split is None:
             raise InfeasibleBudget(f"{_describe(mine[0])}; try more stages, a smaller batch or more memory")
         return mine[0], f"pp={stages} fixed by the mesh: {_describe(mine[0])}"
@@ -147,13 +154,15 @@ def plan_with_pipeline(
     if found is None:
         if stages is not None:
             raise no_sequence_error(model, f"plan it without a pp axis (here one of {stages} stages)")
-        log.info("pipeline: no stages: %s has no sequence of blocks (an nn.ModuleList or nn.Sequential of 2 or "
-                 "more) to split into stages", type(model).__name__)
+        log.info(
+            "pipeline: no stages: %s has no sequence of blocks (an nn.ModuleList or nn.Sequential of 2 or "
+            "more) to split into stages",
+            type(model).__name__,
+        )
         return flat(None, True)
     if progress:
         progress("pipeline", 0.0, "")
-    solves = StageSolves(model, example_inputs, config, FakeStageMeshes(cluster), found[0],
-                         strict_inputs=False)
+    solves = StageSolves(model, example_inputs, config, FakeStageMeshes(cluster), found[0], strict_inputs=False)
     whole = config.solve_recipes and stages is None
 
     def aside(shared: StageSolves | None) -> tuple[PipelineOption | None, Plan | InfeasibleBudget | None]:
@@ -173,8 +182,9 @@ def plan_with_pipeline(
         return recipe, base
 
     with Aside(aside, config.solve_recipes) as side:
-        options = search_pipeline(model, example_inputs, cluster, config, stage_options=[stages] if stages else None,
-                                  solves=solves)
+        options = search_pipeline(
+            model, example_inputs, cluster, config, stage_options=[stages] if stages else None, solves=solves
+        )
         recipe, base = side.result(solves)
     if recipe is not None:
         options = sorted([*options, recipe], key=lambda o: (o.estimated, o.step_time_s, o.stages, o.recipe))
@@ -195,11 +205,22 @@ def plan_with_pipeline(
             rows = [RecipeSummary(FLAT_NAME, math.inf, 0, False, "no plan without stages fits the memory budget")]
         else:
             if base.step_time_s <= plan.step_time_s:
-                log.info("pipeline: no stages: the plan without stages (%s, recipes weighed) is as fast as %s",
-                         format_seconds(base.step_time_s), why)
+                log.info(
+                    "pipeline: no stages: the plan without stages (%s, recipes weighed) is as fast as %s",
+                    format_seconds(base.step_time_s),
+                    why,
+                )
                 return _with_rows(base, recipes)
-            rows = [*base.recipes, RecipeSummary(FLAT_NAME, base.step_time_s, base.peak_memory.total, True,
-                                                     "the plan of the whole cluster without stages")]
+            rows = [
+                *base.recipes,
+                RecipeSummary(
+                    FLAT_NAME,
+                    base.step_time_s,
+                    base.peak_memory.total,
+                    True,
+                    "the plan of the whole cluster without stages",
+                ),
+            ]
     return _with_rows(plan, [r for r in rows if r is not None] + recipes)
 
 
@@ -253,8 +274,10 @@ class Aside:
             status, value = self.conn.recv()
             log.info("pipeline: waited %.1f s for the side process", time.perf_counter() - t0)
         except EOFError:
-            raise LaunchError(f"the process planning Megatron's recipe and the plan without stages died "
-                               f"(exit code {self.proc.exitcode})") from None
+            raise LaunchError(
+                f"the process planning Megatron's recipe and the plan without stages died "
+                f"(exit code {self.proc.exitcode})"
+            ) from None
         if status == "error":
             raise value
         return value
@@ -267,8 +290,11 @@ def _exit_on_term(signum: int, frame: Any) -> None:
 def _can_fork() -> bool:
     import torch.distributed as dist
 
-    return ((os.cpu_count() or 1) > 1 and "fork" in multiprocessing.get_all_start_methods()
-            and not (dist.is_available() and dist.is_initialized()))
+    return (
+        (os.cpu_count() or 1) > 1
+        and "fork" in multiprocessing.get_all_start_methods()
+        and not (dist.is_available() and dist.is_initialized())
+    )
 
 
 def _with_rows(plan: Plan, rows: Sequence[RecipeSummary]) -> Plan:

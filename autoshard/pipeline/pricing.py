@@ -95,8 +95,9 @@ def kind(sub: tuple[int, ...], names: tuple[str, ...]) -> tuple:
 
 
 def _scaled(c: PieceCost, r: float) -> PieceCost:
-    return dataclasses.replace(c, time_s=c.time_s * r, fwd_s=c.fwd_s * r, act_bytes=int(c.act_bytes * r),
-                               input_bytes=int(c.input_bytes * r))
+    return dataclasses.replace(
+        c, time_s=c.time_s * r, fwd_s=c.fwd_s * r, act_bytes=int(c.act_bytes * r), input_bytes=int(c.input_bytes * r)
+    )
 
 
 class Pricer:
@@ -128,8 +129,9 @@ class Pricer:
                     k = (kind, nbytes, state)
                     if k not in price:
                         grown = nbytes if state else int(nbytes * sub[0] / ref[0])
-                        price[k] = (axis_collective_time(kind, grown, sub, 0, now)
-                                    - axis_collective_time(kind, nbytes, ref, 0, was))
+                        price[k] = axis_collective_time(kind, grown, sub, 0, now) - axis_collective_time(
+                            kind, nbytes, ref, 0, was
+                        )
                     if grad:
                         dstep += price[k] * (1.0 - GRAD_SINK_CREDIT)
                     else:
@@ -147,11 +149,18 @@ class Pricer:
     def split(self, c: Config, kc: KeyCosts, limit: int | None) -> StageSplit | None:
         stages, _, _, b = c
         sched = ("GPipe",) if b == 1 else ("1F1B",) if stages == 1 else self.space.schedules
-        return best_split(list(kc.layers), kc.head, kc.tail, stages, b, limit, self.p2p(c, kc), sched,
-                          recompute=self.space.recompute)
+        return best_split(
+            list(kc.layers), kc.head, kc.tail, stages, b, limit, self.p2p(c, kc), sched, recompute=self.space.recompute
+        )
 
-    def best_of(self, c: Config, costs: Callable[[str], KeyCosts | None], estimated: str = "",
-                hint: Callable[[str], KeyCosts | None] | None = None, slack: float = 0.0) -> PipelineOption:
+    def best_of(
+        self,
+        c: Config,
+        costs: Callable[[str], KeyCosts | None],
+        estimated: str = "",
+        hint: Callable[[str], KeyCosts | None] | None = None,
+        slack: float = 0.0,
+    ) -> PipelineOption:
         """The fastest split of ``c`` over its free plan and, where the budget binds, the fallback recipes (a
         recipe whose ``hint`` estimate is more than ``slack`` slower than the best so far is not priced)."""
         stages, sub, names, b = c
@@ -175,23 +184,49 @@ class Pricer:
         note = "" if split is not None else "no split fits the memory budget"
         if estimated:
             note = estimated + (f"; {note}" if note else "")
-        return PipelineOption(stages, sub, b, split, note, kc.recipe if kc else "", kc.layout if kc else "",
-                              bool(estimated), names, self.p2p(c, kc) if kc else 0.0, kc)
+        return PipelineOption(
+            stages,
+            sub,
+            b,
+            split,
+            note,
+            kc.recipe if kc else "",
+            kc.layout if kc else "",
+            bool(estimated),
+            names,
+            self.p2p(c, kc) if kc else 0.0,
+            kc,
+        )
 
     def exact(self, c: Config, solved: Sequence[PipelineOption] = ()) -> PipelineOption:
         """``c`` priced from its own key's solves; a fallback recipe that the ``solved`` configurations estimate
         out of reach is not solved (slower by 1% estimated from its own class, by 5% from another size)."""
         stages, sub, names, b = c
         per = Fraction(self.solves.batch, b * math.prod(sub))
-        same = [o for o in solved if kind(o.submesh, o.names) == kind(sub, names)
-                and Fraction(self.solves.batch, o.microbatches * math.prod(o.submesh)) == per]
+        same = [
+            o
+            for o in solved
+            if kind(o.submesh, o.names) == kind(sub, names)
+            and Fraction(self.solves.batch, o.microbatches * math.prod(o.submesh)) == per
+        ]
         basis = self.basis(c, same or solved) if solved else None
-        opt = self.best_of(c, lambda r: self.solves.costs(stages, (sub, names, b), r),
-                           hint=basis[2] if basis is not None else None, slack=0.01 if same else 0.05)
+        opt = self.best_of(
+            c,
+            lambda r: self.solves.costs(stages, (sub, names, b), r),
+            hint=basis[2] if basis is not None else None,
+            slack=0.01 if same else 0.05,
+        )
         split = opt.split
-        log.info("pipeline: %d stages of %s, %d micro-batches: %s", stages, sub, b,
-                 f"{split.step_time_s:.6f} s ({split.schedule}{', recompute' if split.recompute else ''}"
-                 f"{', recipe ' + opt.recipe if opt.recipe else ''})" if split else opt.note)
+        log.info(
+            "pipeline: %d stages of %s, %d micro-batches: %s",
+            stages,
+            sub,
+            b,
+            f"{split.step_time_s:.6f} s ({split.schedule}{', recompute' if split.recompute else ''}"
+            f"{', recipe ' + opt.recipe if opt.recipe else ''})"
+            if split
+            else opt.note,
+        )
         return opt
 
     def estimate(self, c: Config, solved: Sequence[PipelineOption]) -> PipelineOption:
@@ -207,8 +242,9 @@ class Pricer:
         self.estimates[c] = (cache, opt)
         return opt
 
-    def basis(self, c: Config, solved: Sequence[PipelineOption]
-              ) -> tuple[tuple, PipelineOption, Callable[[str], KeyCosts | None]] | None:
+    def basis(
+        self, c: Config, solved: Sequence[PipelineOption]
+    ) -> tuple[tuple, PipelineOption, Callable[[str], KeyCosts | None]] | None:
         """What ``c`` is estimated from: (a cache key, the nearest solved option, its pieces per recipe made over
         to ``c``); None with nothing solved. Per-micro-batch costs are affine in the micro-batch per device through
         a second solved option of the kind at another size (fixed latencies plus work), else proportional to it."""
@@ -222,8 +258,10 @@ class Pricer:
             return (o.submesh, o.names, o.microbatches)
 
         def gap(o: PipelineOption) -> tuple[bool, float]:
-            return (kind(o.submesh, o.names) != kind(sub, names),
-                    abs(math.log2(per_of(o) / per)) + 0.5 * abs(math.log2(math.prod(o.submesh) / math.prod(sub))))
+            return (
+                kind(o.submesh, o.names) != kind(sub, names),
+                abs(math.log2(per_of(o) / per)) + 0.5 * abs(math.log2(math.prod(o.submesh) / math.prod(sub))),
+            )
 
         refs = sorted((o for o in solved if self.solves.known(key_of(o)) is not None), key=gap)
         if not refs:
@@ -244,9 +282,14 @@ class Pricer:
             state = int(c0.state_bytes * shard)
             step = c0.step_s + moved[2] + optimizer_step_s(state, dev, f) - optimizer_step_s(c0.state_bytes, dev, f)
             return dataclasses.replace(
-                c0, time_s=fit(c0.time_s, c1 and c1.time_s) + moved[0], fwd_s=fit(c0.fwd_s, c1 and c1.fwd_s) + moved[1],
-                step_s=max(0.0, step), state_bytes=state, act_bytes=int(fit(c0.act_bytes, c1 and c1.act_bytes)),
-                input_bytes=int(fit(c0.input_bytes, c1 and c1.input_bytes)))
+                c0,
+                time_s=fit(c0.time_s, c1 and c1.time_s) + moved[0],
+                fwd_s=fit(c0.fwd_s, c1 and c1.fwd_s) + moved[1],
+                step_s=max(0.0, step),
+                state_bytes=state,
+                act_bytes=int(fit(c0.act_bytes, c1 and c1.act_bytes)),
+                input_bytes=int(fit(c0.input_bytes, c1 and c1.input_bytes)),
+            )
 
         def costs(recipe: str) -> KeyCosts | None:
             kc = self.solves.known(key_of(ref), recipe)
@@ -256,11 +299,21 @@ class Pricer:
             # fsdp recipes shard the training state over the outer axis, the others keep it whole there
             shard = math.prod(ref.submesh) / math.prod(sub) if "fsdp" in recipe else 1.0
             moved = self.moved(kc, ref.submesh, sub)
-            pieces = [piece(x, y, shard, d) for x, y, d in zip(
-                (kc.head, *kc.layers, kc.tail), (k1.head, *k1.layers, k1.tail) if k1 else [None] * (len(kc.layers) + 2),
-                moved)]
-            return dataclasses.replace(kc, head=pieces[0], layers=tuple(pieces[1:-1]), tail=pieces[-1],
-                                       boundary_bytes=int(kc.boundary_bytes * ref.microbatches / b))
+            pieces = [
+                piece(x, y, shard, d)
+                for x, y, d in zip(
+                    (kc.head, *kc.layers, kc.tail),
+                    (k1.head, *k1.layers, k1.tail) if k1 else [None] * (len(kc.layers) + 2),
+                    moved,
+                )
+            ]
+            return dataclasses.replace(
+                kc,
+                head=pieces[0],
+                layers=tuple(pieces[1:-1]),
+                tail=pieces[-1],
+                boundary_bytes=int(kc.boundary_bytes * ref.microbatches / b),
+            )
 
         return (key_of(ref), key_of(other) if other else None), ref, costs
 

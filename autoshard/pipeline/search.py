@@ -50,10 +50,10 @@ from torch import nn
 
 from autoshard.cluster.profile import ClusterProfile
 from autoshard.config import PlanConfig
+from autoshard.errors import InputError
 from autoshard.pipeline.pricing import Config, PipelineOption, Pricer, SearchSpace, kind
 from autoshard.pipeline.solves import FakeStageMeshes, Key, StageSolves
 from autoshard.solver.inter_op import SCHEDULES
-from autoshard.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +124,11 @@ def search_stages(
             continue
         if space.microbatches is not None and batch % space.microbatches:
             raise InputError(f"microbatches={space.microbatches} does not divide the global batch {batch}")
-        counts = ([space.microbatches] if space.microbatches else
-                  microbatch_counts(batch, stages, math.prod(sub), cluster.devices_per_node))
+        counts = (
+            [space.microbatches]
+            if space.microbatches
+            else microbatch_counts(batch, stages, math.prod(sub), cluster.devices_per_node)
+        )
         if not counts:
             options.append(PipelineOption(stages, sub, 0, None, f"global batch {batch} has no multiple of {stages}"))
         configs += [(stages, sub, names, b) for b in counts]
@@ -156,8 +159,11 @@ def search_stages(
         solved (by the estimate across classes), then the others its solves estimate within the margin."""
         members = [c for c in configs if (kind(c[1], c[2]), per(c)) == (sort, b)]
         if not any(c in done for c in members):
-            solve(seed if seed in members else min(
-                members, key=lambda c: (run.estimate(c, list(done.values())).step_time_s, c[0])))
+            solve(
+                seed
+                if seed in members
+                else min(members, key=lambda c: (run.estimate(c, list(done.values())).step_time_s, c[0]))
+            )
         while True:
             inside = [done[c] for c in members if c in done]
             rest = [c for c in members if c not in done]
@@ -184,9 +190,17 @@ def search_stages(
     for sort, sizes in kinds.items():
         sizes.sort()
         at = min(range(len(sizes)), key=lambda i: abs(math.log2(sizes[i] / per(seed))))
-        _walk(len(sizes), lambda i: refine(sort, sizes[i]), max(1, space.sizes), at,
-              lambda i: min(run.estimate(c, list(done.values())).step_time_s
-                            for c in configs if (kind(c[1], c[2]), per(c)) == (sort, sizes[i])))
+        _walk(
+            len(sizes),
+            lambda i: refine(sort, sizes[i]),
+            max(1, space.sizes),
+            at,
+            lambda i: min(
+                run.estimate(c, list(done.values())).step_time_s
+                for c in configs
+                if (kind(c[1], c[2]), per(c)) == (sort, sizes[i])
+            ),
+        )
     solved = list(done.values())
     pending = [c for c in configs if c not in done]
     winner = min(solved, key=lambda o: o.step_time_s)
@@ -194,8 +208,14 @@ def search_stages(
         solved = [_polish(run, winner, o) if o is winner else o for o in solved]
     options += solved + [run.estimate(c, solved) for c in pending]
     options.sort(key=lambda o: (o.estimated, o.step_time_s, o.stages, o.recipe))
-    log.info("pipeline: %d configurations, %d solved exactly (%d intra-op solves, %d carried over), %d estimated",
-             len(configs), len(solved), solves.solved, solves.carried, len(pending))
+    log.info(
+        "pipeline: %d configurations, %d solved exactly (%d intra-op solves, %d carried over), %d estimated",
+        len(configs),
+        len(solved),
+        solves.solved,
+        solves.carried,
+        len(pending),
+    )
     return options
 
 
@@ -260,16 +280,19 @@ def search_pipeline(
     ``stage_options`` limits the stage counts tried; ``microbatch_options`` caps the micro-batch sizes (per
     device) walked per kind of sub-mesh. (``pipeline.megatron.megatron_recipe`` prices Megatron's recipe to
     compare with.)"""
-    from autoshard.pipeline.blocks import main_sequence
     from autoshard.cluster.meshes import mesh_names
+    from autoshard.pipeline.blocks import main_sequence
 
     found = main_sequence(model)
-    solves = solves or StageSolves(model, example_inputs, config, FakeStageMeshes(cluster), found[0] if found else "",
-                                   strict_inputs=False)
-    rungs = [(s, sub, mesh_names(sub)) for s, sub in stage_meshes(cluster)
-             if stage_options is None or s in stage_options]
-    space = SearchSpace(schedules=tuple(schedules), recompute=recompute, sizes=microbatch_options,
-                        exhaustive=exhaustive)
+    solves = solves or StageSolves(
+        model, example_inputs, config, FakeStageMeshes(cluster), found[0] if found else "", strict_inputs=False
+    )
+    rungs = [
+        (s, sub, mesh_names(sub)) for s, sub in stage_meshes(cluster) if stage_options is None or s in stage_options
+    ]
+    space = SearchSpace(
+        schedules=tuple(schedules), recompute=recompute, sizes=microbatch_options, exhaustive=exhaustive
+    )
     return search_stages(model, example_inputs, cluster, config, rungs, space, solves)
 
 

@@ -37,12 +37,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoshard.cluster.profile import ClusterProfile
-from autoshard.config import PlanConfig
 from autoshard.compiler.context import PassContext
+from autoshard.config import PlanConfig
+from autoshard.errors import InputError
 from autoshard.ir import repeated_layers
 from autoshard.pipeline.costs import boundary_node, with_optimizer
 from autoshard.solver.inter_op import PieceCost
-from autoshard.errors import InputError
 
 if TYPE_CHECKING:
     from autoshard.plans.plan import Plan
@@ -61,8 +61,9 @@ class StageMeshes(Protocol):
 
     broadcast: bool
 
-    def mesh(self, stages: int, shape: tuple[int, ...],
-             names: tuple[str, ...]) -> contextlib.AbstractContextManager[DeviceMesh]: ...
+    def mesh(
+        self, stages: int, shape: tuple[int, ...], names: tuple[str, ...]
+    ) -> contextlib.AbstractContextManager[DeviceMesh]: ...
 
     def cluster(self, world: int) -> ClusterProfile: ...
 
@@ -101,8 +102,10 @@ def micro_call(call: Any, parts: int) -> Any:
     sig, tensors = signature_of(call)
     for name, t in zip(sig.names, tensors):
         if t.ndim == 0 or t.shape[0] % parts:
-            raise InputError(f"argument {name} of shape {tuple(t.shape)}: pipeline micro-batches cut every input "
-                             f"along dim 0 into {parts}, which must divide it")
+            raise InputError(
+                f"argument {name} of shape {tuple(t.shape)}: pipeline micro-batches cut every input "
+                f"along dim 0 into {parts}, which must divide it"
+            )
     args, kwargs = sig.unflatten([t[: t.shape[0] // parts] for t in tensors])
     return Call(args, kwargs) if kwargs else args
 
@@ -112,8 +115,10 @@ def micro_inputs(inputs: Any, parts: int) -> Any:
     input whose dim 0 ``parts`` does not divide is left whole); other calls as :func:`micro_call`."""
     if not isinstance(inputs, (tuple, list)):
         return micro_call(inputs, parts)
-    return tuple(x[: x.shape[0] // parts] if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] % parts == 0
-                 else x for x in inputs)
+    return tuple(
+        x[: x.shape[0] // parts] if isinstance(x, torch.Tensor) and x.ndim and x.shape[0] % parts == 0 else x
+        for x in inputs
+    )
 
 
 def layout_summary(plan: Plan, limit: int = 10, activation: str = "") -> str:
@@ -174,8 +179,16 @@ class StageSolves:
     """The keys solved for one model, example call and config (see the module docstring). ``container`` is the
     repeated layers' module path the pieces follow; ``reuse`` lets a key take a matching solved key's layouts."""
 
-    def __init__(self, model: nn.Module, inputs: Any, config: PlanConfig, meshes: StageMeshes, container: str,
-                 reuse: bool = True, strict_inputs: bool = True) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        inputs: Any,
+        config: PlanConfig,
+        meshes: StageMeshes,
+        container: str,
+        reuse: bool = True,
+        strict_inputs: bool = True,
+    ) -> None:
         from autoshard.inputs import signature_of
 
         self.model, self.inputs, self.meshes, self.container, self.reuse = model, inputs, meshes, container, reuse
@@ -199,18 +212,30 @@ class StageSolves:
         from autoshard.compiler.runner import run_passes
 
         if b not in self.captured:
-            ctx = PassContext(mesh=mesh, cluster=cluster, config=self.config, broadcast_solution=self.meshes.broadcast,
-                              example_inputs=self.micro(self.inputs, b) if b > 1 else self.inputs)
+            ctx = PassContext(
+                mesh=mesh,
+                cluster=cluster,
+                config=self.config,
+                broadcast_solution=self.meshes.broadcast,
+                example_inputs=self.micro(self.inputs, b) if b > 1 else self.inputs,
+            )
             self.captured[b] = (run_passes(self.model, ctx, "capture", "capture"), ctx)
         return self.captured[b]
 
-    def context(self, b: int, mesh: DeviceMesh, cluster: ClusterProfile, config: PlanConfig,
-                progress: Any = None) -> tuple[fx.GraphModule, PassContext]:
+    def context(
+        self, b: int, mesh: DeviceMesh, cluster: ClusterProfile, config: PlanConfig, progress: Any = None
+    ) -> tuple[fx.GraphModule, PassContext]:
         """A fresh context on ``mesh`` carrying the capture's products (the graph is shared: run the passes from
         coarsen on); the constraints are checked against this mesh's axis names as capture checks them."""
         gm, cap = self.capture(b, mesh, cluster)
-        ctx = PassContext(mesh=mesh, cluster=cluster, config=config, broadcast_solution=self.meshes.broadcast,
-                          progress=progress, example_inputs=cap.example_inputs)
+        ctx = PassContext(
+            mesh=mesh,
+            cluster=cluster,
+            config=config,
+            broadcast_solution=self.meshes.broadcast,
+            progress=progress,
+            example_inputs=cap.example_inputs,
+        )
         blank = PassContext(mesh=mesh, cluster=cluster, config=config)
         for f in dataclasses.fields(PassContext):
             value = getattr(cap, f.name)
@@ -255,8 +280,11 @@ class StageSolves:
     def _source(self, key: Key) -> Key | None:
         """The solved key with the same per-device micro-batch and inner axes nearest in size, if any."""
         want = _per_device(key, self.batch)
-        same = [k for k, e in self._keys.items()
-                if FREE in e.solutions and e.source is None and _per_device(k, self.batch) == want]
+        same = [
+            k
+            for k, e in self._keys.items()
+            if FREE in e.solutions and e.source is None and _per_device(k, self.batch) == want
+        ]
         return min(same, key=lambda k: abs(math.log(math.prod(k[0]) / math.prod(key[0]))), default=None)
 
     @staticmethod
@@ -270,9 +298,15 @@ class StageSolves:
             if len(src.ctx.groups) <= g.id or src.ctx.groups[g.id].anchor != g.anchor:
                 return None
             want = src.ctx.strategies[g.id][sol.choice[g.id]]
-            hit = next((i for i, s in enumerate(ctx.strategies[g.id])
-                        if (s.outputs, s.inputs, s.grad_placements, s.state_placements, s.offload)
-                        == (want.outputs, want.inputs, want.grad_placements, want.state_placements, want.offload)), None)
+            hit = next(
+                (
+                    i
+                    for i, s in enumerate(ctx.strategies[g.id])
+                    if (s.outputs, s.inputs, s.grad_placements, s.state_placements, s.offload)
+                    == (want.outputs, want.inputs, want.grad_placements, want.state_placements, want.offload)
+                ),
+                None,
+            )
             if hit is None:
                 return None
             choice[g.id] = hit
@@ -319,11 +353,15 @@ class StageSolves:
                     ctx.solution = sol
             src = entry.source if recipe == FREE else None
             entry.costs[recipe] = KeyCosts(
-                with_optimizer(head, dev, f), tuple(with_optimizer(c, dev, f) for c in layers),
+                with_optimizer(head, dev, f),
+                tuple(with_optimizer(c, dev, f) for c in layers),
                 with_optimizer(tail, dev, f),
                 0 if node is None else node.meta["val"].numel() * node.meta["val"].element_size(),
-                layout_summary(plan, activation=act), label,
-                "solved" if src is None else f"layouts of the {src[0]} solve", tuple(outer))
+                layout_summary(plan, activation=act),
+                label,
+                "solved" if src is None else f"layouts of the {src[0]} solve",
+                tuple(outer),
+            )
         return entry.costs[recipe]
 
     def _solution(self, entry: _Entry, key: Key, recipe: str) -> Any:
@@ -337,9 +375,17 @@ class StageSolves:
                 from autoshard.solver.intra_op import IntraOpProblem
 
                 canon = ctx.layer_of_group or {g.id: g.id for g in ctx.groups}
-                ctx.problem = IntraOpProblem(entry.gm, ctx.groups, ctx.strategies, canon, ctx.output_roles,
-                                             ctx.mesh_shape, ctx.cluster, ctx.group_weight,
-                                             grad_itemsize=ctx.config.reduce_itemsize)
+                ctx.problem = IntraOpProblem(
+                    entry.gm,
+                    ctx.groups,
+                    ctx.strategies,
+                    canon,
+                    ctx.output_roles,
+                    ctx.mesh_shape,
+                    ctx.cluster,
+                    ctx.group_weight,
+                    grad_itemsize=ctx.config.reduce_itemsize,
+                )
             res = solve_recipe(recipe, entry.gm, ctx)
             entry.solutions[recipe] = res.solution
         return entry.solutions[recipe]
@@ -401,5 +447,15 @@ class StageSolves:
         return entry.gm, entry.ctx, sol
 
 
-__all__ = ["FREE", "FakeStageMeshes", "Key", "KeyCosts", "StageMeshes", "StageSolves", "layout_summary",
-           "micro_call", "micro_inputs", "sub_cluster"]
+__all__ = [
+    "FREE",
+    "FakeStageMeshes",
+    "Key",
+    "KeyCosts",
+    "StageMeshes",
+    "StageSolves",
+    "layout_summary",
+    "micro_call",
+    "micro_inputs",
+    "sub_cluster",
+]

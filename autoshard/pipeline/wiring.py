@@ -33,13 +33,18 @@ import torch.fx as fx
 from torch import nn
 
 from autoshard import _torch_compat as tc
-from autoshard.ir import kept_target_counter, node_arg
-from autoshard.inputs import CallSignature
 from autoshard.errors import InputError
+from autoshard.inputs import CallSignature
+from autoshard.ir import kept_target_counter, node_arg
 from autoshard.runtime.stage_values import MEAN, Source, StageWiring, stage_args, stage_sends
 
-def _loss_call(model: nn.Module, signature: CallSignature, loss_fn: Callable[[Any], torch.Tensor] | None,
-               input_dtype: torch.dtype | None = None) -> nn.Module:
+
+def _loss_call(
+    model: nn.Module,
+    signature: CallSignature,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    input_dtype: torch.dtype | None = None,
+) -> nn.Module:
     """The model called as the example call did (flat tensors in), returning only its loss: a shallow copy that
     shares the model's parameters, buffers and children (traced names are the model's own) with a forward that
     runs the model's and keeps the loss (``passes.capture.loss_of``); floating inputs cast to ``input_dtype``."""
@@ -50,8 +55,9 @@ def _loss_call(model: nn.Module, signature: CallSignature, loss_fn: Callable[[An
 
     def forward(*tensors: torch.Tensor) -> torch.Tensor:
         if input_dtype is not None:
-            tensors = tuple(t.to(input_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-                            for t in tensors)
+            tensors = tuple(
+                t.to(input_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors
+            )
         args, kwargs = signature.unflatten(tensors)
         return loss_of(cls_forward(wrapper, *args, **kwargs), type(model).__name__, loss_fn)
 
@@ -59,9 +65,14 @@ def _loss_call(model: nn.Module, signature: CallSignature, loss_fn: Callable[[An
     return wrapper
 
 
-def split_model(model: nn.Module, signature: CallSignature, tensors: Sequence[torch.Tensor], split_spec: dict[str, Any],
-                loss_fn: Callable[[Any], torch.Tensor] | None, param_dtype: torch.dtype | None = None
-                ) -> tuple[Any, list[StageWiring]]:
+def split_model(
+    model: nn.Module,
+    signature: CallSignature,
+    tensors: Sequence[torch.Tensor],
+    split_spec: dict[str, Any],
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    param_dtype: torch.dtype | None = None,
+) -> tuple[Any, list[StageWiring]]:
     """The ``torch.distributed.pipelining`` Pipe of ``model`` cut at ``split_spec`` (traced on the micro-batch
     ``tensors``, the call's tensors in ``signature`` order) and each stage's wiring. ``param_dtype`` (mixed
     precision's bf16 parameters, ``autoshard/compiler/precision.py``): the model is traced with its floating
@@ -88,7 +99,7 @@ def _contiguous_outputs(stage: fx.GraphModule) -> None:
     single = not isinstance(values, (tuple, list))
     made = []
     with stage.graph.inserting_before(out):
-        for v in ((values,) if single else values):
+        for v in (values,) if single else values:
             val = v.meta.get("val") if isinstance(v, fx.Node) else None
             if isinstance(val, torch.Tensor) and not val.is_contiguous():
                 c = stage.graph.call_method("contiguous", (v,))
@@ -101,8 +112,9 @@ def _contiguous_outputs(stage: fx.GraphModule) -> None:
 
 
 @contextlib.contextmanager
-def _stand_ins(model: nn.Module, device: torch.device,
-               param_dtype: torch.dtype | None = None) -> Iterator[dict[int, torch.Tensor]]:
+def _stand_ins(
+    model: nn.Module, device: torch.device, param_dtype: torch.dtype | None = None
+) -> Iterator[dict[int, torch.Tensor]]:
     """A model built on the meta device is traced with each meta parameter and buffer replaced by a stand-in on
     the inputs' ``device`` that holds one element, expanded to the full shape (no memory): the trace then records
     the devices the stages run on. With ``param_dtype``, every floating parameter gets a stand-in of that dtype.
@@ -118,8 +130,9 @@ def _stand_ins(model: nn.Module, device: torch.device,
                 if id(t) not in made:
                     dev = device if t.device.type == "meta" else t.device
                     fill = torch.zeros((), dtype=param_dtype if recast else t.dtype, device=dev).expand(t.shape)
-                    made[id(t)] = nn.Parameter(fill, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
-                        else fill
+                    made[id(t)] = (
+                        nn.Parameter(fill, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fill
+                    )
                 swapped.append((table, leaf, t))
                 table[leaf] = made[id(t)]
     try:
@@ -146,8 +159,9 @@ def _originals_again(pipe: Any, stand: dict[int, torch.Tensor]) -> None:
                         continue
                     if id(t) not in fresh:
                         empty = torch.empty(orig.shape, dtype=orig.dtype, device="meta")
-                        fresh[id(t)] = nn.Parameter(empty, orig.requires_grad) if isinstance(orig, nn.Parameter) \
-                            else empty
+                        fresh[id(t)] = (
+                            nn.Parameter(empty, orig.requires_grad) if isinstance(orig, nn.Parameter) else empty
+                        )
                     table[leaf] = fresh[id(t)]
 
 
@@ -175,8 +189,10 @@ def wiring_of(graph: fx.Graph) -> list[StageWiring]:
     out = graph.find_nodes(op="output")[0].args[0]
     out = out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
     if out is not calls[-1]:
-        raise InputError("the model's loss must be the last pipeline stage's only output; here it is "
-                         f"{out}, not stage {len(calls) - 1}'s")
+        raise InputError(
+            "the model's loss must be the last pipeline stage's only output; here it is "
+            f"{out}, not stage {len(calls) - 1}'s"
+        )
     n = len(calls)
     # carry[k]: the values sent from stage k to k+1 (made at or before k, used after k), in a fixed order
     carry: list[list[tuple[int, int]]] = []
@@ -195,9 +211,9 @@ def wiring_of(graph: fx.Graph) -> list[StageWiring]:
     return wiring
 
 
-def stage_examples(pipe: Any, wiring: Sequence[StageWiring], mb_tensors: Sequence[torch.Tensor],
-                   param_dtype: torch.dtype | None = None
-                   ) -> tuple[list[tuple[torch.Tensor, ...]], list[tuple[torch.Tensor, ...]]]:
+def stage_examples(
+    pipe: Any, wiring: Sequence[StageWiring], mb_tensors: Sequence[torch.Tensor], param_dtype: torch.dtype | None = None
+) -> tuple[list[tuple[torch.Tensor, ...]], list[tuple[torch.Tensor, ...]]]:
     """Per stage: its graph's arguments and what it sends, as zero tensors of the micro-batch shapes (a
     fake-tensor run, no compute); a float value derived from parameters requires grad. ``param_dtype``: the
     stages run on their floating parameters in that dtype (``split_model``'s)."""
@@ -211,12 +227,17 @@ def stage_examples(pipe: Any, wiring: Sequence[StageWiring], mb_tensors: Sequenc
             fargs = [fake.from_tensor(a) for a in args]
             # a stage of a model built on the meta device runs with fake stand-ins on the inputs' device
             device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
-            params = [(n, t, param_dtype if param_dtype is not None and t.is_floating_point() else t.dtype)
-                      for n, t in stage.named_parameters()]
-            meta = {n: torch.empty(t.shape, dtype=dtype, device=device if t.device.type == "meta" else t.device
-                                   ).requires_grad_(t.requires_grad)
-                    for n, t, dtype in [*params, *((n, t, t.dtype) for n, t in stage.named_buffers())]
-                    if t.device.type == "meta" or dtype != t.dtype}
+            params = [
+                (n, t, param_dtype if param_dtype is not None and t.is_floating_point() else t.dtype)
+                for n, t in stage.named_parameters()
+            ]
+            meta = {
+                n: torch.empty(
+                    t.shape, dtype=dtype, device=device if t.device.type == "meta" else t.device
+                ).requires_grad_(t.requires_grad)
+                for n, t, dtype in [*params, *((n, t, t.dtype) for n, t in stage.named_buffers())]
+                if t.device.type == "meta" or dtype != t.dtype
+            }
             out = torch.func.functional_call(stage, meta, tuple(fargs)) if meta else stage(*fargs)
         outs = tuple(_like(o) for o in (out if isinstance(out, tuple) else (out,)))
         args_out.append(tuple(_like(a) for a in args))
@@ -232,15 +253,17 @@ def _like(t: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------- loss weights
 
 
-
 def loss_counter(stage: fx.GraphModule, wiring: StageWiring) -> tuple[int, Callable[..., torch.Tensor] | None]:
     """The last stage's loss reduction and, for a mean cross-entropy / NLL loss with ignored targets, a function
     of the model inputs (micro-batch tensors) that counts the targets the loss averages over. (0, None) when the
     loss is something else: the micro-batches' losses are then averaged."""
     out = stage.graph.find_nodes(op="output")[0].args[0]
     loss = out[0] if isinstance(out, (tuple, list)) else out
-    ops = {torch.ops.aten.cross_entropy_loss.default: (3, 4), torch.ops.aten.nll_loss.default: (3, 4),
-           torch.ops.aten.nll_loss_nd.default: (3, 4)}
+    ops = {
+        torch.ops.aten.cross_entropy_loss.default: (3, 4),
+        torch.ops.aten.nll_loss.default: (3, 4),
+        torch.ops.aten.nll_loss_nd.default: (3, 4),
+    }
     if not isinstance(loss, fx.Node) or loss.target not in ops:
         return 0, None
     r_at, ig_at = ops[loss.target]

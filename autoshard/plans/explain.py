@@ -74,8 +74,10 @@ def layout_changes(a: Plan, b: Plan) -> list[LayoutChange]:
         rows[(key, pa[name], pb[name])].append(parts[1] if parts else -1)
     order = {n: i for i, n in enumerate(pb)}
     first = {k: min(order.get(k[0].replace("{i}", str(i)), 0) for i in v) for k, v in rows.items()}
-    return [LayoutChange(k[0], _ranges(v) if v[0] >= 0 else "", k[1], k[2]) for k, v in sorted(rows.items(),
-                                                                                             key=lambda kv: first[kv[0]])]
+    return [
+        LayoutChange(k[0], _ranges(v) if v[0] >= 0 else "", k[1], k[2])
+        for k, v in sorted(rows.items(), key=lambda kv: first[kv[0]])
+    ]
 
 
 def _block(module: str) -> str:
@@ -92,7 +94,9 @@ def _terms(plan: Plan) -> dict[str, float]:
         out["compute"] += s.compute_s
         module_of = {o.node: o.module for o in s.ops}
         for c in s.collectives:
-            out[f"{c.kind} on {c.axis} ({c.phase}), {_block(module_of.get(c.consumer, c.consumer))}"] += c.time_s * c.repeat
+            out[f"{c.kind} on {c.axis} ({c.phase}), {_block(module_of.get(c.consumer, c.consumer))}"] += (
+                c.time_s * c.repeat
+            )
     out["overlap credit (communication hidden behind backward)"] -= plan.hidden_comm_s
     return out
 
@@ -136,11 +140,16 @@ def explain_lines(a: Plan, b: Plan, names: tuple[str, str] = ("A", "B"), max_row
     e = explain(a, b)
     na, nb = names
     ratio = b.step_time_s / a.step_time_s if a.step_time_s else float("inf")
-    lines = [f"{na}: {plan_in_words(a)}", f"{nb}: {plan_in_words(b)}", "",
-             f"step: {na} {format_seconds(a.step_time_s)}, {nb} {format_seconds(b.step_time_s)} "
-             f"({nb} {signed(e.step_delta_s, format_seconds)}, {ratio:.2f}×); peak memory per device: {na} "
-             f"{format_bytes(a.peak_memory.total)}, {nb} {format_bytes(b.peak_memory.total)} "
-             f"({nb} {signed(e.memory_delta_bytes, format_bytes)})", ""]
+    lines = [
+        f"{na}: {plan_in_words(a)}",
+        f"{nb}: {plan_in_words(b)}",
+        "",
+        f"step: {na} {format_seconds(a.step_time_s)}, {nb} {format_seconds(b.step_time_s)} "
+        f"({nb} {signed(e.step_delta_s, format_seconds)}, {ratio:.2f}×); peak memory per device: {na} "
+        f"{format_bytes(a.peak_memory.total)}, {nb} {format_bytes(b.peak_memory.total)} "
+        f"({nb} {signed(e.memory_delta_bytes, format_bytes)})",
+        "",
+    ]
     if e.layouts:
         lines.append(f"parameter layouts that differ ({na} -> {nb}), by change:")
         groups: dict[tuple, list[str]] = defaultdict(list)

@@ -49,8 +49,14 @@ def _version() -> str:
         return "unknown"
 
 
-def fingerprint(gm: fx.GraphModule, mesh_shape: Sequence[int], mesh_names: Sequence[str], cluster: ClusterProfile,
-                config: PlanConfig, input_names: Sequence[str] = ()) -> Fingerprint:
+def fingerprint(
+    gm: fx.GraphModule,
+    mesh_shape: Sequence[int],
+    mesh_names: Sequence[str],
+    cluster: ClusterProfile,
+    config: PlanConfig,
+    input_names: Sequence[str] = (),
+) -> Fingerprint:
     """The parts of what a plan of the captured graph ``gm`` was made for (see the module docstring)."""
     ops, params, inputs = [], [], []
     for n in gm.graph.nodes:
@@ -67,13 +73,19 @@ def fingerprint(gm: fx.GraphModule, mesh_shape: Sequence[int], mesh_names: Seque
             else:
                 params.append(item)
     profile = cluster.to_dict() if hasattr(cluster, "to_dict") else repr(cluster)
-    options = {"mixed_precision": config.mixed_precision, "reduce_dtype": config.reduce_dtype,
-               "recompute": list(config.recompute), "optimizer": config.optimizer}
+    options = {
+        "mixed_precision": config.mixed_precision,
+        "reduce_dtype": config.reduce_dtype,
+        "recompute": list(config.recompute),
+        "optimizer": config.optimizer,
+    }
     if config.mixed_precision:
         options["precision_policy"] = config.precision_policy
     return (
-        ("program", f"{len(ops)} ops, {len(params)} parameters/buffers, "
-                    f"{_digest(json.dumps(ops) + json.dumps(params))}"),
+        (
+            "program",
+            f"{len(ops)} ops, {len(params)} parameters/buffers, {_digest(json.dumps(ops) + json.dumps(params))}",
+        ),
         ("inputs", ", ".join(inputs)),
         ("mesh", mesh_str(tuple(mesh_shape), tuple(mesh_names))),
         ("cluster", f"{getattr(cluster, 'name', '?')} {_digest(json.dumps(profile, sort_keys=True, default=str))}"),
@@ -86,12 +98,16 @@ def fingerprint(gm: fx.GraphModule, mesh_shape: Sequence[int], mesh_names: Seque
 def mismatch(saved: Fingerprint, now: Fingerprint) -> list[str]:
     """The parts that differ, each as ``part: saved ... / now ...``."""
     old, new = dict(saved), dict(now)
-    return [f"{k}: the plan's {old.get(k, '(none)')!r}, now {new.get(k, '(none)')!r}"
-            for k in dict.fromkeys([*old, *new]) if old.get(k) != new.get(k)]
+    return [
+        f"{k}: the plan's {old.get(k, '(none)')!r}, now {new.get(k, '(none)')!r}"
+        for k in dict.fromkeys([*old, *new])
+        if old.get(k) != new.get(k)
+    ]
 
 
 def canonical_json(plan: Plan) -> str:
     """``plan.to_json()`` with its wall-clock fields zeroed: the same inputs give the same bytes."""
+
     def strip(d: Any) -> Any:
         if isinstance(d, dict):
             return {k: (0.0 if k in WALL_CLOCK else strip(v)) for k, v in d.items()}

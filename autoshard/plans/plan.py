@@ -17,8 +17,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from autoshard.notation import dtype_bytes, dtype_name, local_shape, mesh_str, placements_str, placements_tuple
 from autoshard.errors import InputError
+from autoshard.notation import dtype_bytes, dtype_name, local_shape, mesh_str, placements_str, placements_tuple
 
 logger = logging.getLogger(__name__)
 
@@ -81,17 +81,23 @@ class TensorLayout:
         _check(self.role, TENSOR_ROLES, "role", f"tensor {self.name!r}")
         _check(self.offload, ("", "optimizer", "params"), "offload", f"tensor {self.name!r}")
         _set(self, shape=tuple(int(d) for d in self.shape), dtype=dtype_name(self.dtype), frozen=bool(self.frozen))
-        _set(self, placements=placements_tuple(self.placements), grad_placements=placements_tuple(self.grad_placements),
-             state_placements=placements_tuple(self.state_placements))
+        _set(
+            self,
+            placements=placements_tuple(self.placements),
+            grad_placements=placements_tuple(self.grad_placements),
+            state_placements=placements_tuple(self.state_placements),
+        )
         if any(w and len(w) != len(self.placements) for w in (self.grad_placements, self.state_placements)):
             raise InputError(f"tensor {self.name!r}: grad/state placements need one placement per mesh axis")
         if self.frozen and (self.role != "parameter" or self.offload or self.zero):
-            raise InputError(f"tensor {self.name!r}: only a parameter can be frozen, and a frozen one has no optimizer "
-                             "state to shard (ZeRO) or offload; drop its state_placements and offload")
+            raise InputError(
+                f"tensor {self.name!r}: only a parameter can be frozen, and a frozen one has no optimizer "
+                "state to shard (ZeRO) or offload; drop its state_placements and offload"
+            )
 
     @property
     def zero(self) -> str:
-        """"zero1" / "zero2" when the optimizer state is sharded further than the parameter, else ""."""
+        """ "zero1" / "zero2" when the optimizer state is sharded further than the parameter, else ""."""
         if not self.state_placements or self.state_placements == self.placements:
             return ""
         return "zero1" if self.grad_placements in ((), self.placements) else "zero2"
@@ -222,8 +228,13 @@ class StagePlan:
     def __post_init__(self) -> None:
         _set(self, ranks=tuple(int(r) for r in self.ranks), layers=tuple(self.layers), tensors=tuple(self.tensors))
         _set(self, ops=tuple(self.ops), collectives=tuple(self.collectives))
-        _set(self, compute_s=float(self.compute_s), comm_s=float(self.comm_s),
-             microbatch_time_s=float(self.microbatch_time_s), offload_s=float(self.offload_s))
+        _set(
+            self,
+            compute_s=float(self.compute_s),
+            comm_s=float(self.comm_s),
+            microbatch_time_s=float(self.microbatch_time_s),
+            offload_s=float(self.offload_s),
+        )
         if self.ranks and len(self.ranks) != self.mesh.size:
             raise InputError(f"stage {self.index}: {len(self.ranks)} ranks for mesh {self.mesh} of {self.mesh.size}")
         ndim = len(self.mesh.shape)
@@ -258,10 +269,16 @@ class RecipeSummary:
     state_bytes: int = 0
 
     def __post_init__(self) -> None:
-        _set(self, step_time_s=float(self.step_time_s), peak_memory_bytes=int(self.peak_memory_bytes),
-             measured_s=float(self.measured_s), differences=tuple(str(d) for d in self.differences),
-             measured_peak_bytes=int(self.measured_peak_bytes), microbatches=int(self.microbatches),
-             state_bytes=int(self.state_bytes))
+        _set(
+            self,
+            step_time_s=float(self.step_time_s),
+            peak_memory_bytes=int(self.peak_memory_bytes),
+            measured_s=float(self.measured_s),
+            differences=tuple(str(d) for d in self.differences),
+            measured_peak_bytes=int(self.measured_peak_bytes),
+            microbatches=int(self.microbatches),
+            state_bytes=int(self.state_bytes),
+        )
 
     @property
     def applies(self) -> bool:
@@ -270,8 +287,14 @@ class RecipeSummary:
     @property
     def how(self) -> str:
         """How it was priced, in words: ``layers.0-9 full, layers.10-31 selective; 2 micro-batches``."""
-        return "; ".join(x for x in (self.recompute and f"recomputing {self.recompute}",
-                                     self.microbatches > 1 and f"{self.microbatches} micro-batches") if x)
+        return "; ".join(
+            x
+            for x in (
+                self.recompute and f"recomputing {self.recompute}",
+                self.microbatches > 1 and f"{self.microbatches} micro-batches",
+            )
+            if x
+        )
 
 
 @dataclass(frozen=True)
@@ -302,7 +325,9 @@ class Plan:
     chunks: int = 1  # model chunks per pipeline rank (interleaved schedules); each stage's layers hold all of its
     bubble_fraction: float = 0.0  # predicted idle share of the step on the busiest stage (pipelined plans)
     recompute: bool = False  # layers run their forward again in the backward (pipelined: all; else config.recompute)
-    recompute_layers: tuple[str, ...] = ()  # which modules replay, in which mode ("layers.3:selective"; notation.parse_spec)
+    recompute_layers: tuple[
+        str, ...
+    ] = ()  # which modules replay, in which mode ("layers.3:selective"; notation.parse_spec)
     recompute_s: float = 0.0  # predicted time the replays add to the step (in step_time_s)
     fingerprint: tuple[tuple[str, str], ...] = ()  # what the plan was made for (autoshard/plans/fingerprint.py)
     measured_s: float = 0.0  # autotune: this plan's median step measured on the mesh; recipes hold the others'
@@ -312,12 +337,18 @@ class Plan:
         _set(self, stages=tuple(self.stages), step_time_s=float(self.step_time_s), microbatches=int(self.microbatches))
         _set(self, recipes=tuple(self.recipes), tokens_per_step=int(self.tokens_per_step))
         _set(self, chunks=int(self.chunks), bubble_fraction=float(self.bubble_fraction), recompute=bool(self.recompute))
-        _set(self, recompute_layers=tuple(self.recompute_layers), recompute_s=float(self.recompute_s),
-             fingerprint=tuple((str(k), str(v)) for k, v in self.fingerprint),
-             measured_peak_bytes=int(self.measured_peak_bytes))
+        _set(
+            self,
+            recompute_layers=tuple(self.recompute_layers),
+            recompute_s=float(self.recompute_s),
+            fingerprint=tuple((str(k), str(v)) for k, v in self.fingerprint),
+            measured_peak_bytes=int(self.measured_peak_bytes),
+        )
         if self.microbatches < 1 or self.chunks < 1 or not 0.0 <= self.bubble_fraction < 1.0:
-            raise InputError(f"plan: microbatches {self.microbatches} and chunks {self.chunks} must be >= 1 and "
-                             f"bubble_fraction {self.bubble_fraction} in [0, 1)")
+            raise InputError(
+                f"plan: microbatches {self.microbatches} and chunks {self.chunks} must be >= 1 and "
+                f"bubble_fraction {self.bubble_fraction} in [0, 1)"
+            )
         if [s.index for s in self.stages] != list(range(len(self.stages))):
             raise InputError(f"stage indices {[s.index for s in self.stages]} must be 0, 1, ... in order")
 
@@ -400,8 +431,13 @@ def _defaults_left_out(d: Any) -> Any:
 def _nested(key: str) -> tuple[type, bool] | None:
     """The value type stored under a JSON key, and whether it is a list of them (field names are unique)."""
     one = {"mesh": MeshSpec, "solver": SolverStats, "memory": MemoryBreakdown}
-    many = {"stages": StagePlan, "tensors": TensorLayout, "ops": OpDecision, "collectives": CollectiveStat,
-            "recipes": RecipeSummary}
+    many = {
+        "stages": StagePlan,
+        "tensors": TensorLayout,
+        "ops": OpDecision,
+        "collectives": CollectiveStat,
+        "recipes": RecipeSummary,
+    }
     return (one[key], False) if key in one else (many[key], True) if key in many else None
 
 

@@ -21,7 +21,6 @@ from autoshard.notation import (
 from autoshard.plans.plan import MemoryBreakdown, Plan, StagePlan
 from autoshard.plans.words import plan_in_words, precision_words, what_bounds
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # report
 
@@ -96,8 +95,15 @@ def _tensor_rows(stage: StagePlan, role: str) -> list[_Row]:
         elif t.frozen:  # no gradient, no optimizer state
             where += " frozen"
         cells = (tensor_str(t.dtype, t.shape), where, local)
-        rows.append(_Row(t.name, header, label, (t.shape, t.dtype, t.placements, t.state_placements,
-                                                 t.grad_placements, offload, t.frozen), cells))
+        rows.append(
+            _Row(
+                t.name,
+                header,
+                label,
+                (t.shape, t.dtype, t.placements, t.state_placements, t.grad_placements, offload, t.frozen),
+                cells,
+            )
+        )
     return rows
 
 
@@ -145,9 +151,11 @@ def offload_text(mode: str, params: int, total: int, host_bytes: int, step_s: fl
     """The report's offload line (also ``autoshard plan``'s progress line): what lives in host memory and what
     it costs per step (``autoshard/cost/offload.py``)."""
     what = "parameters (ZeRO-3 shards on the device) and optimizer state" if mode == "params" else "optimizer state"
-    return (f"offload: {what} of {params} of {total} parameters in host memory ({format_bytes(host_bytes)} per "
-            f"device: masters, their gradients, optimizer state), {format_seconds(step_s)} per step (gradient to "
-            f"the host, host optimizer step, parameter back over {link}; in the predicted step)")
+    return (
+        f"offload: {what} of {params} of {total} parameters in host memory ({format_bytes(host_bytes)} per "
+        f"device: masters, their gradients, optimizer state), {format_seconds(step_s)} per step (gradient to "
+        f"the host, host optimizer step, parameter back over {link}; in the predicted step)"
+    )
 
 
 def _offload_lines(plan: Plan) -> list[str]:
@@ -159,8 +167,11 @@ def _offload_lines(plan: Plan) -> list[str]:
         return []
     total = sum(1 for t in stage.tensors if t.role == "parameter")
     mode = max(t.offload for t in off)
-    return [offload_text(mode, len(off), total, getattr(stage.memory, "host", 0), getattr(stage, "offload_s", 0.0),
-                         "the host link")]
+    return [
+        offload_text(
+            mode, len(off), total, getattr(stage.memory, "host", 0), getattr(stage, "offload_s", 0.0), "the host link"
+        )
+    ]
 
 
 def _frozen_lines(plan: Plan) -> list[str]:
@@ -169,9 +180,11 @@ def _frozen_lines(plan: Plan) -> list[str]:
     if not count:
         return []
     total = len({t.name for s in plan.stages for t in s.tensors if t.role == "parameter"})
-    return [f"frozen: {count} of {total} parameters ({format_bytes(nbytes)}, requires_grad=False) hold no gradient "
-            "and no optimizer state and take no gradient reduction; their layouts serve the forward and the "
-            "activations' gradients"]
+    return [
+        f"frozen: {count} of {total} parameters ({format_bytes(nbytes)}, requires_grad=False) hold no gradient "
+        "and no optimizer state and take no gradient reduction; their layouts serve the forward and the "
+        "activations' gradients"
+    ]
 
 
 def _pipelined(plan: Plan) -> bool:
@@ -187,12 +200,20 @@ def _recipe_lines(plan: Plan) -> list[str]:
     piped = _pipelined(plan)
     timed = plan.measured_s > 0
     own = "autoshard" if piped or not plan.recipe else plan.recipe
-    mine = "; ".join(x for x in (plan.recompute_layers and f"recomputing {describe(plan.recompute_layers)}",
-                                 plan.microbatches > 1 and f"{plan.microbatches} micro-batches") if x)
+    mine = "; ".join(
+        x
+        for x in (
+            plan.recompute_layers and f"recomputing {describe(plan.recompute_layers)}",
+            plan.microbatches > 1 and f"{plan.microbatches} micro-batches",
+        )
+        if x
+    )
     rows = [(own, plan.step_time_s, plan.peak_memory.total, True, mine, plan.measured_s)]
     # each recipe as it was priced (its own recomputation and micro-batches: search/recipes_alone.py), then why
-    rows += [(b.name, b.step_time_s, b.peak_memory_bytes, b.fits, "; ".join(x for x in (b.how, b.note) if x),
-              b.measured_s) for b in plan.recipes]
+    rows += [
+        (b.name, b.step_time_s, b.peak_memory_bytes, b.fits, "; ".join(x for x in (b.how, b.note) if x), b.measured_s)
+        for b in plan.recipes
+    ]
     w = max(len(r[0]) for r in rows) + 2
     head = f"{'vs manual recipes':<{w}}{'step':>12}{'x plan':>9}{'memory/device':>16}  fits  note"
     lines = ["", head.replace("  fits", f"{'measured':>12}{'x plan':>9}  fits") if timed else head]
@@ -207,8 +228,10 @@ def _recipe_lines(plan: Plan) -> list[str]:
         clock = ""
         if timed:
             clock = f"{format_seconds(m):>12}{m / plan.measured_s:>8.2f}x" if m > 0 else f"{'-':>12}{'-':>9}"
-        lines.append(f"  {name:<{w - 2}}{format_seconds(t):>12}{ratio:>8.2f}x{format_bytes(mem):>16}{clock}  {fit:<5} "
-                     f"{note}".rstrip())
+        lines.append(
+            f"  {name:<{w - 2}}{format_seconds(t):>12}{ratio:>8.2f}x{format_bytes(mem):>16}{clock}  {fit:<5} "
+            f"{note}".rstrip()
+        )
     if timed:
         lines.append(f"autotune: the fastest of {len(rows)} candidates as measured on the mesh (median step)")
         return lines
@@ -253,8 +276,10 @@ def _recompute_str(plan: Plan) -> str:
     """Which layers replay their forward in the backward, in which mode, and what the replays cost."""
     if not plan.recompute_layers:
         return "the chosen layers run their forward again in the backward"
-    return (f"{describe(plan.recompute_layers)} (full: the whole forward runs again in the backward; selective: all "
-            f"but the matmuls and attention), +{format_seconds(plan.recompute_s)} per step")
+    return (
+        f"{describe(plan.recompute_layers)} (full: the whole forward runs again in the backward; selective: all "
+        f"but the matmuls and attention), +{format_seconds(plan.recompute_s)} per step"
+    )
 
 
 def _pipeline_lines(plan: Plan) -> list[str]:
@@ -295,10 +320,15 @@ def _why_unbalanced(plan: Plan) -> str:
             return ""
     fast = min(plan.stages, key=lambda s: s.microbatch_time_s)
     per_layer = fast.memory.total / max(1, len(fast.layers))  # on average
-    if budget - fast.memory.total >= per_layer or max(s.microbatch_time_s for s in plan.stages) <= 1.1 * fast.microbatch_time_s:
+    if (
+        budget - fast.memory.total >= per_layer
+        or max(s.microbatch_time_s for s in plan.stages) <= 1.1 * fast.microbatch_time_s
+    ):
         return ""
-    return (f" (stage {fast.index} is memory-bound: {format_bytes(fast.memory.total)} of {format_bytes(budget)} per "
-            "device; a layer more does not fit)")
+    return (
+        f" (stage {fast.index} is memory-bound: {format_bytes(fast.memory.total)} of {format_bytes(budget)} per "
+        "device; a layer more does not fit)"
+    )
 
 
 def report(plan: Plan, *, collapse: bool = True, max_rows: int = 400) -> str:
@@ -344,8 +374,10 @@ def _report_lines(plan: Plan, *, collapse: bool, max_rows: int) -> list[str]:
     if plan.sampled_layers:
         lines.append(f"repeated layers: {plan.sampled_layers}")
     if plan.mixed_precision:
-        lines.append(f"mixed precision: {precision_words(plan)}; fp32 gradients and optimizer state; gradients "
-                     f"reduced in {plan.reduce_dtype}")
+        lines.append(
+            f"mixed precision: {precision_words(plan)}; fp32 gradients and optimizer state; gradients "
+            f"reduced in {plan.reduce_dtype}"
+        )
     lines += _recipe_lines(plan)
     lines += _pipeline_lines(plan)
     for stage in plan.stages:

@@ -56,10 +56,17 @@ def axis_roles(stage: StagePlan) -> list[AxisRole]:
         batch = any(t.placements[i] == "S(0)" for t in inputs) or _batch_split(stage, i)
         seq = any(t.placements[i] == "S(1)" and len(t.shape) > 1 for t in inputs)
         share = sum(_bytes(t) for t in params if _sharded(t.placements[i])) / total
-        state = sum(_bytes(t) for t in params if not _sharded(t.placements[i]) and t.state_placements
-                    and _sharded(t.state_placements[i])) / total
-        grads = any(t.grad_placements and _sharded(t.grad_placements[i]) and not _sharded(t.placements[i])
-                    for t in params)
+        state = (
+            sum(
+                _bytes(t)
+                for t in params
+                if not _sharded(t.placements[i]) and t.state_placements and _sharded(t.state_placements[i])
+            )
+            / total
+        )
+        grads = any(
+            t.grad_placements and _sharded(t.grad_placements[i]) and not _sharded(t.placements[i]) for t in params
+        )
         experts = any("expert" in t.name and t.placements[i] == "S(0)" and len(t.shape) == 3 for t in params)
         kind, words = _role(name, size, batch, seq, share, state, grads, experts, _sequence_norms(stage, i))
         out.append(AxisRole(name, size, kind, words, share))
@@ -70,8 +77,17 @@ def _share(f: float) -> str:
     return "" if f > 0.95 else f" on {f:.0%} of parameter bytes"
 
 
-def _role(name: str, size: int, batch: bool, seq: bool, share: float, state: float, grads: bool, experts: bool,
-          seq_norms: bool) -> tuple[str, str]:
+def _role(
+    name: str,
+    size: int,
+    batch: bool,
+    seq: bool,
+    share: float,
+    state: float,
+    grads: bool,
+    experts: bool,
+    seq_norms: bool,
+) -> tuple[str, str]:
     axis = f"{name}={size}"
     if size == 1:
         return "unused", f"{axis} (size 1)"
@@ -119,8 +135,14 @@ def plan_in_words(plan: Plan) -> str:
         parts[0] += f", {plan.microbatches} accumulated micro-batches"
     extras = []
     if plan.recompute or plan.recompute_layers:
-        extras.append("recomputing " + ("every layer" if plan.recompute and not plan.recompute_layers
-                                        else f"{len(plan.recompute_layers)} module group(s)"))
+        extras.append(
+            "recomputing "
+            + (
+                "every layer"
+                if plan.recompute and not plan.recompute_layers
+                else f"{len(plan.recompute_layers)} module group(s)"
+            )
+        )
     if plan.peak_memory.host:
         extras.append(f"{format_bytes(plan.peak_memory.host)} offloaded to host")
     if plan.mixed_precision:
@@ -145,8 +167,10 @@ def what_bounds(plan: Plan) -> str:
     step = plan.step_time_s
     if len(plan.stages) > 1:
         busiest = max(plan.stages, key=lambda s: s.microbatch_time_s)
-        time = (f"the busiest stage ({busiest.index}) at {format_seconds(busiest.microbatch_time_s)} per "
-                f"micro-batch, {plan.microbatches} micro-batches, pipeline idle {plan.bubble_fraction:.0%} of the step")
+        time = (
+            f"the busiest stage ({busiest.index}) at {format_seconds(busiest.microbatch_time_s)} per "
+            f"micro-batch, {plan.microbatches} micro-batches, pipeline idle {plan.bubble_fraction:.0%} of the step"
+        )
     else:
         stage = plan.stages[0]
         rec = min(plan.recompute_s, stage.compute_s)
@@ -168,8 +192,12 @@ def what_bounds(plan: Plan) -> str:
     budget = plan.memory_budget_bytes
     memory = ""
     if levers:
-        memory = (f"; memory binds: {format_bytes(plan.peak_memory.total)}"
-                  + (f" of {format_bytes(budget)}" if budget else "") + " per device, met by " + " and ".join(levers))
+        memory = (
+            f"; memory binds: {format_bytes(plan.peak_memory.total)}"
+            + (f" of {format_bytes(budget)}" if budget else "")
+            + " per device, met by "
+            + " and ".join(levers)
+        )
     sv = plan.solver
     if sv.objective_s <= 0:
         proof = ""
@@ -191,6 +219,8 @@ def precision_words(plan: Plan) -> str:
     """How a mixed-precision plan runs, in a phrase (autoshard/compiler/precision.py)."""
     dtype = plan.mixed_precision
     if plan.precision_policy == "params":
-        return (f"{dtype} parameters (FSDP2's MixedPrecisionPolicy: the fp32 master weights cast to {dtype} where "
-                f"first used, the whole forward and backward in {dtype})")
+        return (
+            f"{dtype} parameters (FSDP2's MixedPrecisionPolicy: the fp32 master weights cast to {dtype} where "
+            f"first used, the whole forward and backward in {dtype})"
+        )
     return f"autocast to {dtype} (matmuls on {dtype} copies of the fp32 master weights, the other ops in fp32)"

@@ -39,14 +39,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from autoshard import _torch_compat as tc
-from autoshard.ir import NodeSharding, output_vals, tensor_args
 import autoshard.rules.causal_chunks as causal_chunks
 import autoshard.rules.ring_attention as ring_attention
 import autoshard.rules.sdpa_kernels as sdpa_kernels
-from autoshard.rules.base import OpRule
+from autoshard import _torch_compat as tc
 from autoshard.errors import InputError
+from autoshard.ir import NodeSharding, output_vals, tensor_args
 from autoshard.messages import warn
+from autoshard.rules.base import OpRule
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +67,19 @@ def _is_backward(node: fx.Node) -> bool:
 
 # per tensor role (``sdpa_kernels.roles``) on one axis: the sequence split with keys and values gathered
 # ("seq"; the key and value gradients are each rank's queries' share), or everything on its sequence chunk ("ring")
-_SEQ_ROLES = {"query": Shard(_SEQ), "key": Replicate(), "value": Replicate(), "grad": Shard(_SEQ),
-              "out": Shard(_SEQ), "lse": Shard(_SEQ), "mask": Shard(_SEQ), "grad_query": Shard(_SEQ),
-              "grad_key": Partial(), "grad_value": Partial(), "grad_mask": Shard(_SEQ)}
+_SEQ_ROLES = {
+    "query": Shard(_SEQ),
+    "key": Replicate(),
+    "value": Replicate(),
+    "grad": Shard(_SEQ),
+    "out": Shard(_SEQ),
+    "lse": Shard(_SEQ),
+    "mask": Shard(_SEQ),
+    "grad_query": Shard(_SEQ),
+    "grad_key": Partial(),
+    "grad_value": Partial(),
+    "grad_mask": Shard(_SEQ),
+}
 
 
 def _layout(option: str, ins: Sequence[str], outs: Sequence[str]) -> tuple[list[Placement], list[Placement]]:
@@ -80,8 +90,10 @@ def _layout(option: str, ins: Sequence[str], outs: Sequence[str]) -> tuple[list[
     else:
         p = {"whole": Replicate(), "batch": Shard(0), "heads": Shard(1), "ring": Shard(_SEQ)}[option]
         place = lambda _role: p  # noqa: E731
-    return ([Replicate() if r == "aux" else place(r) for r in ins],
-            [Replicate() if r in ("aux", "max_q", "max_k") else place(r) for r in outs])
+    return (
+        [Replicate() if r == "aux" else place(r) for r in ins],
+        [Replicate() if r in ("aux", "max_q", "max_k") else place(r) for r in outs],
+    )
 
 
 def splits_sequence(node: fx.Node) -> bool:
@@ -112,8 +124,11 @@ def candidates(node: fx.Node, ties: Sequence[int]) -> list[tc.RawStrategy]:
     outs = output_vals(node)
     causal, dropout = _causal(node), _dropout(node)
     seq = splits_sequence(node) and not (causal and dropout and kernel.name != "cpu")
-    options = ["whole", "batch", "heads"] + (["seq"] if seq else []) + (
-        ["ring"] if seq and "mask" not in roles.tensors and not dropout else [])
+    options = (
+        ["whole", "batch", "heads"]
+        + (["seq"] if seq else [])
+        + (["ring"] if seq and "mask" not in roles.tensors and not dropout else [])
+    )
     free = sorted(set(ties))
 
     def fit(p: Placement, v: torch.Tensor, role: str) -> Placement:
@@ -177,23 +192,39 @@ def local_call(node: fx.Node, sharding: NodeSharding) -> Callable[[tuple, dict, 
     def call(args: tuple, kwargs: dict, mesh: DeviceMesh) -> Any:
         got, local, kw = _bound(node, args, kwargs)
         q_len = got["query"].shape[_SEQ]
-        if len(axes) == 1 and got.get("mask") is None and not got.get("dropout") and causal_chunks.balanced(
-                q_len, mesh.size(axes[0])):
+        if (
+            len(axes) == 1
+            and got.get("mask") is None
+            and not got.get("dropout")
+            and causal_chunks.balanced(q_len, mesh.size(axes[0]))
+        ):
             if backward:
                 res = causal_chunks.backward(kernel, *(got[r] for r in _BACKWARD_IN), mesh, axes[0], kw)
             else:
                 res = causal_chunks.forward(kernel, got["query"], got["key"], got["value"], mesh, axes[0], kw)
             return sdpa_kernels.results(node, res, q_len, got["key"].shape[_SEQ])
-        why = ("a mask is given" if got.get("mask") is not None else "dropout" if got.get("dropout") else
-               f"{q_len} local queries on mesh axes {axes} (one axis and an even chunk balance)")
+        why = (
+            "a mask is given"
+            if got.get("mask") is not None
+            else "dropout"
+            if got.get("dropout")
+            else f"{q_len} local queries on mesh axes {axes} (one axis and an even chunk balance)"
+        )
         if kernel.name != "cpu":
-            raise InputError(f"{node.name} ({node.target}): causal attention on a sequence shard cannot be balanced "
-                             f"here ({why}); make the sequence a multiple of twice the mesh axis size, or "
-                             "constrain attention's inputs off the sequence")
+            raise InputError(
+                f"{node.name} ({node.target}): causal attention on a sequence shard cannot be balanced "
+                f"here ({why}); make the sequence a multiple of twice the mesh axis size, or "
+                "constrain attention's inputs off the sequence"
+            )
         if not warned:
             warned.append(True)
-            warn(logger, "%s: causal attention on a sequence shard runs unbalanced (a full chunk of work on every "
-                           "rank, twice the planned): %s", node.name, why)
+            warn(
+                logger,
+                "%s: causal attention on a sequence shard runs unbalanced (a full chunk of work on every "
+                "rank, twice the planned): %s",
+                node.name,
+                why,
+            )
         return _masked_cpu_call(node, args, local, kwargs, mesh, axes, backward)
 
     return call
@@ -208,8 +239,9 @@ def _bound(node: fx.Node, args: tuple, kwargs: dict) -> tuple[dict[str, Any], li
     kw_local = {key: v.to_local() if hasattr(v, "to_local") else v for key, v in kwargs.items()}
     got = sdpa_kernels.bound(node.target, local, kw_local)
     if isinstance(got.get("lse"), torch.Tensor):  # the pieces take it as [B, H, Lq], whatever the kernel's layout
-        got["lse"] = sdpa_kernels.plain_lse(sdpa_kernels.kernel_of(node.target)[0], got["lse"],
-                                            got["query"].shape[_SEQ])
+        got["lse"] = sdpa_kernels.plain_lse(
+            sdpa_kernels.kernel_of(node.target)[0], got["lse"], got["query"].shape[_SEQ]
+        )
     return got, local, ({"scale": got["scale"]} if got.get("scale") is not None else {})
 
 
@@ -219,14 +251,17 @@ def _sized_call(node: fx.Node) -> Callable[[tuple, dict, DeviceMesh], Any]:
     def call(args: tuple, kwargs: dict, mesh: DeviceMesh) -> Any:
         got, local, _ = _bound(node, args, kwargs)
         sizes = {"max_q": got["query"].shape[_SEQ], "max_k": got["key"].shape[_SEQ]}
-        return node.target(*sdpa_kernels.with_args(node.target, local, sizes),
-                           **{k: v.to_local() if hasattr(v, "to_local") else v for k, v in kwargs.items()})
+        return node.target(
+            *sdpa_kernels.with_args(node.target, local, sizes),
+            **{k: v.to_local() if hasattr(v, "to_local") else v for k, v in kwargs.items()},
+        )
 
     return call
 
 
-def _masked_cpu_call(node: fx.Node, args: tuple, local: list[Any], kwargs: dict, mesh: DeviceMesh,
-                     axes: list[int], backward: bool) -> Any:
+def _masked_cpu_call(
+    node: fx.Node, args: tuple, local: list[Any], kwargs: dict, mesh: DeviceMesh, axes: list[int], backward: bool
+) -> Any:
     """The CPU kernel on this rank's query chunk against every key, with its causal mask made explicit."""
     given = kwargs.get("attn_mask")
     rest = {key: v for key, v in kwargs.items() if key not in ("attn_mask", "is_causal")}
@@ -254,10 +289,12 @@ def _ring_call(node: fx.Node, axis: int) -> Callable[[tuple, dict, DeviceMesh], 
         got, _, kw = _bound(node, args, kwargs)
         q_len = got["query"].shape[_SEQ]
         if got.get("dropout") or (causal and not causal_chunks.balanced(q_len, mesh.size(axis))):
-            raise InputError(f"{node.name} ({node.target}): ring attention over mesh axis {axis} (size "
-                             f"{mesh.size(axis)}) needs no dropout and, causal, an even chunk ({q_len} queries per "
-                             "rank); make the sequence a multiple of twice the axis size, or constrain attention's "
-                             "inputs off the sequence")
+            raise InputError(
+                f"{node.name} ({node.target}): ring attention over mesh axis {axis} (size "
+                f"{mesh.size(axis)}) needs no dropout and, causal, an even chunk ({q_len} queries per "
+                "rank); make the sequence a multiple of twice the axis size, or constrain attention's "
+                "inputs off the sequence"
+            )
         if backward:
             res = ring_attention.backward(kernel, *(got[r] for r in _BACKWARD_IN), mesh, axis, causal, kw)
         else:
@@ -267,8 +304,9 @@ def _ring_call(node: fx.Node, axis: int) -> Callable[[tuple, dict, DeviceMesh], 
     return call
 
 
-def exchanges(node: fx.Node, inputs: Sequence[Sequence[Placement] | None],
-              mesh_shape: Sequence[int]) -> list[tuple[str, int, int]]:
+def exchanges(
+    node: fx.Node, inputs: Sequence[Sequence[Placement] | None], mesh_shape: Sequence[int]
+) -> list[tuple[str, int, int]]:
     """What the sequence-split kernels send per call at these input placements, priced next to the kernel:
     the load-balanced causal kernel's half-chunk swap with the mirror rank (``causal_chunks``), the ring's
     chunk passes (``ring_attention``): [(kind, mesh axis, bytes per device)]."""
@@ -284,12 +322,15 @@ def exchanges(node: fx.Node, inputs: Sequence[Sequence[Placement] | None],
     vals = _by_role(node, [a.meta["val"] for a in tensor_args(node)])
     if not backward:
         vals.update((role, v) for role, v in zip(roles.outputs, output_vals(node)) if role in ("out", "lse"))
-    local = {name: vals[role].numel() * vals[role].element_size() // shard
-             for name, role in (("query", "query"), ("key", "key"), ("value", "value"), ("out", "out"),
-                                ("logsumexp", "lse"))}
+    local = {
+        name: vals[role].numel() * vals[role].element_size() // shard
+        for name, role in (("query", "query"), ("key", "key"), ("value", "value"), ("out", "out"), ("logsumexp", "lse"))
+    }
     if ring:
-        return [(kind, axes[0], b) for kind, b in
-                ring_attention.exchanged(backward, _causal(node), mesh_shape[axes[0]], local)]
+        return [
+            (kind, axes[0], b)
+            for kind, b in ring_attention.exchanged(backward, _causal(node), mesh_shape[axes[0]], local)
+        ]
     return [("point_to_point", axes[0], causal_chunks.exchanged_bytes(backward, local))]
 
 
@@ -321,9 +362,18 @@ def _flop_formula(op: Any) -> Callable[..., int]:
 
 
 def _flops() -> Mapping[Any, Callable[..., int]]:
-    return {name: _flop_formula(sdpa_kernels.kernel_of(name)[0].op(sdpa_kernels.kernel_of(name)[1]))
-            for name in sdpa_kernels.ops()}
+    return {
+        name: _flop_formula(sdpa_kernels.kernel_of(name)[0].op(sdpa_kernels.kernel_of(name)[1]))
+        for name in sdpa_kernels.ops()
+    }
 
 
-RULE = OpRule("attention", _ops, candidates=candidates, runs_local=runs_local, flops=_flops,
-              local_call=local_call, exchanges=exchanges)
+RULE = OpRule(
+    "attention",
+    _ops,
+    candidates=candidates,
+    runs_local=runs_local,
+    flops=_flops,
+    local_call=local_call,
+    exchanges=exchanges,
+)

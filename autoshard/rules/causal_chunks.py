@@ -81,8 +81,14 @@ def acc_dtype(t: torch.Tensor) -> torch.dtype:
 def fresh(parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Empty accumulators for query tensors ``parts``, flat: (output 0, log-sum-exp -inf) per part."""
     dtype = acc_dtype(parts[0])
-    return tuple(t for p in parts for t in (torch.zeros(p.shape, dtype=dtype, device=p.device),
-                                           torch.full(p.shape[:-1], float("-inf"), dtype=dtype, device=p.device)))
+    return tuple(
+        t
+        for p in parts
+        for t in (
+            torch.zeros(p.shape, dtype=dtype, device=p.device),
+            torch.full(p.shape[:-1], float("-inf"), dtype=dtype, device=p.device),
+        )
+    )
 
 
 def _merge(acc: _Acc, out: torch.Tensor, lse: torch.Tensor) -> _Acc:
@@ -92,8 +98,17 @@ def _merge(acc: _Acc, out: torch.Tensor, lse: torch.Tensor) -> _Acc:
     return merged, total
 
 
-def forward_step(kernel: Kernel, qs: Sequence[torch.Tensor], starts: Sequence[int], k: torch.Tensor, v: torch.Tensor,
-                 j: int, causal: bool, flat: Sequence[torch.Tensor], kw: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
+def forward_step(
+    kernel: Kernel,
+    qs: Sequence[torch.Tensor],
+    starts: Sequence[int],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    j: int,
+    causal: bool,
+    flat: Sequence[torch.Tensor],
+    kw: Mapping[str, Any],
+) -> tuple[torch.Tensor, ...]:
     """Queries ``qs`` (starting at ``starts``) against key chunk ``j``, merged into the accumulators ``flat``
     (``fresh``'s layout: per-rank results are combined one level deep, so they stay flat)."""
     out = []
@@ -106,17 +121,28 @@ def forward_step(kernel: Kernel, qs: Sequence[torch.Tensor], starts: Sequence[in
     return tuple(out)
 
 
-def backward_step(kernel: Kernel, sides: Sequence[tuple[torch.Tensor, ...]], starts: Sequence[int], k: torch.Tensor,
-                  v: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dqs: Sequence[torch.Tensor], j: int,
-                  causal: bool, kw: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
+def backward_step(
+    kernel: Kernel,
+    sides: Sequence[tuple[torch.Tensor, ...]],
+    starts: Sequence[int],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    dqs: Sequence[torch.Tensor],
+    j: int,
+    causal: bool,
+    kw: Mapping[str, Any],
+) -> tuple[torch.Tensor, ...]:
     """The gradients of :func:`forward_step`'s pieces, given the merged output and log-sum-exp in ``sides``
     (grad_out, query, out, logsumexp per query part; a flash backward is exact per key block given those):
     (dk, dv, dq per part), added to the accumulators ``dk``, ``dv``, ``dqs``."""
     new_dq = []
     for (g, q, o, lse), s, dq in zip(sides, starts, dqs):
         for off, length, diag in blocks(s, q.shape[_SEQ], j, k.shape[_SEQ], causal):
-            a, b, c = kernel.backward(g, q, k.narrow(_SEQ, off, length), v.narrow(_SEQ, off, length), o, lse, diag,
-                                      kw)[:3]
+            a, b, c = kernel.backward(g, q, k.narrow(_SEQ, off, length), v.narrow(_SEQ, off, length), o, lse, diag, kw)[
+                :3
+            ]
             pad = (0, 0, off, k.shape[_SEQ] - off - length)
             dq = dq + a.to(dq.dtype)
             dk = dk + torch.nn.functional.pad(b.to(dk.dtype), pad)
@@ -125,14 +151,31 @@ def backward_step(kernel: Kernel, sides: Sequence[tuple[torch.Tensor, ...]], sta
     return (dk, dv, *new_dq)
 
 
-def _forward_pair(kernel: Kernel, qa: torch.Tensor, qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: int, n: int,
-                  flat: Sequence[torch.Tensor], kw: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
+def _forward_pair(
+    kernel: Kernel,
+    qa: torch.Tensor,
+    qp: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    r: int,
+    n: int,
+    flat: Sequence[torch.Tensor],
+    kw: Mapping[str, Any],
+) -> tuple[torch.Tensor, ...]:
     # the whole keys and values are chunk 0 of one chunk
     return forward_step(kernel, (qa, qp), half_starts(r, n, qa.shape[_SEQ]), k, v, 0, True, flat, kw)
 
 
-def _backward_pair(kernel: Kernel, a: tuple[torch.Tensor, ...], p: tuple[torch.Tensor, ...], k: torch.Tensor,
-                   v: torch.Tensor, r: int, n: int, kw: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
+def _backward_pair(
+    kernel: Kernel,
+    a: tuple[torch.Tensor, ...],
+    p: tuple[torch.Tensor, ...],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    r: int,
+    n: int,
+    kw: Mapping[str, Any],
+) -> tuple[torch.Tensor, ...]:
     dtype = acc_dtype(a[1])
     zeros = [torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (k, v, a[1], p[1])]
     return backward_step(kernel, (a, p), half_starts(r, n, a[1].shape[_SEQ]), k, v, *zeros[:2], zeros[2:], 0, True, kw)
@@ -143,8 +186,15 @@ def balanced(q_len: int, n: int) -> bool:
     return n > 1 and q_len % 2 == 0
 
 
-def forward(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: DeviceMesh, axis: int,
-            kw: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(
+    kernel: Kernel,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mesh: DeviceMesh,
+    axis: int,
+    kw: Mapping[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, logsumexp) of this rank's query chunk ``q`` (local, contiguous chunk ``r`` of ``n`` on ``axis``)
     against the whole causal ``k``/``v``, on ``kernel`` (``sdpa_kernels``); ``kw``: its keyword arguments (scale)."""
     n, r = mesh.size(axis), mesh.get_local_rank(axis)
@@ -155,9 +205,18 @@ def forward(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     return like(q, torch.cat([oa, ob], _SEQ).to(q.dtype)), lse_like(q, torch.cat([la, lb], _SEQ))
 
 
-def backward(kernel: Kernel, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-             lse: torch.Tensor, mesh: DeviceMesh, axis: int,
-             kw: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def backward(
+    kernel: Kernel,
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mesh: DeviceMesh,
+    axis: int,
+    kw: Mapping[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of :func:`forward`: dq this rank's chunk, dk/dv whole but only this rank's queries' share."""
     n, r = mesh.size(axis), mesh.get_local_rank(axis)
     split = [halves(t) for t in (grad_out, q, out, lse)]
@@ -175,5 +234,18 @@ def exchanged_bytes(backward_op: bool, local_bytes: Mapping[str, int]) -> int:
     return (o + q + o + lse + q) // 2 if backward_op else (q + o + lse) // 2
 
 
-__all__ = ["acc_dtype", "backward", "backward_step", "balanced", "blocks", "exchanged_bytes", "forward", "forward_step",
-           "fresh", "half_starts", "halves", "like", "lse_like"]
+__all__ = [
+    "acc_dtype",
+    "backward",
+    "backward_step",
+    "balanced",
+    "blocks",
+    "exchanged_bytes",
+    "forward",
+    "forward_step",
+    "fresh",
+    "half_starts",
+    "halves",
+    "like",
+    "lse_like",
+]

@@ -85,10 +85,10 @@ def _experts_axis(sharding: NodeSharding) -> int | None:
 def _rotation(offs: torch.Tensor, first: int, count: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row order that starts at expert ``first``'s rows, the order back, the local experts' offsets)."""
     bounds = torch.cat([offs.new_zeros(1), offs])
-    start = bounds[first:first + 1].long()
+    start = bounds[first : first + 1].long()
     order = (torch.arange(rows, device=offs.device) + start) % rows
     back = (torch.arange(rows, device=offs.device) - start) % rows
-    return order, back, (offs[first:first + count] - bounds[first:first + 1]).to(offs.dtype)
+    return order, back, (offs[first : first + count] - bounds[first : first + 1]).to(offs.dtype)
 
 
 def _forward_local(op: Any, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, r: int) -> torch.Tensor:
@@ -96,8 +96,9 @@ def _forward_local(op: Any, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor
     return op(x[order], w, local)[back]
 
 
-def _backward_local(op: Any, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, g: torch.Tensor,
-                    r: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _backward_local(
+    op: Any, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, g: torch.Tensor, r: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     order, back, local = _rotation(offs, r * w.shape[0], w.shape[0], x.shape[0])
     dx, dw = op(x[order], w, local, g[order])
     return dx[back], dw
@@ -132,7 +133,13 @@ def _flops() -> Mapping[Any, Callable[..., int]]:
     return {FORWARD: _forward_flops, BACKWARD: _backward_flops}
 
 
-RULE = OpRule("transformers grouped expert matmul", _ops, candidates=candidates, runs_local=runs_local,
-              flops=_flops, local_call=local_call)
+RULE = OpRule(
+    "transformers grouped expert matmul",
+    _ops,
+    candidates=candidates,
+    runs_local=runs_local,
+    flops=_flops,
+    local_call=local_call,
+)
 
 __all__ = ["RULE"]

@@ -54,9 +54,17 @@ KINDS = ("dropout", "bernoulli", "uniform", "normal", "exponential", "random", "
 
 
 @torch.library.custom_op("autoshard::draw", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
-def draw(kind: str, shape: Sequence[int], params: Sequence[float], dtype: torch.dtype, device: torch.device,
-         after: torch.Tensor | None = None, order: Sequence[int] | None = None, seed: torch.Tensor | None = None,
-         stream: int = 0) -> torch.Tensor:
+def draw(
+    kind: str,
+    shape: Sequence[int],
+    params: Sequence[float],
+    dtype: torch.dtype,
+    device: torch.device,
+    after: torch.Tensor | None = None,
+    order: Sequence[int] | None = None,
+    seed: torch.Tensor | None = None,
+    stream: int = 0,
+) -> torch.Tensor:
     """A tensor of ``shape`` filled by one device's ATen kernel for ``kind`` (``KINDS``) with ``params``, from the
     default generator of ``device``. ``"dropout"``: the boolean keep-mask ``native_dropout`` draws with drop
     probability ``params[0]``. ``after`` is read for nothing: it orders this draw after another (``chain_draws``).
@@ -86,9 +94,17 @@ def draw(kind: str, shape: Sequence[int], params: Sequence[float], dtype: torch.
 
 
 @draw.register_fake
-def _(kind: str, shape: Sequence[int], params: Sequence[float], dtype: torch.dtype, device: torch.device,
-      after: torch.Tensor | None = None, order: Sequence[int] | None = None, seed: torch.Tensor | None = None,
-      stream: int = 0) -> torch.Tensor:
+def _(
+    kind: str,
+    shape: Sequence[int],
+    params: Sequence[float],
+    dtype: torch.dtype,
+    device: torch.device,
+    after: torch.Tensor | None = None,
+    order: Sequence[int] | None = None,
+    seed: torch.Tensor | None = None,
+    stream: int = 0,
+) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.bool if kind == "dropout" else dtype, device=device)
 
 
@@ -109,16 +125,16 @@ def _native_dropout(x: torch.Tensor, p: float, train: bool | None) -> Any:
     return x * mask * (1.0 / (1.0 - p)), mask
 
 
-def _fill(kind: str, params: Callable[..., list[float]], dtype_of: Callable[..., torch.dtype] | None = None
-          ) -> Callable[..., Any]:
+def _fill(
+    kind: str, params: Callable[..., list[float]], dtype_of: Callable[..., torch.dtype] | None = None
+) -> Callable[..., Any]:
     """``op(x, *params)`` -> a draw of x's shape and dtype (a functional in-place fill or a ``_like`` factory)."""
 
     def decomposed(x: torch.Tensor, *args: Any, generator: Any = None, **kwargs: Any) -> Any:
         if generator is not None:
             return NotImplemented  # a generator of the user's own: run as traced (on every rank, whole)
         dtype = dtype_of(x, kwargs) if dtype_of is not None else x.dtype
-        return DRAW(kind, list(x.shape), params(*args), dtype, kwargs.get("device") or x.device,
-                    order=_memory_order(x))
+        return DRAW(kind, list(x.shape), params(*args), dtype, kwargs.get("device") or x.device, order=_memory_order(x))
 
     return decomposed
 
@@ -136,13 +152,25 @@ def _memory_order(x: torch.Tensor) -> list[int] | None:
 def _factory(kind: str, params: Callable[..., list[float]], default: torch.dtype | None = None) -> Callable[..., Any]:
     """``op(*params, size, dtype=...)`` -> a draw of ``size``."""
 
-    def decomposed(*args: Any, generator: Any = None, dtype: torch.dtype | None = None, layout: Any = None,
-                   device: Any = None, pin_memory: Any = None, **kwargs: Any) -> Any:
+    def decomposed(
+        *args: Any,
+        generator: Any = None,
+        dtype: torch.dtype | None = None,
+        layout: Any = None,
+        device: Any = None,
+        pin_memory: Any = None,
+        **kwargs: Any,
+    ) -> Any:
         if generator is not None or kwargs.get("names") is not None:
             return NotImplemented
         *head, size = args
-        return DRAW(kind, [int(s) for s in size], params(*head), dtype or default or torch.get_default_dtype(),
-                    torch.device(device) if device is not None else torch.device("cpu"))
+        return DRAW(
+            kind,
+            [int(s) for s in size],
+            params(*head),
+            dtype or default or torch.get_default_dtype(),
+            torch.device(device) if device is not None else torch.device("cpu"),
+        )
 
     return decomposed
 
@@ -170,8 +198,10 @@ def _like_dtype(x: torch.Tensor, kwargs: dict) -> torch.dtype:
 
 
 def _decompositions() -> dict[Any, Callable[..., Any]]:
-    table: dict[Any, Callable[..., Any]] = {aten.native_dropout.default: _native_dropout,
-                                           aten.bernoulli.default: _bernoulli_tensor}
+    table: dict[Any, Callable[..., Any]] = {
+        aten.native_dropout.default: _native_dropout,
+        aten.bernoulli.default: _bernoulli_tensor,
+    }
     fills: dict[str, tuple[str, Callable[..., list[float]]]] = {
         "bernoulli.p": ("bernoulli", lambda p=0.5: [float(p)]),
         "uniform.default": ("uniform", lambda a=0.0, b=1.0: [float(a), float(b)]),
@@ -188,16 +218,22 @@ def _decompositions() -> dict[Any, Callable[..., Any]]:
         op = _overload(name)
         if op is not None:
             table[op] = _fill(kind, params)
-    likes = {"rand_like.default": ("uniform", lambda: [0.0, 1.0]), "randn_like.default": ("normal", lambda: [0.0, 1.0]),
-             "randint_like.default": ("random", lambda high: [0.0, float(high)]),
-             "randint_like.low_dtype": ("random", lambda low, high: [float(low), float(high)])}
+    likes = {
+        "rand_like.default": ("uniform", lambda: [0.0, 1.0]),
+        "randn_like.default": ("normal", lambda: [0.0, 1.0]),
+        "randint_like.default": ("random", lambda high: [0.0, float(high)]),
+        "randint_like.low_dtype": ("random", lambda low, high: [float(low), float(high)]),
+    }
     for name, (kind, params) in likes.items():
         op = _overload(name)
         if op is not None:
             table[op] = _fill(kind, params, _like_dtype)
-    factories = {"rand.default": ("uniform", lambda: [0.0, 1.0], None), "randn.default": ("normal", lambda: [0.0, 1.0], None),
-                 "randint.default": ("random", _randint_params, torch.int64),
-                 "randint.low": ("random", _randint_params, torch.int64)}
+    factories = {
+        "rand.default": ("uniform", lambda: [0.0, 1.0], None),
+        "randn.default": ("normal", lambda: [0.0, 1.0], None),
+        "randint.default": ("random", _randint_params, torch.int64),
+        "randint.low": ("random", _randint_params, torch.int64),
+    }
     for name, (kind, params, default) in factories.items():
         op = _overload(name)
         if op is not None:
@@ -213,9 +249,20 @@ def _overload(name: str) -> Any:
 DECOMPOSITIONS: Mapping[Any, Callable[..., Any]] = _decompositions()
 
 # ops whose draws depend on their inputs' values: whole on every rank
-READS_VALUES = ("multinomial.default", "poisson.default", "binomial.default", "_standard_gamma.default",
-                "_sample_dirichlet.default", "normal.Tensor_Tensor", "normal.Tensor_float", "normal.float_Tensor",
-                "bernoulli.default", "bernoulli.Tensor", "rrelu_with_noise_functional.default", "randperm.default")
+READS_VALUES = (
+    "multinomial.default",
+    "poisson.default",
+    "binomial.default",
+    "_standard_gamma.default",
+    "_sample_dirichlet.default",
+    "normal.Tensor_Tensor",
+    "normal.Tensor_float",
+    "normal.float_Tensor",
+    "bernoulli.default",
+    "bernoulli.Tensor",
+    "rrelu_with_noise_functional.default",
+    "randperm.default",
+)
 
 
 # ------------------------------------------------------------------------------------------- planning: the rule
@@ -235,8 +282,11 @@ def candidates(node: fx.Node, ties: Sequence[int]) -> list[tc.RawStrategy]:
     rep = tuple(Replicate() for _ in ties)
     if not is_draw(node):
         outs = val if isinstance(val, (tuple, list)) else (val,)
-        return [tc.RawStrategy(tuple(rep for _ in tensor_args(node)),
-                               tuple(rep if isinstance(v, torch.Tensor) else None for v in outs))]
+        return [
+            tc.RawStrategy(
+                tuple(rep for _ in tensor_args(node)), tuple(rep if isinstance(v, torch.Tensor) else None for v in outs)
+            )
+        ]
     free = sorted(set(ties))
     options = [Replicate(), *(Shard(d) for d in range(val.ndim))]
     result = []
@@ -283,14 +333,24 @@ def _local(placements: tuple) -> Callable[[tuple, dict, DeviceMesh], Any]:
         seed = DRAW("random", [1], [0.0, float(1 << 62)], torch.int64, torch.device("cpu"))
         coords = [mesh.get_local_rank(a) for a in range(mesh.ndim)]
         kind, shape, params, dtype, device = args[:5]
-        return tc.for_each_rank(_local_piece)(kind, list(shape), list(params), dtype, device, seed, placements,
-                                              coords, list(mesh.shape))
+        return tc.for_each_rank(_local_piece)(
+            kind, list(shape), list(params), dtype, device, seed, placements, coords, list(mesh.shape)
+        )
 
     return call
 
 
-def _local_piece(kind: str, shape: list[int], params: list[float], dtype: torch.dtype, device: torch.device,
-                 seed: torch.Tensor, placements: tuple, coords: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+def _local_piece(
+    kind: str,
+    shape: list[int],
+    params: list[float],
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: torch.Tensor,
+    placements: tuple,
+    coords: Sequence[int],
+    sizes: Sequence[int],
+) -> torch.Tensor:
     piece = _piece(torch.empty(shape, device="meta"), placements, coords, sizes)
     stream = 0
     for p, r, n in zip(placements, coords, sizes):  # the piece's index over the axes that split
@@ -327,8 +387,11 @@ def place_as_read(gm: fx.GraphModule, mode: str = "local") -> int:
         for u in n.users:
             ush = u.meta.get("autoshard")
             ins = tensor_args(u)
-            wanted |= {tuple(ush.inputs[k]) if ush is not None and k < len(ush.inputs) and ush.inputs[k] else None
-                       for k, a in enumerate(ins) if a is n}
+            wanted |= {
+                tuple(ush.inputs[k]) if ush is not None and k < len(ush.inputs) and ush.inputs[k] else None
+                for k, a in enumerate(ins)
+                if a is n
+            }
         if len(wanted) == 1 and None not in wanted and tuple(sh.outputs[0] or ()) != next(iter(wanted)):
             n.meta["autoshard"] = dataclasses.replace(sh, outputs=(next(iter(wanted)),))
             changed += 1
@@ -354,4 +417,15 @@ def chain_draws(gm: fx.GraphModule) -> int:
     return count
 
 
-__all__ = ["DECOMPOSITIONS", "DRAW", "KINDS", "MODES", "READS_VALUES", "RULE", "chain_draws", "draw", "is_draw", "place_as_read"]
+__all__ = [
+    "DECOMPOSITIONS",
+    "DRAW",
+    "KINDS",
+    "MODES",
+    "READS_VALUES",
+    "RULE",
+    "chain_draws",
+    "draw",
+    "is_draw",
+    "place_as_read",
+]

@@ -26,11 +26,20 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoshard import _torch_compat as tc
+from autoshard.rules.causal_chunks import (
+    acc_dtype,
+    backward_step,
+    forward_step,
+    fresh,
+    half_starts,
+    halves,
+    like,
+    lse_like,
+)
 from autoshard.rules.sdpa_kernels import Kernel
-from autoshard.rules.causal_chunks import (acc_dtype, backward_step, forward_step, fresh, half_starts, halves, like,
-                                           lse_like)
 
 _SEQ = 2
+
 
 def _queries(ts: Sequence[torch.Tensor], mesh: DeviceMesh, axis: int, causal: bool) -> tuple[list, ...]:
     """The query-side tensors this rank works on: causal, its own first halves and its mirror rank's second
@@ -45,8 +54,16 @@ def _starts_of(r: int, n: int, chunk: int, causal: bool) -> tuple[int, ...]:
     return half_starts(r, n, chunk // 2) if causal else (r * chunk,)
 
 
-def forward(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: DeviceMesh, axis: int, causal: bool,
-            kw: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(
+    kernel: Kernel,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mesh: DeviceMesh,
+    axis: int,
+    causal: bool,
+    kw: Mapping[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, logsumexp) of this rank's chunk of ``q`` against every chunk of ``k``/``v`` (all local chunks)."""
     n, r = mesh.size(axis), mesh.get_local_rank(axis)
     nxt = [(c + 1) % n for c in range(n)]
@@ -54,35 +71,71 @@ def forward(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     flat = fresh(parts)
     chunk = k.shape[_SEQ]
     for step in range(n):
-        sent = (tc.permute_on_axis(k, mesh, axis, nxt), tc.permute_on_axis(v, mesh, axis, nxt)) if step < n - 1 else None
+        sent = (
+            (tc.permute_on_axis(k, mesh, axis, nxt), tc.permute_on_axis(v, mesh, axis, nxt)) if step < n - 1 else None
+        )
         flat = tc.for_each_rank(_step_forward)(kernel, parts, k, v, r, n, step, chunk, causal, flat, kw)
         if sent is not None:
             k, v = tc.waited(sent[0]), tc.waited(sent[1])
     outs = [o.to(q.dtype) for o in flat[0::2]]
     lses = [lse_like(q, t) for t in flat[1::2]]
     if causal:  # the borrowed half's results go back to their owner
-        outs[1], lses[1] = tc.swap_mirrored(outs[1].contiguous(), mesh, axis), tc.swap_mirrored(lses[1].contiguous(), mesh, axis)
+        outs[1], lses[1] = (
+            tc.swap_mirrored(outs[1].contiguous(), mesh, axis),
+            tc.swap_mirrored(lses[1].contiguous(), mesh, axis),
+        )
     return like(q, torch.cat(outs, _SEQ)), torch.cat(lses, _SEQ)
 
 
-def _step_forward(kernel: Kernel, parts: Sequence[torch.Tensor], k: torch.Tensor, v: torch.Tensor, r: int, n: int,
-                  step: int, chunk: int, causal: bool, flat: Sequence[torch.Tensor],
-                  kw: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
+def _step_forward(
+    kernel: Kernel,
+    parts: Sequence[torch.Tensor],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    r: int,
+    n: int,
+    step: int,
+    chunk: int,
+    causal: bool,
+    flat: Sequence[torch.Tensor],
+    kw: Mapping[str, Any],
+) -> tuple[torch.Tensor, ...]:
     starts = _starts_of(r, n, 2 * parts[0].shape[_SEQ] if causal else chunk, causal)
     return forward_step(kernel, parts, starts, k, v, (r - step) % n, causal, flat, kw)
 
 
-def _step_backward(kernel: Kernel, sides: Sequence[tuple[torch.Tensor, ...]], k: torch.Tensor, v: torch.Tensor,
-                   dk: torch.Tensor, dv: torch.Tensor, dqs: Sequence[torch.Tensor], r: int, n: int, step: int,
-                   causal: bool, kw: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
+def _step_backward(
+    kernel: Kernel,
+    sides: Sequence[tuple[torch.Tensor, ...]],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    dqs: Sequence[torch.Tensor],
+    r: int,
+    n: int,
+    step: int,
+    causal: bool,
+    kw: Mapping[str, Any],
+) -> tuple[torch.Tensor, ...]:
     q_len = sides[0][1].shape[_SEQ]
     starts = _starts_of(r, n, 2 * q_len if causal else k.shape[_SEQ], causal)
     return backward_step(kernel, sides, starts, k, v, dk, dv, dqs, (r - step) % n, causal, kw)
 
 
-def backward(kernel: Kernel, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-             lse: torch.Tensor, mesh: DeviceMesh, axis: int, causal: bool,
-             kw: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def backward(
+    kernel: Kernel,
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mesh: DeviceMesh,
+    axis: int,
+    causal: bool,
+    kw: Mapping[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of :func:`forward`, each this rank's chunk."""
     n, r = mesh.size(axis), mesh.get_local_rank(axis)
     nxt = [(c + 1) % n for c in range(n)]
@@ -92,7 +145,9 @@ def backward(kernel: Kernel, grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)  # the travelling gradients, summed in fp32 at least
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     for step in range(n):
-        sent = (tc.permute_on_axis(k, mesh, axis, nxt), tc.permute_on_axis(v, mesh, axis, nxt)) if step < n - 1 else None
+        sent = (
+            (tc.permute_on_axis(k, mesh, axis, nxt), tc.permute_on_axis(v, mesh, axis, nxt)) if step < n - 1 else None
+        )
         dk, dv, *rest = tc.for_each_rank(_step_backward)(kernel, sides, k, v, dk, dv, dqs, r, n, step, causal, kw)
         dqs = tuple(rest)
         dk, dv = tc.permute_on_axis(dk, mesh, axis, nxt), tc.permute_on_axis(dv, mesh, axis, nxt)

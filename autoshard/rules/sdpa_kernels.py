@@ -36,9 +36,22 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-_ARG_ROLES = {"query": "query", "key": "key", "value": "value", "grad_out": "grad", "grad_out_": "grad",
-              "out": "out", "logsumexp": "lse", "attn_mask": "mask", "attn_bias": "mask", "dropout_p": "dropout",
-              "is_causal": "causal", "scale": "scale", "max_q": "max_q", "max_k": "max_k"}
+_ARG_ROLES = {
+    "query": "query",
+    "key": "key",
+    "value": "value",
+    "grad_out": "grad",
+    "grad_out_": "grad",
+    "out": "out",
+    "logsumexp": "lse",
+    "attn_mask": "mask",
+    "attn_bias": "mask",
+    "dropout_p": "dropout",
+    "is_causal": "causal",
+    "scale": "scale",
+    "max_q": "max_q",
+    "max_k": "max_k",
+}
 _OUT_ROLES = {"output": "out", "logsumexp": "lse", "log_sumexp": "lse", "max_q": "max_q", "max_k": "max_k"}
 _GRAD_ROLES = ("grad_query", "grad_key", "grad_value", "grad_mask")
 
@@ -54,8 +67,9 @@ class Kernel:
     def op(self, backward: bool) -> Any:
         return getattr(torch.ops.aten, self.forward_op + ("_backward" if backward else "")).default
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                kw: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, kw: Mapping[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(output, log-sum-exp ``[B, H, Lq]`` float32) of queries ``q`` against keys ``k``, values ``v``."""
         op = self.op(False)
         if self.name in ("cpu", "flash"):
@@ -64,8 +78,17 @@ class Kernel:
             out, lse = op(q, k, v, None, True, 0.0, causal, **kw)[:2]
         return out, plain_lse(self, lse, q.shape[2])
 
-    def backward(self, g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, causal: bool, kw: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
+    def backward(
+        self,
+        g: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        causal: bool,
+        kw: Mapping[str, Any],
+    ) -> tuple[torch.Tensor, ...]:
         """(dq, dk, dv) of :meth:`forward` given the output ``out`` and log-sum-exp ``lse`` ([B, H, Lq])
         the queries' whole attention had (merged over every key block)."""
         op, lse = self.op(True), native_lse(self, lse)
@@ -81,10 +104,12 @@ class Kernel:
         return op(g, q, k, v, out, lse, seed, seed, None, None, None, q.shape[2], k.shape[2], 0.0, causal, **kw)[:3]
 
 
-KERNELS = (Kernel("cpu", "_scaled_dot_product_flash_attention_for_cpu", "plain"),
-           Kernel("flash", "_scaled_dot_product_flash_attention", "plain"),
-           Kernel("efficient", "_scaled_dot_product_efficient_attention", "padded"),
-           Kernel("cudnn", "_scaled_dot_product_cudnn_attention", "trailing"))
+KERNELS = (
+    Kernel("cpu", "_scaled_dot_product_flash_attention_for_cpu", "plain"),
+    Kernel("flash", "_scaled_dot_product_flash_attention", "plain"),
+    Kernel("efficient", "_scaled_dot_product_efficient_attention", "padded"),
+    Kernel("cudnn", "_scaled_dot_product_cudnn_attention", "trailing"),
+)
 
 
 def plain_lse(kernel: Kernel, lse: torch.Tensor, q_len: int) -> torch.Tensor:
@@ -120,8 +145,10 @@ def kernel_of(op: Any) -> tuple[Kernel, bool]:
 
 def _given(op: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The schema's argument name -> value for a call of ``op``, defaults filled (None where there is none)."""
-    return {a.name: args[i] if i < len(args) else kwargs.get(a.name, a.default_value if a.has_default_value() else None)
-            for i, a in enumerate(op._schema.arguments)}
+    return {
+        a.name: args[i] if i < len(args) else kwargs.get(a.name, a.default_value if a.has_default_value() else None)
+        for i, a in enumerate(op._schema.arguments)
+    }
 
 
 def bound(op: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -132,7 +159,7 @@ def bound(op: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, 
 def with_args(op: Any, args: Sequence[Any], by_role: Mapping[str, Any]) -> list[Any]:
     """``args`` (positional) with the arguments of the roles in ``by_role`` replaced."""
     out = list(args)
-    for i, a in enumerate(op._schema.arguments[:len(args)]):
+    for i, a in enumerate(op._schema.arguments[: len(args)]):
         out[i] = by_role.get(_ARG_ROLES.get(a.name, a.name), out[i])
     return out
 
@@ -140,6 +167,7 @@ def with_args(op: Any, args: Sequence[Any], by_role: Mapping[str, Any]) -> list[
 def laid_out_as(t: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
     """``t`` in the memory order of the traced ``val``: the efficient kernel lays its output and gradients out
     as [B, L, H, D] whatever its inputs' layout, and the program's later views were traced on that."""
+
     def order(x: torch.Tensor) -> list[int]:
         return sorted(range(x.ndim), key=lambda d: (-x.stride(d), d))
 
@@ -168,8 +196,9 @@ def results(node: fx.Node, made: Sequence[torch.Tensor], q_len: int, k_len: int)
         elif role in ("max_q", "max_k"):
             out.append(q_len if role == "max_q" else k_len)
         else:
-            out.append(torch.zeros(val.shape, dtype=val.dtype, device=ref.device) if isinstance(val, torch.Tensor)
-                       else None)
+            out.append(
+                torch.zeros(val.shape, dtype=val.dtype, device=ref.device) if isinstance(val, torch.Tensor) else None
+            )
     return tuple(out)
 
 
@@ -201,5 +230,17 @@ def roles(node: fx.Node) -> Roles:
     return Roles(tuple(tensors), named, outs)
 
 
-__all__ = ["KERNELS", "Kernel", "Roles", "bound", "kernel_of", "laid_out_as", "native_lse", "ops", "plain_lse", "results", "roles",
-           "with_args"]
+__all__ = [
+    "KERNELS",
+    "Kernel",
+    "Roles",
+    "bound",
+    "kernel_of",
+    "laid_out_as",
+    "native_lse",
+    "ops",
+    "plain_lse",
+    "results",
+    "roles",
+    "with_args",
+]

@@ -38,8 +38,14 @@ _CLASS = 1  # [N, V]
 
 def _ops() -> frozenset[Any]:
     aten = torch.ops.aten
-    return frozenset({aten._log_softmax.default, aten._log_softmax_backward_data.default,
-                      aten.nll_loss_forward.default, aten.nll_loss_backward.default})
+    return frozenset(
+        {
+            aten._log_softmax.default,
+            aten._log_softmax_backward_data.default,
+            aten.nll_loss_forward.default,
+            aten.nll_loss_backward.default,
+        }
+    )
 
 
 def _shape(node: fx.Node) -> tuple[str, list[int], list[int], dict[int, Placement]] | None:
@@ -48,8 +54,15 @@ def _shape(node: fx.Node) -> tuple[str, list[int], list[int], dict[int, Placemen
     aten = torch.ops.aten
     t, args = node.target, node.args
     vals = [a.meta["val"] for a in tensor_args(node)]
-    if not vals or vals[0 if t in (aten._log_softmax.default, aten._log_softmax_backward_data.default,
-                                   aten.nll_loss_forward.default) else 1].ndim != 2:
+    if (
+        not vals
+        or vals[
+            0
+            if t in (aten._log_softmax.default, aten._log_softmax_backward_data.default, aten.nll_loss_forward.default)
+            else 1
+        ].ndim
+        != 2
+    ):
         return None
     if t is aten._log_softmax.default:
         return ("log_softmax", [0], [0], {}) if args[1] in (1, -1) else None
@@ -71,8 +84,10 @@ def more_candidates(node: fx.Node, found: Sequence[tc.RawStrategy], mesh_shape: 
     out = []
     for c in found:
         for axis, n in enumerate(mesh_shape):
-            if n == 1 or any(isinstance(pl[axis], Shard) and pl[axis].dim == _CLASS
-                             for pl in (*c.inputs, *(o for o in c.outputs if o is not None))):
+            if n == 1 or any(
+                isinstance(pl[axis], Shard) and pl[axis].dim == _CLASS
+                for pl in (*c.inputs, *(o for o in c.outputs if o is not None))
+            ):
                 continue
             every = [*(c.inputs[i] for i in range(len(c.inputs))), *(o for o in c.outputs if o is not None)]
             if any(not isinstance(pl[axis], Replicate) for pl in every):
@@ -82,8 +97,16 @@ def more_candidates(node: fx.Node, found: Sequence[tc.RawStrategy], mesh_shape: 
                 return tuple(p if a == axis else q for a, q in enumerate(pl))
 
             ins = tuple(put(pl, Shard(_CLASS)) if i in sharded_in else pl for i, pl in enumerate(c.inputs))
-            outs = tuple(None if o is None else put(o, Shard(_CLASS)) if j in sharded_out else
-                         put(o, partial_out[j]) if j in partial_out else o for j, o in enumerate(c.outputs))
+            outs = tuple(
+                None
+                if o is None
+                else put(o, Shard(_CLASS))
+                if j in sharded_out
+                else put(o, partial_out[j])
+                if j in partial_out
+                else o
+                for j, o in enumerate(c.outputs)
+            )
             out.append(tc.RawStrategy(ins, outs))
     return out
 
@@ -154,8 +177,9 @@ def _mine(x: torch.Tensor, target: torch.Tensor, ignore: int, lo: torch.Tensor) 
     return mine.to(x.dtype), index.clamp(0, v - 1)
 
 
-def exchanges(node: fx.Node, inputs: Sequence[Sequence[Placement] | None],
-              mesh_shape: Sequence[int]) -> list[tuple[str, int, int]]:
+def exchanges(
+    node: fx.Node, inputs: Sequence[Sequence[Placement] | None], mesh_shape: Sequence[int]
+) -> list[tuple[str, int, int]]:
     """The row all-reduces over the vocabulary axis at these input placements: [(kind, axis, bytes)]."""
     spec = _shape(node)
     if spec is None or spec[0].startswith("nll"):
@@ -170,7 +194,13 @@ def exchanges(node: fx.Node, inputs: Sequence[Sequence[Placement] | None],
     return [("all_reduce", axes[0], rows * 4)] * calls
 
 
-RULE = OpRule("vocabulary-parallel cross-entropy", _ops, more_candidates=more_candidates, runs_local=runs_local,
-              local_call=local_call, exchanges=exchanges)
+RULE = OpRule(
+    "vocabulary-parallel cross-entropy",
+    _ops,
+    more_candidates=more_candidates,
+    runs_local=runs_local,
+    local_call=local_call,
+    exchanges=exchanges,
+)
 
 __all__ = ["RULE", "more_candidates"]

@@ -28,8 +28,8 @@ import torch
 import torch.fx as fx
 
 from autoshard import _torch_compat as tc
-from autoshard.ir import kept_target_counter, node_arg
 from autoshard.errors import CallError, InputError
+from autoshard.ir import kept_target_counter, node_arg
 
 if TYPE_CHECKING:
     from autoshard.plans.plan import Plan
@@ -42,9 +42,18 @@ MEAN_COUNTED, SUM, MEAN = "mean over counted targets", "sum", "mean"
 
 # ops that keep how the loss depends on the batch: views, copies, dtype casts
 _PASS_THROUGH = {
-    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.squeeze.default, aten.squeeze.dim,
-    aten.squeeze.dims, aten.unsqueeze.default, aten.clone.default, aten._to_copy.default, aten.alias.default,
-    aten.detach.default, aten.contiguous.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.squeeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.unsqueeze.default,
+    aten.clone.default,
+    aten._to_copy.default,
+    aten.alias.default,
+    aten.detach.default,
+    aten.contiguous.default,
 }
 _SCALE = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}  # by a Python number: kept
 _NLL = {aten.nll_loss_forward.default, aten.nll_loss2d_forward.default}
@@ -78,8 +87,9 @@ class Accumulation:
     def split(self, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
         """The global call's tensors as ``microbatches`` micro-batches (views along dim 0)."""
         if len(tensors) != len(self.batched):
-            raise CallError(f"the call has {len(tensors)} tensor inputs; the program was traced with "
-                            f"{len(self.batched)}")
+            raise CallError(
+                f"the call has {len(tensors)} tensor inputs; the program was traced with {len(self.batched)}"
+            )
         check_divides(names, tensors, self.batched, self.microbatches)
         k = self.microbatches
         with tc.outside_local_tensor_mode():
@@ -150,8 +160,14 @@ def _strip(node: Any) -> Any:
 
 def _getitem_of(node: Any, index: int) -> fx.Node | None:
     """``x`` when ``node`` is ``getitem(x, index)`` of an NLL forward, else None."""
-    if (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem
-            and node.args[1] == index and isinstance(node.args[0], fx.Node) and node.args[0].target in _NLL):
+    if (
+        isinstance(node, fx.Node)
+        and node.op == "call_function"
+        and node.target is operator.getitem
+        and node.args[1] == index
+        and isinstance(node.args[0], fx.Node)
+        and node.args[0].target in _NLL
+    ):
         return node.args[0]
     return None
 
@@ -198,9 +214,12 @@ def loss_weighting(gm: fx.GraphModule, output_roles: Sequence[Any]) -> LossWeigh
             kind = _REDUCTION.get(node_arg(root, names.index("reduction"), "reduction", 1), MEAN)
             found = LossWeighting(SUM if kind == SUM else MEAN)
     if found is None:
-        log.info("gradient accumulation: the loss (%s) is not a recognised mean or sum%s; the micro-batches' losses "
-                 "are averaged (exact for a mean over equally sized micro-batches)",
-                 getattr(root, "target", root), f" ({why})" if why else "")
+        log.info(
+            "gradient accumulation: the loss (%s) is not a recognised mean or sum%s; the micro-batches' losses "
+            "are averaged (exact for a mean over equally sized micro-batches)",
+            getattr(root, "target", root),
+            f" ({why})" if why else "",
+        )
         return LossWeighting(MEAN)
     log.info("gradient accumulation: the loss is a %s (micro-batches weighted accordingly)", found.kind)
     return found
@@ -214,14 +233,36 @@ def accumulated_plan(plan: Plan, k: int) -> Plan:
 
     stage = plan.stages[0]
     once = sum(c.time_s * c.repeat for c in stage.collectives if c.phase == "optimizer")
-    collectives = tuple(c if c.phase == "optimizer" else dataclasses.replace(c, repeat=c.repeat * k)
-                        for c in stage.collectives)
-    stage = dataclasses.replace(stage, collectives=collectives, compute_s=stage.compute_s * k,
-                                comm_s=(stage.comm_s - once) * k + once, microbatch_time_s=plan.step_time_s)
+    collectives = tuple(
+        c if c.phase == "optimizer" else dataclasses.replace(c, repeat=c.repeat * k) for c in stage.collectives
+    )
+    stage = dataclasses.replace(
+        stage,
+        collectives=collectives,
+        compute_s=stage.compute_s * k,
+        comm_s=(stage.comm_s - once) * k + once,
+        microbatch_time_s=plan.step_time_s,
+    )
     recipes = tuple(dataclasses.replace(r, step_time_s=r.step_time_s * k, microbatches=k) for r in plan.recipes)
-    return dataclasses.replace(plan, stages=(stage,), microbatches=k, step_time_s=(plan.step_time_s - once) * k + once,
-                               hidden_comm_s=plan.hidden_comm_s * k, recipes=recipes)
+    return dataclasses.replace(
+        plan,
+        stages=(stage,),
+        microbatches=k,
+        step_time_s=(plan.step_time_s - once) * k + once,
+        hidden_comm_s=plan.hidden_comm_s * k,
+        recipes=recipes,
+    )
 
 
-__all__ = ["MEAN", "MEAN_COUNTED", "SUM", "Accumulation", "LossWeighting", "accumulated_plan", "batched_inputs", "check_divides",
-           "loss_weighting", "micro_example"]
+__all__ = [
+    "MEAN",
+    "MEAN_COUNTED",
+    "SUM",
+    "Accumulation",
+    "LossWeighting",
+    "accumulated_plan",
+    "batched_inputs",
+    "check_divides",
+    "loss_weighting",
+    "micro_example",
+]

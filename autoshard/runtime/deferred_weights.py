@@ -33,9 +33,14 @@ class DeferredWeights:
         self._pending: list[tuple[Any, ...]] = []
         self.weight_runs = 0  # W actions run (the schedule's, counted for tests and logs)
 
-    def input_backward(self, saved: list[torch.Tensor], grads_out: Sequence[torch.Tensor],
-                       flat: Sequence[torch.Tensor], like: Sequence[Any],
-                       states: ParamStates) -> list[torch.Tensor | None]:
+    def input_backward(
+        self,
+        saved: list[torch.Tensor],
+        grads_out: Sequence[torch.Tensor],
+        flat: Sequence[torch.Tensor],
+        like: Sequence[Any],
+        states: ParamStates,
+    ) -> list[torch.Tensor | None]:
         """B: the gradients of the stage program's flat inputs (``flat``: parameters, buffers, activations) that
         are received activations, None for the others; the weight part's inputs queued for :meth:`runner`."""
         grads, carry = self._program.backward_input(saved, grads_out)

@@ -83,9 +83,16 @@ class _FlatOutputs(nn.Module):
 class Evaluator:
     """The evaluation programs of one compiled model, by call shape."""
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh, compute: Mapping[str, tuple[Placement, ...]],
-                 masters: Mapping[str, tuple[Placement, ...]], offload: Mapping[str, str], plan_eval: PlanEval,
-                 view: Callable[[], nn.Module]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: DeviceMesh,
+        compute: Mapping[str, tuple[Placement, ...]],
+        masters: Mapping[str, tuple[Placement, ...]],
+        offload: Mapping[str, str],
+        plan_eval: PlanEval,
+        view: Callable[[], nn.Module],
+    ) -> None:
         self.model = model
         self._view = view  # the model with every parameter at its global shape (held as local shards or not)
         self.mesh = mesh
@@ -130,14 +137,24 @@ class Evaluator:
         buffers = [t.name for t in plan.stages[0].tensors if t.role == "buffer"]
         params = [n.removeprefix("model.") for n in names]
         layouts = {n.removeprefix("model."): p for n, p in program.layouts.items()}
-        states = ParamStates(self.mesh, params, _Masters(layouts, {n: self._masters[n] for n in params},
-                                                          {n: self._offload.get(n, "") for n in params}))
+        states = ParamStates(
+            self.mesh,
+            params,
+            _Masters(layouts, {n: self._masters[n] for n in params}, {n: self._offload.get(n, "") for n in params}),
+        )
         spec, keep = seen["spec"], seen["keep"]
         dropped = [i for i in range(spec.num_leaves) if i not in set(keep)]
         if dropped and "dropped" not in self._warned:
             self._warned.add("dropped")
-            warn(log, "evaluation: %d values of %s's output are not tensors (a cache object, ...) and come back as "
-                      "None", len(dropped), type(self.model).__name__)
-        log.info("evaluation: planned %s for %s", type(self.model).__name__,
-                 ", ".join(f"{tuple(t.shape)}" for t in signature_of(Call(tuple(args), dict(kwargs)))[1]))
+            warn(
+                log,
+                "evaluation: %d values of %s's output are not tensors (a cache object, ...) and come back as None",
+                len(dropped),
+                type(self.model).__name__,
+            )
+        log.info(
+            "evaluation: planned %s for %s",
+            type(self.model).__name__,
+            ", ".join(f"{tuple(t.shape)}" for t in signature_of(Call(tuple(args), dict(kwargs)))[1]),
+        )
         return _EvalProgram(program, states, params, [b.removeprefix("model.") for b in buffers], spec, keep)

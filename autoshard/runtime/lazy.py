@@ -20,11 +20,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from autoshard import _torch_compat as tc
+from autoshard.errors import CallError, InputError, UsageError
 from autoshard.inputs import Call, signature_of
 from autoshard.runtime.model_face import wear_model_face
 from autoshard.weights import deferred
 from autoshard.weights.pretrained import fqn_modifiers
-from autoshard.errors import CallError, InputError, UsageError
 
 if TYPE_CHECKING:
     from autoshard.plans.plan import Plan
@@ -61,13 +61,16 @@ def batch_axes_of(mesh: DeviceMesh, axes: str | Sequence[str] | None) -> tuple[i
     wanted = (axes,) if isinstance(axes, str) else tuple(axes)
     missing = [a for a in wanted if a not in names]
     if missing or not wanted:
-        raise InputError(f"batch_axes={axes!r}: the mesh's axes are {names}; give some of them, 'all', or None (the "
-                         "data-parallel ones)")
+        raise InputError(
+            f"batch_axes={axes!r}: the mesh's axes are {names}; give some of them, 'all', or None (the "
+            "data-parallel ones)"
+        )
     return tuple(sorted(names.index(a) for a in wanted))
 
 
-def batch_constraint(mesh: DeviceMesh, example: Call | None = None,
-                     axes: Sequence[int] | None = None) -> dict[str, Any]:
+def batch_constraint(
+    mesh: DeviceMesh, example: Call | None = None, axes: Sequence[int] | None = None
+) -> dict[str, Any]:
     """Every input split on dim 0 over the batch ``axes`` (default: the data-parallel ones) and whole on the
     others; a 0-d tensor of ``example`` (a count such as ``num_items_in_batch``) whole on every rank."""
     dp = data_parallel_axes(mesh) if axes is None else tuple(axes)
@@ -120,7 +123,8 @@ def same_on_every_rank(values: list[torch.Tensor], mesh: DeviceMesh) -> None:
             f"0-d tensor arguments (counts such as num_items_in_batch) differ between ranks: from {low.tolist()} to "
             f"{high.tolist()}. autoshard computes the loss of the global batch, with one value of each: pass the "
             "count over every rank's batch (Hugging Face's TrainingArguments(average_tokens_across_devices=True), "
-            "the default)")
+            "the default)"
+        )
 
 
 def alike_off_the_batch_axes(args: tuple, kwargs: dict[str, Any], mesh: DeviceMesh, axes: Sequence[int]) -> None:
@@ -150,14 +154,23 @@ def alike_off_the_batch_axes(args: tuple, kwargs: dict[str, Any], mesh: DeviceMe
                 f"{[names[i] for i in axes]} only, so they must pass the same ones. A loader that gives every process "
                 "its own rows (a DistributedSampler over all processes, Accelerate's prepare) needs "
                 "autoshard.compile(model, mesh, batch_axes='all'); a loader of your own must give the ranks of "
-                f"{names[a]!r} the same rows")
+                f"{names[a]!r} the same rows"
+            )
 
 
 # Padding of a rank's rows to the longest rank's length, by argument name (Hugging Face's conventions): positions
 # past a row's end are masked (attention_mask 0) and count no target (labels -100), so the real tokens' outputs and
 # the loss are those of the unpadded rows.
-PAD_VALUES = {"input_ids": 0, "attention_mask": 0, "labels": -100, "token_type_ids": 0, "decoder_input_ids": 0,
-              "decoder_attention_mask": 0, "completion_mask": 0, "assistant_masks": 0}
+PAD_VALUES = {
+    "input_ids": 0,
+    "attention_mask": 0,
+    "labels": -100,
+    "token_type_ids": 0,
+    "decoder_input_ids": 0,
+    "decoder_attention_mask": 0,
+    "completion_mask": 0,
+    "assistant_masks": 0,
+}
 
 
 def same_lengths(args: tuple, kwargs: dict[str, Any], mesh: DeviceMesh) -> tuple[tuple, dict[str, Any]]:
@@ -178,9 +191,11 @@ def same_lengths(args: tuple, kwargs: dict[str, Any], mesh: DeviceMesh) -> tuple
         return args, kwargs
     names = dict(zip(range(len(leaves)), signature_of(Call(tuple(args), dict(kwargs)))[0].leaf_names))
     if "attention_mask" not in kwargs:
-        raise InputError("the ranks' batches have different lengths (a collator padding each batch to its own "
-                         "longest row) and the call has no attention_mask to mask the padding autoshard would add: "
-                         "pad every batch to one length (the collator's padding='max_length' or pad_to_multiple_of)")
+        raise InputError(
+            "the ranks' batches have different lengths (a collator padding each batch to its own "
+            "longest row) and the call has no attention_mask to mask the padding autoshard would add: "
+            "pad every batch to one length (the collator's padding='max_length' or pad_to_multiple_of)"
+        )
     at, out = 0, list(leaves)
     for i in shaped:
         t = leaves[i]
@@ -193,7 +208,8 @@ def same_lengths(args: tuple, kwargs: dict[str, Any], mesh: DeviceMesh) -> tuple
             raise InputError(
                 f"argument {name or i} has shape {tuple(t.shape)} on this rank and up to {tuple(want)} past dim 0 on "
                 "others; autoshard stacks the ranks' rows into one batch and pads only "
-                f"{', '.join(PAD_VALUES)} at the end of dim 1: pad every batch to one length in the collator")
+                f"{', '.join(PAD_VALUES)} at the end of dim 1: pad every batch to one length in the collator"
+            )
         out[i] = torch.nn.functional.pad(t, (0, want[0] - t.shape[1]), value=PAD_VALUES[name])
     new_args, new_kwargs = tc.tree_unflatten(out, spec)
     return tuple(new_args), dict(new_kwargs)
@@ -207,10 +223,16 @@ class LazyShardedModule(nn.Module):
     ``pipelined=True`` (a mesh with a ``pp`` axis): only ``step`` applies, as for a ``PipelinedModule``.
     """
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh, build: Callable[[Call, dict[str, Any]], nn.Module],
-                 pipelined: bool = False, options: dict[str, Any] | None = None,
-                 batch_axes: str | Sequence[str] | None = None,
-                 before_plan: Callable[[LazyShardedModule], None] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: DeviceMesh,
+        build: Callable[[Call, dict[str, Any]], nn.Module],
+        pipelined: bool = False,
+        options: dict[str, Any] | None = None,
+        batch_axes: str | Sequence[str] | None = None,
+        before_plan: Callable[[LazyShardedModule], None] | None = None,
+    ) -> None:
         """``build(global example, input pins)`` plans and compiles; ``before_plan(self)`` runs just before it
         (the loops' defaults: ``autoshard/integrations/``)."""
         super().__init__()
@@ -234,21 +256,30 @@ class LazyShardedModule(nn.Module):
         if self.batch_axes == every or self._pipelined:
             return
         if self._compiled is not None:
-            raise InputError(f"{why} gives every process its own rows, but this module was planned at its first call "
-                             f"with the batch split over mesh axes {self.batch_axes} only: compile it again, with "
-                             "batch_axes='all'")
+            raise InputError(
+                f"{why} gives every process its own rows, but this module was planned at its first call "
+                f"with the batch split over mesh axes {self.batch_axes} only: compile it again, with "
+                "batch_axes='all'"
+            )
         if self.batch_axes_given:
-            raise InputError(f"{why} gives every process its own rows, but compile was given batch_axes over mesh "
-                             f"axes {self.batch_axes}: drop batch_axes= (or pass 'all')")
-        log.info("autoshard: %s gives every process its own rows: the global batch is all %d ranks' rows",
-                 why, self.mesh.size())
+            raise InputError(
+                f"{why} gives every process its own rows, but compile was given batch_axes over mesh "
+                f"axes {self.batch_axes}: drop batch_axes= (or pass 'all')"
+            )
+        log.info(
+            "autoshard: %s gives every process its own rows: the global batch is all %d ranks' rows",
+            why,
+            self.mesh.size(),
+        )
         self.batch_axes = every
 
     @property
     def compiled(self) -> nn.Module:
         if self._compiled is None:
-            raise UsageError("not compiled yet: autoshard.compile(model, mesh) plans on the first call; call the "
-                               "module with this rank's batch shard (or .step with the global batch) first")
+            raise UsageError(
+                "not compiled yet: autoshard.compile(model, mesh) plans on the first call; call the "
+                "module with this rank's batch shard (or .step with the global batch) first"
+            )
         return self._compiled
 
     @property
@@ -296,10 +327,12 @@ class LazyShardedModule(nn.Module):
         1/N of it for N batch shards, which DDP's gradient averaging expects: the Trainer multiplies it by its
         number of processes, and the gradients are the global batch's."""
         if self._pipelined:
-            raise CallError("a pipelined model trains one step at a time over micro-batches: call "
-                            "sharded.step(...) with the global batch, as you call the model (it returns the loss); "
-                            "a loop that calls the model's forward (the Hugging Face Trainer, Lightning) needs a mesh "
-                            "without a 'pp' axis")
+            raise CallError(
+                "a pipelined model trains one step at a time over micro-batches: call "
+                "sharded.step(...) with the global batch, as you call the model (it returns the loss); "
+                "a loop that calls the model's forward (the Hugging Face Trainer, Lightning) needs a mesh "
+                "without a 'pp' axis"
+            )
         args, kwargs = same_lengths(args, kwargs, self.mesh)
         compiled = self._ensure(args, kwargs)
         counts = [t for t in tc.tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.ndim == 0]
@@ -332,8 +365,10 @@ class LazyShardedModule(nn.Module):
         whole = batch[0] * batch_shards(self.mesh, self.batch_axes)
         rows = [Shard(0) if a in self.batch_axes else Replicate() for a in range(self.mesh.ndim)]
         leaves, spec = tc.tree_flatten(out)
-        cut = [compiled._cut(t, rows) if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == whole else t
-               for t in leaves]
+        cut = [
+            compiled._cut(t, rows) if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == whole else t
+            for t in leaves
+        ]
         return tc.tree_unflatten(cut, spec)
 
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:

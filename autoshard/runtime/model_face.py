@@ -32,8 +32,14 @@ log = logging.getLogger(__name__)
 
 # the model's own methods a loop may call that only read or label the model (TRL tags the model card)
 MODEL_METHODS = ("add_model_tags",)
-MODEL_ATTRIBUTES = ("config", "main_input_name", "loss_type", "accepts_loss_kwargs", "name_or_path",
-                    "generation_config")
+MODEL_ATTRIBUTES = (
+    "config",
+    "main_input_name",
+    "loss_type",
+    "accepts_loss_kwargs",
+    "name_or_path",
+    "generation_config",
+)
 _FACES: dict[tuple[type, type], type] = {}
 
 
@@ -52,11 +58,19 @@ def _face_class(base: type, model_cls: type) -> type:
         forward.__signature__ = signature  # type: ignore[attr-defined]
         forward.__doc__ = base.forward.__doc__
         forward.__qualname__ = f"{base.__qualname__}.forward"
-        _FACES[key] = type(base.__name__, (base,), {
-            "forward": forward, "__module__": base.__module__, "__qualname__": base.__qualname__,
-            "_autoshard_model_class": model_cls, "gradient_checkpointing_enable": _planned_recomputation,
-            "activation_checkpointing_enable": _planned_recomputation,
-            **{name: _delegate(name) for name in MODEL_METHODS if hasattr(model_cls, name)}})
+        _FACES[key] = type(
+            base.__name__,
+            (base,),
+            {
+                "forward": forward,
+                "__module__": base.__module__,
+                "__qualname__": base.__qualname__,
+                "_autoshard_model_class": model_cls,
+                "gradient_checkpointing_enable": _planned_recomputation,
+                "activation_checkpointing_enable": _planned_recomputation,
+                **{name: _delegate(name) for name in MODEL_METHODS if hasattr(model_cls, name)},
+            },
+        )
     return _FACES[key]
 
 
@@ -71,9 +85,12 @@ def _delegate(name: str) -> Any:
 def _planned_recomputation(self: nn.Module, *args: Any, **kwargs: Any) -> None:
     """A loop's ``gradient_checkpointing=True`` (``model.gradient_checkpointing_enable()``): the plan decides what is
     recomputed, layer by layer, to fit the memory budget; this changes nothing, and says so."""
-    warn(log, "gradient checkpointing was asked for (gradient_checkpointing=True, or gradient_checkpointing_enable()): "
-              "autoshard chooses what to recompute itself, per layer, to fit the memory budget (compile's "
-              "memory_budget=; recompute=[module paths] forces it); the request changes nothing")
+    warn(
+        log,
+        "gradient checkpointing was asked for (gradient_checkpointing=True, or gradient_checkpointing_enable()): "
+        "autoshard chooses what to recompute itself, per layer, to fit the memory budget (compile's "
+        "memory_budget=; recompute=[module paths] forces it); the request changes nothing",
+    )
 
 
 def wear_model_face(module: nn.Module, model: nn.Module) -> None:
@@ -82,8 +99,10 @@ def wear_model_face(module: nn.Module, model: nn.Module) -> None:
     # Trainer reads it for a PEFT model)
     peft = hasattr(model, "peft_config") and hasattr(model, "get_base_model")
     model_cls = type(model.get_base_model()) if peft else type(model)
-    module.__class__ = _face_class(type(module).__mro__[0] if not hasattr(type(module), "_autoshard_model_class")
-                                   else type(module).__mro__[1], model_cls)
+    module.__class__ = _face_class(
+        type(module).__mro__[0] if not hasattr(type(module), "_autoshard_model_class") else type(module).__mro__[1],
+        model_cls,
+    )
     for name in MODEL_ATTRIBUTES:
         try:
             value = getattr(model, name)

@@ -35,8 +35,11 @@ class HostOffload:
 
     def __init__(self, mesh: DeviceMesh) -> None:
         self.mesh = mesh
-        self.device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
+        self.device = (
+            torch.device(mesh.device_type, torch.cuda.current_device())
+            if mesh.device_type == "cuda"
             else torch.device(mesh.device_type)
+        )
         self.pin = self.device.type == "cuda"
         # id(master) -> the pinned host buffer its gradient is copied into, reused across steps (pinning
         # fresh memory every step costs more than the copy; a pageable copy runs at a fraction of the link)
@@ -64,8 +67,9 @@ class HostOffload:
             local = tc.local_tensor(master).to(self.device, non_blocking=self.pin, copy=True)
             if tuple(master.placements) == tuple(compute):
                 return local
-            moved = DTensor.from_local(local, self.mesh, master.placements, run_check=False, shape=master.shape,
-                                       stride=master.stride())
+            moved = DTensor.from_local(
+                local, self.mesh, master.placements, run_check=False, shape=master.shape, stride=master.stride()
+            )
             return moved.redistribute(self.mesh, compute).to_local()
 
     def to_host(self, grad: DTensor, master: DTensor) -> DTensor:
@@ -76,8 +80,12 @@ class HostOffload:
             return tc.dtensor_like(local.to(HOST), master)
         buf = self._grad_buffers.get(id(master))
         held = master.grad
-        if buf is None or buf.shape != local.shape or buf.dtype != local.dtype or (
-                held is not None and tc.local_tensor(held).data_ptr() == buf.data_ptr()):
+        if (
+            buf is None
+            or buf.shape != local.shape
+            or buf.dtype != local.dtype
+            or (held is not None and tc.local_tensor(held).data_ptr() == buf.data_ptr())
+        ):
             # a first step, or the last gradient is still master.grad (accumulating without zero_grad, or
             # zero_grad(set_to_none=False)): a new buffer, so autograd's accumulation never adds a buffer into itself
             buf = torch.empty(local.shape, dtype=local.dtype, pin_memory=True)

@@ -26,16 +26,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from autoshard import _torch_compat as tc
 from autoshard.buckets import gather_all, gather_axes
+from autoshard.errors import CallError
 from autoshard.runtime.offload import HostOffload
 from autoshard.runtime.program import Program
-from autoshard.errors import CallError
 
 Layout = tuple[Placement, ...]
 
@@ -59,8 +59,9 @@ class ParamStates:
     """The compute, gradient and master layouts of a program's parameters (by ``names``, in the program's
     order), and the gathered compute copies of those whose master is sharded further."""
 
-    def __init__(self, mesh: DeviceMesh, names: Sequence[str], program: Program,
-                 offload: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, mesh: DeviceMesh, names: Sequence[str], program: Program, offload: Mapping[str, str] | None = None
+    ) -> None:
         self.mesh = mesh
         self.names = list(names)
         compute: Mapping[str, Layout] = program.layouts
@@ -124,7 +125,9 @@ class ParamStates:
         hit = self._copies.get(i)
         if hit is None or hit[:2] != key:
             if not isinstance(master, DTensor):
-                raise CallError(f"parameter {self.names[i]}: its master must be a DTensor (got {type(master).__name__})")
+                raise CallError(
+                    f"parameter {self.names[i]}: its master must be a DTensor (got {type(master).__name__})"
+                )
             if self._host is not None and self.offload[i]:
                 self._host.ensure_on_host(master)  # (in place: the optimizer holds this object)
                 key = (id(master), _version(master))
@@ -140,8 +143,9 @@ class ParamStates:
         if self.grad[slot] == self.state[slot]:
             out = tc.dtensor_like(grad, like)
         else:
-            whole = DTensor.from_local(grad, self.mesh, self.grad[slot], run_check=False, shape=like.shape,
-                                       stride=like.stride())
+            whole = DTensor.from_local(
+                grad, self.mesh, self.grad[slot], run_check=False, shape=like.shape, stride=like.stride()
+            )
             out = whole.redistribute(self.mesh, self.state[slot])  # a local cut: the master is sharded further
         if self._host is not None and self.offload[slot]:
             return self._host.to_host(out, like)  # the master (and so its .grad) lives in host memory
@@ -155,8 +159,12 @@ def _version(master: torch.Tensor) -> tuple[int, int, int]:
     return master._version, tc.local_tensor(master)._version, _STEPS.get(id(master), 0)
 
 
-def scatter_grads(grads: Sequence[torch.Tensor], slots: Sequence[int], like: Sequence[DTensor | None],
-                  states: ParamStates | None = None) -> list[torch.Tensor | None]:
+def scatter_grads(
+    grads: Sequence[torch.Tensor],
+    slots: Sequence[int],
+    like: Sequence[DTensor | None],
+    states: ParamStates | None = None,
+) -> list[torch.Tensor | None]:
     """The program's (local) gradients placed at their inputs' positions among the flat inputs (None
     elsewhere); the gradient of a DTensor input (a parameter, passed whole so that autograd records no
     ``to_local`` per parameter and step) is wrapped in that parameter's (master's) layout."""

@@ -29,8 +29,9 @@ def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (module.get_submodule(path) if path else module), leaf
 
 
-def distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: Mapping[str, Sequence[Placement]],
-                          host: Collection[str] = ()) -> dict[int, tuple[nn.Parameter, nn.Parameter]]:
+def distribute_parameters(
+    module: nn.Module, mesh: DeviceMesh, placements: Mapping[str, Sequence[Placement]], host: Collection[str] = ()
+) -> dict[int, tuple[nn.Parameter, nn.Parameter]]:
     """Replace every parameter named in ``placements`` by an ``nn.Parameter`` holding a DTensor with those
     placements (a copy of its value), in place, as ``fully_shard`` does; aliases of one parameter (tied weights)
     all get the same new parameter; one on the meta device gets only this rank's shard, uninitialized (in host
@@ -61,7 +62,9 @@ def distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: Mappi
     return replaced
 
 
-def shard_parameters_in_place(module: nn.Module, mesh: DeviceMesh, placements: Mapping[str, Sequence[Placement]]) -> None:
+def shard_parameters_in_place(
+    module: nn.Module, mesh: DeviceMesh, placements: Mapping[str, Sequence[Placement]]
+) -> None:
     """Keep every parameter object and make it hold this rank's shard (a plain tensor) under ``placements``.
     For the ``torch.compile`` backend: dynamo guards the parameter objects it traced, and an optimizer built
     before the call keeps stepping them (elementwise optimizers are exact on shards; a global gradient norm is
@@ -92,11 +95,19 @@ def as_dtensor(param: torch.Tensor, value: torch.Tensor | None = None) -> DTenso
     if layout is None:
         if isinstance(param, DTensor):
             return param if value is None else tc.dtensor_like(value, param)
-        raise InputError("as_dtensor takes a parameter autoshard holds as a local shard (parameters='local' or the "
-                         "torch.compile backend); this one is not")
+        raise InputError(
+            "as_dtensor takes a parameter autoshard holds as a local shard (parameters='local' or the "
+            "torch.compile backend); this one is not"
+        )
     mesh, placements, shape = layout
-    return DTensor.from_local(param.detach() if value is None else value, mesh, placements, run_check=False,
-                              shape=shape, stride=contiguous_strides(shape))
+    return DTensor.from_local(
+        param.detach() if value is None else value,
+        mesh,
+        placements,
+        run_check=False,
+        shape=shape,
+        stride=contiguous_strides(shape),
+    )
 
 
 def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

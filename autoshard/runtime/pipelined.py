@@ -31,17 +31,17 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from autoshard.errors import CallError, InputError, InternalError
 from autoshard.inputs import CallSignature
-from autoshard.runtime.rank_failures import one_fails_all
-from autoshard.runtime.stage_values import loss_weights
 from autoshard.plans.plan import Plan
+from autoshard.rules import random_draws
+from autoshard.runtime.rank_failures import one_fails_all
 from autoshard.runtime.stage_module import StageModule, draw_list, input_key
 from autoshard.runtime.stage_random import ReplayStreams, StageStreams
-from autoshard.rules import random_draws
+from autoshard.runtime.stage_values import loss_weights
 from autoshard.weights.deferred import take_deferred
 from autoshard.weights.init import init_weights
 from autoshard.weights.pretrained import load_pretrained, save_pretrained
-from autoshard.errors import CallError, InputError, InternalError
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +58,19 @@ class TiedParameter:
 
 
 def schedule_class(name: str) -> Any:
-    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                              ScheduleInterleavedZeroBubble)
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+    )
 
-    table = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
-             "InterleavedZeroBubble": ScheduleInterleavedZeroBubble}
+    table = {
+        "GPipe": ScheduleGPipe,
+        "1F1B": Schedule1F1B,
+        "Interleaved1F1B": ScheduleInterleaved1F1B,
+        "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    }
     if name not in table:
         raise InputError(f"pipeline schedule {name!r} cannot run here; autoshard runs {EXECUTABLE_SCHEDULES}")
     return table[name]
@@ -131,14 +139,23 @@ class PipelinedModule(nn.Module):
         self._last_owner = dist.get_global_rank(pp_group, (num_stages - 1) % pp_size)
         self._has_last = num_stages - 1 in stages
         pstages = [
-            PipelineStage(m, k, num_stages, device, input_args=stage_inputs[k], output_args=stage_outputs[k],
-                          group=pp_group, dw_builder=m.defer_weights() if split_backward else None)
+            PipelineStage(
+                m,
+                k,
+                num_stages,
+                device,
+                input_args=stage_inputs[k],
+                output_args=stage_outputs[k],
+                group=pp_group,
+                dw_builder=m.defer_weights() if split_backward else None,
+            )
             for k, m in sorted(stages.items())
         ]
         cls = schedule_class(plan.schedule or "1F1B")
         multi = issubclass(cls, PipelineScheduleMulti)  # several stages per rank: they take the list
-        self.schedule = cls(pstages if multi else pstages[0], n_microbatches=plan.microbatches, loss_fn=_weighted,
-                            scale_grads=True)
+        self.schedule = cls(
+            pstages if multi else pstages[0], n_microbatches=plan.microbatches, loss_fn=_weighted, scale_grads=True
+        )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise CallError(
@@ -184,8 +201,13 @@ class PipelinedModule(nn.Module):
         unsaved = {n for m in self.stage_modules.values() for n in m._unfilled.missing()} - set(self._state_names or ())
         if unsaved:
             targets = self._targets()
-            init_weights(self._tree, 0, targets={n: targets[n] for n in unsaved if n in targets}, device=self._device,
-                         only=unsaved)
+            init_weights(
+                self._tree,
+                0,
+                targets={n: targets[n] for n in unsaved if n in targets},
+                device=self._device,
+                only=unsaved,
+            )
 
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """One training step on the global batch, called as the model is (every rank passes the same tensors). An
@@ -278,8 +300,10 @@ class PipelinedModule(nn.Module):
             m.module.load_state_dict(part, strict=False, assign=assign)
         unknown = sorted(set(state_dict) - used - set(self._state_names or ()))
         if strict and (unknown or missing):
-            raise KeyError(f"load_state_dict: missing {missing[:5]}, unexpected {unknown[:5]} (this rank's stages "
-                           "hold the model's names that state_dict() gives)")
+            raise KeyError(
+                f"load_state_dict: missing {missing[:5]}, unexpected {unknown[:5]} (this rank's stages "
+                "hold the model's names that state_dict() gives)"
+            )
 
     def _fqn_modifiers(self) -> dict[str, str]:
         """For ``torch.distributed.checkpoint.state_dict`` (``get_state_dict`` / ``set_state_dict``): the stage
@@ -302,8 +326,9 @@ class PipelinedModule(nn.Module):
                 yield prefix + self._canonical.get(base, base), p
 
 
-def _streams(device: torch.device, stages: dict[int, StageModule], pp_group: Any,
-             microbatches: int) -> StageStreams | ReplayStreams | None:
+def _streams(
+    device: torch.device, stages: dict[int, StageModule], pp_group: Any, microbatches: int
+) -> StageStreams | ReplayStreams | None:
     """Exact draws (every stage's program draws whole tensors): one device's states replayed; pieces: stage
     streams; no draws at all: None (the generator left as one device leaves it)."""
     mine = {k: draw_list(m.program) for k, m in stages.items()}
@@ -339,8 +364,13 @@ def _weighted(output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def _base_name(name: str) -> str:
     """``module.layers.0.w`` (the stage wrapper's prefix) -> ``layers.0.w``."""
-    return name[len("module."):] if name.startswith("module.") else name
+    return name[len("module.") :] if name.startswith("module.") else name
 
 
-__all__ = ["EXECUTABLE_SCHEDULES", "LossWeighting", "PipelinedModule", "StageModule", "TiedParameter", "input_key",
-           "schedule_class"]
+__all__ = [
+    "EXECUTABLE_SCHEDULES",
+    "LossWeighting",
+    "PipelinedModule",
+    "TiedParameter",
+    "schedule_class",
+]

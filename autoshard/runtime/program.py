@@ -54,8 +54,9 @@ class StageProgram(Program, Protocol):
         is a received activation's gradient."""
         ...
 
-    def backward_input(self, saved: list[torch.Tensor],
-                       grad_outs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def backward_input(
+        self, saved: list[torch.Tensor], grad_outs: Sequence[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(the input gradients, what ``backward_weight`` needs)."""
         ...
 

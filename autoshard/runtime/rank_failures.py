@@ -60,7 +60,9 @@ def one_fails_all(what: str, mesh: DeviceMesh | None) -> Iterator[None]:
             rank, message = failed
             raise RankFailed(
                 f"rank {rank} raised during {what}, so this rank ({dist.get_rank()}) stopped too: {message}. The "
-                "process group is closed; re-initialize it to go on", rank=rank) from e
+                "process group is closed; re-initialize it to go on",
+                rank=rank,
+            ) from e
         _announce(store, e, what, mesh)
         e._autoshard_told = True  # type: ignore[attr-defined]
         raise
@@ -82,8 +84,7 @@ def _announce(store: object | None, error: BaseException, what: str, mesh: Devic
             store.set(f"{_KEY}{rank}", message)
         except Exception as e:  # noqa: BLE001 - the store went first; the peers still see the closed connections
             log.debug("could not record rank %d's failure in the store: %s", rank, e)
-    log.error("rank %d raised during %s (%s); closing the process group so that every rank stops", rank, what,
-              message)
+    log.error("rank %d raised during %s (%s); closing the process group so that every rank stops", rank, what, message)
     tc.abort_process_groups([mesh] if mesh is not None else [])
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import torch
 from torch import nn
@@ -25,8 +24,9 @@ from autoshard.errors import InputError
 log = logging.getLogger(__name__)
 
 
-def rebind_optimizers(owner: object, replaced: Mapping[int, tuple[nn.Parameter, nn.Parameter]]
-                      ) -> Callable[[torch.optim.Optimizer], None]:
+def rebind_optimizers(
+    owner: object, replaced: Mapping[int, tuple[nn.Parameter, nn.Parameter]]
+) -> Callable[[torch.optim.Optimizer], None]:
     """At the next step of any optimizer holding an old parameter (id -> (old, new)), swap in the new one.
     The hook lives as long as ``owner`` (the sharded module). Returns the swap itself, to apply to an optimizer
     now (before loading its state from a checkpoint)."""
@@ -53,8 +53,9 @@ def rebind_optimizers(owner: object, replaced: Mapping[int, tuple[nn.Parameter, 
                 fresh.append(p)
             group["params"] = fresh
         if swapped:
-            log.info("autoshard: %s now steps the %d sharded parameters it was built with", type(optimizer).__name__,
-                     swapped)
+            log.info(
+                "autoshard: %s now steps the %d sharded parameters it was built with", type(optimizer).__name__, swapped
+            )
 
     if table:
         handle = register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: swap(optimizer))

@@ -41,9 +41,19 @@ PlanShapes = Callable[[nn.Module, Call, Mapping[str, Any]], tuple[Plan, Program,
 class ShapePrograms:
     """The programs of one compiled module by local input shapes (the first: compile's own)."""
 
-    def __init__(self, mesh: DeviceMesh, plan: Plan, program: Program, inputs: list[TensorLayout],
-                 layouts: Mapping[str, tuple[Placement, ...]], param_names: Sequence[str], signature: CallSignature,
-                 plan_shapes: PlanShapes, view: Callable[[], nn.Module], label: Callable[[str], str]) -> None:
+    def __init__(
+        self,
+        mesh: DeviceMesh,
+        plan: Plan,
+        program: Program,
+        inputs: list[TensorLayout],
+        layouts: Mapping[str, tuple[Placement, ...]],
+        param_names: Sequence[str],
+        signature: CallSignature,
+        plan_shapes: PlanShapes,
+        view: Callable[[], nn.Module],
+        label: Callable[[str], str],
+    ) -> None:
         self.mesh = mesh
         self.plan = plan
         self._layouts = layouts
@@ -55,7 +65,9 @@ class ShapePrograms:
         first = tuple(tuple(t.local_shape(plan.mesh)) for t in inputs)
         self.programs: dict[tuple, tuple[Any, list[TensorLayout]]] = {first: (program, inputs)}
 
-    def program_for(self, tensors: Sequence[Any], current: Sequence[Sequence[int]]) -> tuple[Program, list[TensorLayout]] | None:
+    def program_for(
+        self, tensors: Sequence[Any], current: Sequence[Sequence[int]]
+    ) -> tuple[Program, list[TensorLayout]] | None:
         """(program, its input layouts) for these local input tensors; None when the current program fits them,
         or when they are not plain tensors of the traced ranks (the caller's input checks name what is wrong)."""
         if not all(isinstance(t, torch.Tensor) and type(t) is torch.Tensor for t in tensors):
@@ -83,11 +95,18 @@ class ShapePrograms:
         plan, program, how = self._plan_shapes(self._view(), Call(tuple(call_args), dict(call_kwargs)), pins)
         moved = [n for n in self._params if tuple(program.layouts[n]) != tuple(self._layouts[n])]
         if moved:
-            raise InternalError(f"the plan for input shapes {shapes} lays out parameters {moved[:3]} otherwise than "
-                               "the first plan; this is a bug in autoshard's re-planning")
+            raise InternalError(
+                f"the plan for input shapes {shapes} lays out parameters {moved[:3]} otherwise than "
+                "the first plan; this is a bug in autoshard's re-planning"
+            )
         planned = sorted((t for t in plan.stages[0].tensors if t.role == "input"), key=lambda t: int(t.name[6:-1]))
-        log.info("compile: new input shapes %s planned in %.1f s (%s); %d shapes kept", list(shapes),
-                 time.perf_counter() - started, how, len(self.programs) + 1)
+        log.info(
+            "compile: new input shapes %s planned in %.1f s (%s); %d shapes kept",
+            list(shapes),
+            time.perf_counter() - started,
+            how,
+            len(self.programs) + 1,
+        )
         return program, planned
 
     def _check_even(self, shapes: tuple, inputs: Sequence[TensorLayout]) -> None:

@@ -21,33 +21,43 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autoshard import _torch_compat as tc
+from autoshard.errors import CallError, InputError
 from autoshard.inputs import Call, CallSignature, signature_of
 from autoshard.notation import local_shape, placements_str, tensor_str
 from autoshard.plans.plan import Plan
-from autoshard.runtime.program import Program
-from autoshard.runtime.rank_failures import one_fails_all
 from autoshard.runtime.accumulate import Accumulation
 from autoshard.runtime.evaluate import Evaluator, PlanEval
 from autoshard.runtime.lazy import data_parallel_axes
 from autoshard.runtime.model_face import wear_model_face
-from autoshard.runtime.param_takeover import (as_dtensor, contiguous_strides, distribute_parameters,
-                                              shard_parameters_in_place)
 from autoshard.runtime.param_state import ParamStates, scatter_grads
+from autoshard.runtime.param_takeover import (
+    as_dtensor,
+    contiguous_strides,
+    distribute_parameters,
+    shard_parameters_in_place,
+)
+from autoshard.runtime.program import Program
+from autoshard.runtime.rank_failures import one_fails_all
 from autoshard.runtime.rebind import rebind_optimizers
 from autoshard.runtime.shapes import PlanShapes, ShapePrograms
 from autoshard.weights.deferred import take_deferred
 from autoshard.weights.init import init_weights
 from autoshard.weights.pretrained import fqn_modifiers, load_pretrained, save_pretrained
 from autoshard.weights.shards import Unfilled, is_unfilled, materialize_buffers
-from autoshard.errors import CallError, InputError
 
 log = logging.getLogger(__name__)
 
 
 class _RunProgram(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, program: Program, grad_slots: tuple[int, ...], states: ParamStates,
-                buffers: Mapping[str, torch.Tensor], *flat: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        program: Program,
+        grad_slots: tuple[int, ...],
+        states: ParamStates,
+        buffers: Mapping[str, torch.Tensor],
+        *flat: torch.Tensor,
+    ) -> torch.Tensor:
         loss, saved, updated = program.forward(states.local_inputs(flat))
         for name, value in updated.items():  # BatchNorm's running statistics, computed on the global batch
             buffers[name].copy_(value)
@@ -103,9 +113,19 @@ def _as_is(loss: torch.Tensor) -> torch.Tensor:
 class ShardedModule(nn.Module):
     """A model sharded by a Plan. ``forward(*local_inputs)`` returns the loss, equal on every rank."""
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh, plan: Plan, program: Program, grad_names: Sequence[str],
-                 signature: CallSignature, parameters: str = "dtensor", accumulation: Accumulation | None = None,
-                 plan_eval: PlanEval | None = None, plan_shapes: PlanShapes | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: DeviceMesh,
+        plan: Plan,
+        program: Program,
+        grad_names: Sequence[str],
+        signature: CallSignature,
+        parameters: str = "dtensor",
+        accumulation: Accumulation | None = None,
+        plan_eval: PlanEval | None = None,
+        plan_shapes: PlanShapes | None = None,
+    ) -> None:
         super().__init__()
         self.plan = plan
         # the mesh axes a call's rows are split over in evaluation (None: the data-parallel ones; the lazy module
@@ -126,9 +146,22 @@ class ShardedModule(nn.Module):
         self._buffer_names = [t.name for t in plan.stages[0].tensors if t.role == "buffer"]
         self._inputs = [t for t in plan.stages[0].tensors if t.role == "input"]
         self._inputs.sort(key=lambda t: int(t.name[len("input[") : -1]))
-        self._shapes = None if plan_shapes is None else ShapePrograms(
-            mesh, plan, program, self._inputs, self._layouts, self._param_names, signature, plan_shapes,
-            self._global_view, self._label)
+        self._shapes = (
+            None
+            if plan_shapes is None
+            else ShapePrograms(
+                mesh,
+                plan,
+                program,
+                self._inputs,
+                self._layouts,
+                self._param_names,
+                signature,
+                plan_shapes,
+                self._global_view,
+                self._label,
+            )
+        )
         if parameters == "auto":  # plain tensors where every rank holds the whole parameter and state (DDP's)
             whole = all(isinstance(q, Replicate) for pl in placements.values() for q in pl)
             local = whole and not self._states.sharded_masters() and not tc.in_local_tensor_mode()
@@ -150,17 +183,31 @@ class ShardedModule(nn.Module):
             shard_parameters_in_place(model, mesh, placements)
         else:
             self.adopt_optimizer = rebind_optimizers(
-                self, distribute_parameters(model, mesh, placements, host=self._states.offloaded()))
+                self, distribute_parameters(model, mesh, placements, host=self._states.offloaded())
+            )
         self._unfilled.watch((n, q) for n, q in model.named_parameters() if n in set(meta))
-        self._evaluator = None if plan_eval is None else Evaluator(
-            model, mesh, {n: self._layouts[n] for n in self._param_names}, self._states.master_placements(),
-            dict(zip(self._param_names, self._states.offload)), plan_eval, self._global_view)
+        self._evaluator = (
+            None
+            if plan_eval is None
+            else Evaluator(
+                model,
+                mesh,
+                {n: self._layouts[n] for n in self._param_names},
+                self._states.master_placements(),
+                dict(zip(self._param_names, self._states.offload)),
+                plan_eval,
+                self._global_view,
+            )
+        )
         wear_model_face(self, model)
         for call, arg in take_deferred(model):  # init_weights / load_pretrained called on the meta model
             getattr(self, call)(arg)
         if meta:
-            log.info("compile: %d parameters built on the meta device hold this rank's shards only; give them values "
-                     "with init_weights(seed) or a checkpoint before the first step", len(meta))
+            log.info(
+                "compile: %d parameters built on the meta device hold this rank's shards only; give them values "
+                "with init_weights(seed) or a checkpoint before the first step",
+                len(meta),
+            )
 
     def _flat_params(self) -> list[torch.Tensor]:
         params = dict(self.module.named_parameters(remove_duplicate=False))
@@ -199,7 +246,8 @@ class ShardedModule(nn.Module):
                         f"{self._label(layout.name)}: dim {p.dim} of {tuple(t.shape)} does not split evenly over the "
                         f"{self.mesh.size(axis)} ranks of mesh axis {axis} ({self.plan.mesh}), e.g. a last batch "
                         "smaller than the others. Keep every batch divisible (DataLoader(drop_last=True), or pad "
-                        "the last batch)")
+                        "the last batch)"
+                    )
             out.append(self._cut(t, self._layouts[layout.name]))
         return _shaped(*self.signature.unflatten(out))
 
@@ -228,7 +276,9 @@ class ShardedModule(nn.Module):
             if not isinstance(a, torch.Tensor):
                 raise CallError(f"{self._label(layout.name)}: expected a tensor, got {type(a).__name__}")
             if isinstance(a, DTensor):
-                raise CallError(f"{self._label(layout.name)}: pass this rank's local tensor (use sharded.shard_inputs), not a DTensor")
+                raise CallError(
+                    f"{self._label(layout.name)}: pass this rank's local tensor (use sharded.shard_inputs), not a DTensor"
+                )
             if tuple(a.shape) != tuple(shape) or str(a.dtype).replace("torch.", "") != layout.dtype:
                 raise InputError(
                     f"{self._label(layout.name)}: expected this rank's local piece {tensor_str(layout.dtype, shape)} (global "
@@ -330,17 +380,28 @@ class ShardedModule(nn.Module):
             for name, t in layouts.items():
                 key = prefix + name
                 if key in state and not isinstance(state[key], DTensor):
-                    state[key] = DTensor.from_local(state[key], self.mesh, self._layouts[name],
-                                                    run_check=False, shape=torch.Size(t.shape),
-                                                    stride=contiguous_strides(t.shape))
+                    state[key] = DTensor.from_local(
+                        state[key],
+                        self.mesh,
+                        self._layouts[name],
+                        run_check=False,
+                        shape=torch.Size(t.shape),
+                        stride=contiguous_strides(t.shape),
+                    )
         return state
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Load a state dict (``state_dict()``'s DTensors, or whole tensors for DTensor parameters); parameters held
         as local shards take their shard of each DTensor value."""
         if self._local_params:
-            state_dict = {k: (v.redistribute(self.mesh, self._layouts[k]).to_local()
-                              if isinstance(v, DTensor) and k in self._layouts else v) for k, v in state_dict.items()}
+            state_dict = {
+                k: (
+                    v.redistribute(self.mesh, self._layouts[k]).to_local()
+                    if isinstance(v, DTensor) and k in self._layouts
+                    else v
+                )
+                for k, v in state_dict.items()
+            }
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):  # type: ignore[override]

@@ -35,8 +35,14 @@ from autoshard.weights.shards import Unfilled, materialize_buffers
 
 class _RunStage(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, program: StageProgram, grad_slots: tuple[int, ...], states: ParamStates,
-                deferred: DeferredWeights | None, *flat: torch.Tensor) -> Any:
+    def forward(
+        ctx: Any,
+        program: StageProgram,
+        grad_slots: tuple[int, ...],
+        states: ParamStates,
+        deferred: DeferredWeights | None,
+        *flat: torch.Tensor,
+    ) -> Any:
         outs, saved = program.forward_many(states.local_inputs(flat))
         ctx.program, ctx.saved, ctx.grad_slots, ctx.states = program, saved, grad_slots, states
         ctx.deferred, ctx.flat = deferred, (flat if deferred is not None else None)
@@ -73,8 +79,15 @@ class StageModule(nn.Module):
     tensors returns what the stage sends on (the last stage: its loss). ``wiring`` says which of the stage
     graph's arguments are received values and which are model inputs, and which received values it relays."""
 
-    def __init__(self, module: nn.Module, mesh: DeviceMesh, plan: Plan, program: StageProgram, grad_names: Sequence[str],
-                 wiring: StageWiring) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        mesh: DeviceMesh,
+        plan: Plan,
+        program: StageProgram,
+        grad_names: Sequence[str],
+        wiring: StageWiring,
+    ) -> None:
         super().__init__()
         self.module = module
         self.plan = plan
@@ -89,8 +102,9 @@ class StageModule(nn.Module):
         self._unfilled = Unfilled()  # built on meta: filled by PipelinedModule.init_weights / load_pretrained
         made = set(materialize_buffers(module, mesh.device_type))
         self._unfilled.watch((n, b) for n, b in module.named_buffers() if n in made)
-        rebind_optimizers(self, distribute_parameters(module, mesh, self._states.master_placements(),
-                                                      host=self._states.offloaded()))
+        rebind_optimizers(
+            self, distribute_parameters(module, mesh, self._states.master_placements(), host=self._states.offloaded())
+        )
         self._unfilled.watch((n, q) for n, q in module.named_parameters() if n in meta)
         self._buffer_names = [t.name for t in stage.tensors if t.role == "buffer"]
         inputs = sorted((t for t in stage.tensors if t.role == "input"), key=lambda t: int(t.name[6:-1]))

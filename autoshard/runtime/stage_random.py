@@ -83,8 +83,14 @@ class ReplayStreams:
     """One device's generator states at each (stage, micro-batch) forward: see the module docstring. ``draws``: every
     stage's draw list by stage index; ``stages``: this rank's; ``microbatches``: per step."""
 
-    def __init__(self, device: torch.device, stages: Iterable[int], draws: dict[int, list[DrawSpec]],
-                 microbatches: int, draw: Callable[..., torch.Tensor]) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        stages: Iterable[int],
+        draws: dict[int, list[DrawSpec]],
+        microbatches: int,
+        draw: Callable[..., torch.Tensor],
+    ) -> None:
         self.device = torch.device(device)
         self.stages = tuple(stages)
         self.draws = dict(draws)

@@ -40,8 +40,9 @@ def stage_sends(w: StageWiring, outputs: Sequence[Any], received: Sequence[Any])
     return tuple(outputs[i] if kind == "out" else received[i] for kind, i in w.sends)
 
 
-def loss_weights(reduction: int, counter: Callable[..., torch.Tensor] | None, tensors: Sequence[torch.Tensor],
-                 microbatches: int) -> torch.Tensor:
+def loss_weights(
+    reduction: int, counter: Callable[..., torch.Tensor] | None, tensors: Sequence[torch.Tensor], microbatches: int
+) -> torch.Tensor:
     """Per micro-batch, the factor on its loss such that the schedule's mean over micro-batches is the whole
     batch's loss: M * count_i / count for a mean over counted targets, M for a sum, else 1."""
     if reduction == SUM:

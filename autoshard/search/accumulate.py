@@ -24,26 +24,34 @@ from autoshard.compiler.context import PlanningCache
 from autoshard.config import PlanConfig
 from autoshard.errors import InfeasibleBudget, RankFailed
 from autoshard.inputs import Call, signature_of
+from autoshard.messages import warn
 from autoshard.notation import describe, format_bytes
+from autoshard.plans.plan import Plan, RecipeSummary
 from autoshard.runtime.accumulate import Accumulation, accumulated_plan, batched_inputs, loss_weighting, micro_example
 from autoshard.runtime.lazy import DATA_PARALLEL_NAMES
-from autoshard.plans.plan import Plan, RecipeSummary
 from autoshard.search.planned import Planned
 from autoshard.search.recompute import plan_graph
 from autoshard.search.sample_coupling import Coupling, coupling
 from autoshard.solver.recipes import recipe_placements
-from autoshard.messages import warn
 
 log = logging.getLogger(__name__)
 
 Caches = dict[int, PlanningCache]  # the planning cache of each micro-batch count (one example shape each)
 
 
-def plan_accumulated(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
-                     config: PlanConfig, real_group: bool, microbatches: int | None, weigh_next: bool = False,
-                     progress: Any = None, caches: Caches | None = None,
-                     recipes_known: Callable[[tuple[RecipeSummary, ...]], None] | None = None
-                     ) -> tuple[Planned, Accumulation | None]:
+def plan_accumulated(
+    model: nn.Module,
+    inputs: tuple | dict | Call,
+    mesh: DeviceMesh,
+    cluster: ClusterProfile,
+    config: PlanConfig,
+    real_group: bool,
+    microbatches: int | None,
+    weigh_next: bool = False,
+    progress: Any = None,
+    caches: Caches | None = None,
+    recipes_known: Callable[[tuple[RecipeSummary, ...]], None] | None = None,
+) -> tuple[Planned, Accumulation | None]:
     """The plan of the whole batch, or of one of ``microbatches`` micro-batches (given, or the fewest that fit the
     memory budget when the whole batch does not), with the Accumulation that ``ShardedModule.step`` runs.
     ``weigh_next``: the next count after the fewest that fit is planned too and the faster step kept (the fewest
@@ -57,17 +65,22 @@ def plan_accumulated(model: nn.Module, inputs: tuple | dict | Call, mesh: Device
         if int(microbatches) > 1:
             found_coupling = coupling(found[0], batched_inputs(signature_of(inputs)[1]))
             if found_coupling.mixes:
-                warn(log, "microbatches=%d: this model mixes the samples of its batch before the loss (%s); each "
-                     "micro-batch sees only its own samples, so the step is not the whole batch's", int(microbatches),
-                     found_coupling.mixes)
+                warn(
+                    log,
+                    "microbatches=%d: this model mixes the samples of its batch before the loss (%s); each "
+                    "micro-batch sees only its own samples, so the step is not the whole batch's",
+                    int(microbatches),
+                    found_coupling.mixes,
+                )
             else:
                 _warn_unknown(found_coupling, int(microbatches))
         return found
     if config.memory_budget is None:
         return plan_micro(model, inputs, mesh, cluster, config, real_group, 1, progress, caches)
-    whole_plan, whole = _agreed(real_group,
-                                lambda: plan_micro(model, inputs, mesh, cluster, config, real_group, 1, progress,
-                                                   caches, recipes_known))
+    whole_plan, whole = _agreed(
+        real_group,
+        lambda: plan_micro(model, inputs, mesh, cluster, config, real_group, 1, progress, caches, recipes_known),
+    )
     if whole is None:
         if weigh_next and _recomputes(whole_plan[0].plan):
             return _accumulate_instead(model, inputs, mesh, cluster, config, real_group, whole_plan, progress, caches)
@@ -80,8 +93,9 @@ def plan_accumulated(model: nn.Module, inputs: tuple | dict | Call, mesh: Device
             tried.append(f"{k}: at least {format_bytes(floor)}")
             least = int(floor) if least is None or floor < least else least
             continue
-        found, err = _agreed(real_group, lambda k=k: plan_micro(model, inputs, mesh, cluster, config, real_group, k,
-                                                                progress, caches))
+        found, err = _agreed(
+            real_group, lambda k=k: plan_micro(model, inputs, mesh, cluster, config, real_group, k, progress, caches)
+        )
         if err is not None:
             tried.append(f"{k}: {format_bytes(err.least_bytes) if err.least_bytes else 'none fits'}")
             least = err.least_bytes if err.least_bytes and (least is None or err.least_bytes < least) else least
@@ -99,20 +113,30 @@ def plan_accumulated(model: nn.Module, inputs: tuple | dict | Call, mesh: Device
                 f"mixes the samples of its batch before the loss: {mixed}; each micro-batch would see only its own "
                 f"samples, which is not the model's training step. Raise the budget, use more devices or a smaller "
                 f"batch, or pass microbatches={k} to train on micro-batch statistics knowingly",
-                least, accumulation=f"{k} micro-batches would fit, but the model mixes the samples of its batch "
+                least,
+                accumulation=f"{k} micro-batches would fit, but the model mixes the samples of its batch "
                 f"before the loss: {mixed} (microbatches={k}, --microbatches {k}, trains on micro-batch statistics "
-                "knowingly)") from whole
+                "knowingly)",
+            ) from whole
         _warn_unknown(found_coupling, k)
-        log.info("plan: the whole batch does not fit memory_budget=%s (%s); gradient accumulation over %d "
-                 "micro-batches fits (predicted peak %s per device)", format_bytes(config.memory_budget),
-                 whole, k, format_bytes(peak))
+        log.info(
+            "plan: the whole batch does not fit memory_budget=%s (%s); gradient accumulation over %d "
+            "micro-batches fits (predicted peak %s per device)",
+            format_bytes(config.memory_budget),
+            whole,
+            k,
+            format_bytes(peak),
+        )
         if weigh_next:
             found = _faster_of(found, _next_fit(model, inputs, mesh, cluster, config, real_group, k, progress, caches))
         return found
     smallest = f"; the smallest budget any plan needs is {format_bytes(least)}" if least else ""
     counts = f"micro-batches tried: {'; '.join(tried) or 'none, the batch does not split further'}"
-    raise InfeasibleBudget(f"{str(whole).rstrip('.')}. Gradient accumulation did not fit either ({counts}){smallest}",
-                           least, accumulation=counts) from whole
+    raise InfeasibleBudget(
+        f"{str(whole).rstrip('.')}. Gradient accumulation did not fit either ({counts}){smallest}",
+        least,
+        accumulation=counts,
+    ) from whole
 
 
 def _warn_unknown(found: Coupling, k: int) -> None:
@@ -120,18 +144,32 @@ def _warn_unknown(found: Coupling, k: int) -> None:
     some ops (``Coupling.unknown``): whether those keep the samples apart is not known."""
     if found.unknown:
         more = f" and {len(found.unknown) - 1} more" if len(found.unknown) > 1 else ""
-        warn(log, "gradient accumulation over %d micro-batches: the batch could not be followed through %s%s; "
-             "accumulation assumes they keep the samples of the batch apart (no op found to mix them). If one "
-             "does mix them, raise the memory budget or pass microbatches=1", k, found.unknown[0], more)
+        warn(
+            log,
+            "gradient accumulation over %d micro-batches: the batch could not be followed through %s%s; "
+            "accumulation assumes they keep the samples of the batch apart (no op found to mix them). If one "
+            "does mix them, raise the memory budget or pass microbatches=1",
+            k,
+            found.unknown[0],
+            more,
+        )
 
 
 def _recomputes(plan: Plan) -> bool:
     return bool(plan.recompute or plan.recompute_layers)
 
 
-def _accumulate_instead(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
-                        config: PlanConfig, real_group: bool, whole: tuple[Planned, Accumulation | None],
-                        progress: Any = None, caches: Caches | None = None) -> tuple[Planned, Accumulation | None]:
+def _accumulate_instead(
+    model: nn.Module,
+    inputs: tuple | dict | Call,
+    mesh: DeviceMesh,
+    cluster: ClusterProfile,
+    config: PlanConfig,
+    real_group: bool,
+    whole: tuple[Planned, Accumulation | None],
+    progress: Any = None,
+    caches: Caches | None = None,
+) -> tuple[Planned, Accumulation | None]:
     """The whole batch fits only by recomputing: micro-batches are the other way to hold fewer activations at once.
     Plan 2, 4, ... micro-batches while each fits, is faster than the best so far and the one before still
     recomputes; keep the fastest. Not where the model mixes its samples (accumulation would change the step)."""
@@ -139,13 +177,20 @@ def _accumulate_instead(model: nn.Module, inputs: tuple | dict | Call, mesh: Dev
     for k in _microbatch_counts(inputs, mesh, config):
         floor = _unbudgeted_floor(model, inputs, mesh, cluster, config, real_group, k, caches)
         if floor * (1.0 - FLOOR_SLACK) >= best[0].plan.step_time_s - 1e-12:
-            log.info("plan: %d micro-batches cannot step faster than %.6f s (within %.0f%%) even without a memory "
-                     "budget, not faster than %d recomputing %s (%.6f s); not planned", k, floor, FLOOR_SLACK * 100,
-                     best[0].plan.microbatches, describe(best[0].plan.recompute_layers) or "every layer",
-                     best[0].plan.step_time_s)
+            log.info(
+                "plan: %d micro-batches cannot step faster than %.6f s (within %.0f%%) even without a memory "
+                "budget, not faster than %d recomputing %s (%.6f s); not planned",
+                k,
+                floor,
+                FLOOR_SLACK * 100,
+                best[0].plan.microbatches,
+                describe(best[0].plan.recompute_layers) or "every layer",
+                best[0].plan.step_time_s,
+            )
             break
-        found, err = _agreed(real_group, lambda k=k: plan_micro(model, inputs, mesh, cluster, config, real_group, k,
-                                                                progress, caches))
+        found, err = _agreed(
+            real_group, lambda k=k: plan_micro(model, inputs, mesh, cluster, config, real_group, k, progress, caches)
+        )
         if err is not None or found[0].plan.peak_memory.total > config.memory_budget:
             break
         if found[0].plan.step_time_s >= best[0].plan.step_time_s - 1e-12:
@@ -153,10 +198,16 @@ def _accumulate_instead(model: nn.Module, inputs: tuple | dict | Call, mesh: Dev
         found_coupling = coupling(found[0], batched_inputs(signature_of(inputs)[1]))
         if found_coupling.mixes is not None or found_coupling.unknown:
             break  # (the whole batch fits: no accumulation whose step is not the batch's, nor one unknown)
-        log.info("plan: %d micro-batches step in %.6f s (%s), faster than %d recomputing %s (%.6f s); keeping %d",
-                 k, found[0].plan.step_time_s, describe(found[0].plan.recompute_layers) or "nothing recomputed",
-                 best[0].plan.microbatches, describe(best[0].plan.recompute_layers) or "every layer",
-                 best[0].plan.step_time_s, k)
+        log.info(
+            "plan: %d micro-batches step in %.6f s (%s), faster than %d recomputing %s (%.6f s); keeping %d",
+            k,
+            found[0].plan.step_time_s,
+            describe(found[0].plan.recompute_layers) or "nothing recomputed",
+            best[0].plan.microbatches,
+            describe(best[0].plan.recompute_layers) or "every layer",
+            best[0].plan.step_time_s,
+            k,
+        )
         best = found
         if not _recomputes(found[0].plan):
             break
@@ -171,8 +222,16 @@ def _accumulate_instead(model: nn.Module, inputs: tuple | dict | Call, mesh: Dev
 FLOOR_SLACK = 0.03
 
 
-def _unbudgeted_floor(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
-                      config: PlanConfig, real_group: bool, k: int, caches: Caches | None) -> float:
+def _unbudgeted_floor(
+    model: nn.Module,
+    inputs: tuple | dict | Call,
+    mesh: DeviceMesh,
+    cluster: ClusterProfile,
+    config: PlanConfig,
+    real_group: bool,
+    k: int,
+    caches: Caches | None,
+) -> float:
     """A floor on the step of any plan of ``k`` micro-batches under the budget: the step of the plan of ``k``
     with no budget, nothing recomputed and no recipe solved alongside, at its solver's bound (a budget only
     removes choices, and recomputation only adds time), up to the objective's pricing (``FLOOR_SLACK``). One
@@ -182,8 +241,9 @@ def _unbudgeted_floor(model: nn.Module, inputs: tuple | dict | Call, mesh: Devic
     if held is not None:
         free.captured = held.captured
     relaxed = dataclasses.replace(config, memory_budget=None, solve_recipes=False, recompute=())
-    found, _ = _agreed(real_group, lambda: plan_micro(model, inputs, mesh, cluster, relaxed, real_group, k,
-                                                      caches={k: free}))
+    found, _ = _agreed(
+        real_group, lambda: plan_micro(model, inputs, mesh, cluster, relaxed, real_group, k, caches={k: free})
+    )
     if caches is not None and free.captured is not None:
         kept = caches.setdefault(k, PlanningCache())
         kept.captured = kept.captured or free.captured
@@ -193,27 +253,42 @@ def _unbudgeted_floor(model: nn.Module, inputs: tuple | dict | Call, mesh: Devic
     return one.step_time_s * (1.0 - min(max(one.solver.gap, 0.0), 1.0))
 
 
-def _next_fit(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
-              config: PlanConfig, real_group: bool, k: int, progress: Any = None, caches: Caches | None = None
-              ) -> tuple[Planned, Accumulation | None] | None:
+def _next_fit(
+    model: nn.Module,
+    inputs: tuple | dict | Call,
+    mesh: DeviceMesh,
+    cluster: ClusterProfile,
+    config: PlanConfig,
+    real_group: bool,
+    k: int,
+    progress: Any = None,
+    caches: Caches | None = None,
+) -> tuple[Planned, Accumulation | None] | None:
     """The plan of the next micro-batch count after ``k`` when one exists and it fits the budget, else None."""
     later = [n for n in _microbatch_counts(inputs, mesh, config) if n > k]
     if not later:
         return None
-    found, err = _agreed(real_group, lambda: plan_micro(model, inputs, mesh, cluster, config, real_group, later[0],
-                                                        progress, caches))
+    found, err = _agreed(
+        real_group, lambda: plan_micro(model, inputs, mesh, cluster, config, real_group, later[0], progress, caches)
+    )
     if err is not None or found[0].plan.peak_memory.total > config.memory_budget:
         return None
     return found
 
 
-def _faster_of(first: tuple[Planned, Accumulation | None], other: tuple[Planned, Accumulation | None] | None
-               ) -> tuple[Planned, Accumulation | None]:
+def _faster_of(
+    first: tuple[Planned, Accumulation | None], other: tuple[Planned, Accumulation | None] | None
+) -> tuple[Planned, Accumulation | None]:
     if other is None or other[0].plan.step_time_s >= first[0].plan.step_time_s:
         return first
-    log.info("plan: %d micro-batches step in %.6f s, faster than %d (%.6f s); keeping %d",
-             other[0].plan.microbatches, other[0].plan.step_time_s, first[0].plan.microbatches,
-             first[0].plan.step_time_s, other[0].plan.microbatches)
+    log.info(
+        "plan: %d micro-batches step in %.6f s, faster than %d (%.6f s); keeping %d",
+        other[0].plan.microbatches,
+        other[0].plan.step_time_s,
+        first[0].plan.microbatches,
+        first[0].plan.step_time_s,
+        other[0].plan.microbatches,
+    )
     return other
 
 
@@ -240,19 +315,45 @@ def _agreed(real_group: bool, attempt: Callable[[], Any]) -> tuple[Any, Infeasib
     return result, None
 
 
-def plan_micro(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
-               config: PlanConfig, real_group: bool, k: int, progress: Any = None, caches: Caches | None = None,
-               recipes_known: Callable[[tuple[RecipeSummary, ...]], None] | None = None
-               ) -> tuple[Planned, Accumulation | None]:
+def plan_micro(
+    model: nn.Module,
+    inputs: tuple | dict | Call,
+    mesh: DeviceMesh,
+    cluster: ClusterProfile,
+    config: PlanConfig,
+    real_group: bool,
+    k: int,
+    progress: Any = None,
+    caches: Caches | None = None,
+    recipes_known: Callable[[tuple[RecipeSummary, ...]], None] | None = None,
+) -> tuple[Planned, Accumulation | None]:
     """Plan one of ``k`` micro-batches of ``inputs``; the plan says ``microbatches=k``. ``caches``: the capture of
     each count, kept for the next plan of the same count; ``recipes_known``: as ``plan_graph``'s."""
     cache = caches.setdefault(k, PlanningCache()) if caches is not None else None
     if k == 1:
-        return plan_graph(model, inputs, mesh, cluster, config, real_group, progress=progress, cache=cache,
-                          recipes_known=recipes_known), None
+        return plan_graph(
+            model,
+            inputs,
+            mesh,
+            cluster,
+            config,
+            real_group,
+            progress=progress,
+            cache=cache,
+            recipes_known=recipes_known,
+        ), None
     sig, tensors = signature_of(inputs)
-    one = plan_graph(model, micro_example(sig, tensors, k), mesh, cluster, config, real_group, progress=progress,
-                     cache=cache, recipes_known=recipes_known)
+    one = plan_graph(
+        model,
+        micro_example(sig, tensors, k),
+        mesh,
+        cluster,
+        config,
+        real_group,
+        progress=progress,
+        cache=cache,
+        recipes_known=recipes_known,
+    )
     weighting = loss_weighting(one.graph, one.ctx.output_roles)
     return one.with_plan(accumulated_plan(one.plan, k)), Accumulation(k, batched_inputs(tensors), weighting)
 
@@ -273,8 +374,9 @@ def _microbatch_counts(inputs: tuple | dict | Call, mesh: DeviceMesh, config: Pl
         split = math.prod(s for p, s in zip(pinned, mesh.shape) if isinstance(p, Shard) and p.dim == 0)
         if config.recipe is not None and t.dim():  # a recipe splits the batch its own way (ddp: over every axis)
             target, _ = recipe_placements(config.recipe, "", "input", "", tuple(t.shape), tuple(mesh.shape))
-            split = math.lcm(max(split, 1), math.prod(s for p, s in zip(target, mesh.shape)
-                                                      if isinstance(p, Shard) and p.dim == 0))
+            split = math.lcm(
+                max(split, 1), math.prod(s for p, s in zip(target, mesh.shape) if isinstance(p, Shard) and p.dim == 0)
+            )
         need.append((t.shape[0], max(split, 1), dp))
     out, k = [], 2
     while all(b // k >= 1 for b, _, _ in need):

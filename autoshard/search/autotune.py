@@ -37,11 +37,11 @@ import torch.fx as fx
 from autoshard.compiler.context import PassContext
 from autoshard.compiler.solve import annotate
 from autoshard.compiler.solve_memory import solve_within
+from autoshard.errors import InfeasibleBudget, InputError, SolverTimeout
+from autoshard.messages import warn
 from autoshard.plans.plan import Plan, RecipeSummary
 from autoshard.search.planned import Planned, build_plan
 from autoshard.solver.intra_op import Solution
-from autoshard.errors import InfeasibleBudget, InputError, SolverTimeout
-from autoshard.messages import warn
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,9 @@ def cache_file(plan: Plan, k: int, backend: str) -> Path:
 def _face(ctx: PassContext, sol: Solution) -> dict[int, int]:
     """The choice of the parameter and input groups: what makes two plans distinct for timing."""
     canon = ctx.layer_of_group or {}
-    return {g.id: sol.choice[g.id] for g in ctx.groups
-            if g.kind in ("parameter", "input") and canon.get(g.id, g.id) == g.id}
+    return {
+        g.id: sol.choice[g.id] for g in ctx.groups if g.kind in ("parameter", "input") and canon.get(g.id, g.id) == g.id
+    }
 
 
 def candidates(gm: fx.GraphModule, ctx: PassContext, plan: Plan, k: int) -> list[tuple[str, Plan]]:
@@ -69,9 +70,16 @@ def candidates(gm: fx.GraphModule, ctx: PassContext, plan: Plan, k: int) -> list
     seen = [_face(ctx, ctx.solution)]
     for i in range(2, k + 1):
         try:
-            sol = solve_within(gm, ctx, ctx.config.memory_budget, time_limit_s=ctx.config.time_limit_s,
-                               num_workers=ctx.config.num_workers, seed=ctx.config.seed, what=f"plan #{i}",
-                               exclude=seen)
+            sol = solve_within(
+                gm,
+                ctx,
+                ctx.config.memory_budget,
+                time_limit_s=ctx.config.time_limit_s,
+                num_workers=ctx.config.num_workers,
+                seed=ctx.config.seed,
+                what=f"plan #{i}",
+                exclude=seen,
+            )
         except (InfeasibleBudget, SolverTimeout, ValueError) as e:
             log.info("autotune: no plan #%d (%s)", i, e)
             break
@@ -86,8 +94,9 @@ def candidates(gm: fx.GraphModule, ctx: PassContext, plan: Plan, k: int) -> list
     return out
 
 
-def _add(out: list[tuple[str, Plan]], name: str, gm: fx.GraphModule, ctx: PassContext, sol: Solution,
-         recipe: str = "") -> None:
+def _add(
+    out: list[tuple[str, Plan]], name: str, gm: fx.GraphModule, ctx: PassContext, sol: Solution, recipe: str = ""
+) -> None:
     """``sol``'s plan appended to ``out`` as candidate ``name``; a candidate whose plan cannot be made (a move no
     collective makes: the integer program forbids those, so this is a bug to report) is dropped with a warning
     naming it and the move, and the others are timed."""
@@ -95,8 +104,12 @@ def _add(out: list[tuple[str, Plan]], name: str, gm: fx.GraphModule, ctx: PassCo
     try:
         out.append((name, build_plan(gm, ctx, sol, recipe=recipe)))
     except InputError as e:
-        warn(log, "autotune: candidate %s dropped, its plan cannot be made (%s); please report this model", name,
-             str(e)[:300])
+        warn(
+            log,
+            "autotune: candidate %s dropped, its plan cannot be made (%s); please report this model",
+            name,
+            str(e)[:300],
+        )
 
 
 def _call(sharded: Any, inputs: Any) -> torch.Tensor:
@@ -143,9 +156,15 @@ def _from_rank0(real_group: bool, value: Any) -> Any:
     return box[0]
 
 
-def autotune(model: torch.nn.Module, inputs: Any, k: int, backend: str, real_group: bool,
-             plan_graph: Callable[[], Planned],
-             compile_plan: Callable[[torch.nn.Module, Plan], Any]) -> Any:
+def autotune(
+    model: torch.nn.Module,
+    inputs: Any,
+    k: int,
+    backend: str,
+    real_group: bool,
+    plan_graph: Callable[[], Planned],
+    compile_plan: Callable[[torch.nn.Module, Plan], Any],
+) -> Any:
     """The module of the fastest candidate, compiled on ``model`` (see the module docstring). ``plan_graph()``
     plans the program; ``compile_plan(module, plan)`` compiles a saved plan on a module."""
     if k < 1:
@@ -173,13 +192,21 @@ def autotune(model: torch.nn.Module, inputs: Any, k: int, backend: str, real_gro
         trials.append((name, cand, measured, peak))
     name, best, measured, peak = min(trials, key=lambda t: t[2])
     others = {b.name: b for b in best.recipes or plan.recipes}
-    summary = tuple(dataclasses.replace(others[n], measured_s=m, measured_peak_bytes=pk) if n in others else
-                    RecipeSummary(n, c.step_time_s, c.peak_memory.total, True, "autotune candidate", m,
-                                  measured_peak_bytes=pk)
-                    for n, c, m, pk in trials if n != name)
+    summary = tuple(
+        dataclasses.replace(others[n], measured_s=m, measured_peak_bytes=pk)
+        if n in others
+        else RecipeSummary(n, c.step_time_s, c.peak_memory.total, True, "autotune candidate", m, measured_peak_bytes=pk)
+        for n, c, m, pk in trials
+        if n != name
+    )
     chosen = dataclasses.replace(best, recipes=summary, measured_s=measured, measured_peak_bytes=peak)
-    log.info("autotune: %s is the fastest of %d candidates (%.3f ms per step measured); %.1f s of autotuning",
-             name, len(trials), measured * 1e3, time.perf_counter() - t0)
+    log.info(
+        "autotune: %s is the fastest of %d candidates (%.3f ms per step measured); %.1f s of autotuning",
+        name,
+        len(trials),
+        measured * 1e3,
+        time.perf_counter() - t0,
+    )
     if not real_group or dist.get_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(chosen.to_json())
@@ -188,8 +215,13 @@ def autotune(model: torch.nn.Module, inputs: Any, k: int, backend: str, real_gro
 
 def _with_trials(sharded: Any, chosen: Plan) -> Any:
     """The compiled module's plan (rebuilt from ``chosen``'s choices) with ``chosen``'s measurements."""
-    sharded.plan = dataclasses.replace(sharded.plan, recipes=chosen.recipes, measured_s=chosen.measured_s,
-                                       recipe=chosen.recipe, measured_peak_bytes=chosen.measured_peak_bytes)
+    sharded.plan = dataclasses.replace(
+        sharded.plan,
+        recipes=chosen.recipes,
+        measured_s=chosen.measured_s,
+        recipe=chosen.recipe,
+        measured_peak_bytes=chosen.measured_peak_bytes,
+    )
     return sharded
 
 

@@ -31,6 +31,7 @@ from autoshard.cluster.profile import ClusterProfile
 from autoshard.compiler.capture_layers import copy_graph
 from autoshard.compiler.capture_recompute import replay_time
 from autoshard.compiler.context import PassContext, PlanningCache
+from autoshard.compiler.plan_collectives import plan_collectives, weight_of
 from autoshard.compiler.runner import PLANNING, run_passes
 from autoshard.compiler.solve import annotate, problem_of
 from autoshard.compiler.solve_reuse import program_fingerprint
@@ -39,7 +40,6 @@ from autoshard.cost.memory import GraphWalk, graph_walk, temporaries, transients
 from autoshard.ir import is_frozen
 from autoshard.notation import describe, placements_tuple
 from autoshard.plans.explain import headline
-from autoshard.compiler.plan_collectives import plan_collectives, weight_of
 from autoshard.plans.plan import (
     MemoryBreakdown,
     MeshSpec,
@@ -75,8 +75,13 @@ def _dtype(v: torch.Tensor) -> str:
     return str(v.dtype).replace("torch.", "")
 
 
-def build_plan(gm: fx.GraphModule, ctx: PassContext, solution: Solution | None = None, recipe: str = "",
-               walk: GraphWalk | None = None) -> Plan:
+def build_plan(
+    gm: fx.GraphModule,
+    ctx: PassContext,
+    solution: Solution | None = None,
+    recipe: str = "",
+    walk: GraphWalk | None = None,
+) -> Plan:
     """The Plan value of a solved graph: layouts, decisions, collectives, predicted time and memory.
 
     ``solution`` (default ``ctx.solution``) must be the one written onto the nodes (``compiler/solve.py: annotate``);
@@ -93,9 +98,19 @@ def build_plan(gm: fx.GraphModule, ctx: PassContext, solution: Solution | None =
             continue
         v = n.meta["val"]
         sh = n.meta["autoshard"]
-        tensors.append(TensorLayout(role.name, role.kind, tuple(v.shape), _dtype(v), placements_tuple(sh.outputs[0]),
-                                    placements_tuple(sh.grad) if sh.state is not None else (), placements_tuple(sh.state), sh.offload,
-                                    frozen=is_frozen(n)))
+        tensors.append(
+            TensorLayout(
+                role.name,
+                role.kind,
+                tuple(v.shape),
+                _dtype(v),
+                placements_tuple(sh.outputs[0]),
+                placements_tuple(sh.grad) if sh.state is not None else (),
+                placements_tuple(sh.state),
+                sh.offload,
+                frozen=is_frozen(n),
+            )
+        )
     ops = []
     compute = 0.0
     params = grads = opt = acts = host = offload_s = 0.0
@@ -173,7 +188,9 @@ def build_plan(gm: fx.GraphModule, ctx: PassContext, solution: Solution | None =
         sampled_layers=sampled,
         recompute=bool(ctx.config.recompute),
         recompute_layers=ctx.config.recompute,
-        recompute_s=replay_time(gm, ctx.mesh_shape, ctx.cluster.device, ctx.group_weight) if ctx.config.recompute else 0.0,
+        recompute_s=replay_time(gm, ctx.mesh_shape, ctx.cluster.device, ctx.group_weight)
+        if ctx.config.recompute
+        else 0.0,
         **ctx.config.precision_fields,
         fingerprint=program_fingerprint(gm, ctx),
     )
@@ -192,8 +209,18 @@ def recipe_summaries(gm: fx.GraphModule, ctx: PassContext, against: Plan | None 
         p = build_plan(gm, ctx, r.solution, recipe=r.name, walk=walk)
         differences = headline(against, p) if against is not None else ()
         m = p.peak_memory
-        out.append(RecipeSummary(r.name, p.step_time_s, m.total, r.fits, r.note, differences=differences,
-                                 recompute=describe(ctx.config.recompute), state_bytes=m.state))
+        out.append(
+            RecipeSummary(
+                r.name,
+                p.step_time_s,
+                m.total,
+                r.fits,
+                r.note,
+                differences=differences,
+                recompute=describe(ctx.config.recompute),
+                state_bytes=m.state,
+            )
+        )
     annotate(gm, ctx)
     return tuple(out)
 
@@ -210,10 +237,18 @@ def _keep_faster_recipe(plan: Plan, gm: fx.GraphModule, ctx: PassContext) -> Pla
         return plan
     best = min(faster, key=lambda s: s.step_time_s)
     kept = next(r for r in ctx.recipes if r.name == best.name)
-    log.info("plan: the %s recipe's layouts step in %.6f s, the solved plan's in %.6f s; keeping the recipe's",
-             best.name, best.step_time_s, plan.step_time_s)
-    ctx.solution = dataclasses.replace(kept.solution, status=f"{ctx.solution.status}, {best.name} kept",
-                                       bound_s=ctx.solution.bound_s, variables=ctx.solution.variables)
+    log.info(
+        "plan: the %s recipe's layouts step in %.6f s, the solved plan's in %.6f s; keeping the recipe's",
+        best.name,
+        best.step_time_s,
+        plan.step_time_s,
+    )
+    ctx.solution = dataclasses.replace(
+        kept.solution,
+        status=f"{ctx.solution.status}, {best.name} kept",
+        bound_s=ctx.solution.bound_s,
+        variables=ctx.solution.variables,
+    )
     annotate(gm, ctx)
     kept_plan = build_plan(gm, ctx, recipe="")
     return dataclasses.replace(kept_plan, recipes=recipe_summaries(gm, ctx, against=kept_plan))
@@ -250,20 +285,37 @@ def _solved(model: nn.Module, ctx: PassContext) -> tuple[fx.GraphModule, PassCon
             cache.prepared[key][1].problem = ctx.problem
         return gm, ctx
     gm0, ctx0 = cache.prepared[key]
-    ctx = dataclasses.replace(ctx0, config=ctx.config, broadcast_solution=ctx.broadcast_solution,
-                              progress=ctx.progress, timings={}, stats=dict(ctx0.stats), solution=None, recipes=[])
+    ctx = dataclasses.replace(
+        ctx0,
+        config=ctx.config,
+        broadcast_solution=ctx.broadcast_solution,
+        progress=ctx.progress,
+        timings={},
+        stats=dict(ctx0.stats),
+        solution=None,
+        recipes=[],
+    )
     return run_passes(copy_graph(gm0), ctx, "solve", PLANNING[1]), ctx
 
 
-def prepare_once(model: nn.Module, example_inputs: Sequence[Any], mesh: DeviceMesh, cluster: ClusterProfile,
-                 config: PlanConfig, cache: PlanningCache, *, stage: bool = False) -> None:
+def prepare_once(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    mesh: DeviceMesh,
+    cluster: ClusterProfile,
+    config: PlanConfig,
+    cache: PlanningCache,
+    *,
+    stage: bool = False,
+) -> None:
     """The passes capture .. strategies and the integer program of ``config``'s recomputation tagging, kept in
     ``cache.prepared`` for the attempts that solve it (``_solved``) without solving it here: so that processes
     forked next (the recipes planned alone) find it built, as this process does."""
     if tuple(config.recompute) in cache.prepared:
         return
-    ctx = PassContext(mesh=mesh, cluster=cluster, config=config, stage=stage, example_inputs=example_inputs,
-                      cache=cache)
+    ctx = PassContext(
+        mesh=mesh, cluster=cluster, config=config, stage=stage, example_inputs=example_inputs, cache=cache
+    )
     with _collector_paused():
         gm = run_passes(model, ctx, PLANNING[0], "strategies")
         kept = dataclasses.replace(ctx, stats=dict(ctx.stats), timings={})
@@ -271,23 +323,43 @@ def prepare_once(model: nn.Module, example_inputs: Sequence[Any], mesh: DeviceMe
         cache.prepared[tuple(config.recompute)] = (copy_graph(gm), kept)
 
 
-def plan_once(model: nn.Module, example_inputs: Sequence[Any], mesh: DeviceMesh, cluster: ClusterProfile,
-              config: PlanConfig, *, broadcast_solution: bool = False, progress: Any = None, stage: bool = False,
-              cache: PlanningCache | None = None) -> Planned:
+def plan_once(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    mesh: DeviceMesh,
+    cluster: ClusterProfile,
+    config: PlanConfig,
+    *,
+    broadcast_solution: bool = False,
+    progress: Any = None,
+    stage: bool = False,
+    cache: PlanningCache | None = None,
+) -> Planned:
     """The planning passes once on ``model`` under ``config``; ``stage=True`` plans a pipeline stage (tensor
     outputs, input gradients; see capture)."""
     t0 = time.perf_counter()
-    ctx = PassContext(mesh=mesh, cluster=cluster, config=config, broadcast_solution=broadcast_solution,
-                      progress=progress, stage=stage, example_inputs=example_inputs, cache=cache)
+    ctx = PassContext(
+        mesh=mesh,
+        cluster=cluster,
+        config=config,
+        broadcast_solution=broadcast_solution,
+        progress=progress,
+        stage=stage,
+        example_inputs=example_inputs,
+        cache=cache,
+    )
     with _collector_paused():
         gm, ctx = _solved(model, ctx)
         ctx.cache = None  # (shared with the other attempts only while planning: a Planned does not hold it)
         plan = build_plan(gm, ctx, recipe=ctx.config.recipe or "")
         if ctx.recipes:
-            plan = _keep_faster_recipe(dataclasses.replace(plan, recipes=recipe_summaries(gm, ctx, against=plan)),
-                                       gm, ctx)
+            plan = _keep_faster_recipe(
+                dataclasses.replace(plan, recipes=recipe_summaries(gm, ctx, against=plan)), gm, ctx
+            )
     ctx.timings["total"] = time.perf_counter() - t0
-    log.info("plan: predicted step %.6f s, %s", plan.step_time_s, ", ".join(f"{k} {v:.2f}s" for k, v in ctx.timings.items()))
+    log.info(
+        "plan: predicted step %.6f s, %s", plan.step_time_s, ", ".join(f"{k} {v:.2f}s" for k, v in ctx.timings.items())
+    )
     return Planned(plan, gm, ctx)
 
 

@@ -36,7 +36,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -57,21 +56,39 @@ log = logging.getLogger(__name__)
 Found = tuple[Planned, Accumulation | None]
 
 
-def plan_flat(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
-              config: PlanConfig, real_group: bool, microbatches: int | None, weigh_next: bool = False,
-              progress: Any = None) -> Found:
+def plan_flat(
+    model: nn.Module,
+    inputs: tuple | dict | Call,
+    mesh: DeviceMesh,
+    cluster: ClusterProfile,
+    config: PlanConfig,
+    real_group: bool,
+    microbatches: int | None,
+    weigh_next: bool = False,
+    progress: Any = None,
+) -> Found:
     """The plan of ``model`` on ``mesh`` (no pipeline stages) with its Accumulation, never slower than any recipe
     planned alone; its ``recipes`` priced as they run alone (see the module docstring)."""
     caches: Caches = {}
     if config.recipe is not None or not config.solve_recipes or config.memory_budget is None:
-        return plan_accumulated(model, inputs, mesh, cluster, config, real_group, microbatches, weigh_next, progress,
-                                caches)
+        return plan_accumulated(
+            model, inputs, mesh, cluster, config, real_group, microbatches, weigh_next, progress, caches
+        )
     budget = config.memory_budget
 
     def one(name: str) -> Found:
-        return plan_accumulated(model, inputs, mesh, cluster, dataclasses.replace(config, recipe=name,
-                                                                                  solve_recipes=False),
-                                real_group, microbatches, weigh_next, None, caches)
+        return plan_accumulated(
+            model,
+            inputs,
+            mesh,
+            cluster,
+            dataclasses.replace(config, recipe=name, solve_recipes=False),
+            real_group,
+            microbatches,
+            weigh_next,
+            None,
+            caches,
+        )
 
     # the recipes' searches start in side processes as soon as the whole batch's recipes are known, while the
     # plan's own search goes on; they are kept only when the plan's recipes turn out to be those (the whole batch
@@ -85,8 +102,19 @@ def plan_flat(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, c
             early.start(_wanted(recipes, budget)[1])
 
     try:
-        first = plan_accumulated(model, inputs, mesh, cluster, config, real_group, microbatches, weigh_next,
-                                 progress, caches, recipes_known=known)
+        first = plan_accumulated(
+            model,
+            inputs,
+            mesh,
+            cluster,
+            config,
+            real_group,
+            microbatches,
+            weigh_next,
+            progress,
+            caches,
+            recipes_known=known,
+        )
         rows, wanted = _wanted(first[0].plan.recipes, budget)
         if guessed and early.names == wanted:  # (what each search finds does not depend on when it started)
             outcomes = early.results()
@@ -99,8 +127,13 @@ def plan_flat(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, c
     for name, got in outcomes.items():
         if isinstance(got, InfeasibleBudget):
             log.info("plan: recipe %s alone does not fit the budget: %s", name, got)
-            rows[name] = dataclasses.replace(rows[name], fits=False, note=_join(
-                rows[name].note, "does not fit the budget with any recomputation or micro-batch count tried"))
+            rows[name] = dataclasses.replace(
+                rows[name],
+                fits=False,
+                note=_join(
+                    rows[name].note, "does not fit the budget with any recomputation or micro-batch count tried"
+                ),
+            )
         else:
             alone[name] = got
     best = first
@@ -110,13 +143,23 @@ def plan_flat(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, c
         # the plan at the recipe's recomputation and micro-batches: its layouts include the recipe's
         again = _free_at(model, inputs, mesh, cluster, config, real_group, got.plan, caches)
         if again is not None and _fits(again[0].plan, budget) and _ahead(again[0].plan, best[0].plan):
-            log.info("plan: solved at recipe %s's recomputation (%s) and %d micro-batch(es): %.6f s, ahead of the "
-                     "first search's %.6f s", name, describe(got.plan.recompute_layers) or "none",
-                     got.plan.microbatches, again[0].plan.step_time_s, best[0].plan.step_time_s)
+            log.info(
+                "plan: solved at recipe %s's recomputation (%s) and %d micro-batch(es): %.6f s, ahead of the "
+                "first search's %.6f s",
+                name,
+                describe(got.plan.recompute_layers) or "none",
+                got.plan.microbatches,
+                again[0].plan.step_time_s,
+                best[0].plan.step_time_s,
+            )
             best = again
         if _ahead(got.plan, best[0].plan):
-            log.info("plan: recipe %s planned alone steps in %.6f s, the plan in %.6f s; keeping the recipe's program",
-                     name, got.plan.step_time_s, best[0].plan.step_time_s)
+            log.info(
+                "plan: recipe %s planned alone steps in %.6f s, the plan in %.6f s; keeping the recipe's program",
+                name,
+                got.plan.step_time_s,
+                best[0].plan.step_time_s,
+            )
             found = got.found if got.found is not None else one(name)  # (planned in a side process: again here)
             best = _kept(found, name, best[0].plan)
     plan = best[0].plan
@@ -139,8 +182,9 @@ class Alone:
     found: Found | None = None
 
 
-def each_alone(names: list[str], one: Callable[[str], Found], parallel: bool = True
-               ) -> dict[str, Alone | InfeasibleBudget]:
+def each_alone(
+    names: list[str], one: Callable[[str], Found], parallel: bool = True
+) -> dict[str, Alone | InfeasibleBudget]:
     """``one(name)`` for every name: each in a forked process of its own, as many at a time as there are cores,
     where that is allowed (``parallel``: not on a process group; fork available; not itself a daemon process),
     else one after the other here. A side process sends its Plan back, or its InfeasibleBudget's message."""
@@ -153,8 +197,11 @@ def each_alone(names: list[str], one: Callable[[str], Found], parallel: bool = T
 
 
 def _may_fork() -> bool:
-    return (os.cpu_count() or 1) > 1 and "fork" in multiprocessing.get_all_start_methods() \
+    return (
+        (os.cpu_count() or 1) > 1
+        and "fork" in multiprocessing.get_all_start_methods()
         and not multiprocessing.current_process().daemon
+    )
 
 
 class AloneSearches:
@@ -218,8 +265,9 @@ class AloneSearches:
                 try:
                     status, value = recv.recv()
                 except EOFError:
-                    raise LaunchError(f"the process planning recipe {name} alone died (exit code {proc.exitcode})"
-                                      ) from None
+                    raise LaunchError(
+                        f"the process planning recipe {name} alone died (exit code {proc.exitcode})"
+                    ) from None
                 proc.join()
                 if status == "error":
                     raise LaunchError(f"planning recipe {name} alone failed: {value[0]}", value[1])
@@ -245,9 +293,15 @@ def _wanted(recipes: tuple[RecipeSummary, ...], budget: float) -> tuple[dict[str
         if not row.applies:
             continue
         if row.state_bytes > budget:
-            rows[row.name] = dataclasses.replace(row, fits=False, note=_join(
-                row.note, f"its parameters, gradients and optimizer state alone take {format_bytes(row.state_bytes)} "
-                          f"per device, over the {format_bytes(budget)} budget"))
+            rows[row.name] = dataclasses.replace(
+                row,
+                fits=False,
+                note=_join(
+                    row.note,
+                    f"its parameters, gradients and optimizer state alone take {format_bytes(row.state_bytes)} "
+                    f"per device, over the {format_bytes(budget)} budget",
+                ),
+            )
             continue
         if row.fits and not row.recompute and row.microbatches == 1 and row.peak_memory_bytes <= SLACK * budget:
             continue
@@ -258,12 +312,29 @@ def _wanted(recipes: tuple[RecipeSummary, ...], budget: float) -> tuple[dict[str
 def _row(name: str, p: Plan, first: RecipeSummary, plan: Plan, budget: float) -> RecipeSummary:
     """A recipe's row from its plan alone (``first``: its row from the recipes solved alongside)."""
     m = p.peak_memory
-    return RecipeSummary(name, p.step_time_s, m.total, _fits(p, budget), first.note, differences=headline(plan, p),
-                         recompute=describe(p.recompute_layers), microbatches=p.microbatches, state_bytes=m.state)
+    return RecipeSummary(
+        name,
+        p.step_time_s,
+        m.total,
+        _fits(p, budget),
+        first.note,
+        differences=headline(plan, p),
+        recompute=describe(p.recompute_layers),
+        microbatches=p.microbatches,
+        state_bytes=m.state,
+    )
 
 
-def _free_at(model: nn.Module, inputs: tuple | dict | Call, mesh: DeviceMesh, cluster: ClusterProfile,
-             config: PlanConfig, real_group: bool, recipe: Plan, caches: Caches) -> Found | None:
+def _free_at(
+    model: nn.Module,
+    inputs: tuple | dict | Call,
+    mesh: DeviceMesh,
+    cluster: ClusterProfile,
+    config: PlanConfig,
+    real_group: bool,
+    recipe: Plan,
+    caches: Caches,
+) -> Found | None:
     """The plan solved (layouts free, no recipes alongside) at a recipe's recomputation and micro-batch count."""
     cfg = dataclasses.replace(config, recompute=tuple(recipe.recompute_layers), solve_recipes=False)
     try:

@@ -64,8 +64,17 @@ def plan_graph(
     layers = repeated_layers(model) if config.memory_budget is not None and not stage and not config.recompute else None
     # the attempts below differ only in the recomputation tagged: one capture and one candidate cache serve all
     cache = cache or PlanningCache()
-    once = functools.partial(plan_once, model, example_inputs, mesh, cluster, broadcast_solution=broadcast_solution,
-                             progress=progress, stage=stage, cache=cache)
+    once = functools.partial(
+        plan_once,
+        model,
+        example_inputs,
+        mesh,
+        cluster,
+        broadcast_solution=broadcast_solution,
+        progress=progress,
+        stage=stage,
+        cache=cache,
+    )
     if layers is None or not layers[0]:
         return once(config)
     container, total = layers
@@ -76,8 +85,9 @@ def plan_graph(
         # the recipes are read from the attempts that save everything and that recompute every layer only
         # (``_recipes_of``): the other attempts solve the plan alone
         try:
-            plans.append(once(dataclasses.replace(config, recompute=specs,
-                                                  solve_recipes=config.solve_recipes and recipes)))
+            plans.append(
+                once(dataclasses.replace(config, recompute=specs, solve_recipes=config.solve_recipes and recipes))
+            )
             return plans[-1]
         except InfeasibleBudget as e:
             failed.append(e)
@@ -96,12 +106,20 @@ def plan_graph(
     # the selective plan holds more than the full one and its layout is no faster: planned where the full plan's
     # step less the replays selective recomputation spares is ahead of the plans so far
     sel = None
-    selective = FULL in reps and (full.plan.step_time_s - total * (reps[FULL].full_s - reps[FULL].cheap_s)
-                                  < _fastest(plans))
+    selective = FULL in reps and (
+        full.plan.step_time_s - total * (reps[FULL].full_s - reps[FULL].cheap_s) < _fastest(plans)
+    )
     if recipes_known is not None:
         if selective:  # (built once here, before the recipes' searches are forked: they plan it too)
-            prepare_once(model, example_inputs, mesh, cluster, dataclasses.replace(
-                config, recompute=(spec(container, SELECTIVE),), solve_recipes=False), cache, stage=stage)
+            prepare_once(
+                model,
+                example_inputs,
+                mesh,
+                cluster,
+                dataclasses.replace(config, recompute=(spec(container, SELECTIVE),), solve_recipes=False),
+                cache,
+                stage=stage,
+            )
         recipes_known(_recipes_of([r for r in (saving, full) if r is not None]))
     if selective:
         sel = attempt((spec(container, SELECTIVE),))
@@ -112,11 +130,26 @@ def plan_graph(
     for run, mode, anchor in ((full, FULL, (0, 0, total)), (sel, SELECTIVE, (0, total, 0))):
         if mode in reps:
             rep = reps[mode]
-            found = best_mix(total, rep, anchor, run.plan.step_time_s, run.plan.peak_memory.total,
-                             0.98 * config.memory_budget, allow_full=mode == FULL)
-            log.info("plan: a layer of %s in the %s plan's layout: full recomputation frees %.3g B for %.3g s, "
-                     "selective %.3g B for %.3g s; fastest mix (saved, selective, full) %s", container, mode,
-                     rep.full_bytes, rep.full_s, rep.cheap_bytes, rep.cheap_s, found)
+            found = best_mix(
+                total,
+                rep,
+                anchor,
+                run.plan.step_time_s,
+                run.plan.peak_memory.total,
+                0.98 * config.memory_budget,
+                allow_full=mode == FULL,
+            )
+            log.info(
+                "plan: a layer of %s in the %s plan's layout: full recomputation frees %.3g B for %.3g s, "
+                "selective %.3g B for %.3g s; fastest mix (saved, selective, full) %s",
+                container,
+                mode,
+                rep.full_bytes,
+                rep.full_s,
+                rep.cheap_bytes,
+                rep.cheap_s,
+                found,
+            )
             if found is not None and found[0] not in pure:
                 options.append((found[1], found[0], run, anchor, rep, mode))
     ahead = [o for o in options if o[0] < _fastest(plans)]
@@ -130,8 +163,16 @@ def plan_graph(
             if not peak:
                 break
             offset = peak - mix_peak(rep, anchor, run.plan.peak_memory.total, counts)
-            found = best_mix(total, rep, anchor, run.plan.step_time_s, run.plan.peak_memory.total,
-                             0.98 * config.memory_budget, offset, allow_full=mode == FULL)
+            found = best_mix(
+                total,
+                rep,
+                anchor,
+                run.plan.step_time_s,
+                run.plan.peak_memory.total,
+                0.98 * config.memory_budget,
+                offset,
+                allow_full=mode == FULL,
+            )
             if found is None or len(tried) > len(pure) + 1:
                 break
             counts = found[0]
@@ -143,11 +184,18 @@ def plan_graph(
         least.step_floor = min(floors) if None not in floors else None  # type: ignore[type-var]
         raise least
     best = min(plans, key=lambda p: p.plan.step_time_s)
-    best = best.with_plan(dataclasses.replace(best.plan, recipes=_recipes_of([r for r in (saving, full) if r is not None])))
+    best = best.with_plan(
+        dataclasses.replace(best.plan, recipes=_recipes_of([r for r in (saving, full) if r is not None]))
+    )
     if best.plan.recompute:
-        log.info("plan: recomputing %s in the backward (%s)", describe(best.ctx.config.recompute),
-                 ", ".join(f"{p.plan.step_time_s:.6f} s with {describe(p.ctx.config.recompute) or 'every activation saved'}"
-                           for p in plans))
+        log.info(
+            "plan: recomputing %s in the backward (%s)",
+            describe(best.ctx.config.recompute),
+            ", ".join(
+                f"{p.plan.step_time_s:.6f} s with {describe(p.ctx.config.recompute) or 'every activation saved'}"
+                for p in plans
+            ),
+        )
     return best
 
 
@@ -180,8 +228,9 @@ def _mix_s(replay: LayerReplay, counts: tuple[int, int, int]) -> float:
     return counts[1] * replay.cheap_s + counts[2] * replay.full_s
 
 
-def mix_peak(replay: LayerReplay, anchor: tuple[int, int, int], anchor_bytes: float,
-             counts: tuple[int, int, int]) -> float:
+def mix_peak(
+    replay: LayerReplay, anchor: tuple[int, int, int], anchor_bytes: float, counts: tuple[int, int, int]
+) -> float:
     """The peak of a (saved, selective, full) mix estimated from a plan of the ``anchor`` mix (peak
     ``anchor_bytes``) in its layout: each saved layer keeps what full recomputation frees, a selective one what it
     does not replay; the replay's working set (``cost/memory.py``: the largest replayed layer) is a full layer's,
@@ -189,8 +238,16 @@ def mix_peak(replay: LayerReplay, anchor: tuple[int, int, int], anchor_bytes: fl
     return anchor_bytes + _mix_bytes(replay, counts) - _mix_bytes(replay, anchor)
 
 
-def best_mix(layers: int, replay: LayerReplay, anchor: tuple[int, int, int], anchor_s: float, anchor_bytes: float,
-             budget: float, offset: float = 0.0, allow_full: bool = True) -> tuple[tuple[int, int, int], float] | None:
+def best_mix(
+    layers: int,
+    replay: LayerReplay,
+    anchor: tuple[int, int, int],
+    anchor_s: float,
+    anchor_bytes: float,
+    budget: float,
+    offset: float = 0.0,
+    allow_full: bool = True,
+) -> tuple[tuple[int, int, int], float] | None:
     """The (saved, selective, full) layer counts (at most two modes; no full layers unless ``allow_full``) that
     fit ``budget`` fastest in the layout of a plan of the ``anchor`` mix (step ``anchor_s``, peak
     ``anchor_bytes``), and that mix's predicted step; ``offset``: what an earlier estimate missed by. None when
@@ -201,7 +258,9 @@ def best_mix(layers: int, replay: LayerReplay, anchor: tuple[int, int, int], anc
         if counts[2] < 0 or sum(c > 0 for c in counts) > 2 or (counts[2] and not allow_full):
             continue
         step = anchor_s - _mix_s(replay, anchor) + _mix_s(replay, counts)
-        if mix_peak(replay, anchor, anchor_bytes, counts) + offset <= budget and (best is None or step < best[1] - 1e-12):
+        if mix_peak(replay, anchor, anchor_bytes, counts) + offset <= budget and (
+            best is None or step < best[1] - 1e-12
+        ):
             best = (counts, step)
     return best
 

@@ -45,10 +45,22 @@ aten = torch.ops.aten
 # ops that move values between positions without combining them: gathering the batch for one may still keep every
 # sample's values apart (a mixture of experts sorts its tokens by expert and scatters the results back); the
 # check cannot tell, so they are unknown rather than mixing
-_MOVERS = {"aten.sort.default", "aten.sort.stable", "aten.argsort.default", "aten.argsort.stable",
-           "aten.index.Tensor", "aten.index_select.default", "aten.gather.default", "aten.scatter.src",
-           "aten.scatter.value", "aten.index_put.default", "aten.index_put_.default", "aten._index_put_impl_.default",
-           "aten.index_add.default", "aten.take.default"}
+_MOVERS = {
+    "aten.sort.default",
+    "aten.sort.stable",
+    "aten.argsort.default",
+    "aten.argsort.stable",
+    "aten.index.Tensor",
+    "aten.index_select.default",
+    "aten.gather.default",
+    "aten.scatter.src",
+    "aten.scatter.value",
+    "aten.index_put.default",
+    "aten.index_put_.default",
+    "aten._index_put_impl_.default",
+    "aten.index_add.default",
+    "aten.take.default",
+}
 
 
 @dataclass(frozen=True)
@@ -121,8 +133,9 @@ def coupling(planned: Planned, batched: Sequence[bool]) -> Coupling:
     return Coupling(None, tuple(unknown))
 
 
-def _through(en: CandidateEnumerator, node: fx.Node, carried: dict[int, int], axes: int,
-             reduced: set[str]) -> tuple[int | None, ...] | str:
+def _through(
+    en: CandidateEnumerator, node: fx.Node, carried: dict[int, int], axes: int, reduced: set[str]
+) -> tuple[int | None, ...] | str:
     """Where the batch goes through ``node`` (per output: its batch dim or None), or why it cannot: a reason
     (mixing), or one starting with "?" (unknown). Scalar sums over the batch (the loss) join ``reduced``."""
     outs = output_vals(node)
@@ -138,7 +151,9 @@ def _through(en: CandidateEnumerator, node: fx.Node, carried: dict[int, int], ax
     if gathered:
         if str(node.target) in _MOVERS:
             return f"?moves values across the batch (input {gathered[0]} gathered): whether it keeps samples apart is unknown"
-        return "needs the whole batch at once" if gathered == [k] else f"combines the samples of its input {gathered[0]}"
+        return (
+            "needs the whole batch at once" if gathered == [k] else f"combines the samples of its input {gathered[0]}"
+        )
     dims: list[int | None] = []
     for pl, v in zip(raw.outputs, outs):
         first = None if pl is None else pl[0]
@@ -171,8 +186,10 @@ def _own_rule(node: fx.Node, carried: dict[int, int]) -> tuple[int | None, ...] 
         return None
     ins = tensor_args(node)
     for c in rule.candidates(node, (0,)):  # (one axis: the candidates of one choice)
-        if all(_on(pl, carried[i]) if i in carried else pl is None or pl[0] == Replicate()
-               for i, pl in enumerate(c.inputs[:len(ins)])):
+        if all(
+            _on(pl, carried[i]) if i in carried else pl is None or pl[0] == Replicate()
+            for i, pl in enumerate(c.inputs[: len(ins)])
+        ):
             if any(pl is not None and pl[0].is_partial() for pl in c.outputs):
                 continue
             return tuple(pl[0].dim if pl is not None and isinstance(pl[0], Shard) else None for pl in c.outputs)
@@ -183,4 +200,3 @@ def _where(node: fx.Node, what: str) -> str:
     module = node.meta.get("autoshard_module", "")
     shapes = ", ".join(str(list(a.meta["val"].shape)) for a in tensor_args(node))
     return f"{node.target} ({node.name}{f' in {module}' if module else ''}, inputs {shapes}) {what}"
-

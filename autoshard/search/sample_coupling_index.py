@@ -22,10 +22,22 @@ __all__ = ["IotaTracker"]
 aten = torch.ops.aten
 _ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
 # ops whose output holds the input's values along the same dim, when every other dim has size 1
-_RESHAPES = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.view.default,
-             aten.reshape.default, aten._unsafe_view.default}
-_COPIES = {aten.clone.default, aten._to_copy.default, aten.alias.default, aten.detach.default,
-           aten.lift_fresh_copy.default}
+_RESHAPES = {
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+}
+_COPIES = {
+    aten.clone.default,
+    aten._to_copy.default,
+    aten.alias.default,
+    aten.detach.default,
+    aten.lift_fresh_copy.default,
+}
 
 
 class IotaTracker:
@@ -46,8 +58,9 @@ class IotaTracker:
             return
         t, args = node.target, node.args
         if t in _ARANGES:
-            start, end, step = (0, args[0], 1) if t is aten.arange.default else (
-                args[0], args[1], args[2] if len(args) > 2 else 1)
+            start, end, step = (
+                (0, args[0], 1) if t is aten.arange.default else (args[0], args[1], args[2] if len(args) > 2 else 1)
+            )
             if start == 0 and step == 1 and end in self.sizes and val.ndim == 1:
                 self.dims[node.name] = 0
             return

@@ -49,6 +49,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from autoshard.errors import InputError
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
@@ -67,9 +68,14 @@ class PieceCost:
     input_bytes: int = 0  # the piece's input activation of one micro-batch: all recomputation keeps
 
     def __add__(self, other: PieceCost) -> PieceCost:
-        return PieceCost(self.time_s + other.time_s, self.step_s + other.step_s,
-                         self.state_bytes + other.state_bytes, self.act_bytes + other.act_bytes,
-                         self.fwd_s + other.fwd_s, self.input_bytes + other.input_bytes)
+        return PieceCost(
+            self.time_s + other.time_s,
+            self.step_s + other.step_s,
+            self.state_bytes + other.state_bytes,
+            self.act_bytes + other.act_bytes,
+            self.fwd_s + other.fwd_s,
+            self.input_bytes + other.input_bytes,
+        )
 
 
 ZERO = PieceCost(0.0)
@@ -159,8 +165,14 @@ class _Costs:
         self.sums = [(0.0, 0.0, 0, 0)]
         for c in layers:
             t, st, state, kept = self.sums[-1]
-            self.sums.append((t + c.time_s + (c.fwd_s if recompute else 0.0), st + c.step_s, state + c.state_bytes,
-                              kept + (c.input_bytes if recompute else c.act_bytes)))
+            self.sums.append(
+                (
+                    t + c.time_s + (c.fwd_s if recompute else 0.0),
+                    st + c.step_s,
+                    state + c.state_bytes,
+                    kept + (c.input_bytes if recompute else c.act_bytes),
+                )
+            )
         self.acts = [c.act_bytes for c in layers]
         cols = np.array(self.sums, dtype=float)
         self._time, self._state, self._kept = (cols[None, :, q] - cols[:, None, q] for q in (0, 2, 3))
@@ -168,7 +180,7 @@ class _Costs:
         if recompute:
             acts = np.array(self.acts, dtype=float)
             for i in range(self.n):
-                self._work[i, i + 1:] = np.maximum.accumulate(acts[i:])
+                self._work[i, i + 1 :] = np.maximum.accumulate(acts[i:])
         idx = np.arange(self.n + 1)
         self._length = idx[None, :] - idx[:, None]
         self.cuts: dict[tuple, list[list[tuple[int, int]]]] = {}  # _cut's results by memory rule
@@ -191,8 +203,16 @@ class _Costs:
         return time, state, kept, self._work
 
 
-def _assemble(costs: _Costs, bounds: Sequence[tuple[int, int]], stages: int, microbatches: int, schedule: str,
-              chunks: int, memory_budget: int | None, p2p_s: float) -> StageSplit | None:
+def _assemble(
+    costs: _Costs,
+    bounds: Sequence[tuple[int, int]],
+    stages: int,
+    microbatches: int,
+    schedule: str,
+    chunks: int,
+    memory_budget: int | None,
+    p2p_s: float,
+) -> StageSplit | None:
     """The StageSplit of pieces ``bounds`` (piece k on rank k % stages); None when a rank exceeds the budget."""
     pieces = [costs.piece(i, j, k, len(bounds) - 1) for k, (i, j) in enumerate(bounds)]
     times, memory, once = [], [], []
@@ -201,18 +221,33 @@ def _assemble(costs: _Costs, bounds: Sequence[tuple[int, int]], stages: int, mic
         sends = 2 * len(mine) * p2p_s if stages > 1 else 0.0
         times.append(sum(p.time_s for p in mine) + sends)
         flight = in_flight(schedule, r, stages, microbatches, chunks)
-        memory.append(int(sum(p.state_bytes for p in mine) + flight * sum(p.kept_bytes for p in mine)
-                          + max(p.work_bytes for p in mine)))
+        memory.append(
+            int(
+                sum(p.state_bytes for p in mine)
+                + flight * sum(p.kept_bytes for p in mine)
+                + max(p.work_bytes for p in mine)
+            )
+        )
         once.append(sum(p.step_s for p in mine))
     if memory_budget is not None and max(memory) > memory_budget:
         return None
     loop, bubble = pipeline_time(schedule, times, microbatches, chunks)
-    return StageSplit(tuple(bounds), schedule, microbatches, chunks, tuple(times), tuple(memory), loop + max(once),
-                      bubble, costs.recompute)
+    return StageSplit(
+        tuple(bounds),
+        schedule,
+        microbatches,
+        chunks,
+        tuple(times),
+        tuple(memory),
+        loop + max(once),
+        bubble,
+        costs.recompute,
+    )
 
 
-def _cut(costs: _Costs, pieces: int, flight: Callable[[int], float], scale: int, budget: int | None,
-         min_len: int = 1) -> list[list[tuple[int, int]]]:
+def _cut(
+    costs: _Costs, pieces: int, flight: Callable[[int], float], scale: int, budget: int | None, min_len: int = 1
+) -> list[list[tuple[int, int]]]:
     """Contiguous cuts of the layers into ``pieces`` runs of at least ``min_len`` layers, run k fitting where
     ``scale`` x (state + flight(k) x kept) + work <= ``budget``, whose slowest run is fastest: the first found (each
     run starting as early as it can) and the most balanced (the fastest run slowest). Two O(pieces n^2) passes over
@@ -256,8 +291,9 @@ def _cut(costs: _Costs, pieces: int, flight: Callable[[int], float], scale: int,
     return out
 
 
-def _interleaved_by_rank(costs: _Costs, stages: int, microbatches: int, schedule: str, chunks: int,
-                         memory_budget: int | None) -> list[tuple[int, int]] | None:
+def _interleaved_by_rank(
+    costs: _Costs, stages: int, microbatches: int, schedule: str, chunks: int, memory_budget: int | None
+) -> list[tuple[int, int]] | None:
     """Interleaved pieces balanced by rank: a rank's time is the sum over its chunks, so the layers are first cut
     into ``stages`` contiguous runs as balanced as the DP makes them (head on the first, tail on the last), and each
     rank's share of layers is then dealt into its ``chunks`` pieces (piece c * stages + r is rank r's chunk c)."""
@@ -275,8 +311,9 @@ def _interleaved_by_rank(costs: _Costs, stages: int, microbatches: int, schedule
     return bounds
 
 
-def _split(costs: _Costs, stages: int, microbatches: int, schedule: str, chunks: int, memory_budget: int | None,
-           p2p_s: float) -> StageSplit | None:
+def _split(
+    costs: _Costs, stages: int, microbatches: int, schedule: str, chunks: int, memory_budget: int | None, p2p_s: float
+) -> StageSplit | None:
     n_pieces = stages * chunks
     if costs.n < n_pieces:
         return None
@@ -287,12 +324,15 @@ def _split(costs: _Costs, stages: int, microbatches: int, schedule: str, chunks:
     by_rank = _interleaved_by_rank(costs, stages, microbatches, schedule, chunks, memory_budget) if chunks > 1 else None
     for bounds in [*_cut(costs, n_pieces, flight, chunks, memory_budget), by_rank]:
         # None when balanced chunks passed the per-piece check but a rank's sum over its chunks does not fit
-        s = None if bounds is None else _assemble(costs, bounds, stages, microbatches, schedule, chunks,
-                                                   memory_budget, p2p_s)
+        s = (
+            None
+            if bounds is None
+            else _assemble(costs, bounds, stages, microbatches, schedule, chunks, memory_budget, p2p_s)
+        )
         if s is not None:
             found.append(s)
     # the faster, then the more balanced (slowest / fastest rank)
-    key = (lambda s: (s.step_time_s, max(s.stage_time_s) / max(min(s.stage_time_s), 1e-300)))
+    key = lambda s: (s.step_time_s, max(s.stage_time_s) / max(min(s.stage_time_s), 1e-300))
     return min(found, key=key) if found else None
 
 
@@ -332,9 +372,18 @@ def even_bounds(n: int, pieces: int) -> list[tuple[int, int]]:
     return [(k * q + min(k, r), (k + 1) * q + min(k + 1, r)) for k in range(pieces)]
 
 
-def even_split(layers: Sequence[PieceCost], head: PieceCost, tail: PieceCost, stages: int, microbatches: int,
-               schedule: str = "1F1B", chunks: int = 1, memory_budget: int | None = None, p2p_s: float = 0.0,
-               recompute: bool = False) -> StageSplit | None:
+def even_split(
+    layers: Sequence[PieceCost],
+    head: PieceCost,
+    tail: PieceCost,
+    stages: int,
+    microbatches: int,
+    schedule: str = "1F1B",
+    chunks: int = 1,
+    memory_budget: int | None = None,
+    p2p_s: float = 0.0,
+    recompute: bool = False,
+) -> StageSplit | None:
     """Megatron-LM's split: every piece (of ``stages * chunks``) gets the same number of layers, the head on the
     first and the tail on the last, whatever they cost (None when a rank exceeds ``memory_budget``)."""
     why = check_schedule(schedule, stages, microbatches, chunks)
@@ -379,21 +428,38 @@ def best_split(
             for c in costs:
                 # no split beats every rank holding an equal share of the work (its sends included)
                 share = (c.sums[-1][0] + c.head.time_s + c.tail.time_s) / stages + (
-                    2 * chunks * p2p_s if stages > 1 else 0.0)
-                bound = (pipeline_time(schedule, [share] * stages, microbatches, chunks)[0]
-                         + (c.sums[-1][1] + c.head.step_s + c.tail.step_s) / stages)
+                    2 * chunks * p2p_s if stages > 1 else 0.0
+                )
+                bound = (
+                    pipeline_time(schedule, [share] * stages, microbatches, chunks)[0]
+                    + (c.sums[-1][1] + c.head.step_s + c.tail.step_s) / stages
+                )
                 tried.append((bound, len(tried), schedule, chunks, c))
     found: list[StageSplit] = []
     for bound, _, schedule, chunks, c in sorted(tried, key=lambda t: t[:2]):
         if found and bound > min(x.step_time_s for x in found) * (1 + 1e-9):
             break
-        s = (_assemble(c, even_bounds(n, stages * chunks), stages, microbatches, schedule, chunks, memory_budget,
-                       p2p_s) if even else _split(c, stages, microbatches, schedule, chunks, memory_budget, p2p_s))
+        s = (
+            _assemble(c, even_bounds(n, stages * chunks), stages, microbatches, schedule, chunks, memory_budget, p2p_s)
+            if even
+            else _split(c, stages, microbatches, schedule, chunks, memory_budget, p2p_s)
+        )
         if s is not None:
             found.append(s)
-    key = (lambda s: (s.step_time_s, s.recompute, SCHEDULES.index(s.schedule), s.chunks))
+    key = lambda s: (s.step_time_s, s.recompute, SCHEDULES.index(s.schedule), s.chunks)
     return min(found, key=key) if found else None
 
 
-__all__ = ["SCHEDULES", "SPLIT_BACKWARD", "PieceCost", "StageSplit", "best_split", "check_schedule", "even_bounds",
-           "even_split", "in_flight", "pipeline_time", "split_layers"]
+__all__ = [
+    "SCHEDULES",
+    "SPLIT_BACKWARD",
+    "PieceCost",
+    "StageSplit",
+    "best_split",
+    "check_schedule",
+    "even_bounds",
+    "even_split",
+    "in_flight",
+    "pipeline_time",
+    "split_layers",
+]

@@ -49,8 +49,8 @@ import torch.fx as fx
 from ortools.sat.python import cp_model
 
 from autoshard.cluster.profile import ClusterProfile
-from autoshard.ir import Group, GroupStrategy
 from autoshard.errors import InfeasibleBudget, InputError, SolverTimeout
+from autoshard.ir import Group, GroupStrategy
 from autoshard.notation import format_bytes, placements_str
 from autoshard.solver.pricing import price_choices
 from autoshard.solver.proto_text import boolean, equal, exactly_one, load, minimize, zero
@@ -113,8 +113,9 @@ class IntraOpProblem:
         self._lock = threading.Lock()
         self.build_s = time.perf_counter() - t0
 
-    def _build(self, allowed: dict[int, list[int]]
-               ) -> tuple[cp_model.CpModel, dict[int, list[int]], float, dict[int, dict[tuple[int, int], int]]]:
+    def _build(
+        self, allowed: dict[int, list[int]]
+    ) -> tuple[cp_model.CpModel, dict[int, list[int]], float, dict[int, dict[tuple[int, int], int]]]:
         """The CP-SAT model over the allowed candidates only (pinned groups shrink, and their edges collapse to
         unary costs): booleans ``x[c][j]`` for the j-th allowed candidate (their indices in the model), the edges in
         marginal form, the objective's constant (the groups left with one candidate), and each edge's booleans by
@@ -196,8 +197,9 @@ class IntraOpProblem:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state, _models={}, _lock=threading.Lock())
 
-    def _copy_of(self, order: dict[int, list[int]], key: frozenset | None
-                 ) -> tuple[cp_model.CpModel, dict[int, list], float, float, dict[int, dict[tuple[int, int], int]]]:
+    def _copy_of(
+        self, order: dict[int, list[int]], key: frozenset | None
+    ) -> tuple[cp_model.CpModel, dict[int, list], float, float, dict[int, dict[tuple[int, int], int]]]:
         """A copy of the model over the candidates ``order`` lists per group (built on first use of ``key``, under a
         lock: the plan and the recipes solve on a thread pool), its candidate booleans, the objective's constant,
         its rounding (``rounding_ns``) and its edges' booleans by proto index (``_build``)."""
@@ -207,8 +209,13 @@ class IntraOpProblem:
                 self._models[key] = (model, index, const, self.rounding_ns, edges)
             model, index, const, rounding, edges = self._models[key]
             copy = model.Clone()
-        return (copy, {c: [copy.GetBoolVarFromProtoIndex(i) for i in ids] for c, ids in index.items()}, const, rounding,
-                edges)
+        return (
+            copy,
+            {c: [copy.GetBoolVarFromProtoIndex(i) for i in ids] for c, ids in index.items()},
+            const,
+            rounding,
+            edges,
+        )
 
     def _impossible_message(self, allowed: dict[int, list[int]]) -> str:
         by_id = {g.id: g for g in self.groups}
@@ -291,7 +298,8 @@ class IntraOpProblem:
                     f"smallest is {format_bytes(int(least))} (parameters, gradients, optimizer state and saved "
                     f"activations all sharded as far as mesh {self.mesh_shape} allows). Raise the budget to at "
                     f"least {format_bytes(int(least))}, use more devices, or a smaller batch.",
-                    int(least), fixed_bytes=int(fixed),
+                    int(least),
+                    fixed_bytes=int(fixed),
                 )
         single = [c for c in canon_ids if len(allowed[c]) == 1 and math.isinf(self.unary[c][min(allowed[c])])]
         if single:
@@ -335,8 +343,10 @@ class IntraOpProblem:
             unit = 2 ** max(0, int(memory_budget).bit_length() - 21)
             terms = [(v, -int(-mem[c][i] // unit)) for c in x for i, v in zip(order[c], x[c]) if i in allowed[c]]
             terms += [(model.GetBoolVarFromProtoIndex(idx), -int(-w // unit)) for idx, w in edge_terms]
-            model.Add(cp_model.LinearExpr.weighted_sum([v for v, _ in terms], [w for _, w in terms])
-                      <= int((memory_budget - fixed) // unit))
+            model.Add(
+                cp_model.LinearExpr.weighted_sum([v for v, _ in terms], [w for _, w in terms])
+                <= int((memory_budget - fixed) // unit)
+            )
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = float(time_limit_s)
         solver.parameters.num_workers = max(1, int(num_workers))
@@ -374,15 +384,31 @@ class IntraOpProblem:
                 + (f" under memory_budget={format_bytes(memory_budget)}" if memory_budget else "")
                 + "; raise time_limit_s (or the budget)"
             )
-        choice_c = {c: (next(i for i, v in zip(order[c], x[c]) if solver.Value(v)) if c in x else order[c][0])
-                    for c in canon_ids}
+        choice_c = {
+            c: (next(i for i, v in zip(order[c], x[c]) if solver.Value(v)) if c in x else order[c][0])
+            for c in canon_ids
+        }
         objective = solver.ObjectiveValue() / NS + const
         bound = min(solver.BestObjectiveBound() / NS + const, objective)
         wall = time.perf_counter() - t0
         n_vars = len(model.Proto().variables)
-        log.info("solve %s: %s objective %.6f s bound %.6f s, %d variables, %.2f s", what, name, objective, bound,
-                 n_vars, wall)
+        log.info(
+            "solve %s: %s objective %.6f s bound %.6f s, %d variables, %.2f s",
+            what,
+            name,
+            objective,
+            bound,
+            n_vars,
+            wall,
+        )
         choice = {g.id: choice_c[self.canon[g.id]] for g in self.groups}
-        return Solution(choice, name, objective, bound, wall + self.build_s, n_vars, int(self.memory(choice_c)),
-                        int(self.waiting(choice_c, exact)))
-
+        return Solution(
+            choice,
+            name,
+            objective,
+            bound,
+            wall + self.build_s,
+            n_vars,
+            int(self.memory(choice_c)),
+            int(self.waiting(choice_c, exact)),
+        )

@@ -33,7 +33,17 @@ from autoshard.buckets import bucket_share, gather_axes
 from autoshard.cluster.profile import ClusterProfile
 from autoshard.cost.memory import local_bytes
 from autoshard.cost.reshard import reshard_time as redistribute_time
-from autoshard.ir import Edge, Group, GroupStrategy, Placements, gather_group, gather_group_sizes, is_parameter, is_state, tensor_args
+from autoshard.ir import (
+    Edge,
+    Group,
+    GroupStrategy,
+    Placements,
+    gather_group,
+    gather_group_sizes,
+    is_parameter,
+    is_state,
+    tensor_args,
+)
 
 __all__ = ["GRAD_SINK_CREDIT", "Prices", "collect_edges", "price_choices"]
 
@@ -109,9 +119,7 @@ def price_choices(
     for g in groups:
         mult[canon[g.id]] += weight[g.id]
     canon_ids = [g.id for g in groups if canon[g.id] == g.id]
-    unary: dict[int, list[float]] = {
-        c: [mult[c] * (s.compute_s + s.comm_s) for s in strategies[c]] for c in canon_ids
-    }
+    unary: dict[int, list[float]] = {c: [mult[c] * (s.compute_s + s.comm_s) for s in strategies[c]] for c in canon_ids}
     edges, sinks = collect_edges(gm, groups, output_roles)
     rep = tuple(Replicate() for _ in mesh_shape)
 
@@ -126,8 +134,16 @@ def price_choices(
     def lid(a: Placements) -> int:
         return layouts.setdefault(a, len(layouts))
 
-    def rcost(node_name: str, a: Placements, b: Placements, ia: int, ib: int, itemsize: int | None = None,
-              sink: bool = False, members: int = 0) -> float:
+    def rcost(
+        node_name: str,
+        a: Placements,
+        b: Placements,
+        ia: int,
+        ib: int,
+        itemsize: int | None = None,
+        sink: bool = False,
+        members: int = 0,
+    ) -> float:
         """A move's seconds. A move the lowering bundles with others into one collective (``autoshard/buckets.py``)
         pays its bytes at full bandwidth and its share of the bundle's latency and sync
         (``cost.reshard.reshard_time``): a gradient's all-reduce or reduce-scatter to its layout (``sink``) the
@@ -147,8 +163,7 @@ def price_choices(
             else:
                 share = 1.0 / members if members and gather_axes(a, b, shape, mesh_shape) is not None else 0.0
             # compute waits on a move that rides no bundle (Link.sync), unless it is a gradient's reduction
-            memo[key] = redistribute_time(a, b, shape, size, mesh_shape, cluster, waits=not sink,
-                                          bundle_share=share)
+            memo[key] = redistribute_time(a, b, shape, size, mesh_shape, cluster, waits=not sink, bundle_share=share)
         return memo[key]
 
     # Edges of identical layers connect the same variables: key them by the canonical group's member (same
@@ -161,8 +176,13 @@ def price_choices(
     pair_edges: dict[tuple, float] = defaultdict(float)
     for e in edges:
         src_member = pos[e.src_node][1]
-        key = (canon[e.src_group], src_member, canon_node(e.src_group, src_member), canon[e.dst_group],
-               ("in", e.dst_member, e.dst_arg))
+        key = (
+            canon[e.src_group],
+            src_member,
+            canon_node(e.src_group, src_member),
+            canon[e.dst_group],
+            ("in", e.dst_member, e.dst_arg),
+        )
         pair_edges[key] += weight[e.dst_group]
     for src_name, param in sinks:
         sg, sm = pos[src_name]
@@ -220,8 +240,9 @@ def price_choices(
             info[src_name] = (tuple(v.shape), v.element_size(), is_state(nodes[src_name]))
         block = (info[src_name], ip, iq, size, sink, members)  # edges alike (experts, layers): one price table
         if block not in tables:
-            tables[block] = [[rcost(src_name, p, q, a, b, size, sink, members) for q, b in zip(Q, iq)]
-                             for p, a in zip(P, ip)]
+            tables[block] = [
+                [rcost(src_name, p, q, a, b, size, sink, members) for q, b in zip(Q, iq)] for p, a in zip(P, ip)
+            ]
         R = [[w * r for r in row] for row in tables[block]]
         if all(r == 0 for row in R for r in row):
             continue

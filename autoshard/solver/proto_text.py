@@ -27,8 +27,10 @@ def exactly_one(literals: Sequence[int]) -> str:
 
 def equal(plus: Sequence[int], minus: Sequence[int]) -> str:
     """sum(plus) - sum(minus) = 0 over booleans (by index)."""
-    return (f"constraints {{ linear {{ vars: [{ints(plus)}, {ints(minus)}] "
-            f"coeffs: [{ints([1] * len(plus) + [-1] * len(minus))}] domain: [0, 0] }} }}")
+    return (
+        f"constraints {{ linear {{ vars: [{ints(plus)}, {ints(minus)}] "
+        f"coeffs: [{ints([1] * len(plus) + [-1] * len(minus))}] domain: [0, 0] }} }}"
+    )
 
 
 def zero(v: int) -> str:

@@ -47,7 +47,6 @@ program (``recipe_pins``) and solves each recipe alongside the plan.
 from __future__ import annotations
 
 import math
-
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,7 +62,14 @@ _COLUMN = re.compile(
 )
 _ROW = re.compile(r"(^|\.)(wo|o_proj|out_proj|c_proj|w2|fc2|down_proj|fc_out|output\.dense|proj)(\.weight|)$")
 _TRANSPOSED = ("Conv1D",)
-_CONV = ("Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d")  # 3-D+ weights, not experts
+_CONV = (
+    "Conv1d",
+    "Conv2d",
+    "Conv3d",
+    "ConvTranspose1d",
+    "ConvTranspose2d",
+    "ConvTranspose3d",
+)  # 3-D+ weights, not experts
 DATA_PARALLEL = ("ddp", "zero1", "zero2", "fsdp", "hsdp", "ep")  # recipes whose batch is split over every axis
 
 
@@ -129,10 +135,18 @@ def recipe_placements(
     if role == "input":
         if not shape:
             return tuple(rep), None
-        if recipe == "cp":  # a batch too small for the other axes (one 128K sequence) is split on its sequence there too
+        if (
+            recipe == "cp"
+        ):  # a batch too small for the other axes (one 128K sequence) is split on its sequence there too
             seq_everywhere = len(shape) > 1 and shape[0] % math.prod(mesh_shape[:-1]) != 0
-            return tuple(Shard(1) if len(shape) > 1 and (i == nd - 1 or seq_everywhere) else Shard(0) if i < nd - 1
-                         else Replicate() for i in range(nd)), None
+            return tuple(
+                Shard(1)
+                if len(shape) > 1 and (i == nd - 1 or seq_everywhere)
+                else Shard(0)
+                if i < nd - 1
+                else Replicate()
+                for i in range(nd)
+            ), None
         dp_axes = range(nd) if recipe in DATA_PARALLEL else range(nd - 1)
         return tuple(Shard(0) if i in dp_axes else Replicate() for i in range(nd)), None
     if role != "parameter" or not shape:
@@ -178,7 +192,9 @@ def candidate_state_kind(grad: Sequence[Placement] | None, state: Sequence[Place
     return "zero2" if grad is not None and tuple(grad) == tuple(state) else "zero1"
 
 
-def even_prefix(target: tuple[Placement, ...], shape: Sequence[int], mesh_shape: Sequence[int]) -> tuple[Placement, ...]:
+def even_prefix(
+    target: tuple[Placement, ...], shape: Sequence[int], mesh_shape: Sequence[int]
+) -> tuple[Placement, ...]:
     """``target`` with every Shard the tensor cannot hold evenly turned to Replicate (tp axis kept first)."""
     sizes = list(shape)
     out = list(target)
@@ -190,5 +206,3 @@ def even_prefix(target: tuple[Placement, ...], shape: Sequence[int], mesh_shape:
             else:
                 out[axis] = Replicate()
     return tuple(out)
-
-

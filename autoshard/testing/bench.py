@@ -33,13 +33,22 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
-from autoshard.testing.launch import launch as launch_ranks
 from autoshard.errors import InputError, InternalError
+from autoshard.testing.launch import launch as launch_ranks
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Timing", "Row", "Variant", "call_loss", "time_steps", "run_variants", "side_by_side", "quantile",
-           "spearman"]
+__all__ = [
+    "Timing",
+    "Row",
+    "Variant",
+    "call_loss",
+    "time_steps",
+    "run_variants",
+    "side_by_side",
+    "quantile",
+    "spearman",
+]
 
 #: A variant: (name, build) where ``build()`` returns the step function to time (one call = one training step).
 Variant = tuple[str, Callable[[], Callable[[], Any]]]
@@ -194,7 +203,9 @@ def run_variants(
     return rows
 
 
-def _build_and_warm(build: Callable[[], Callable[[], Any]], warmup: int) -> tuple[Callable[[], Any], float, dict[str, Any]]:
+def _build_and_warm(
+    build: Callable[[], Callable[[], Any]], warmup: int
+) -> tuple[Callable[[], Any], float, dict[str, Any]]:
     """(step, build seconds, notes) after ``warmup`` untimed calls; the notes are the step's own ``notes`` plus
     the first warm-up call's result under ``"first"`` when it is a number (e.g. the loss)."""
     t0 = time.perf_counter()
@@ -209,7 +220,11 @@ def _build_and_warm(build: Callable[[], Callable[[], Any]], warmup: int) -> tupl
 
 
 def _run_interleaved(
-    variants: Sequence[Variant], steps: int, warmup: int, group: Any, barrier: bool | None,
+    variants: Sequence[Variant],
+    steps: int,
+    warmup: int,
+    group: Any,
+    barrier: bool | None,
     clock: Callable[[], float],
 ) -> list[Row]:
     if steps < 1:
@@ -272,7 +287,9 @@ def side_by_side(
     caller's to arrange). ``interleave`` as for :func:`run_variants`. ``launch`` defaults to
     :func:`autoshard.testing.launch.launch` (gloo, its default time-out). Returns rank 0's rows.
     """
-    results = (launch or launch_ranks)(world_size, _side_by_side_worker, (make_variants, arg, steps, warmup, interleave))
+    results = (launch or launch_ranks)(
+        world_size, _side_by_side_worker, (make_variants, arg, steps, warmup, interleave)
+    )
     rows: list[Row] = results[0]
     names = [r.name for r in rows]
     for rank, other in enumerate(results[1:], start=1):

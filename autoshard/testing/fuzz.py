@@ -136,8 +136,9 @@ def train(model: nn.Module, inputs: tuple[Tensor, ...], step: Callable[..., Tens
                 loss = step(*inputs)
         losses.append(float(_one_value(loss.detach(), f"the loss of step {i}")))
         if i == 0:
-            grads = {n: _one_value(p.grad, f"{n}'s gradient") for n, p in model.named_parameters()
-                     if p.grad is not None}
+            grads = {
+                n: _one_value(p.grad, f"{n}'s gradient") for n, p in model.named_parameters() if p.grad is not None
+            }
         opt.step()
         opt.zero_grad(set_to_none=True)
     params = {n: _one_value(p.detach(), f"{n} after training") for n, p in model.named_parameters()}
@@ -157,14 +158,21 @@ def rounding_noise(case: FuzzCase, inputs: tuple[Tensor, ...], ref: Trajectory) 
             loss = model(*(t.double() if t.is_floating_point() else t for t in inputs))
             loss.backward()
     except (RuntimeError, TypeError) as e:
-        logger.info("fuzz case %d/%d: no float64 step (%s): gradients compared at fixed tolerances",
-                    case.seed, case.index, e)
+        logger.info(
+            "fuzz case %d/%d: no float64 step (%s): gradients compared at fixed tolerances", case.seed, case.index, e
+        )
         return {}, 0.0
     draws = any(b.kind in RANDOM_BLOCKS for b in case.blocks)
     if draws and not math.isclose(loss.item(), ref.losses[0], rel_tol=1e-4, abs_tol=ATOL):
         return {}, 0.0
-    return ({n: (p.grad - ref.grads[n].double()).abs().max().item() for n, p in model.named_parameters()
-             if p.grad is not None and n in ref.grads}, abs(loss.item() - ref.losses[0]))
+    return (
+        {
+            n: (p.grad - ref.grads[n].double()).abs().max().item()
+            for n, p in model.named_parameters()
+            if p.grad is not None and n in ref.grads
+        },
+        abs(loss.item() - ref.losses[0]),
+    )
 
 
 def _atol(what: str, name: str, ref: Trajectory, atol: float) -> float | Tensor:
@@ -185,19 +193,25 @@ def _atol(what: str, name: str, ref: Trajectory, atol: float) -> float | Tensor:
 
 def compare(ref: Trajectory, got: Trajectory) -> list[str]:
     """Every difference of ``got`` from ``ref`` beyond the tolerances, one line each (empty: equal)."""
-    problems = [f"loss step {i}: {g:.8g} != reference {w:.8g}" for i, (g, w) in enumerate(zip(got.losses, ref.losses))
-                if not math.isclose(g, w, rel_tol=RTOL, abs_tol=max(ATOL, 4 * ref.loss_noise))]
+    problems = [
+        f"loss step {i}: {g:.8g} != reference {w:.8g}"
+        for i, (g, w) in enumerate(zip(got.losses, ref.losses))
+        if not math.isclose(g, w, rel_tol=RTOL, abs_tol=max(ATOL, 4 * ref.loss_noise))
+    ]
     for what, want, have, atol in (("grad", ref.grads, got.grads, ATOL), ("param", ref.params, got.params, PARAM_ATOL)):
         if set(want) != set(have):
-            problems.append(f"{what}s: missing {sorted(set(want) - set(have))}, "
-                            f"unexpected {sorted(set(have) - set(want))}")
+            problems.append(
+                f"{what}s: missing {sorted(set(want) - set(have))}, unexpected {sorted(set(have) - set(want))}"
+            )
         for name in sorted(set(want) & set(have)):
             w, g = want[name], have[name]
             if w.shape != g.shape:
                 problems.append(f"{what} {name}: shape {tuple(g.shape)} != reference {tuple(w.shape)}")
             elif not bool(((g - w).abs() <= _atol(what, name, ref, atol) + RTOL * w.abs()).all()):
-                problems.append(f"{what} {name}: max abs diff {(g - w).abs().max().item():.3e} "
-                                f"(reference max abs {w.abs().max().item():.3e})")
+                problems.append(
+                    f"{what} {name}: max abs diff {(g - w).abs().max().item():.3e} "
+                    f"(reference max abs {w.abs().max().item():.3e})"
+                )
     return problems
 
 
@@ -217,18 +231,22 @@ def _accumulated(model: nn.Module, accumulation: Any) -> Callable[..., Tensor]:
 
 
 def _sharded_run(case: FuzzCase, inputs: tuple[Tensor, ...], stage: list[str]) -> tuple[Trajectory, Any]:
-    import autoshard
-    from torch.distributed.device_mesh import init_device_mesh
-
     import os
     import tempfile
     from unittest import mock
 
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autoshard
     from autoshard.search.autotune import CACHE_ENV
 
     model = build_model(case)
-    with tempfile.TemporaryDirectory() as cache, mock.patch.dict(os.environ, {CACHE_ENV: cache}), \
-            fake_world(math.prod(case.mesh)), tc.simulated_ranks(math.prod(case.mesh)):  # (autotune's cache: fresh)
+    with (
+        tempfile.TemporaryDirectory() as cache,
+        mock.patch.dict(os.environ, {CACHE_ENV: cache}),
+        fake_world(math.prod(case.mesh)),
+        tc.simulated_ranks(math.prod(case.mesh)),
+    ):  # (autotune's cache: fresh)
         mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=mesh_names(case.mesh))
         sharded = autoshard.compile(model, mesh, inputs, **compile_options(case))
         stage[0] = "running"
@@ -261,8 +279,9 @@ def run_case(case: FuzzCase) -> FuzzResult:
             # micro-batches draw their own (smaller) random tensors: one device accumulating the same micro-batches
             # draws the same (docs/guide/api.md, "Random numbers")
             model = build_model(case)
-            ref = dataclasses.replace(train(model, inputs, _accumulated(model, accumulation)), noise=ref.noise,
-                                      loss_noise=ref.loss_noise)
+            ref = dataclasses.replace(
+                train(model, inputs, _accumulated(model, accumulation)), noise=ref.noise, loss_noise=ref.loss_noise
+            )
     except RanksDisagree as e:
         return result("mismatch", str(e), traceback.format_exc())
     except AutoshardError as e:
@@ -277,5 +296,13 @@ def run_case(case: FuzzCase) -> FuzzResult:
     return result("ok", "")
 
 
-__all__ = ["FuzzResult", "RanksDisagree", "Trajectory", "compare", "compile_options", "rounding_noise", "run_case",
-           "train"]
+__all__ = [
+    "FuzzResult",
+    "RanksDisagree",
+    "Trajectory",
+    "compare",
+    "compile_options",
+    "rounding_noise",
+    "run_case",
+    "train",
+]

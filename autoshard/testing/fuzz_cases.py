@@ -22,8 +22,25 @@ MESHES = ((2,), (4,), (2, 2), (2, 1, 2))
 WIDTHS = (3, 4, 5, 6, 7, 8, 12, 16, 96)  # most of them no mesh axis divides
 BATCHES = (2, 3, 4, 5, 6, 8)
 SEQS = (1, 3, 4, 5, 7, 8, 12)
-BLOCKS = ("linear", "matmul", "einsum", "conv", "layernorm", "rmsnorm", "batchnorm", "groupnorm", "attention",
-          "gather", "index", "scatter", "reduce", "view", "slice_cat", "elementwise", "custom")
+BLOCKS = (
+    "linear",
+    "matmul",
+    "einsum",
+    "conv",
+    "layernorm",
+    "rmsnorm",
+    "batchnorm",
+    "groupnorm",
+    "attention",
+    "gather",
+    "index",
+    "scatter",
+    "reduce",
+    "view",
+    "slice_cat",
+    "elementwise",
+    "custom",
+)
 # blocks that draw random numbers in training (issue 43), drawn apart from BLOCKS: a dropout (variant 0
 # nn.Dropout, 1 F.dropout; arg: p in percent, 10 or 0) and a sampled top-1/top-2 router over arg experts (variant
 # 0 Gumbel noise from exponential_(), 1 rand_like jitter of its input, 2 randn_like noise of learned scale)
@@ -31,8 +48,18 @@ RANDOM_BLOCKS = ("dropout", "route")
 LOSSES = ("mse", "cross_entropy", "mean_square")
 RECIPES = ("ddp", "zero1", "zero2", "fsdp", "tp", "fsdp+tp")
 # how many variants a block kind has (its ``variant``): attention's are its masks (none, causal, boolean, additive)
-VARIANTS = {"conv": 2, "attention": 4, "index": 3, "scatter": 2, "reduce": 5, "view": 2, "slice_cat": 3,
-            "elementwise": 4, "dropout": 2, "route": 3}
+VARIANTS = {
+    "conv": 2,
+    "attention": 4,
+    "index": 3,
+    "scatter": 2,
+    "reduce": 5,
+    "view": 2,
+    "slice_cat": 3,
+    "elementwise": 4,
+    "dropout": 2,
+    "route": 3,
+}
 
 
 @dataclass(frozen=True)
@@ -121,12 +148,21 @@ def draw_case(seed: int, index: int) -> FuzzCase:
     # a recipe splits the batch over every data-parallel axis: mostly a batch it divides, sometimes not
     batch = rng.choice(BATCHES) if option != "recipe" or rng.random() < 0.25 else rng.choice((4, 8))
     return FuzzCase(
-        seed=seed, index=index, mesh=mesh, batch=batch, seq=rng.choice(SEQS),
-        vocab=rng.choice((0, 0, 11, 32)), width=width, blocks=_with_random_blocks(seed, index, width, blocks),
-        loss=rng.choice(LOSSES), out=rng.choice(WIDTHS[:-1]), recipe=rng.choice(recipes) if option == "recipe" else None,
+        seed=seed,
+        index=index,
+        mesh=mesh,
+        batch=batch,
+        seq=rng.choice(SEQS),
+        vocab=rng.choice((0, 0, 11, 32)),
+        width=width,
+        blocks=_with_random_blocks(seed, index, width, blocks),
+        loss=rng.choice(LOSSES),
+        out=rng.choice(WIDTHS[:-1]),
+        recipe=rng.choice(recipes) if option == "recipe" else None,
         constraint=rng.choice(("batch", "batch", "seq")) if option == "constraint" else None,
         budget=rng.choice((0.3, 0.6, 1.5)) if option == "budget" else None,
-        cluster=rng.choice((None, None, "h100-sxm")))
+        cluster=rng.choice((None, None, "h100-sxm")),
+    )
 
 
 def without_random(case: FuzzCase) -> FuzzCase:
@@ -145,21 +181,40 @@ def describe(case: FuzzCase) -> str:
     """The case in one line: mesh, shapes, blocks (kind[variant](width)), loss and options."""
     source = f"tokens[{case.vocab}]" if case.vocab else f"x[{case.width}]"
     blocks = " ".join(f"{b.kind}{'' if b.variant == 0 else b.variant}({b.width}{_arg(b)})" for b in case.blocks)
-    opts = [f"{k}={v}" for k, v in (("recipe", case.recipe), ("constraint", case.constraint),
-                                    ("budget", case.budget), ("cluster", case.cluster), ("autotune", case.autotune),
-                                    ("experts", case.experts))
-            if v is not None]
+    opts = [
+        f"{k}={v}"
+        for k, v in (
+            ("recipe", case.recipe),
+            ("constraint", case.constraint),
+            ("budget", case.budget),
+            ("cluster", case.cluster),
+            ("autotune", case.autotune),
+            ("experts", case.experts),
+        )
+        if v is not None
+    ]
     return f"mesh {case.mesh} B={case.batch} S={case.seq} {source} {blocks} -> {case.loss}({case.out}) {' '.join(opts)}"
 
 
 def reproducer(case: FuzzCase) -> str:
     """A one-line shell command that runs ``case`` again."""
-    extra = (f" --autotune {case.autotune}" if case.autotune else "") + (f" --experts {case.experts}" if case.experts else "")
+    extra = (f" --autotune {case.autotune}" if case.autotune else "") + (
+        f" --experts {case.experts}" if case.experts else ""
+    )
     drawn = dataclasses.replace(draw_case(case.seed, case.index), autotune=case.autotune, experts=case.experts)
     if case != drawn and case == without_random(drawn):
         extra += " --no-random"
     return f"python benchmarks/fuzz.py --seed {case.seed} --only {case.index}{extra}"
 
 
-__all__ = ["BLOCKS", "MESHES", "RANDOM_BLOCKS", "Block", "FuzzCase", "describe", "draw_case", "reproducer",
-           "without_random"]
+__all__ = [
+    "BLOCKS",
+    "MESHES",
+    "RANDOM_BLOCKS",
+    "Block",
+    "FuzzCase",
+    "describe",
+    "draw_case",
+    "reproducer",
+    "without_random",
+]

@@ -50,9 +50,12 @@ class FuzzBlock(nn.Module):
         elif k == "conv":
             self.conv = nn.Conv1d(width, w, block.arg, padding=block.arg // 2)
         elif k in ("layernorm", "rmsnorm", "batchnorm", "groupnorm"):
-            self.norm = {"layernorm": lambda: nn.LayerNorm(width), "rmsnorm": lambda: nn.RMSNorm(width),
-                         "batchnorm": lambda: nn.BatchNorm1d(width),
-                         "groupnorm": lambda: nn.GroupNorm(block.arg, width)}[k]()
+            self.norm = {
+                "layernorm": lambda: nn.LayerNorm(width),
+                "rmsnorm": lambda: nn.RMSNorm(width),
+                "batchnorm": lambda: nn.BatchNorm1d(width),
+                "groupnorm": lambda: nn.GroupNorm(block.arg, width),
+            }[k]()
         elif k == "attention":
             self.head_dim = rng.choice((2, 3, 4, 8))
             self.qkv = nn.Linear(width, 3 * block.arg * self.head_dim, bias=False)
@@ -94,22 +97,32 @@ class FuzzBlock(nn.Module):
             zeros = x.new_zeros(b, s, self.width)
             return zeros.index_add(2, self.idx, x) if v else zeros.scatter_add(2, self.idx.expand(b, s, -1), x)
         if k == "reduce":
-            return (lambda: x - x.mean(-1, keepdim=True), lambda: x * torch.softmax(x.amax(1, keepdim=True), -1),
-                    lambda: x / (x.abs().sum(0, keepdim=True) + 1), lambda: x - torch.logsumexp(x, -1, keepdim=True),
-                    lambda: torch.cumsum(x, 1) / s)[v]()
+            return (
+                lambda: x - x.mean(-1, keepdim=True),
+                lambda: x * torch.softmax(x.amax(1, keepdim=True), -1),
+                lambda: x / (x.abs().sum(0, keepdim=True) + 1),
+                lambda: x - torch.logsumexp(x, -1, keepdim=True),
+                lambda: torch.cumsum(x, 1) / s,
+            )[v]()
         if k == "view":
             if v:
                 return x.transpose(1, 2).reshape(b, s, d)
             return x.reshape(b, s, self.arg, d // self.arg).transpose(-1, -2).reshape(b, s, d)
         if k == "slice_cat":
             cut = self.arg % d
-            return (lambda: torch.cat([x[..., cut:], x[..., :cut]], -1), lambda: torch.cat([x[:, 1:], x[:, :1]], 1),
-                    lambda: torch.cat([x, torch.tanh(x[..., : self.width - d])], -1))[v]()
+            return (
+                lambda: torch.cat([x[..., cut:], x[..., :cut]], -1),
+                lambda: torch.cat([x[:, 1:], x[:, :1]], 1),
+                lambda: torch.cat([x, torch.tanh(x[..., : self.width - d])], -1),
+            )[v]()
         if k == "elementwise":
-            return (lambda: x * torch.sigmoid(x), lambda: torch.where(x > 0, x, 0.1 * x),
-                    lambda: x + 0.5 * x.pow(2).clamp(max=3.0), lambda: x * self.scale + self.shift)[v]()
+            return (
+                lambda: x * torch.sigmoid(x),
+                lambda: torch.where(x > 0, x, 0.1 * x),
+                lambda: x + 0.5 * x.pow(2).clamp(max=3.0),
+                lambda: x * self.scale + self.shift,
+            )[v]()
         return SmoothSquare.apply(x)
-
 
 
 class RandomBlock(nn.Module):
@@ -163,8 +176,10 @@ class FuzzModel(nn.Module):
         self.embed = nn.Embedding(case.vocab, case.width) if case.vocab else None
         widths = [case.width] + [b.width for b in case.blocks]
         own = random.Random(f"autoshard-fuzz-random-init/{case.seed}/{case.index}")  # (random blocks' weights)
-        self.blocks = nn.ModuleList(RandomBlock(b, own) if b.kind in RANDOM_BLOCKS
-                                    else FuzzBlock(b, widths[i], case.seq, rng) for i, b in enumerate(case.blocks))
+        self.blocks = nn.ModuleList(
+            RandomBlock(b, own) if b.kind in RANDOM_BLOCKS else FuzzBlock(b, widths[i], case.seq, rng)
+            for i, b in enumerate(case.blocks)
+        )
         last = widths[-1] + widths[-1] % 2 if case.experts else widths[-1]  # (the MoE layer wants an even width)
         self.to_moe = nn.Linear(widths[-1], last) if last != widths[-1] else None
         self.moe = _experts(last, case) if case.experts else None
@@ -191,8 +206,17 @@ def _experts(width: int, case: FuzzCase) -> nn.Module:
     """A top-2 (top-1 of one expert) mixture of ``case.experts`` SwiGLU experts of hidden size 6 over ``width``."""
     from autoshard.models.moe import MoEConfig, MoEFeedForward
 
-    cfg = MoEConfig(n_layer=1, d_model=width, n_head=1, n_kv_head=1, ffn=6, n_experts=case.experts,
-                    top_k=min(2, case.experts), vocab=2, seq_len=case.seq)
+    cfg = MoEConfig(
+        n_layer=1,
+        d_model=width,
+        n_head=1,
+        n_kv_head=1,
+        ffn=6,
+        n_experts=case.experts,
+        top_k=min(2, case.experts),
+        vocab=2,
+        seq_len=case.seq,
+    )
     moe = MoEFeedForward(cfg)
     for w in (moe.w1, moe.w3, moe.w2):
         nn.init.normal_(w, std=0.3)
@@ -210,8 +234,7 @@ def example_inputs(case: FuzzCase) -> tuple[Tensor, ...]:
     """The case's global batch: the tokens or features, then the target (none for the ``mean_square`` loss)."""
     g = torch.Generator().manual_seed(case.seed * 7919 + case.index)
     b, s = case.batch, case.seq
-    x = (torch.randint(case.vocab, (b, s), generator=g) if case.vocab
-         else torch.randn(b, s, case.width, generator=g))
+    x = torch.randint(case.vocab, (b, s), generator=g) if case.vocab else torch.randn(b, s, case.width, generator=g)
     if case.loss == "mse":
         return x, torch.randn(b, s, case.out, generator=g)
     if case.loss == "cross_entropy":

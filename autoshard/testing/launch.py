@@ -45,8 +45,9 @@ class ChildTraceback(Exception):
         return "\n" + str(self.args[0]) if self.args else ""
 
 
-def _child(rank: int, world: int, fn: Callable[[int, int, Any], Any], arg: Any, tmpdir: str, timeout: float,
-           gloo: bool) -> None:
+def _child(
+    rank: int, world: int, fn: Callable[[int, int, Any], Any], arg: Any, tmpdir: str, timeout: float, gloo: bool
+) -> None:
     import torch.distributed as dist
 
     if gloo:
@@ -57,8 +58,13 @@ def _child(rank: int, world: int, fn: Callable[[int, int, Any], Any], arg: Any, 
     code = 0
     try:
         if gloo:
-            dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(f"{tmpdir}/store", world),
-                                    timeout=datetime.timedelta(seconds=timeout))
+            dist.init_process_group(
+                "gloo",
+                rank=rank,
+                world_size=world,
+                store=dist.FileStore(f"{tmpdir}/store", world),
+                timeout=datetime.timedelta(seconds=timeout),
+            )
         torch.save(fn(rank, world, arg), f"{tmpdir}/result{rank}.pt")
     except BaseException as e:  # noqa: BLE001 - reported to the parent through the file
         first = (str(e).strip().splitlines() or [""])[0]
@@ -98,8 +104,9 @@ def _stacks(tmpdir: str, rank: int) -> list[str]:
     return [f"rank {rank}'s Python stacks when it died:", text] if text else []
 
 
-def _failure(tmpdir: str, first: dict[int, int], codes: list[int | None], hung: list[int], timed_out: bool,
-             timeout: float) -> LaunchError | None:
+def _failure(
+    tmpdir: str, first: dict[int, int], codes: list[int | None], hung: list[int], timed_out: bool, timeout: float
+) -> LaunchError | None:
     """The error to raise, if any: a child that died without a Python exception before any was stopped, else the
     earliest Python error, else the time-out, else any non-zero exit."""
     errors = _errors(tmpdir)
@@ -108,8 +115,11 @@ def _failure(tmpdir: str, first: dict[int, int], codes: list[int | None], hung: 
     native = [r for r in sorted(first) if r not in wrote]
     if native:
         r = native[0]
-        return LaunchError(f"rank {r}: died without a Python exception ({_how(first[r])}); exit codes {codes}",
-                           "\n".join([*_stacks(tmpdir, r), *later]), rank=r)
+        return LaunchError(
+            f"rank {r}: died without a Python exception ({_how(first[r])}); exit codes {codes}",
+            "\n".join([*_stacks(tmpdir, r), *later]),
+            rank=r,
+        )
     if errors:  # the earliest is the cause; peers then fail in a collective
         _, rank, summary, text = errors[0]
         return LaunchError(f"rank {rank}: {summary}", "\n".join([text.rstrip(), *later[1:]]), rank=rank)
@@ -117,13 +127,17 @@ def _failure(tmpdir: str, first: dict[int, int], codes: list[int | None], hung: 
         return LaunchError(f"timed out after {timeout:.0f} s (ranks {hung} still running, stopped)")
     bad = [r for r, c in enumerate(codes) if c != 0]
     if bad:
-        return LaunchError(f"rank {bad[0]}: died without a Python exception ({_how(codes[bad[0]])}); exit codes "
-                           f"{codes}", "\n".join(_stacks(tmpdir, bad[0])), rank=bad[0])
+        return LaunchError(
+            f"rank {bad[0]}: died without a Python exception ({_how(codes[bad[0]])}); exit codes {codes}",
+            "\n".join(_stacks(tmpdir, bad[0])),
+            rank=bad[0],
+        )
     return None
 
 
-def launch(world: int, fn: Callable[[int, int, Any], Any], arg: Any = None, *, timeout: float = 300.0,
-           gloo: bool = True) -> list[Any]:
+def launch(
+    world: int, fn: Callable[[int, int, Any], Any], arg: Any = None, *, timeout: float = 300.0, gloo: bool = True
+) -> list[Any]:
     """``fn(rank, world, arg)`` on ``world`` forked processes (joined into one gloo group when ``gloo``); their
     results in rank order. The first failure stops the other ranks and is raised as :class:`LaunchError`; past
     ``timeout`` seconds all are stopped. See the module docstring."""
@@ -133,8 +147,10 @@ def launch(world: int, fn: Callable[[int, int, Any], Any], arg: Any = None, *, t
         import torch.distributed as dist
 
         if dist.is_initialized():
-            raise UsageError("launch forks gloo ranks: this process has a default process group (a fake world?); "
-                               "destroy it first, or launch outside it")
+            raise UsageError(
+                "launch forks gloo ranks: this process has a default process group (a fake world?); "
+                "destroy it first, or launch outside it"
+            )
     ctx = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="autoshard_launch_") as tmpdir:
         procs = [ctx.Process(target=_child, args=(r, world, fn, arg, tmpdir, timeout, gloo)) for r in range(world)]

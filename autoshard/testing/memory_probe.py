@@ -48,17 +48,34 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from autoshard.errors import InputError, UsageError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ALLOCATOR_CATEGORIES", "CATEGORIES", "MemoryPeak", "RegionPeak", "category_names", "measure_peak", "peak_of_timeline",
-           "tracker_peak"]
+__all__ = [
+    "ALLOCATOR_CATEGORIES",
+    "CATEGORIES",
+    "MemoryPeak",
+    "RegionPeak",
+    "category_names",
+    "measure_peak",
+    "peak_of_timeline",
+    "tracker_peak",
+]
 
 # the profiler's order of categories in a timeline row (after a leading always-zero column), as
 # torch.profiler._memory_profiler._CATEGORY_TO_INDEX lists them on torch 2.11-2.13; used when that is unavailable
-CATEGORIES: tuple[str, ...] = ("parameter", "optimizer state", "input", "temporary", "activation", "gradient",
-                               "autograd detail", "unknown")
+CATEGORIES: tuple[str, ...] = (
+    "parameter",
+    "optimizer state",
+    "input",
+    "temporary",
+    "activation",
+    "gradient",
+    "autograd detail",
+    "unknown",
+)
 
 
 def category_names() -> tuple[str, ...]:
@@ -117,7 +134,7 @@ class MemoryPeak:
 
 def _row(sizes: Sequence[int], names: Sequence[str]) -> dict[str, int]:
     """A timeline row as {category: bytes}; the row has one leading column the profiler never fills."""
-    values = list(sizes)[-len(names):]
+    values = list(sizes)[-len(names) :]
     return {n: int(v) for n, v in zip(names, values)}
 
 
@@ -308,8 +325,10 @@ def measure_peak(
     method = "timeline" if times is not None else "allocator"
     if times is None:
         if baseline is None:
-            raise UsageError(f"memory_probe: the profiler's memory timeline failed {attempts} times ({sizes}); "
-                               "pass baseline= to fall back on the allocator's events")
+            raise UsageError(
+                f"memory_probe: the profiler's memory timeline failed {attempts} times ({sizes}); "
+                "pass baseline= to fall back on the allocator's events"
+            )
         times, sizes = _allocator_timeline(allocs, int(baseline()))
     windows = _region_windows(prof, regions)
     names = category_names() if method == "timeline" else ALLOCATOR_CATEGORIES
@@ -324,11 +343,13 @@ def measure_peak(
         claimed |= ptrs
         owned[name] = sum(sizes_live.get(p, 0) for p in ptrs)
     owned["other"] = sum(b for p, b in sizes_live.items() if p not in claimed)
-    retained = {name: sum(b for t, b in _live_at(allocs, end).values() if t >= start)
-                for name, (start, end) in windows.items()}
+    retained = {
+        name: sum(b for t, b in _live_at(allocs, end).values() if t >= start) for name, (start, end) in windows.items()
+    }
     made_in = {name: sum(b for t, b in live.values() if start <= t <= end) for name, (start, end) in windows.items()}
-    result = dataclasses.replace(result, wall_s=wall, owned_at_peak=owned, retained=retained, made_in_at_peak=made_in,
-                                 method=method)
+    result = dataclasses.replace(
+        result, wall_s=wall, owned_at_peak=owned, retained=retained, made_in_at_peak=made_in, method=method
+    )
     log.debug("memory_probe: %s over %d rows in %.2f s", result.summary(), result.rows, wall)
     return result
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+
 from autoshard.errors import InputError
 from autoshard.weights.shards import is_unfilled, stand_in_device, stand_in_for_meta
 
@@ -82,8 +83,9 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, dtype: torch.d
     """Write ``model`` as ``from_pretrained`` reads it, each rank its shards (``autoshard/weights/pretrained.py``)."""
     wrapper = _wrapper(model)
     if wrapper is None and _has_meta(model):
-        raise InputError("save_pretrained: the model has no values yet (built on the meta device and not initialized "
-                         "or loaded)")
+        raise InputError(
+            "save_pretrained: the model has no values yet (built on the meta device and not initialized or loaded)"
+        )
     from autoshard.weights.pretrained import save_pretrained as run
 
     if wrapper is not None:

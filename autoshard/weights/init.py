@@ -35,14 +35,15 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from autoshard.weights.shards import global_shape, layout_of, write_full
 from autoshard.errors import UsageError
+from autoshard.weights.shards import global_shape, layout_of, write_full
 
 log = logging.getLogger(__name__)
 
 # in-place methods that overwrite a tensor with random draws: drawn whole, then cut
-_RANDOM_FILLS = frozenset(("normal_", "uniform_", "bernoulli_", "exponential_", "geometric_", "log_normal_",
-                           "cauchy_", "random_"))
+_RANDOM_FILLS = frozenset(
+    ("normal_", "uniform_", "bernoulli_", "exponential_", "geometric_", "log_normal_", "cauchy_", "random_")
+)
 
 
 def derived_seed(seed: int, name: str, count: int = 0) -> int:
@@ -52,7 +53,9 @@ def derived_seed(seed: int, name: str, count: int = 0) -> int:
 
 @contextlib.contextmanager
 def _seeded(seed: int, device: torch.device) -> Iterator[None]:
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    devices = (
+        [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    )
     with torch.random.fork_rng(devices=devices, device_type=device.type if device.type != "cpu" else "cuda"):
         torch.manual_seed(seed)
         yield
@@ -75,8 +78,9 @@ def _hf_owners(tree: nn.Module) -> dict[str, Any]:
 class _WholeInit(TorchFunctionMode):
     """Catches init code acting on a sharded tensor of the model (see the module docstring)."""
 
-    def __init__(self, seed: int, names: Mapping[int, str], write: Callable[[str, torch.Tensor], None],
-                 device: torch.device) -> None:
+    def __init__(
+        self, seed: int, names: Mapping[int, str], write: Callable[[str, torch.Tensor], None], device: torch.device
+    ) -> None:
         super().__init__()
         self.seed, self.names, self.write, self.device = seed, dict(names), write, device
         self.calls: dict[str, int] = {}
@@ -144,8 +148,13 @@ def _swapped(m: nn.Module, device: torch.device) -> Iterator[list[tuple[str, tor
 
 
 @torch.no_grad()
-def init_weights(tree: nn.Module, seed: int = 0, targets: Mapping[str, Sequence[torch.Tensor]] | None = None,
-                 device: torch.device | str | None = None, only: Collection[str] | None = None) -> set[str]:
+def init_weights(
+    tree: nn.Module,
+    seed: int = 0,
+    targets: Mapping[str, Sequence[torch.Tensor]] | None = None,
+    device: torch.device | str | None = None,
+    only: Collection[str] | None = None,
+) -> set[str]:
     """Initialize the tensors of ``tree`` (the model as built: meta, sharded or whole) as its own code does, and
     write each whole result into the tensors ``targets`` names (default: ``tree``'s own parameters and buffers,
     under every alias). ``only``: run just the modules that own these names, write just them (the buffers a
@@ -153,8 +162,11 @@ def init_weights(tree: nn.Module, seed: int = 0, targets: Mapping[str, Sequence[
     if only is not None:
         keep = set(only)
         full = targets if targets is not None else {n: [t] for n, t in tree.named_buffers(remove_duplicate=False)}
-        targets = {n: ts for n, ts in {**{n: [t] for n, t in tree.named_parameters(remove_duplicate=False)},
-                                       **full}.items() if n in keep}
+        targets = {
+            n: ts
+            for n, ts in {**{n: [t] for n, t in tree.named_parameters(remove_duplicate=False)}, **full}.items()
+            if n in keep
+        }
     if targets is None:
         targets = {}
         for n, t in [*tree.named_parameters(remove_duplicate=False), *tree.named_buffers(remove_duplicate=False)]:
@@ -175,7 +187,9 @@ def init_weights(tree: nn.Module, seed: int = 0, targets: Mapping[str, Sequence[
         for mname, m in tree.named_modules():
             if not _direct(m) and not hasattr(m, "reset_parameters") and owners.get(mname) is None:
                 continue
-            if only is not None and not any((f"{mname}.{leaf}" if mname else leaf) in keep for leaf, _, _ in _direct(m)):
+            if only is not None and not any(
+                (f"{mname}.{leaf}" if mname else leaf) in keep for leaf, _, _ in _direct(m)
+            ):
                 continue
             with _swapped(m, dev) as swaps, _seeded(derived_seed(seed, mname or "<root>"), dev):
                 _module_init(m, owners.get(mname))

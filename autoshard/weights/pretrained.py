@@ -34,8 +34,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from autoshard import _torch_compat as tc
-from autoshard.weights.shards import global_shape, local_of
 from autoshard.errors import InputError
+from autoshard.weights.shards import global_shape, local_of
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +71,16 @@ def _ignored(model: nn.Module, attr: str) -> list[re.Pattern[str]]:
     return [re.compile(p) for p in pats]
 
 
-def check_checkpoint(state: Mapping[str, torch.Tensor], aliases: Mapping[str, str],
-                     saved: Mapping[str, Any], path: str, model: nn.Module, strict: bool = True,
-                     expected: Collection[str] | None = None, tied: Mapping[str, str] | None = None
-                     ) -> dict[str, str]:
+def check_checkpoint(
+    state: Mapping[str, torch.Tensor],
+    aliases: Mapping[str, str],
+    saved: Mapping[str, Any],
+    path: str,
+    model: nn.Module,
+    strict: bool = True,
+    expected: Collection[str] | None = None,
+    tied: Mapping[str, str] | None = None,
+) -> dict[str, str]:
     """Compare the model's keys and shapes with the checkpoint's (``saved``: key -> DCP storage metadata).
     Returns the model keys to read, each -> the checkpoint key it reads (a tied parameter may be stored under its
     other name). Raises naming the first difference. ``expected``: every key of the whole model, where ``state``
@@ -95,8 +101,10 @@ def check_checkpoint(state: Mapping[str, torch.Tensor], aliases: Mapping[str, st
     for key, stored in plan.items():
         want, have = tuple(global_shape(state[key])), tuple(saved[stored].size)
         if want != have:
-            raise InputError(f"{path}: {stored} has shape {have} in the checkpoint but {want} in the model "
-                             f"({type(model).__name__}); is the checkpoint from another model or config?")
+            raise InputError(
+                f"{path}: {stored} has shape {have} in the checkpoint but {want} in the model "
+                f"({type(model).__name__}); is the checkpoint from another model or config?"
+            )
     expected = set(state) | set(aliases) | set(expected or ())
     skip = _ignored(model, "_keys_to_ignore_on_load_unexpected")
     unexpected = sorted(k for k in saved if k not in expected and not any(p.search(k) for p in skip))
@@ -105,13 +113,19 @@ def check_checkpoint(state: Mapping[str, torch.Tensor], aliases: Mapping[str, st
     if strict and (missing or unexpected):
         parts = []
         if missing:
-            parts.append(f"missing from the checkpoint: {missing[0]} {tuple(global_shape(state[missing[0]]))}"
-                         + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+            parts.append(
+                f"missing from the checkpoint: {missing[0]} {tuple(global_shape(state[missing[0]]))}"
+                + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+            )
         if unexpected:
-            parts.append(f"not in the model: {unexpected[0]} {tuple(saved[unexpected[0]].size)}"
-                         + (f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""))
-        raise InputError(f"{path} does not match {type(model).__name__}: {'; '.join(parts)}. Is it a checkpoint of "
-                         "another model? (strict=False loads the keys both have.)")
+            parts.append(
+                f"not in the model: {unexpected[0]} {tuple(saved[unexpected[0]].size)}"
+                + (f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else "")
+            )
+        raise InputError(
+            f"{path} does not match {type(model).__name__}: {'; '.join(parts)}. Is it a checkpoint of "
+            "another model? (strict=False loads the keys both have.)"
+        )
     return plan
 
 
@@ -130,9 +144,12 @@ def check_files(path: str) -> None:
         absent = sorted(set(weight_map.values()) - names)
         if absent:
             keys = [k for k, f in weight_map.items() if f == absent[0]]
-            raise InputError(f"{path}: its index {idx} puts {len(keys)} tensors ({keys[0]}, ...) in {absent[0]}, which "
-                             f"is not there" + (f" (nor {len(absent) - 1} more of its files)" if len(absent) > 1 else "")
-                             + "; copy the whole checkpoint directory, or save it again")
+            raise InputError(
+                f"{path}: its index {idx} puts {len(keys)} tensors ({keys[0]}, ...) in {absent[0]}, which "
+                f"is not there"
+                + (f" (nor {len(absent) - 1} more of its files)" if len(absent) > 1 else "")
+                + "; copy the whole checkpoint directory, or save it again"
+            )
     for name in sorted(f for f in names if f.endswith(".safetensors")):
         file = os.path.join(path, name)
         size = os.path.getsize(file)
@@ -140,9 +157,11 @@ def check_files(path: str) -> None:
             head = fh.read(8)
             n = int.from_bytes(head, "little") if len(head) == 8 else -1
             if n < 0 or 8 + n > size:
-                raise InputError(f"{file} is not a complete safetensors file: {size} bytes, "
-                                 + ("shorter than its header's length field" if n < 0 else f"its header alone {8 + n}")
-                                 + "; was its save interrupted? Save it again")
+                raise InputError(
+                    f"{file} is not a complete safetensors file: {size} bytes, "
+                    + ("shorter than its header's length field" if n < 0 else f"its header alone {8 + n}")
+                    + "; was its save interrupted? Save it again"
+                )
             try:
                 header = json.loads(fh.read(n))
                 ends = {k: int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"}
@@ -151,22 +170,33 @@ def check_files(path: str) -> None:
         need = 8 + n + max(ends.values(), default=0)
         if need > size:
             cut = sorted((k for k, end in ends.items() if 8 + n + end > size), key=ends.get)
-            raise InputError(f"{file} is truncated: {size} bytes where its header describes {need}; {cut[0]}"
-                             + (f" and {len(cut) - 1} more tensors" if len(cut) > 1 else "") + " end past its end. Was "
-                             "its save interrupted? Save it again")
+            raise InputError(
+                f"{file} is truncated: {size} bytes where its header describes {need}; {cut[0]}"
+                + (f" and {len(cut) - 1} more tensors" if len(cut) > 1 else "")
+                + " end past its end. Was "
+                "its save interrupted? Save it again"
+            )
 
 
-def load_pretrained(sharded: nn.Module, path: str | os.PathLike, *, strict: bool = True,
-                    model: nn.Module | None = None, expected: Collection[str] | None = None,
-                    tied: Mapping[str, str] | None = None) -> None:
+def load_pretrained(
+    sharded: nn.Module,
+    path: str | os.PathLike,
+    *,
+    strict: bool = True,
+    model: nn.Module | None = None,
+    expected: Collection[str] | None = None,
+    tied: Mapping[str, str] | None = None,
+) -> None:
     """Read a ``save_pretrained`` directory into ``sharded``'s shards (see the module docstring); ``model``: the
     model as built (its ignore lists), ``expected``: the whole model's keys where ``sharded`` holds a part."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     path = os.fspath(path)
     if not os.path.isdir(path) or not any(f.endswith(".safetensors") for f in os.listdir(path)):
-        raise FileNotFoundError(f"{path}: no safetensors files; load_pretrained reads a directory written by "
-                                "save_pretrained (model.safetensors, or model-0000k-of-0000n.safetensors and its index)")
+        raise FileNotFoundError(
+            f"{path}: no safetensors files; load_pretrained reads a directory written by "
+            "save_pretrained (model.safetensors, or model-0000k-of-0000n.safetensors and its index)"
+        )
     check_files(path)
     reader = HuggingFaceStorageReader(path)
     saved = reader.read_metadata().state_dict_metadata
@@ -178,8 +208,9 @@ def load_pretrained(sharded: nn.Module, path: str | os.PathLike, *, strict: bool
     dcp.load(to_read, storage_reader=HuggingFaceStorageReader(path))
 
 
-def save_pretrained(sharded: nn.Module, model: nn.Module, path: str | os.PathLike, *,
-                    dtype: torch.dtype | None = None) -> None:
+def save_pretrained(
+    sharded: nn.Module, model: nn.Module, path: str | os.PathLike, *, dtype: torch.dtype | None = None
+) -> None:
     """Write ``sharded``'s model as a ``from_pretrained`` directory (see the module docstring); ``dtype`` casts
     floating-point tensors on the way out (e.g. ``torch.bfloat16``)."""
     from torch.distributed.checkpoint import HuggingFaceStorageWriter

@@ -27,13 +27,15 @@ from autoshard.errors import InputError, UsageError
 log = logging.getLogger(__name__)
 
 
-def empty_shard(shape: Sequence[int], dtype: torch.dtype, mesh: DeviceMesh, placements: Sequence[Placement],
-                host: bool = False) -> DTensor:
+def empty_shard(
+    shape: Sequence[int], dtype: torch.dtype, mesh: DeviceMesh, placements: Sequence[Placement], host: bool = False
+) -> DTensor:
     """A DTensor of global ``shape`` whose local tensor is this rank's shard only, uninitialized; ``host``: its
     local tensor in host memory (pinned beside a GPU), as an offloaded master is held, never on the device."""
     if host:
-        cut = distribute_tensor(torch.empty(tuple(shape), dtype=dtype, device="meta"), mesh, tuple(placements),
-                                src_data_rank=None)
+        cut = distribute_tensor(
+            torch.empty(tuple(shape), dtype=dtype, device="meta"), mesh, tuple(placements), src_data_rank=None
+        )
         local = torch.empty(cut.to_local().shape, dtype=dtype, device="cpu", pin_memory=mesh.device_type == "cuda")
         return tc.dtensor_like(local, cut)  # (from_local would move the local tensor to the mesh's device)
     dt = dtensor_empty(*shape, dtype=dtype, device_mesh=mesh, placements=tuple(placements))
@@ -70,8 +72,9 @@ def write_full(target: torch.Tensor, full: torch.Tensor) -> None:
     casting to its dtype; no communication."""
     layout = layout_of(target)
     if tuple(full.shape) != tuple(global_shape(target)):
-        raise InputError(f"a whole tensor of shape {tuple(full.shape)} cannot fill one of shape "
-                         f"{tuple(global_shape(target))}")
+        raise InputError(
+            f"a whole tensor of shape {tuple(full.shape)} cannot fill one of shape {tuple(global_shape(target))}"
+        )
     if layout is None:
         target.copy_(full)
         return
@@ -144,8 +147,9 @@ def restore_meta(module: nn.Module) -> int:
             done[id(p)] = p
             with torch.no_grad():
                 # (swap_tensors swaps the attribute dicts too: the marker leaves with the stand-in)
-                torch.utils.swap_tensors(p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                                                         p.requires_grad))
+                torch.utils.swap_tensors(
+                    p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
+                )
     for owner in module.modules():
         for leaf, b in list(owner._buffers.items()):
             if b is not None and getattr(b, _STAND_IN, False):

@@ -49,8 +49,9 @@ def _allocate_state(opt: torch.optim.Optimizer) -> None:
         group["lr"] = lr
     opt.zero_grad(set_to_none=True)
     if not opt.state and any(p.requires_grad for p in params):
-        raise InputError(f"{type(opt).__name__} made no state from a step; autoshard cannot read its checkpointed "
-                         "state into it")
+        raise InputError(
+            f"{type(opt).__name__} made no state from a step; autoshard cannot read its checkpointed state into it"
+        )
 
 
 def save_training_state(module: nn.Module, optimizer: Any, path: str | os.PathLike) -> None:
@@ -65,8 +66,10 @@ def load_training_state(module: nn.Module, optimizer: Any, path: str | os.PathLi
     state; every rank calls it."""
     path = os.fspath(path)
     if not os.path.exists(os.path.join(path, ".metadata")):
-        raise InputError(f"{path} is not a complete autoshard training-state checkpoint (no .metadata): it was not "
-                         "written, or its writing was interrupted; resume from another checkpoint")
+        raise InputError(
+            f"{path} is not a complete autoshard training-state checkpoint (no .metadata): it was not "
+            "written, or its writing was interrupted; resume from another checkpoint"
+        )
     opt = unwrap_optimizer(optimizer)
     _allocate_state(opt)
     model_state, optim_state = get_state_dict(module, opt)

@@ -13,13 +13,19 @@ from collections.abc import Callable
 from autoshard.ir import layer_key
 from autoshard.notation import fold_layers, format_bytes, format_seconds
 from autoshard.plans.explain import CostChange, explain, signed
+from autoshard.plans.html.svg import Bar, Segment, Svg, colour, esc, legend, stacked_bars
 from autoshard.plans.plan import Plan, StagePlan
 from autoshard.plans.words import plan_in_words
-from autoshard.plans.html.svg import Bar, Segment, Svg, colour, esc, legend, stacked_bars
 
 MEMORY = ("parameters", "gradients", "optimizer state", "activations", "temporaries", "host (offloaded)")
-STEP = ("compute", "recompute", "offload copies", "communication (exposed)", "idle (pipeline bubble)",
-        "communication (overlapped)")
+STEP = (
+    "compute",
+    "recompute",
+    "offload copies",
+    "communication (exposed)",
+    "idle (pipeline bubble)",
+    "communication (overlapped)",
+)
 LAYER = ("forward compute", "backward compute", "forward comm", "backward comm", "optimizer comm")
 MAX_LAYERS = 64
 
@@ -38,14 +44,27 @@ def memory_view(plan: Plan) -> str:
         of = f" of {format_bytes(plan.memory_budget_bytes)}" if plan.memory_budget_bytes else ""
         measured = plan.measured_peak_bytes if len(plan.stages) == 1 else 0
         got = f", measured {format_bytes(measured)}" if measured else ""
-        bars.append(Bar(_stage_label(plan, s), segs, f"{format_bytes(m.total)}{of}{got}", measured,
-                        f"measured peak {format_bytes(measured)} (autotune)"))
+        bars.append(
+            Bar(
+                _stage_label(plan, s),
+                segs,
+                f"{format_bytes(m.total)}{of}{got}",
+                measured,
+                f"measured peak {format_bytes(measured)} (autotune)",
+            )
+        )
         if m.host:
-            bars.append(Bar("  host memory", (Segment(m.host, MEMORY[-1], f"offloaded: {format_bytes(m.host)}"),),
-                            f"{format_bytes(m.host)} in host memory"))
+            bars.append(
+                Bar(
+                    "  host memory",
+                    (Segment(m.host, MEMORY[-1], f"offloaded: {format_bytes(m.host)}"),),
+                    f"{format_bytes(m.host)} in host memory",
+                )
+            )
     budget = plan.memory_budget_bytes
-    svg = stacked_bars(bars, "memory per device", MEMORY, limit=budget,
-                       limit_tip=f"budget {format_bytes(budget)}" if budget else "")
+    svg = stacked_bars(
+        bars, "memory per device", MEMORY, limit=budget, limit_tip=f"budget {format_bytes(budget)}" if budget else ""
+    )
     return f'<div class="chart" data-view="memory">{svg}{legend(MEMORY)}</div>'
 
 
@@ -59,11 +78,24 @@ def step_view(plan: Plan) -> str:
     bars = []
     for s in plan.stages:
         rec = plan.recompute_s if len(plan.stages) == 1 else 0.0
-        pieces = (max(0.0, s.compute_s - s.offload_s - rec), rec, s.offload_s, s.comm_s, _idle(plan, s),
-                  plan.hidden_comm_s if len(plan.stages) == 1 else 0.0)
+        pieces = (
+            max(0.0, s.compute_s - s.offload_s - rec),
+            rec,
+            s.offload_s,
+            s.comm_s,
+            _idle(plan, s),
+            plan.hidden_comm_s if len(plan.stages) == 1 else 0.0,
+        )
         segs = tuple(Segment(v, n, f"{n}: {format_seconds(v)}") for n, v in zip(STEP, pieces) if v > 0)
-        bars.append(Bar(_stage_label(plan, s), segs, f"step {format_seconds(plan.step_time_s)}",
-                        marker=plan.measured_s, marker_tip=f"measured {format_seconds(plan.measured_s)}"))
+        bars.append(
+            Bar(
+                _stage_label(plan, s),
+                segs,
+                f"step {format_seconds(plan.step_time_s)}",
+                marker=plan.measured_s,
+                marker_tip=f"measured {format_seconds(plan.measured_s)}",
+            )
+        )
     return f'<div class="chart" data-view="step">{stacked_bars(bars, "step time", STEP)}{legend(STEP)}</div>'
 
 
@@ -92,16 +124,28 @@ def layers_view(plan: Plan) -> str:
         times = _layer_times(s)
         order = sorted(times, key=lambda b: (b != "outside the layers", layer_key(b + ".x") or (b, 0)))
         # layers with the same times (to 0.1%) folded, as the terminal report folds equal layouts
-        entries = fold_layers([(b + ".x", tuple(round(v, 4 - int(math.floor(math.log10(v)))) if v > 0 else 0.0
-                                                for v in times[b])) for b in order])
+        entries = fold_layers(
+            [
+                (b + ".x", tuple(round(v, 4 - int(math.floor(math.log10(v)))) if v > 0 else 0.0 for v in times[b]))
+                for b in order
+            ]
+        )
         shown = [order[e] for e in entries if isinstance(e, int)][:MAX_LAYERS]
-        bars = [Bar(b, tuple(Segment(v, n, f"{n}: {format_seconds(v)}") for n, v in zip(LAYER, times[b]) if v > 0),
-                    format_seconds(sum(times[b]))) for b in shown]
+        bars = [
+            Bar(
+                b,
+                tuple(Segment(v, n, f"{n}: {format_seconds(v)}") for n, v in zip(LAYER, times[b]) if v > 0),
+                format_seconds(sum(times[b])),
+            )
+            for b in shown
+        ]
         folds = "".join(f'<div class="fold">{esc(e.replace(".x", ""))}</div>' for e in entries if isinstance(e, str))
         if bars:
             title = f"<h4>{esc(_stage_label(plan, s))}</h4>" if len(plan.stages) > 1 else ""
-            out.append(f'{title}<div class="chart" data-view="layers">{stacked_bars(bars, "time per layer", LAYER)}'
-                       f'{folds}{legend(LAYER)}</div>')
+            out.append(
+                f'{title}<div class="chart" data-view="layers">{stacked_bars(bars, "time per layer", LAYER)}'
+                f"{folds}{legend(LAYER)}</div>"
+            )
     note = f'<p class="note">{esc(plan.sampled_layers)}.</p>' if plan.sampled_layers else ""
     return "\n".join(out) + note
 
@@ -130,17 +174,37 @@ def timeline_view(s: StagePlan, label: str) -> str:
         if span[p] <= 0:
             continue
         x = left + width * x0 / total
-        svg.rect(x, 16, width * compute[p] / total, lane - 8, colour(("forward", "backward").index(p) if p != "optimizer" else 2),
-                 f"{p} compute {format_seconds(compute[p])}")
+        svg.rect(
+            x,
+            16,
+            width * compute[p] / total,
+            lane - 8,
+            colour(("forward", "backward").index(p) if p != "optimizer" else 2),
+            f"{p} compute {format_seconds(compute[p])}",
+        )
         svg.text(x + 2, 12, p, size=10, fill="#555")
         for j, a in enumerate(axes):
             cx = x
             for c in per[(a, p)]:
                 w = width * c.time_s * c.repeat / total
-                tip = (f"{c.kind} on {a}: {c.tensor or '(latency)'} for {c.consumer}, {format_bytes(c.nbytes)}, "
-                       f"{format_seconds(c.time_s)} × {c.repeat:g}")
-                svg.rect(cx, 16 + lane * (j + 1), w, lane - 8, colour(4 + ("all_gather", "reduce_scatter", "all_reduce",
-                         "all_to_all", "broadcast", "send_recv").index(c.kind)), tip, stroke="none")
+                tip = (
+                    f"{c.kind} on {a}: {c.tensor or '(latency)'} for {c.consumer}, {format_bytes(c.nbytes)}, "
+                    f"{format_seconds(c.time_s)} × {c.repeat:g}"
+                )
+                svg.rect(
+                    cx,
+                    16 + lane * (j + 1),
+                    w,
+                    lane - 8,
+                    colour(
+                        4
+                        + ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "send_recv").index(
+                            c.kind
+                        )
+                    ),
+                    tip,
+                    stroke="none",
+                )
                 cx += w
         x0 += span[p]
         svg.line(left + width * x0 / total, 10, left + width * x0 / total, 20 + lane * (len(axes) + 1), "#bbb", "2 2")
@@ -158,29 +222,62 @@ def recipes_view(plan: Plan) -> str:
     if not rows:
         return '<p class="note">No recipe was solved alongside this plan (a recipe plan, or --no-recipes).</p>'
     names = ("the plan", "recipe (fits)", "recipe (over budget)")
-    me = Bar("autoshard plan", (Segment(plan.step_time_s, names[0], format_seconds(plan.step_time_s)),),
-             f"{format_seconds(plan.step_time_s)}  1.00×", plan.measured_s, f"measured {format_seconds(plan.measured_s)}")
-    time_bars, mem_bars = [me], [Bar("autoshard plan", (Segment(plan.peak_memory.total, names[0]),),
-                                     format_bytes(plan.peak_memory.total), plan.measured_peak_bytes,
-                                     f"measured {format_bytes(plan.measured_peak_bytes)}")]
+    me = Bar(
+        "autoshard plan",
+        (Segment(plan.step_time_s, names[0], format_seconds(plan.step_time_s)),),
+        f"{format_seconds(plan.step_time_s)}  1.00×",
+        plan.measured_s,
+        f"measured {format_seconds(plan.measured_s)}",
+    )
+    time_bars, mem_bars = (
+        [me],
+        [
+            Bar(
+                "autoshard plan",
+                (Segment(plan.peak_memory.total, names[0]),),
+                format_bytes(plan.peak_memory.total),
+                plan.measured_peak_bytes,
+                f"measured {format_bytes(plan.measured_peak_bytes)}",
+            )
+        ],
+    )
     for r in sorted(rows, key=lambda r: r.step_time_s):
         kind = names[1] if r.fits else names[2]
         ratio = r.step_time_s / plan.step_time_s if plan.step_time_s else math.inf
-        time_bars.append(Bar(r.name, (Segment(r.step_time_s, kind, f"{r.name}: {format_seconds(r.step_time_s)}"),),
-                             f"{format_seconds(r.step_time_s)}  {ratio:.2f}×", r.measured_s,
-                             f"measured {format_seconds(r.measured_s)}", faded=not r.fits))
-        mem_bars.append(Bar(r.name, (Segment(r.peak_memory_bytes, kind, format_bytes(r.peak_memory_bytes)),),
-                            format_bytes(r.peak_memory_bytes), r.measured_peak_bytes,
-                            f"measured {format_bytes(r.measured_peak_bytes)}", faded=not r.fits))
+        time_bars.append(
+            Bar(
+                r.name,
+                (Segment(r.step_time_s, kind, f"{r.name}: {format_seconds(r.step_time_s)}"),),
+                f"{format_seconds(r.step_time_s)}  {ratio:.2f}×",
+                r.measured_s,
+                f"measured {format_seconds(r.measured_s)}",
+                faded=not r.fits,
+            )
+        )
+        mem_bars.append(
+            Bar(
+                r.name,
+                (Segment(r.peak_memory_bytes, kind, format_bytes(r.peak_memory_bytes)),),
+                format_bytes(r.peak_memory_bytes),
+                r.measured_peak_bytes,
+                f"measured {format_bytes(r.measured_peak_bytes)}",
+                faded=not r.fits,
+            )
+        )
     budget = plan.memory_budget_bytes
-    notes = "".join(f"<tr><td>{esc(r.name)}</td><td>{'yes' if r.fits else 'no'}</td><td>{esc('; '.join(x for x in (r.how, r.note) if x))}</td>"
-                    f"<td>{'<br>'.join(esc(d) for d in r.differences)}</td></tr>" for r in rows)
-    return (f'<h4>predicted step time (a black tick: measured)</h4><div class="chart" data-view="recipes-time">'
-            f'{stacked_bars(time_bars, "step time by recipe", names)}{legend(names)}</div>'
-            f'<h4>peak memory per device (dashed: the budget; a black tick: measured)</h4><div class="chart" data-view="recipes-memory">'
-            f'{stacked_bars(mem_bars, "peak memory by recipe", names, limit=budget, limit_tip="budget")}</div>'
-            f'<table class="kv"><tr><th>recipe</th><th>fits</th><th>note</th><th>what makes the difference (recipe − '
-            f'plan, the largest terms; <code>autoshard explain</code> has all)</th></tr>{notes}</table>')
+    notes = "".join(
+        f"<tr><td>{esc(r.name)}</td><td>{'yes' if r.fits else 'no'}</td><td>{esc('; '.join(x for x in (r.how, r.note) if x))}</td>"
+        f"<td>{'<br>'.join(esc(d) for d in r.differences)}</td></tr>"
+        for r in rows
+    )
+    return (
+        f'<h4>predicted step time (a black tick: measured)</h4><div class="chart" data-view="recipes-time">'
+        f"{stacked_bars(time_bars, 'step time by recipe', names)}{legend(names)}</div>"
+        f'<h4>peak memory per device (dashed: the budget; a black tick: measured)</h4><div class="chart" data-view="recipes-memory">'
+        f"{stacked_bars(mem_bars, 'peak memory by recipe', names, limit=budget, limit_tip='budget')}</div>"
+        f'<table class="kv"><tr><th>recipe</th><th>fits</th><th>note</th><th>what makes the difference (recipe − '
+        f"plan, the largest terms; <code>autoshard explain</code> has all)</th></tr>{notes}</table>"
+    )
 
 
 def explain_view(a: Plan, b: Plan, names: tuple[str, str] = ("A", "B")) -> str:
@@ -195,15 +292,22 @@ def explain_view(a: Plan, b: Plan, names: tuple[str, str] = ("A", "B")) -> str:
         return "".join(
             f'<tr><td class="num">{esc(signed(c.value, fmt))}</td><td><span class="delta" style="width:'
             f'{120 * abs(c.value) / top:.0f}px;background:{"#D55E00" if c.value > 0 else "#009E73"}"></span></td>'
-            f"<td>{esc(c.what)}</td></tr>" for c in changes)
+            f"<td>{esc(c.what)}</td></tr>"
+            for c in changes
+        )
 
-    layouts = "".join(f"<tr><td>{esc(c.name)}</td><td>{esc(c.layers)}</td><td>[{esc(', '.join(c.before))}]</td>"
-                      f"<td>[{esc(', '.join(c.after))}]</td></tr>" for c in e.layouts[:200])
-    return (f'<p class="words">{esc(na)}: {esc(plan_in_words(a))}<br>{esc(nb)}: {esc(plan_in_words(b))}</p>'
-            f"<p>{esc(nb)} − {esc(na)}: step {esc(signed(e.step_delta_s, format_seconds))}, peak memory per device "
-            f"{esc(signed(e.memory_delta_bytes, format_bytes))}.</p>"
-            f'<h4>step time terms (they sum to the difference)</h4><table class="kv">'
-            f"{rows(e.time, format_seconds, most)}</table>"
-            f'<h4>peak memory terms</h4><table class="kv">{rows(e.memory, format_bytes, most_b)}</table>'
-            f'<h4>parameter layouts that differ ({len(e.layouts)})</h4><table class="kv"><tr><th>parameter</th>'
-            f"<th>layers</th><th>{esc(na)}</th><th>{esc(nb)}</th></tr>{layouts}</table>")
+    layouts = "".join(
+        f"<tr><td>{esc(c.name)}</td><td>{esc(c.layers)}</td><td>[{esc(', '.join(c.before))}]</td>"
+        f"<td>[{esc(', '.join(c.after))}]</td></tr>"
+        for c in e.layouts[:200]
+    )
+    return (
+        f'<p class="words">{esc(na)}: {esc(plan_in_words(a))}<br>{esc(nb)}: {esc(plan_in_words(b))}</p>'
+        f"<p>{esc(nb)} − {esc(na)}: step {esc(signed(e.step_delta_s, format_seconds))}, peak memory per device "
+        f"{esc(signed(e.memory_delta_bytes, format_bytes))}.</p>"
+        f'<h4>step time terms (they sum to the difference)</h4><table class="kv">'
+        f"{rows(e.time, format_seconds, most)}</table>"
+        f'<h4>peak memory terms</h4><table class="kv">{rows(e.memory, format_bytes, most_b)}</table>'
+        f'<h4>parameter layouts that differ ({len(e.layouts)})</h4><table class="kv"><tr><th>parameter</th>'
+        f"<th>layers</th><th>{esc(na)}</th><th>{esc(nb)}</th></tr>{layouts}</table>"
+    )

@@ -14,8 +14,8 @@ import math
 from collections.abc import Callable, Sequence
 
 from autoshard.notation import fold_layers, local_shape
-from autoshard.plans.plan import MeshSpec, StagePlan
 from autoshard.plans.html.svg import Svg, colour, esc
+from autoshard.plans.plan import MeshSpec, StagePlan
 
 MAX_SIDE = 8  # tiles drawn per side; more are summarized ("…64 row shards")
 MAX_CARDS = 80  # drawings per section of a stage
@@ -127,12 +127,18 @@ def layouts_view(stage: StagePlan) -> str:
     """The parameters and the forward activations of ``stage``, each as its tiles, repeated layers folded."""
     params = [t for t in stage.tensors if t.role in ("parameter", "input")]
     prow = [(t.name, (t.placements, t.shape, t.frozen)) for t in params]
-    notes = [(t.zero and f"optimizer state: {t.zero}") or ("frozen: no gradient, no optimizer state" if t.frozen else "")
-             for t in params]
-    pcards = _folded(prow, lambda i, name: tensor_tiles(name, params[i].shape, params[i].placements, stage.mesh,
-                                                        notes[i]), 2)
+    notes = [
+        (t.zero and f"optimizer state: {t.zero}") or ("frozen: no gradient, no optimizer state" if t.frozen else "")
+        for t in params
+    ]
+    pcards = _folded(
+        prow, lambda i, name: tensor_tiles(name, params[i].shape, params[i].placements, stage.mesh, notes[i]), 2
+    )
     acts = [o for o in stage.ops if o.phase == "forward" and o.shape]
     arow = [(o.module or o.node, (o.op, o.output, o.shape)) for o in acts]
-    acards = _folded(arow, lambda i, name: tensor_tiles(f"{name}: {acts[i].op.split('.')[-2]}", acts[i].shape,
-                                                        acts[i].output, stage.mesh), 1)
+    acards = _folded(
+        arow,
+        lambda i, name: tensor_tiles(f"{name}: {acts[i].op.split('.')[-2]}", acts[i].shape, acts[i].output, stage.mesh),
+        1,
+    )
     return _section("parameters and inputs", pcards) + _section("activations (forward outputs)", acards)

@@ -16,11 +16,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from autoshard.notation import format_seconds
-from autoshard.plans.plan import Plan
-from autoshard.plans.html.svg import Svg, colour, esc
-from autoshard.solver.inter_op import SPLIT_BACKWARD, in_flight, pipeline_time
 from autoshard.errors import InternalError
+from autoshard.notation import format_seconds
+from autoshard.plans.html.svg import Svg, colour, esc
+from autoshard.plans.plan import Plan
+from autoshard.solver.inter_op import SPLIT_BACKWARD, in_flight, pipeline_time
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,14 @@ def simulate(schedule: str, times: list[float], microbatches: int, chunks: int) 
     # interleaved twice Megatron's warm-up ((S - r - 1) * 2 + (v - 1) * S forwards, plus the steady state's one):
     # with Megatron's own bound this greedy order stalls (S=8, 32 micro-batches, 4 chunks: a loop 40% longer than
     # the schedule's), with twice it it draws the zero-bubble loops exactly and interleaved 1F1B within 5-13%
-    limit = {r: B * v if schedule == "GPipe" else max(1, math.ceil(in_flight(schedule, r, S, B, v))) if v == 1
-             else min(B * v, 2 * ((S - r - 1) * 2 + (v - 1) * S + 1)) for r in range(S)}
+    limit = {
+        r: B * v
+        if schedule == "GPipe"
+        else max(1, math.ceil(in_flight(schedule, r, S, B, v)))
+        if v == 1
+        else min(B * v, 2 * ((S - r - 1) * 2 + (v - 1) * S + 1))
+        for r in range(S)
+    }
     done: dict[tuple[str, int, int], float] = {}
     free, out, open_fw, t, relax = [0.0] * S, [], [0] * S, 0.0, False
     while any(pending.values()):
@@ -120,26 +126,41 @@ def pipeline_view(plan: Plan) -> str:
         y = 18 + row * t.rank
         fill = colour(t.mb) if t.kind == "F" else "#444" if t.kind == "W" else colour(t.mb)
         op = 0.55 if t.kind == "F" else 1.0
-        tip = (f"stage {t.rank}: {dict(F='forward', B='backward', I='input-gradient backward', W='weight-gradient backward')[t.kind]} "
-               f"of micro-batch {t.mb}" + (f", chunk {t.chunk}" if plan.chunks > 1 else "") +
-               f", {format_seconds(t.start)}–{format_seconds(t.end)}")
+        tip = (
+            f"stage {t.rank}: {dict(F='forward', B='backward', I='input-gradient backward', W='weight-gradient backward')[t.kind]} "
+            f"of micro-batch {t.mb}"
+            + (f", chunk {t.chunk}" if plan.chunks > 1 else "")
+            + f", {format_seconds(t.start)}–{format_seconds(t.end)}"
+        )
         stroke = ' stroke="#fff" stroke-width="0.5"' if w > 3 else ""  # thin blocks: the stroke would hide them
-        svg.parts.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{max(w, 0.5):.1f}" height="{row - 8}" fill="{fill}" '
-                         f'fill-opacity="{op}"{stroke} class="task"><title>{esc(tip)}</title></rect>')
+        svg.parts.append(
+            f'<rect x="{x:.1f}" y="{y:.1f}" width="{max(w, 0.5):.1f}" height="{row - 8}" fill="{fill}" '
+            f'fill-opacity="{op}"{stroke} class="task"><title>{esc(tip)}</title></rect>'
+        )
         if w > 14:
             svg.text(x + w / 2, y + row / 2 + 1, f"{t.kind}{t.mb}", size=9, anchor="middle", fill="#111")
     for r in range(len(times)):
         svg.text(left - 6, 18 + row * r + row / 2, f"stage {r}", anchor="end")
-    svg.text(left, 24 + row * len(times) + 8, f"0 … {format_seconds(span)} (the micro-batch loop)", size=10, fill="#555")
+    svg.text(
+        left, 24 + row * len(times) + 8, f"0 … {format_seconds(span)} (the micro-batch loop)", size=10, fill="#555"
+    )
     drawn = idle_share(tasks, len(times))
     priced, _ = pipeline_time(plan.schedule, times, plan.microbatches, plan.chunks)
-    note = (f"{plan.schedule}, {plan.microbatches} micro-batches" + (f", {plan.chunks} chunks per rank" if plan.chunks > 1 else "")
-            + f": idle share of the busiest stage in this drawing {drawn:.1%}; the plan predicts a bubble of "
-            f"{plan.bubble_fraction:.1%} of the step. F = forward (lighter), B = backward"
-            + (", I / W = input- / weight-gradient halves (W dark)" if plan.schedule in SPLIT_BACKWARD else "") + ".")
+    note = (
+        f"{plan.schedule}, {plan.microbatches} micro-batches"
+        + (f", {plan.chunks} chunks per rank" if plan.chunks > 1 else "")
+        + f": idle share of the busiest stage in this drawing {drawn:.1%}; the plan predicts a bubble of "
+        f"{plan.bubble_fraction:.1%} of the step. F = forward (lighter), B = backward"
+        + (", I / W = input- / weight-gradient halves (W dark)" if plan.schedule in SPLIT_BACKWARD else "")
+        + "."
+    )
     if span > 1.1 * priced:  # the drawing's greedy order falls short of the schedule's ideal: say so, with both
-        note += (f" This drawing's loop ({format_seconds(span)}) is {span / priced - 1:.0%} longer than the loop the "
-                 f"cost model prices for this schedule ({format_seconds(priced)}): its task order is a greedy "
-                 "approximation of the interleaved schedule, not the runtime's.")
-    return (f'<div class="chart" data-view="pipeline" data-drawn-bubble="{drawn:.4f}">{svg}</div>'
-            f'<p class="note">{esc(note)}</p>')
+        note += (
+            f" This drawing's loop ({format_seconds(span)}) is {span / priced - 1:.0%} longer than the loop the "
+            f"cost model prices for this schedule ({format_seconds(priced)}): its task order is a greedy "
+            "approximation of the interleaved schedule, not the runtime's."
+        )
+    return (
+        f'<div class="chart" data-view="pipeline" data-drawn-bubble="{drawn:.4f}">{svg}</div>'
+        f'<p class="note">{esc(note)}</p>'
+    )

@@ -9,8 +9,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 # colour-blind-safe hues (Okabe-Ito, then lighter companions) for categories and devices
-PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#999999",
-           "#7FB8D8", "#F2CF80", "#80CEB9", "#E5BCD3", "#AAD9F4", "#EAAE80", "#F7F1A1", "#CCCCCC")
+PALETTE = (
+    "#0072B2",
+    "#E69F00",
+    "#009E73",
+    "#CC79A7",
+    "#56B4E9",
+    "#D55E00",
+    "#F0E442",
+    "#999999",
+    "#7FB8D8",
+    "#F2CF80",
+    "#80CEB9",
+    "#E5BCD3",
+    "#AAD9F4",
+    "#EAAE80",
+    "#F7F1A1",
+    "#CCCCCC",
+)
 
 
 def colour(i: int) -> str:
@@ -28,30 +44,48 @@ class Svg:
         self.width, self.height, self.label = width, height, label
         self.parts: list[str] = []
 
-    def rect(self, x: float, y: float, w: float, h: float, fill: str, tip: str = "", stroke: str = "#fff",
-             cls: str = "") -> None:
+    def rect(
+        self, x: float, y: float, w: float, h: float, fill: str, tip: str = "", stroke: str = "#fff", cls: str = ""
+    ) -> None:
         title = f"<title>{esc(tip)}</title>" if tip else ""
         c = f' class="{esc(cls)}"' if cls else ""
-        self.parts.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{max(w, 0.0):.1f}" height="{max(h, 0.0):.1f}" '
-                          f'fill="{fill}" stroke="{stroke}" stroke-width="0.5"{c}>{title}</rect>')
+        self.parts.append(
+            f'<rect x="{x:.1f}" y="{y:.1f}" width="{max(w, 0.0):.1f}" height="{max(h, 0.0):.1f}" '
+            f'fill="{fill}" stroke="{stroke}" stroke-width="0.5"{c}>{title}</rect>'
+        )
 
-    def text(self, x: float, y: float, s: str, size: float = 11, anchor: str = "start", fill: str = "#222",
-             bold: bool = False) -> None:
+    def text(
+        self,
+        x: float,
+        y: float,
+        s: str,
+        size: float = 11,
+        anchor: str = "start",
+        fill: str = "#222",
+        bold: bool = False,
+    ) -> None:
         weight = ' font-weight="bold"' if bold else ""
-        self.parts.append(f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}" '
-                          f'fill="{fill}"{weight}>{esc(s)}</text>')
+        self.parts.append(
+            f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}" '
+            f'fill="{fill}"{weight}>{esc(s)}</text>'
+        )
 
-    def line(self, x1: float, y1: float, x2: float, y2: float, stroke: str = "#222", dash: str = "",
-             tip: str = "") -> None:
+    def line(
+        self, x1: float, y1: float, x2: float, y2: float, stroke: str = "#222", dash: str = "", tip: str = ""
+    ) -> None:
         d = f' stroke-dasharray="{dash}"' if dash else ""
         title = f"<title>{esc(tip)}</title>" if tip else ""
-        self.parts.append(f'<line x1="{x1:.1f}" y1="{y1:.1f}" x2="{x2:.1f}" y2="{y2:.1f}" stroke="{stroke}" '
-                          f'stroke-width="1.5"{d}>{title}</line>')
+        self.parts.append(
+            f'<line x1="{x1:.1f}" y1="{y1:.1f}" x2="{x2:.1f}" y2="{y2:.1f}" stroke="{stroke}" '
+            f'stroke-width="1.5"{d}>{title}</line>'
+        )
 
     def __str__(self) -> str:
-        return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{self.width:.0f}" height="{self.height:.0f}" '
-                f'viewBox="0 0 {self.width:.0f} {self.height:.0f}" role="img" aria-label="{esc(self.label)}" '
-                f'font-family="system-ui, sans-serif">' + "".join(self.parts) + "</svg>")
+        return (
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{self.width:.0f}" height="{self.height:.0f}" '
+            f'viewBox="0 0 {self.width:.0f} {self.height:.0f}" role="img" aria-label="{esc(self.label)}" '
+            f'font-family="system-ui, sans-serif">' + "".join(self.parts) + "</svg>"
+        )
 
 
 @dataclass(frozen=True)
@@ -76,8 +110,16 @@ class Bar:
     faded: bool = False
 
 
-def stacked_bars(bars: Sequence[Bar], label: str, names: Sequence[str], limit: float = 0.0, limit_tip: str = "",
-                 width: float = 760, label_w: float = 150, after_w: float = 170) -> Svg:
+def stacked_bars(
+    bars: Sequence[Bar],
+    label: str,
+    names: Sequence[str],
+    limit: float = 0.0,
+    limit_tip: str = "",
+    width: float = 760,
+    label_w: float = 150,
+    after_w: float = 170,
+) -> Svg:
     """Horizontal stacked bars on one scale (the largest bar or ``limit``, a dashed vertical line such as the
     memory budget), each category coloured by its index in ``names`` (``legend(names)`` says which)."""
     row, top = 24, 8
@@ -105,5 +147,7 @@ def stacked_bars(bars: Sequence[Bar], label: str, names: Sequence[str], limit: f
 
 def legend(names: Sequence[str], offset: int = 0) -> str:
     """An HTML legend (it wraps) of ``names`` coloured from ``offset`` in the palette."""
-    keys = "".join(f'<span class="key" style="background:{colour(offset + i)}"></span>{esc(n)}' for i, n in enumerate(names))
+    keys = "".join(
+        f'<span class="key" style="background:{colour(offset + i)}"></span>{esc(n)}' for i, n in enumerate(names)
+    )
     return f'<div class="legend">{keys}</div>'
