@@ -89,8 +89,9 @@ def recipe(
 ) -> Plan:
     """The manual recipe ``recipe`` (one of ``autoshard.config.RECIPES``: "ddp", "zero1", "zero2", "fsdp",
     "hsdp", "tp", "fsdp+tp", "ep", "cp"; aliases such as "megatron" or "zero3" in ``ALIASES``) as a Plan, costed
-    exactly like a solved one (it can be compiled with ``autoshard.compile(..., recipe=recipe)``). ``mesh_or_cluster`` is a DeviceMesh
-    (then ``example_inputs`` are required, as for ``plan``) or a cluster spec (then ``kwargs`` as for ``plan``)."""
+    exactly like a solved one (it can be compiled with ``autoshard.compile(..., recipe=recipe)``). ``mesh_or_cluster``
+    is a DeviceMesh (then ``example_inputs`` are required, as for ``plan``) or a cluster spec (then ``kwargs`` as for
+    ``plan``)."""
     if isinstance(mesh_or_cluster, DeviceMesh):
         return plan(model, mesh_or_cluster, example_inputs, recipe=recipe, solve_recipes=False, **kwargs)
     return plan(
@@ -143,8 +144,9 @@ def compile(  # noqa: A001 - the one-line API the project promises
     Pipeline stages: a mesh whose outermost axis is named ``"pp"`` runs that many stages, each on the sub-mesh
     of the other axes; ``pipeline="auto"`` weighs splitting the outermost axis into stages against no pipeline.
     ``microbatches`` and ``schedule`` ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble") are chosen unless
-    given. A pipelined result is a :class:`PipelinedModule`: ``step(...)`` (the global batch, called as the model is) trains one step
-    over all micro-batches; ``ShardedModule.step`` takes the same call, so one training loop serves both.
+    given. A pipelined result is a :class:`PipelinedModule`: ``step(...)`` (the global batch, called as the model is)
+    trains one step over all micro-batches; ``ShardedModule.step`` takes the same call, so one training loop serves
+    both.
 
     ``parameters="dtensor"`` replaces each parameter by a DTensor parameter (optimizers built before are pointed
     at them on their next step); ``"local"`` keeps the parameter objects, each holding this rank's shard as a plain
@@ -153,8 +155,9 @@ def compile(  # noqa: A001 - the one-line API the project promises
 
     ``plan=Plan.from_json(text)`` runs a saved single-stage plan without solving: it must have been made for this
     program (``plan.fingerprint``: ops, parameters, input shapes, mesh, cluster, precision, versions), or it is
-    refused naming what differs (``autoshard/compiler/solve_reuse.py``). ``autotune=k``: the solver's k best distinct plans and
-    the recipes that fit are timed on the mesh and the fastest kept, cached on disk (``autoshard/search/autotune.py``).
+    refused naming what differs (``autoshard/compiler/solve_reuse.py``). ``autotune=k``: the solver's k best distinct
+    plans and the recipes that fit are timed on the mesh and the fastest kept, cached on disk
+    (``autoshard/search/autotune.py``).
 
     ``batch_axes`` (without ``example_inputs``): the mesh axes whose ranks pass different rows, the others
     passing the same ones: None (default) for the data-parallel axes (DDP's convention), ``"all"`` when every

@@ -1,4 +1,5 @@
-"""Which placement changes the lowering bundles with others into one collective (``autoshard/compiler/lower_buckets.py``).
+"""Which placement changes the lowering bundles with others into one collective
+(``autoshard/compiler/lower_buckets.py``).
 
 Pure predicates on placements, shared by the lowering (which bundles these moves) and the cost model (which
 prices a bucketed all-reduce's latency once per bucket, not once per gradient):

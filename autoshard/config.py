@@ -23,8 +23,8 @@ ConstraintValue = Union[str, Sequence[Union[str, Placement, None]], Mapping[str,
 
 
 # the manual recipes a plan can be forced to (PlanConfig.recipe) and is compared with (autoshard.solver.recipes)
-# gradient buckets of the lowered program (autoshard/compiler/lower_buckets.py) and the memory they take (cost/memory.py):
-# DDP's defaults, a small first bucket so that its reduction starts early, then 25 MiB
+# gradient buckets of the lowered program (autoshard/compiler/lower_buckets.py) and the memory they take
+# (cost/memory.py): DDP's defaults, a small first bucket so that its reduction starts early, then 25 MiB
 FIRST_BUCKET_BYTES = 2**20
 BUCKET_BYTES = 25 * 2**20
 
@@ -36,10 +36,10 @@ MIXED_PRECISION = {"bf16": "bfloat16", "bfloat16": "bfloat16"}
 PRECISION_POLICIES = ("params", "autocast")
 # PlanConfig.reduce_dtype: the dtype gradients are reduced in under mixed precision
 REDUCE_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
-# PlanConfig.offload (ZeRO-Offload, autoshard/compiler/parameter_forms.py: offload_variants): a parameter's optimizer state and the
-# master it steps held and stepped in host memory. "auto": the solver's choice where device memory forces it (not on
-# a CPU cluster, whose host memory is the device's); "none": never; "optimizer": every parameter's; "params": every
-# parameter's, with ZeRO-3 compute layouts (the device keeps only a shard of each parameter)
+# PlanConfig.offload (ZeRO-Offload, autoshard/compiler/parameter_forms.py: offload_variants): a parameter's optimizer
+# state and the master it steps held and stepped in host memory. "auto": the solver's choice where device memory forces
+# it (not on a CPU cluster, whose host memory is the device's); "none": never; "optimizer": every parameter's; "params":
+# every parameter's, with ZeRO-3 compute layouts (the device keeps only a shard of each parameter)
 OFFLOAD_MODES = ("auto", "none", "optimizer", "params")
 
 RECIPES = ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "fsdp+tp", "ep", "cp")
@@ -83,11 +83,11 @@ class PlanConfig:
 
     ``solve_recipes`` solves each manual recipe that applies (``autoshard.solver.recipes``) alongside the plan and keeps
     the fastest that fits when a time-limited search ends slower, so the plan is never slower than it.
-    ``recipe`` ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "fsdp+tp", "ep", "cp") makes the plan that recipe instead of a
-    free choice. ``shard_state`` lets the solver place a parameter's gradient and optimizer state apart from the
-    parameter (ZeRO-1/2: state sharded over axes where the parameter is replicated). ``sample_layers`` captures only that many of a
-    model's identical repeated layers and lets them stand for all of them (planning only: the plan's costs and
-    memory count every layer; ``compile`` needs every layer).
+    ``recipe`` ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "fsdp+tp", "ep", "cp") makes the plan that recipe instead
+    of a free choice. ``shard_state`` lets the solver place a parameter's gradient and optimizer state apart from the
+    parameter (ZeRO-1/2: state sharded over axes where the parameter is replicated). ``sample_layers`` captures only
+    that many of a model's identical repeated layers and lets them stand for all of them (planning only: the plan's
+    costs and memory count every layer; ``compile`` needs every layer).
     """
 
     memory_budget: int | None = None

@@ -7,8 +7,8 @@ again. The order, one for every caller:
 
 1. **the request** (``request_of``): the call's arguments checked once and made one frozen :class:`PlanRequest`
    (model, global example call, mesh, cluster, :class:`~autoshard.config.PlanConfig`, backend, options);
-2. **where it is planned** (``plan_only``, for ``plan``): on a cluster this process is not part of (``offline.py``: a fake
-   world, meta tensors), or on the given DeviceMesh;
+2. **where it is planned** (``plan_only``, for ``plan``): on a cluster this process is not part of (``offline.py``: a
+   fake world, meta tensors), or on the given DeviceMesh;
 3. **pipeline stages** (``compile_request``): a ``pp`` mesh axis, or ``pipeline="auto"`` weighing stages against
    the flat plan (``pipeline/compile_stages.py``);
 4. **autotune** (``autotune=k``): the solver's k best plans and the recipes timed (``search/autotune.py``), each
@@ -481,6 +481,6 @@ __all__ = [
     "plan_config",
     "plan_for_eval",
     "plan_for_shapes",
-    "plan_on_mesh",
+    "plan_only",
     "request_of",
 ]

@@ -58,10 +58,10 @@ class GroupStrategy:
     # the same as the compute layout (DDP, FSDP/ZeRO-3, TP)
     grad_placements: Placements | None = None
     state_placements: Placements | None = None
-    # offload (ZeRO-Offload, ``autoshard/compiler/parameter_forms.py: offload_variants``): "optimizer" or "params" when the optimizer
-    # state and the master it steps live in host memory (``state_placements`` then says how the master is sharded),
-    # "" on the device. ``offload_s``: the per-step host copies and host optimizer step, included in ``compute_s``;
-    # ``host_bytes``: what this group holds in host memory (master, its gradient, optimizer state)
+    # offload (ZeRO-Offload, ``autoshard/compiler/parameter_forms.py: offload_variants``): "optimizer" or "params" when
+    # the optimizer state and the master it steps live in host memory (``state_placements`` then says how the master is
+    # sharded), "" on the device. ``offload_s``: the per-step host copies and host optimizer step, included in
+    # ``compute_s``; ``host_bytes``: what this group holds in host memory (master, its gradient, optimizer state)
     offload: str = ""
     offload_s: float = 0.0
     host_bytes: int = 0

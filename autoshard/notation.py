@@ -13,7 +13,8 @@ The notation (docs/design.md, "Code rules"):
 - tensors: ``f32[B, T, D]``;
 - sizes ``1.50 GiB`` (binary units), times ``12.3 ms``;
 - ops ``mm`` for ``aten.mm.default``; repeated layers ``layers.1–31: same as layers.0``;
-- recomputation specs ``layers.3`` (full) or ``layers.3:selective``, folded as ``layers.0-3 full, layers.4-31 selective``.
+- recomputation specs ``layers.3`` (full) or ``layers.3:selective``, folded as
+  ``layers.0-3 full, layers.4-31 selective``.
 """
 
 from __future__ import annotations
@@ -248,8 +249,8 @@ def local_shape(
 ) -> tuple[int, ...]:
     """The per-device shape of a tensor of global ``shape`` laid out by ``placements`` on a mesh.
 
-    Only even sharding: autoshard prunes uneven strategies (docs/design.md, "Candidates") because padded shards make the cost
-    model and the lowered shapes disagree. Two mesh axes sharding the same dim divide it twice, outer axis first,
+    Only even sharding: autoshard prunes uneven strategies (docs/design.md, "Candidates") because padded shards make the
+    cost model and the lowered shapes disagree. Two mesh axes sharding the same dim divide it twice, outer axis first,
     as DTensor does.
     """
     shape_t = tuple(int(d) for d in shape)

@@ -113,8 +113,8 @@ def _check_batch(job: ModelJob, shape: Sequence[int], names: Sequence[str], reci
         axes = " x ".join(f"{names[i]}={shape[i]}" for i in dp_axes)
         raise InputError(
             f"global batch {batch} is not divisible by the data-parallel degree {degree} ({axes}) of mesh "
-            f"{tuple(shape)}; use a global batch that is a multiple of {degree} (e.g. {degree * max(1, -(-batch // degree))}), "
-            f"or a mesh with fewer data-parallel devices"
+            f"{tuple(shape)}; use a global batch that is a multiple of {degree} "
+            f"(e.g. {degree * max(1, -(-batch // degree))}), or a mesh with fewer data-parallel devices"
         )
 
 

@@ -15,11 +15,11 @@ every case: the solver's k best plans and the recipes are compiled, run and time
 a mixture of ``e`` experts before the output layer). Since issue 43 a case may also hold a dropout (p 0.1 or 0)
 and a sampled router, drawn from a stream of their own (``--no-random`` leaves them out: each case as it was
 drawn before). It is trained 3 AdamW steps, ``torch.manual_seed`` set before each, on one device and, compiled
-by ``autoshard.compile``, under ``LocalTensorMode`` on its mesh (every rank in this process); loss per step, first-step gradients and final parameters are compared. Outcomes: ok; refused (planning raised an
-autoshard error saying what it refused); failures: crash-planning, crash-running, mismatch. Every failure is
-printed as one line ending in its reproducer; then the summary (cases, ok, refused, failures by kind, seconds).
-The cases run in two forked processes of one thread each (``--jobs 1``: in this process). Exit status 1 when
-any case failed.
+by ``autoshard.compile``, under ``LocalTensorMode`` on its mesh (every rank in this process); loss per step, first-step
+gradients and final parameters are compared. Outcomes: ok; refused (planning raised an autoshard error saying what it
+refused); failures: crash-planning, crash-running, mismatch. Every failure is printed as one line ending in its
+reproducer; then the summary (cases, ok, refused, failures by kind, seconds). The cases run in two forked processes of
+one thread each (``--jobs 1``: in this process). Exit status 1 when any case failed.
 """
 
 from __future__ import annotations

@@ -46,10 +46,13 @@ from autoshard.pipeline.megatron import evaluate_config, megatron_recipe
 from autoshard.pipeline.pricing import PipelineOption
 from autoshard.pipeline.search import search_pipeline
 
-# GPT weak scaling, Megatron-LM (Narayanan et al., SC'21), NVIDIA Selene: 8x A100-80GB per node (NVSwitch), 8x HDR InfiniBand (200 Gb/s) per node.
-# Source: NVIDIA/Megatron-LM README table image images/cases_april2021.png and its text: vocab 51200, sequence 2048, mixed precision,
-# FLOPs end-to-end (incl. data loading, optimizer, logging). "model parallel size" = TP*PP; above 8, TP=8 and PP=mp/8.
-# Attention heads are not in that table; hidden/128 is a reasonable choice for a benchmark. peak = 312 TFLOP/s (A100 bf16/fp16 dense).
+# GPT weak scaling, Megatron-LM (Narayanan et al., SC'21), NVIDIA Selene: 8x A100-80GB per node (NVSwitch), 8x HDR
+# InfiniBand (200 Gb/s) per node.
+# Source: NVIDIA/Megatron-LM README table image images/cases_april2021.png and its text: vocab 51200, sequence 2048,
+# mixed precision, FLOPs end-to-end (incl. data loading, optimizer, logging). "model parallel size" = TP*PP; above 8,
+# TP=8 and PP=mp/8.
+# Attention heads are not in that table; hidden/128 is a reasonable choice for a benchmark. peak = 312 TFLOP/s (A100
+# bf16/fp16 dense).
 # params_b, hidden, layers, model_parallel, tp, pp, gpus, global_batch, tflops_per_gpu, pct_peak, aggregate_pflops
 PUBLISHED = (
     (1.7, 2304, 24, 1, 1, 1, 32, 512, 137, 44, 4.4),
@@ -83,12 +86,12 @@ class Row:
         return self.gpus // (self.tp * self.pp)
 
     def flops_per_step(self) -> float:
-        b, s, l, h, v = self.batch, SEQ, self.layers, self.hidden, VOCAB
-        return 96.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+        b, s, n_layers, h, v = self.batch, SEQ, self.layers, self.hidden, VOCAB
+        return 96.0 * b * s * n_layers * h * h * (1 + s / (6 * h) + v / (16 * n_layers * h))
 
 
 def rows() -> list[Row]:
-    return [Row(p, h, l, tp, pp, g, b, t) for p, h, l, _, tp, pp, g, b, t, _, _ in PUBLISHED]
+    return [Row(p, h, layers, tp, pp, g, b, t) for p, h, layers, _, tp, pp, g, b, t, _, _ in PUBLISHED]
 
 
 def tflops(row: Row, option: PipelineOption) -> float:

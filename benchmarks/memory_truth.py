@@ -10,8 +10,9 @@
 Each row is one ``autoshard.testing.launch`` of 2 forked gloo ranks (1 thread each; mesh (2,) "dp"): the model is built
 with fixed weights, ``autoshard.compile``d (the solved plan, a forced ``recipe=``, or the solved plan under a
 ``memory_budget`` of 0.9 / 0.85 of the no-budget plan's predicted peak), and trained with
-``torch.optim.AdamW(foreach=True)`` (rows ``bf16``: ``mixed_precision="bf16"``, autocast with fp32 master weights) (the multi-tensor path GPU users get by default) and
-``zero_grad(set_to_none=True)``: 2 warm-up steps, then one step measured on every rank.
+``torch.optim.AdamW(foreach=True)`` (rows ``bf16``: ``mixed_precision="bf16"``, autocast with fp32 master weights) (the
+multi-tensor path GPU users get by default) and ``zero_grad(set_to_none=True)``: 2 warm-up steps, then one step measured
+on every rank.
 
 Measuring method: ``autoshard.testing.memory_probe.measure_peak``, the PyTorch profiler's CPU memory timeline
 (``profile_memory=True`` + ``export_memory_timeline(..raw.json, device="cpu")``): the peak is the largest sum
@@ -335,7 +336,10 @@ def format_row(r: dict[str, Any]) -> str:
     phase = max(("forward", "backward", "opt"), key=lambda k: reg.get(k, (0,))[0])
     budget = ""
     if s.budget is not None:
-        budget = f"{_m(s.budget).strip()} {'within' if r['peak'] <= s.budget else 'OVER by ' + _m(r['peak'] - s.budget).strip()}"
+        budget = (
+            f"{_m(s.budget).strip()} "
+            f"{'within' if r['peak'] <= s.budget else 'OVER by ' + _m(r['peak'] - s.budget).strip()}"
+        )
     return (
         f"{name} {r['recipe'] or 'solved':6} | {_m(p['total']):>6} {_m(r['peak']):>6} {p['total'] / r['peak']:5.2f} "
         f"{phase[:3]:>3} | {_m(p['params'])} {_m(p['grads'])} {_m(p['opt'])} {_m(p['acts'])}      | "
@@ -352,7 +356,8 @@ def format_categories(r: dict[str, Any]) -> str:
         return ""
     cats = " ".join(f"{CAT_SHORT.get(k, k)} {_m(v).strip()}" for k, v in r["at_peak"].items() if v >= MIB / 20)
     return (
-        f"      [{r['method']}] categories at the peak: {cats}; ranks' peaks {[round(x / MIB, 1) for x in r['peaks']]}; "
+        f"      [{r['method']}] categories at the peak: {cats}; "
+        f"ranks' peaks {[round(x / MIB, 1) for x in r['peaks']]}; "
         f"compile {r['compile_s']:.1f} s, step {r['step_s'] * 1e3:.0f} ms; parameter placements "
         f"{' '.join(r['params_placements'])}"
     )

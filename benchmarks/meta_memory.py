@@ -24,8 +24,8 @@ Measured two ways, per rank (the table shows the rank with the larger peak):
   nothing carries over from the parent. The child is forked from a parent that has only imported torch,
   transformers and autoshard: its resident size when it starts (``runtime``, about 0.27 GiB: libraries, Python,
   the pages inherited from the parent) is reported, and ``RSS - runtime`` is what the case itself added;
-- the project's probe (``autoshard.testing.memory_probe.measure_peak``, the profiler's CPU memory timeline: tensor bytes,
-  no allocator slack nor non-tensor memory) on a third step, after the two measured ones (the profiler's own
+- the project's probe (``autoshard.testing.memory_probe.measure_peak``, the profiler's CPU memory timeline: tensor
+  bytes, no allocator slack nor non-tensor memory) on a third step, after the two measured ones (the profiler's own
   memory stays out of the RSS numbers).
 
 The plan's prediction is ``sharded.plan.peak_memory`` (per device: parameters, gradients, optimizer state, saved

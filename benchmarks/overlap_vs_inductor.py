@@ -3,9 +3,9 @@
     python benchmarks/overlap_vs_inductor.py                 # GPT and HF GPT-2, ddp and fsdp, 2 ranks
     python benchmarks/overlap_vs_inductor.py --steps 40 --model hf --recipes fsdp
 
-Issue 14 asks to keep one mechanism for ordering and bundling collectives: ours (``autoshard/compiler/overlap.py`` raises each
-gradient bucket's collective to just after its last input and sinks every wait to its first use; the buckets and
-per-layer gather groups are made by the lowering, ``autoshard/compiler/lower_buckets.py``) or Inductor's
+Issue 14 asks to keep one mechanism for ordering and bundling collectives: ours (``autoshard/compiler/overlap.py``
+raises each gradient bucket's collective to just after its last input and sinks every wait to its first use; the buckets
+and per-layer gather groups are made by the lowering, ``autoshard/compiler/lower_buckets.py``) or Inductor's
 (``schedule_overlap_bucketing``: a list scheduler driven by runtime estimates, with its own collective
 bucketing). For each model and forced recipe, one launch builds the program twice from the same plan:
 

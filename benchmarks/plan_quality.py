@@ -9,11 +9,11 @@ Each case plans a zoo model offline with ``autoshard.plan(model, mesh, cluster=.
 the model is built on the meta device, the mesh lives on a fake process group, three of the repeated layers are
 captured and stand for all of them, and the memory budget is the device's memory unless the case (or
 ``--memory-budget``) says otherwise. While planning, autoshard also solves every manual recipe that applies to
-the mesh (``autoshard.solver.recipes``: ddp, fsdp, Megatron tp, fsdp+tp; ep for experts, cp for attention), each with its parameter and batch layouts
-pinned and everything else (activation layouts, where the collectives go) chosen by the same integer program, so
-every recipe is costed by exactly the model that costs the plan, and done as well as that recipe allows. Those
-are ``Plan.recipes``; they are solved alongside the plan, and a time-limited plan slower than the fastest that
-fits is replaced by it. Where the budget binds, each recipe is planned alone (its own recomputation and
+the mesh (``autoshard.solver.recipes``: ddp, fsdp, Megatron tp, fsdp+tp; ep for experts, cp for attention), each with
+its parameter and batch layouts pinned and everything else (activation layouts, where the collectives go) chosen by the
+same integer program, so every recipe is costed by exactly the model that costs the plan, and done as well as that
+recipe allows. Those are ``Plan.recipes``; they are solved alongside the plan, and a time-limited plan slower than the
+fastest that fits is replaced by it. Where the budget binds, each recipe is planned alone (its own recomputation and
 gradient-accumulation searches, ``autoshard/search/recipes_alone.py``), as ``--recipe R`` would plan it.
 
 Columns: the case (model, cluster, mesh, global batch x sequence length), the solved plan's predicted step time

@@ -19,11 +19,12 @@ sharded on some mesh axis out of all the captured graph's parameters (three samp
 axis, those whose gradients and optimizer state are sharded apart from them (ZeRO-1 / ZeRO-2,
 ``TensorLayout.zero``), and the program inputs' placements (tokens, targets).
 
-The plan may recompute activations per layer (``autoshard/search/recompute.py``: every layer saved, every layer recomputed
-in full, and the fastest mix of saved, selective and fully recomputed layers that fits); "uses" says which layers
-recompute and what the replays cost. The recipes are compared as they would be planned alone (``--recipe R``):
-each with its own recomputation mix and gradient-accumulation count (``autoshard/search/recipes_alone.py``). "free" is the plan without any budget (its layouts unconstrained, nothing recomputed): no plan under
-a budget can be faster, so free / best recipe bounds the ratio any plan could reach on that row.
+The plan may recompute activations per layer (``autoshard/search/recompute.py``: every layer saved, every layer
+recomputed in full, and the fastest mix of saved, selective and fully recomputed layers that fits); "uses" says which
+layers recompute and what the replays cost. The recipes are compared as they would be planned alone (``--recipe R``):
+each with its own recomputation mix and gradient-accumulation count (``autoshard/search/recipes_alone.py``). "free" is
+the plan without any budget (its layouts unconstrained, nothing recomputed): no plan under a budget can be faster, so
+free / best recipe bounds the ratio any plan could reach on that row.
 
 Goal (issue 13): the plan / best fitting recipe is never above 1.00, and its geometric mean is <= 0.85 over the
 rows where the budget excludes DDP. A budget no plan fits prints the smallest budget any plan needs.

@@ -4,15 +4,16 @@
     python benchmarks/plan_quality_published.py --rows 8b   # rows whose label contains these
 
 Published training configurations, planned offline in bf16 mixed precision (fp32 masters, gradients and AdamW
-state; bf16 parameters and activations, FSDP2's policy: ``precision_policy="params"``), the budget the device's usable memory: torchtitan's Llama-3.1-8B rows (sequence 8192,
-local batch 2, FSDP, on 8, 16 and 128 H100s), MLPerf Training's Llama-3.1-8B shape (sequence 8192, global batch
-32, one node of 8), Llama-3-70B on 256 H100s (local batch 16 over dp = 32), Mixtral-8x7B on 64 and a 128K-token
-sequence on 64. For each: the plan's step, the fastest recipe that fits **planned alone** (its own recomputation
-and gradient-accumulation searches: ``autoshard/search/recipes_alone.py``; the plan's recipe rows are those
-plans), ratio = plan / that recipe, the solver's lower bound on the plan's objective (times the micro-batches:
-the solver prices one; its objective counts collectives per consumer edge, so it can sit above the plan-level
-step), and how plan and recipe recompute and accumulate. Goals: ratio <= 1.000 on every row; geometric mean
-<= 0.90 over the rows where memory binds (the best recipe recomputes or accumulates). Predictions of the cost model, not measurements.
+state; bf16 parameters and activations, FSDP2's policy: ``precision_policy="params"``), the budget the device's usable
+memory: torchtitan's Llama-3.1-8B rows (sequence 8192, local batch 2, FSDP, on 8, 16 and 128 H100s), MLPerf Training's
+Llama-3.1-8B shape (sequence 8192, global batch 32, one node of 8), Llama-3-70B on 256 H100s (local batch 16 over dp =
+32), Mixtral-8x7B on 64 and a 128K-token sequence on 64. For each: the plan's step, the fastest recipe that fits
+**planned alone** (its own recomputation and gradient-accumulation searches: ``autoshard/search/recipes_alone.py``; the
+plan's recipe rows are those plans), ratio = plan / that recipe, the solver's lower bound on the plan's objective (times
+the micro-batches: the solver prices one; its objective counts collectives per consumer edge, so it can sit above the
+plan-level step), and how plan and recipe recompute and accumulate. Goals: ratio <= 1.000 on every row; geometric mean
+<= 0.90 over the rows where memory binds (the best recipe recomputes or accumulates). Predictions of the cost model, not
+measurements.
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ def _worker(rank: int, world: int, arg: tuple) -> dict[str, Any]:
         )
         opt = torch.optim.AdamW(sharded.parameters(), lr=1e-4)
 
-        def step() -> float:
+        def step(sharded: Any = sharded, opt: torch.optim.Optimizer = opt) -> float:
             loss = sharded.step(input_ids=ids, labels=ids)
             loss = getattr(loss, "loss", loss)
             opt.step()

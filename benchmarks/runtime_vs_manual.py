@@ -28,8 +28,9 @@ every row, it shows every variant trains the same model on the same batch.
 
 Hand-written TP (``benchmarks/manual_tp.py``): on HF GPT-2 its ``Conv1D`` projections are first replaced by the
 ``nn.Linear`` each equals and the fused ``c_attn``'s rows reordered rank-major (what a user must write, since
-ColwiseParallel/RowwiseParallel take ``nn.Linear``), so HF has every twin too. On the 2-D mesh the "TP" twin has no DDP wrapper: DDP does not take
-DTensor parameters, so its gradients are averaged over "dp" by a plain per-parameter all-reduce (unbucketed).
+ColwiseParallel/RowwiseParallel take ``nn.Linear``), so HF has every twin too. On the 2-D mesh the "TP" twin has no DDP
+wrapper: DDP does not take DTensor parameters, so its gradients are averaged over "dp" by a plain per-parameter
+all-reduce (unbucketed).
 
 Predicted: the plan's step time (calibrated profile, ``--profile``) plus the AdamW update over the device's state;
 a hand-written row gets its recipe's prediction. Below each table: rows within ±20% and Spearman's rank

@@ -62,7 +62,8 @@ def worker(rank: int, world: int, store_path: str, steps: int, lr: float, backen
         opt.zero_grad()
         if rank == 0:
             print(
-                f"step {step}  loss {loss.item():.6f}  single-device {reference[step]:.6f}  diff {abs(loss.item() - reference[step]):.2e}",
+                f"step {step}  loss {loss.item():.6f}  single-device {reference[step]:.6f}  "
+                f"diff {abs(loss.item() - reference[step]):.2e}",
                 flush=True,
             )
     dist.destroy_process_group()

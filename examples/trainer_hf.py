@@ -18,8 +18,8 @@ machine without CUDA. The one autoshard line is
 (left out by ``--reference``, which trains the same job under the Trainer's own DistributedDataParallel). The
 Trainer's data loader gives every process its own rows; autoshard takes them as the global batch over every
 mesh axis (``autoshard/integrations/``). ``--lora`` wraps the model in PEFT LoRA adapters first (the base frozen;
-``save_model`` then writes the adapters as PEFT does). ``--sft`` trains TRL's ``SFTTrainer`` on a chat dataset built here
-(``messages`` rendered by a chat template of a word-level tokenizer built here, nothing downloaded).
+``save_model`` then writes the adapters as PEFT does). ``--sft`` trains TRL's ``SFTTrainer`` on a chat dataset built
+here (``messages`` rendered by a chat template of a word-level tokenizer built here, nothing downloaded).
 
 Rank 0 prints one line ``history {json}`` at the end: the Trainer's log history (loss and grad_norm per step,
 eval losses), which the tests compare between the two runs. ``--out`` with ``--save-steps`` writes the Trainer's

@@ -243,8 +243,8 @@ def _inline_constant_items(gm: fx.GraphModule) -> None:
         if v is not None and (type(v) not in (int, float, bool)):
             continue
         for user in list(n.users):
-            user.args = map_arg(user.args, lambda a: v if a is n else a)
-            user.kwargs = map_arg(user.kwargs, lambda a: v if a is n else a)
+            user.args = map_arg(user.args, lambda a, v=v, n=n: v if a is n else a)
+            user.kwargs = map_arg(user.kwargs, lambda a, v=v, n=n: v if a is n else a)
         if not n.users:
             gm.graph.erase_node(n)
     gm.recompile()

@@ -1,9 +1,9 @@
 """Hardware and cluster profiles as plain data, every number with its source.
 
 The planner never talks to hardware: it prices compute with a roofline over a :class:`DeviceSpec` and prices
-collectives over the links a mesh axis is laid on (:meth:`ClusterProfile.axis_layout`, docs/design.md, "Communication"). Keeping those
-numbers in one frozen, JSON-able value (instead of constants scattered through the cost model) is what lets
-``autoshard plan --cluster h100-sxm:128x8`` run on a laptop, lets a user drop in a ``my_cluster.json`` they
+collectives over the links a mesh axis is laid on (:meth:`ClusterProfile.axis_layout`, docs/design.md, "Communication").
+Keeping those numbers in one frozen, JSON-able value (instead of constants scattered through the cost model) is what
+lets ``autoshard plan --cluster h100-sxm:128x8`` run on a laptop, lets a user drop in a ``my_cluster.json`` they
 measured themselves, and lets a reader check each number against the document it came from (``sources``).
 
 This module holds the value types; ``autoshard.cluster.presets`` holds the presets and resolves spec strings.
@@ -173,7 +173,7 @@ class ClusterProfile:
         base = self.name.split(":", 1)[0]
         return replace(self, name=f"{base}:{nodes}x{per_node}", nodes=nodes, devices_per_node=per_node)
 
-    @functools.lru_cache(maxsize=16)  # (a frozen, hashable profile: made once per profile planned for)
+    @functools.lru_cache(maxsize=16)  # noqa: B019 (a frozen, hashable profile: made once per profile planned for)
     def bundled(self) -> ClusterProfile:
         """The links as one gradient of DDP's all-reduce buckets sees them: its bytes cross at full bandwidth,
         and the collective's latency is paid once by the whole bucket, not by each member

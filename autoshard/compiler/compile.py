@@ -7,10 +7,12 @@ traced), only ``solve``.
 Guarantees on exit: ``ctx.program`` runs this rank's step, and its ``layouts`` give the placements of the
 parameters and inputs by name (``input[i]`` for the call's tensors), as ``Placement`` objects, ``grad_layouts``
 those its gradients come back in and ``state_layouts`` those the optimizer steps (they differ for ZeRO-1/2
-parameters), ``offload`` the parameters whose masters live in host memory (``runtime/offload.py``): the runtime distributes parameters and cuts inputs with them (the Plan's strings are for reports and JSON). ``forward(flat local inputs)`` returns (the loss,
-what backward needs, the new values of the buffers it updates) and ``backward(saved, grad_loss)`` the local gradients (parameters, then inputs that
-require grad); a pipeline stage's ``forward_many`` / ``backward_many`` take and return every output, and
-``backward_input`` / ``backward_weight`` run the backward in two parts (zero-bubble schedules). Backends:
+parameters), ``offload`` the parameters whose masters live in host memory (``runtime/offload.py``): the runtime
+distributes parameters and cuts inputs with them (the Plan's strings are for reports and JSON).
+``forward(flat local inputs)`` returns (the loss, what backward needs, the new values of the buffers it updates) and
+``backward(saved, grad_loss)`` the local gradients (parameters, then inputs that require grad); a pipeline stage's
+``forward_many`` / ``backward_many`` take and return every output, and ``backward_input`` / ``backward_weight`` run the
+backward in two parts (zero-bubble schedules). Backends:
 
 - ``"inductor"``: each graph compiled by Inductor (C++ on CPU, Triton on GPU), at its first call with the real
   inputs (Inductor specializes on their strides); that compile is timed as ``inductor`` in the step's timings;

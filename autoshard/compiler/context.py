@@ -46,9 +46,10 @@ Progress = Callable[[str, float, str], None]  # (pass, fraction done, message), 
 @dataclass
 class PlanningCache:
     """What the planning attempts on one example share (the recomputation mixes under a budget, which differ only
-    in ``config.recompute``; the recipes planned alone, which differ only in what the solve pins): the capture as traced, before any recomputation is tagged
-    (``capture_layers``), and the candidate enumerator and priced groups of ``strategies`` (a group's signature
-    holds its recomputation flags, so a group priced under one tagging is reused only where it is tagged alike)."""
+    in ``config.recompute``; the recipes planned alone, which differ only in what the solve pins): the capture as
+    traced, before any recomputation is tagged (``capture_layers``), and the candidate enumerator and priced groups of
+    ``strategies`` (a group's signature holds its recomputation flags, so a group priced under one tagging is reused
+    only where it is tagged alike)."""
 
     captured: tuple | None = None
     enumerator: Any = None

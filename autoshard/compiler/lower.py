@@ -93,7 +93,8 @@ class PlanInterpreter:
         self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
         self.output = self.nodes[-1]
         self.mismatches = 0
-        # FSDP-style: one all-gather per layer and phase for the parameters it gathers (autoshard/compiler/lower_buckets.py)
+        # FSDP-style: one all-gather per layer and phase for the parameters it gathers
+        # (autoshard/compiler/lower_buckets.py)
         self.groups, self.group_of = _gather_groups(self.nodes, tuple(mesh.shape)) if group_gathers else ({}, {})
         self.gathered: dict[tuple, DTensor] = {}
 
@@ -242,8 +243,8 @@ class PlanInterpreter:
         param_placements: dict[str, tuple],
         reduce_dtype: torch.dtype | None = None,
     ) -> list[Any]:
-        """Loss, outputs and updated buffers made Replicate, gradients moved to their parameter's (or input's) gradient placement
-        (``param_placements``), all as local tensors. ``reduce_dtype``: floating gradients that a move sums
+        """Loss, outputs and updated buffers made Replicate, gradients moved to their parameter's (or input's) gradient
+        placement (``param_placements``), all as local tensors. ``reduce_dtype``: floating gradients that a move sums
         (Partial) are cast to it for the collective and back after (mixed precision's bf16 reduction)."""
         result: list[Any] = []
         dtypes: dict[int, torch.dtype] = {}  # result slot -> the gradient's own dtype, where it was reduced in another

@@ -191,7 +191,7 @@ def plan_collectives(gm: fx.GraphModule, ctx: PassContext, per_edge: bool = Fals
                 ctx.config.reduce_itemsize,
                 sink=True,
             )
-    for name, ph in params.items():  # ZeRO-1/2: the stepped master shard gathered back to the compute layout
+    for _name, ph in params.items():  # ZeRO-1/2: the stepped master shard gathered back to the compute layout
         sh = ph.meta["autoshard"]
         if sh.state is not None and tuple(sh.state) != tuple(sh.outputs[0]):
             add(ph, sh.state, sh.outputs[0], "optimizer step", "optimizer", weight_of(nodes, ph.name, ctx))

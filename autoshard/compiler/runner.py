@@ -3,11 +3,11 @@
     capture -> coarsen -> share_layers -> strategies -> solve          (planning: ``autoshard.plan``)
     -> lower -> partition -> overlap -> compile                         (this rank's program: ``autoshard.compile``)
 
-Each pass is a file in ``autoshard/compiler/`` with the signature ``(GraphModule, PassContext) -> GraphModule`` (``capture``
-takes the user's module) and a docstring of what it needs and guarantees (``autoshard/compiler/README.md`` tabulates them).
-The runner runs a slice of the list: it times and logs every pass (``autoshard pass <name> <seconds>`` at INFO),
-checks that each returns a graph module and sets the products it promises on the context, dumps the graph after
-each with ``AUTOSHARD_DEBUG=1``, and honours ``PlanConfig.disable_passes``: a pass that can be disabled runs its
+Each pass is a file in ``autoshard/compiler/`` with the signature ``(GraphModule, PassContext) -> GraphModule``
+(``capture`` takes the user's module) and a docstring of what it needs and guarantees (``autoshard/compiler/README.md``
+tabulates them). The runner runs a slice of the list: it times and logs every pass (``autoshard pass <name> <seconds>``
+at INFO), checks that each returns a graph module and sets the products it promises on the context, dumps the graph
+after each with ``AUTOSHARD_DEBUG=1``, and honours ``PlanConfig.disable_passes``: a pass that can be disabled runs its
 stated stand-in instead, one that cannot is refused, and an unknown name is refused, all before any pass runs.
 
 Adding a pass: one file in ``autoshard/compiler/`` and one ``PassSpec`` line in ``PASSES``.

@@ -56,8 +56,8 @@ def _weigh_sampled(ctx: PassContext, container: str, members: dict[int, list[int
     """When only ``k`` of ``L`` identical layers were captured, the largest class of captured layers (the
     middle ones; the first and last may differ at their edges) stands for the ``L - k`` missing ones: each of
     its layers' groups weighs ``(n + L - k) / n``. When the layers recompute in different modes
-    (``autoshard/compiler/capture_recompute.py: sampled_specs``), the missing layers of each mode are weighed onto the largest class
-    of captured layers in that mode."""
+    (``autoshard/compiler/capture_recompute.py: sampled_specs``), the missing layers of each mode are weighed onto the
+    largest class of captured layers in that mode."""
     if ctx.sampled_layers is None or ctx.sampled_layers[0] != container:
         return
     _, k, total = ctx.sampled_layers

@@ -136,7 +136,7 @@ def _solve(gm: fx.GraphModule, ctx: PassContext, canon: dict[int, int]):
         try:
             return _within()
         except InfeasibleBudget as e:
-            raise _floored(e, ctx, pins)
+            raise _floored(e, ctx, pins) from None
 
     def _within() -> Solution:
         return solve_within(

@@ -3,10 +3,11 @@
 The integer program's memory is a sum over decision groups (state in each group's layouts, saved activations);
 the step's peak also holds temporaries (``autoshard/cost/memory.py``) that depend on the whole solution, not on
 one group, except the gradients that wait whole for their reduce-scatter, which the program's memory row counts
-(``IntraOpProblem.pair_waits``: on their edges, or the least each parameter's layout implies). ``solve_within`` keeps the budget honest by a fixed point: solve under
-the budget, price the solution's temporaries, and while the whole peak is over the budget solve again with the
-temporaries the row does not count held back from it (a few rounds; they change little between rounds, as the layouts that set them do). A budget that no
-round meets raises ``InfeasibleBudget`` naming the peak of the last round.
+(``IntraOpProblem.pair_waits``: on their edges, or the least each parameter's layout implies). ``solve_within`` keeps
+the budget honest by a fixed point: solve under the budget, price the solution's temporaries, and while the whole peak
+is over the budget solve again with the temporaries the row does not count held back from it (a few rounds; they change
+little between rounds, as the layouts that set them do). A budget that no round meets raises ``InfeasibleBudget`` naming
+the peak of the last round.
 """
 
 from __future__ import annotations

@@ -89,7 +89,15 @@ def recipe_pins(
         offloaded = [bool(s.offload) for s in cands]
         host = forced and trained
 
-        def matching(layout: tuple, kind: str) -> set[int]:  # the state sharded over every axis it can be
+        def matching(
+            layout: tuple,
+            kind: str,
+            layouts: list = layouts,
+            offloaded: list[bool] = offloaded,
+            host: bool = host,
+            kinds: list = kinds,
+            whole: list[bool] = whole,
+        ) -> set[int]:  # the state sharded over every axis it can be
             return {
                 i
                 for i, pl in enumerate(layouts)
@@ -114,8 +122,9 @@ def recipe_pins(
             if role.kind == "input":
                 dp = [n for n, p in zip(ms, target) if isinstance(p, Shard)]
                 raise InputError(
-                    f"recipe {recipe!r} shards {role.name} of shape {list(shape)} as {{{want}}}, but dim 0 ({shape[0]}) "
-                    f"is not divisible by the data-parallel degree {int(torch.tensor(dp).prod()) if dp else 1} of mesh "
+                    f"recipe {recipe!r} shards {role.name} of shape {list(shape)} as {{{want}}}, but dim 0 "
+                    f"({shape[0]}) is not divisible by the data-parallel degree "
+                    f"{int(torch.tensor(dp).prod()) if dp else 1} of mesh "
                     f"{dict(zip(names, ms))} (or a constraint forbids it); use a global batch that is a multiple of it"
                 )
             raise InputError(

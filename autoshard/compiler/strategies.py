@@ -18,12 +18,12 @@ Costs per candidate (one device): compute = roofline over local FLOPs and bytes;
 forward nodes that the backward reads; state bytes = parameter + gradient + optimizer state.
 
 A trained parameter's candidates also come in ZeRO-1/2 forms (``parameter_forms.state_variants``: gradient and
-optimizer state sharded further) and, per ``PlanConfig.offload``, in a ZeRO-Offload form (``offload_variants``: master and optimizer
-state in host memory, the host link's copies and the host's optimizer step in ``compute_s``); "optimizer"/"params"
-keep only offloaded candidates, "auto" lets the solver weigh them (never on a CPU cluster, whose host memory is the
-device's), "none" offers none. A frozen parameter (``ir.is_frozen``: ``requires_grad=False``, a LoRA base weight)
-holds no gradient and no optimizer state: its state bytes are its own, its candidates its layouts alone (no ZeRO or
-offloaded form, whatever ``offload`` says), and, having no gradient edge, it pays no gradient reduction.
+optimizer state sharded further) and, per ``PlanConfig.offload``, in a ZeRO-Offload form (``offload_variants``: master
+and optimizer state in host memory, the host link's copies and the host's optimizer step in ``compute_s``);
+"optimizer"/"params" keep only offloaded candidates, "auto" lets the solver weigh them (never on a CPU cluster, whose
+host memory is the device's), "none" offers none. A frozen parameter (``ir.is_frozen``: ``requires_grad=False``, a LoRA
+base weight) holds no gradient and no optimizer state: its state bytes are its own, its candidates its layouts alone (no
+ZeRO or offloaded form, whatever ``offload`` says), and, having no gradient edge, it pays no gradient reduction.
 """
 
 from __future__ import annotations
@@ -314,9 +314,10 @@ def _signature(
     """Everything an op group's candidates and their costs depend on, per member: its op signature (target,
     argument shapes, strides, dtypes and constants), which member it follows, where each tensor argument comes
     from (a member's position, or outside), whether it is state, stored for the backward or recomputed, and
-    whether it is read outside the group, and the size of the gather group its parameter gathers ride. Two groups with equal signatures get equal candidate lists (q_proj and
-    k_proj of one shape, an expert's two up-projections, a forward and its recomputation). None for groups of
-    placeholders, whose candidates also depend on their names (constraints)."""
+    whether it is read outside the group, and the size of the gather group its parameter gathers ride. Two groups with
+    equal signatures get equal candidate lists (q_proj and k_proj of one shape, an expert's two up-projections, a
+    forward and its recomputation). None for groups of placeholders, whose candidates also depend on their names
+    (constraints)."""
     if group.kind != "op":
         return None
     pos = {name: i for i, name in enumerate(group.members)}

@@ -217,9 +217,10 @@ def _plan(
         phase = _phase(p, q, ndim)
         if phase is None:
             raise InputError(
-                f"cannot redistribute {placements_str(src)} -> {placements_str(dst)} on mesh {mesh_str(mesh, ())}: mesh axis {axis} "
-                f"goes {placements_str((p,))[1:-1]} -> {placements_str((q,))[1:-1]}, which no collective does (a Shard or "
-                f"Replicate value can become Partial only as R -> P; Partial can only be reduced to R or S)"
+                f"cannot redistribute {placements_str(src)} -> {placements_str(dst)} on mesh {mesh_str(mesh, ())}: "
+                f"mesh axis {axis} goes {placements_str((p,))[1:-1]} -> {placements_str((q,))[1:-1]}, which no "
+                f"collective does (a Shard or Replicate value can become Partial only as R -> P; Partial can only be "
+                f"reduced to R or S)"
             )
         if phase:
             phases.append((phase, axis))
@@ -290,6 +291,6 @@ def _check_shard_dim(
 ) -> None:
     if p.is_shard() and not -ndim <= p.dim < ndim:
         raise InputError(
-            f"cannot redistribute {placements_str(src)} -> {placements_str(dst)}: {placements_str((p,))[1:-1]} names tensor dim {p.dim}, "
-            f"but the tensor has shape {list(shape)} ({ndim} dims)"
+            f"cannot redistribute {placements_str(src)} -> {placements_str(dst)}: {placements_str((p,))[1:-1]} "
+            f"names tensor dim {p.dim}, but the tensor has shape {list(shape)} ({ndim} dims)"
         )

@@ -16,13 +16,13 @@ size under the plan's placements and keeps the most that is alive at once of wha
   sum), as are parameters and inputs (placeholders); a gradient made larger than its layout (FSDP's and ZeRO-2's,
   before their reduce-scatter) waits whole for its layer's bucket: two layers' worth is added to the backward's
   peak (one bucket reduced while the next fills);
-- gradients all-reduced in DDP's buckets (``autoshard/compiler/lower_buckets.py``: Partial -> Replicate, flattened together)
-  are concatenated into one flat tensor per bucket when its last gradient is made: that copy is a temporary at
+- gradients all-reduced in DDP's buckets (``autoshard/compiler/lower_buckets.py``: Partial -> Replicate, flattened
+  together) are concatenated into one flat tensor per bucket when its last gradient is made: that copy is a temporary at
   that point of the backward;
 - an input an op needs in a larger local layout than its producer's (an all-gather: a sharded weight gathered,
   an activation made whole) is a temporary of the op that needs it;
-- a recomputed layer (``autoshard/compiler/capture_recompute.py``) makes its activations again in the backward: the largest layer's
-  are added to the backward's peak (layers replay one at a time).
+- a recomputed layer (``autoshard/compiler/capture_recompute.py``) makes its activations again in the backward: the
+  largest layer's are added to the backward's peak (layers replay one at a time).
 
 ``MemoryBreakdown.temporaries`` is then the larger of the backward's and the forward's temporaries and the
 optimizer step's (one parameter shard), less what the step no longer holds then (saved activations).
@@ -212,8 +212,9 @@ def transients(
         peak[phase] = max(peak[phase], live + _gathers(n, args, lay, mesh_shape) + flat.get(i, 0))
         for base in walk.free_at.get(i, ()):
             live -= size.pop(base, 0)
-    # a layer's gradients are reduced as one bucket as soon as the backward has made them (autoshard/compiler/overlap.py):
-    # while one bucket is reduced the next fills, so two layers' whole gradients wait at once, not every layer's
+    # a layer's gradients are reduced as one bucket as soon as the backward has made them
+    # (autoshard/compiler/overlap.py): while one bucket is reduced the next fills, so two layers' whole gradients wait
+    # at once, not every layer's
     # one recomputed layer's activations live again while its backward runs (the layers replay one at a time)
     again = max(replayed.values(), default=0)
     return Transients(peak["forward"], peak["backward"] + sum(sorted(waiting.values())[-2:]) + again)

@@ -4,8 +4,8 @@ whose internal moves are impossible and the integer program forbids the pairs (`
 plan never contains a move the runtime cannot execute. ``waits``: compute waits on the move right after running,
 which adds the links' ``sync`` (``autoshard.cost.comm.sync_time``). A move that rides a bundle (a gradient bucket,
 a layer's gathered parameters, the masters gathered after the optimizer step) pays its bytes and a share of the
-bundle's latency and sync (``bundle_share``): the integer program then prices a bundle once, as the lowering runs it, when
-its members are all chosen (``autoshard/solver/intra_op.py``)."""
+bundle's latency and sync (``bundle_share``): the integer program then prices a bundle once, as the lowering runs it,
+when its members are all chosen (``autoshard/solver/intra_op.py``)."""
 
 from __future__ import annotations
 

@@ -409,7 +409,7 @@ class AutoshardStrategy(ModelParallelStrategy):
 def is_compiled(module: LazyShardedModule) -> bool:
     """Whether the lazy module has been planned (its first call has run)."""
     try:
-        module.compiled
+        _ = module.compiled
     except RuntimeError:
         return False
     return True

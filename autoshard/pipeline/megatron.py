@@ -6,8 +6,8 @@ parallel layers on the ``tp`` axis, batch and replicated parameters on ``dp``; `
 are split evenly (``inter_op.even_split``), and the schedule is 1F1B or interleaved 1F1B. :func:`megatron_recipe`
 is Megatron's recipe ("pp+tp+dp"): TP = the devices of a node, the smallest PP (whole nodes per stage) whose
 stages fit the memory budget, DP over the rest, micro-batches of 1 or 2 sequences per data-parallel rank.
-The offline pipeline planner (``pipeline/plan_offline.py``) lists it among the search's options (``recipe == "pp+tp+dp"``),
-so the search says how its own choice compares.
+The offline pipeline planner (``pipeline/plan_offline.py``) lists it among the search's options
+(``recipe == "pp+tp+dp"``), so the search says how its own choice compares.
 """
 
 from __future__ import annotations

@@ -192,10 +192,10 @@ def search_stages(
         at = min(range(len(sizes)), key=lambda i: abs(math.log2(sizes[i] / per(seed))))
         _walk(
             len(sizes),
-            lambda i: refine(sort, sizes[i]),
+            lambda i, sort=sort, sizes=sizes: refine(sort, sizes[i]),
             max(1, space.sizes),
             at,
-            lambda i: min(
+            lambda i, sort=sort, sizes=sizes: min(
                 run.estimate(c, list(done.values())).step_time_s
                 for c in configs
                 if (kind(c[1], c[2]), per(c)) == (sort, sizes[i])

@@ -391,7 +391,8 @@ class StageSolves:
         return entry.solutions[recipe]
 
     def plan(self, mesh: DeviceMesh, cluster: ClusterProfile, config: PlanConfig, progress: Any = None) -> Plan:
-        """``search/recompute.py: plan_graph``'s Plan of the whole batch on ``mesh`` under ``config``, from the kept capture."""
+        """``search/recompute.py: plan_graph``'s Plan of the whole batch on ``mesh`` under ``config``, from the kept
+        capture."""
         from autoshard.compiler.runner import run_passes
         from autoshard.search.planned import build_plan, recipe_summaries
 

@@ -1,5 +1,5 @@
-"""The plain-text report of a :class:`~autoshard.plans.plan.Plan` (``autoshard.report(plan)``): header, recipe comparison,
-then per stage the placements per module with repeated layers folded, the decisions and the collectives."""
+"""The plain-text report of a :class:`~autoshard.plans.plan.Plan` (``autoshard.report(plan)``): header, recipe
+comparison, then per stage the placements per module with repeated layers folded, the decisions and the collectives."""
 
 from __future__ import annotations
 

@@ -161,7 +161,8 @@ def what_bounds(plan: Plan) -> str:
     (recomputation apart), exposed communication and pipeline idle share; where the budget binds, the levers the
     plan pulled to fit it (micro-batches, recomputation, offload); and the solver's proof, its lower bound on the
     objective. E.g. "compute 2.05 s (91%), exposed communication 193 ms (9%); memory binds: 74.8 GiB of 95 GiB
-    per device, met by 2 micro-batches; the solver's bound equals the plan: no choice of layouts is faster with these levers"."""
+    per device, met by 2 micro-batches; the solver's bound equals the plan: no choice of layouts is faster with these
+    levers"."""
     if not plan.stages or plan.step_time_s <= 0:
         return ""
     step = plan.step_time_s
@@ -212,7 +213,10 @@ def _against_best(plan: Plan) -> str:
     best = plan.best_recipe()
     if best is None or best.step_time_s <= 0:
         return "" if plan.recipe else " (no recipe fits to compare with)" if plan.recipes else ""
-    return f", {plan.step_time_s / best.step_time_s:.2f}× the best recipe's ({best.name}, {format_seconds(best.step_time_s)})"
+    return (
+        f", {plan.step_time_s / best.step_time_s:.2f}× the best recipe's "
+        f"({best.name}, {format_seconds(best.step_time_s)})"
+    )
 
 
 def precision_words(plan: Plan) -> str:

@@ -2,10 +2,11 @@
 
 One file per family, listed in ``_all_rules``. A rule can give
 
-- ``candidates(node, ties)``: the placements the planner may choose for the op (``autoshard/compiler/strategies.py`` asks
-  the rule instead of DTensor, which has none for the op, or not the ones we want);
+- ``candidates(node, ties)``: the placements the planner may choose for the op (``autoshard/compiler/strategies.py``
+  asks the rule instead of DTensor, which has none for the op, or not the ones we want);
 - ``runs_local(node, sharding)``: whether the lowering runs the op on each rank's local shards with the plan's
-  placements instead of through DTensor's dispatch (``autoshard/compiler/lower.py``), when DTensor cannot run that layout;
+  placements instead of through DTensor's dispatch (``autoshard/compiler/lower.py``), when DTensor cannot run that
+  layout;
 - ``local_call(node, sharding)``: how that local run calls the op where the traced call would be wrong on a
   shard (causal attention on a sequence shard needs its rank's query offset);
 - ``exchanges(node, inputs, mesh_shape)``: what that local call communicates (priced with the op);

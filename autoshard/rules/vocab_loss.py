@@ -93,7 +93,7 @@ def more_candidates(node: fx.Node, found: Sequence[tc.RawStrategy], mesh_shape: 
             if any(not isinstance(pl[axis], Replicate) for pl in every):
                 continue  # only a layout whole on this axis gains the class split there
 
-            def put(pl: tuple, p: Placement) -> tuple:
+            def put(pl: tuple, p: Placement, axis: int = axis) -> tuple:
                 return tuple(p if a == axis else q for a, q in enumerate(pl))
 
             ins = tuple(put(pl, Shard(_CLASS)) if i in sharded_in else pl for i, pl in enumerate(c.inputs))

@@ -43,7 +43,8 @@ def data_parallel_axes(mesh: DeviceMesh) -> tuple[int, ...]:
     if mesh.ndim == 1:
         return (0,)
     raise InputError(
-        f"mesh axes {names or tuple(mesh.shape)}: none is named as a data-parallel axis ({', '.join(DATA_PARALLEL_NAMES)}), "
+        f"mesh axes {names or tuple(mesh.shape)}: none is named as a data-parallel axis "
+        f"({', '.join(DATA_PARALLEL_NAMES)}), "
         "so which axis splits the batch is unknown. Name it, e.g. init_device_mesh('cpu', (2, 2), "
         "mesh_dim_names=('dp', 'tp')), or pass example_inputs (global-shaped) to compile."
     )

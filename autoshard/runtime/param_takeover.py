@@ -35,8 +35,8 @@ def distribute_parameters(
     """Replace every parameter named in ``placements`` by an ``nn.Parameter`` holding a DTensor with those
     placements (a copy of its value), in place, as ``fully_shard`` does; aliases of one parameter (tied weights)
     all get the same new parameter; one on the meta device gets only this rank's shard, uninitialized (in host
-    memory if its name is in ``host``: an offloaded master). Returns id(old) -> (old, new); the old objects keep no storage
-    (``runtime/rebind.py`` points optimizers built on them at the new ones)."""
+    memory if its name is in ``host``: an offloaded master). Returns id(old) -> (old, new); the old objects keep no
+    storage (``runtime/rebind.py`` points optimizers built on them at the new ones)."""
     seen: set[int] = set()
     replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
     for name, p in list(module.named_parameters(remove_duplicate=False)):

@@ -4,9 +4,9 @@ Each stage is a piece of the model (``torch.distributed.pipelining.pipeline`` cu
 planned on its sub-mesh and compiled like a whole model, except that it returns activations and takes their
 gradients (``passes.capture`` with ``ctx.stage``). Here:
 
-- ``StageModule`` (``runtime/stage_module.py``) runs one stage's compiled program under autograd (``_RunStage``): forward gives the stage's
-  outputs, backward takes their gradients and returns the parameters' and the received activations' gradients.
-  Its parameters are DTensors with the stage plan's placements, under the model's own names.
+- ``StageModule`` (``runtime/stage_module.py``) runs one stage's compiled program under autograd (``_RunStage``):
+  forward gives the stage's outputs, backward takes their gradients and returns the parameters' and the received
+  activations' gradients. Its parameters are DTensors with the stage plan's placements, under the model's own names.
 - The last stage returns the model's loss; the schedule's loss function weights it per micro-batch so that the
   mean over micro-batches is the whole batch's loss (``runtime/stage_values.py: loss_weights``).
 - ``PipelinedModule`` holds this rank's stages and the schedule (GPipe, 1F1B, interleaved 1F1B or interleaved
@@ -78,7 +78,8 @@ def schedule_class(name: str) -> Any:
 
 @dataclass(frozen=True)
 class LossWeighting:
-    """How the last stage's per-micro-batch losses make the whole batch's (``runtime/stage_values.py: loss_weights``)."""
+    """How the last stage's per-micro-batch losses make the whole batch's
+    (``runtime/stage_values.py: loss_weights``)."""
 
     reduction: int
     counter: Callable[..., torch.Tensor] | None

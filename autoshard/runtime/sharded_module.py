@@ -231,14 +231,15 @@ class ShardedModule(nn.Module):
         for t, layout in zip(tensors, self._inputs):
             if t.ndim != len(layout.shape) or (self._shapes is None and tuple(t.shape) != tuple(layout.shape)):
                 raise InputError(
-                    f"{self._label(layout.name)}: expected global shape {tensor_str(layout.dtype, layout.shape)}, got {tuple(t.shape)}"
+                    f"{self._label(layout.name)}: expected global shape {tensor_str(layout.dtype, layout.shape)}, "
+                    f"got {tuple(t.shape)}"
                 )
             bad = tc.ranks_disagree(t)
             if bad:
                 raise InputError(
-                    f"{self._label(layout.name)}: shard_inputs takes the global value, equal on every rank, but simulated ranks "
-                    f"{bad} hold different values than rank 0 (a tensor drawn from a random generator inside "
-                    "LocalTensorMode differs per rank). Make the global inputs before entering LocalTensorMode."
+                    f"{self._label(layout.name)}: shard_inputs takes the global value, equal on every rank, but "
+                    f"simulated ranks {bad} hold different values than rank 0 (a tensor drawn from a random generator "
+                    "inside LocalTensorMode differs per rank). Make the global inputs before entering LocalTensorMode."
                 )
             for axis, p in enumerate(self._layouts[layout.name]):
                 if isinstance(p, Shard) and t.shape[p.dim] % self.mesh.size(axis):
@@ -277,11 +278,13 @@ class ShardedModule(nn.Module):
                 raise CallError(f"{self._label(layout.name)}: expected a tensor, got {type(a).__name__}")
             if isinstance(a, DTensor):
                 raise CallError(
-                    f"{self._label(layout.name)}: pass this rank's local tensor (use sharded.shard_inputs), not a DTensor"
+                    f"{self._label(layout.name)}: pass this rank's local tensor (use sharded.shard_inputs), "
+                    f"not a DTensor"
                 )
             if tuple(a.shape) != tuple(shape) or str(a.dtype).replace("torch.", "") != layout.dtype:
                 raise InputError(
-                    f"{self._label(layout.name)}: expected this rank's local piece {tensor_str(layout.dtype, shape)} (global "
+                    f"{self._label(layout.name)}: expected this rank's local piece {tensor_str(layout.dtype, shape)} "
+                    f"(global "
                     f"{tensor_str(layout.dtype, layout.shape)} placed {placements_str(layout.placements)} on mesh "
                     f"{self.plan.mesh}), got {tensor_str(a.dtype, tuple(a.shape))}. sharded.shard_inputs(*global) "
                     "returns the right pieces."

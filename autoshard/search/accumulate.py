@@ -295,7 +295,8 @@ def _faster_of(
 def _agreed(real_group: bool, attempt: Callable[[], Any]) -> tuple[Any, InfeasibleBudget | None]:
     """``attempt()`` on every rank: (its result, None), or (None, the error) when the budget is infeasible; other
     errors are raised. On a real group rank 0 solves and the other ranks hear of its error only as a
-    RuntimeError (``autoshard/compiler/solve.py``): rank 0's verdict is broadcast so that every rank takes the same branch."""
+    RuntimeError (``autoshard/compiler/solve.py``): rank 0's verdict is broadcast so that every rank takes the same
+    branch."""
     result, err = None, None
     try:
         result = attempt()

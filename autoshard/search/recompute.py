@@ -50,9 +50,9 @@ def plan_graph(
 
     Under a memory budget (and no ``config.recompute`` given) recomputation is weighed per layer
     (``autoshard/compiler/capture_recompute.py`` tags a mix): the plans that save everything, recompute every
-    repeated layer in full, and selectively (all but the matmuls); then, from the last two's layouts and their layers' replay costs
-    (``layer_replays``), the mix of saved, selective and fully recomputed layers predicted to fit the budget
-    fastest (``best_mix``) is planned when it is predicted ahead, and once more with the estimate corrected. The
+    repeated layer in full, and selectively (all but the matmuls); then, from the last two's layouts and their layers'
+    replay costs (``layer_replays``), the mix of saved, selective and fully recomputed layers predicted to fit the
+    budget fastest (``best_mix``) is planned when it is predicted ahead, and once more with the estimate corrected. The
     fastest that fits is kept: the budget may have forced the plan that saves everything into slower layouts, and
     recomputing only some layers, or only their cheap ops, may be enough. A plan that saves everything and peaks
     below ``SLACK`` of the budget is not bound by it and is kept without the others. The plan's recipes are each

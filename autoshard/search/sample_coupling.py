@@ -150,7 +150,10 @@ def _through(
     gathered = [j for j, d in carried.items() if not _on(raw.inputs[j], d)]
     if gathered:
         if str(node.target) in _MOVERS:
-            return f"?moves values across the batch (input {gathered[0]} gathered): whether it keeps samples apart is unknown"
+            return (
+                f"?moves values across the batch (input {gathered[0]} gathered): "
+                "whether it keeps samples apart is unknown"
+            )
         return (
             "needs the whole batch at once" if gathered == [k] else f"combines the samples of its input {gathered[0]}"
         )

@@ -331,8 +331,11 @@ def _split(
         )
         if s is not None:
             found.append(s)
+
     # the faster, then the more balanced (slowest / fastest rank)
-    key = lambda s: (s.step_time_s, max(s.stage_time_s) / max(min(s.stage_time_s), 1e-300))
+    def key(s: StageSplit) -> tuple:
+        return (s.step_time_s, max(s.stage_time_s) / max(min(s.stage_time_s), 1e-300))
+
     return min(found, key=key) if found else None
 
 
@@ -446,7 +449,10 @@ def best_split(
         )
         if s is not None:
             found.append(s)
-    key = lambda s: (s.step_time_s, s.recompute, SCHEDULES.index(s.schedule), s.chunks)
+
+    def key(s: StageSplit) -> tuple:
+        return (s.step_time_s, s.recompute, SCHEDULES.index(s.schedule), s.chunks)
+
     return min(found, key=key) if found else None
 
 

@@ -224,8 +224,8 @@ class IntraOpProblem:
                 g = by_id[c]
                 s = self.strategies[c][allowed[c][0]]
                 return (
-                    f"group {g.anchor} has a single allowed layout ({placements_str(s.outputs[0][0])}) whose input or output "
-                    f"needs a redistribution DTensor cannot make on mesh {self.mesh_shape}; unpin it or choose "
+                    f"group {g.anchor} has a single allowed layout ({placements_str(s.outputs[0][0])}) whose input or "
+                    f"output needs a redistribution DTensor cannot make on mesh {self.mesh_shape}; unpin it or choose "
                     "another recipe"
                 )
         return f"the pinned layouts need a redistribution DTensor cannot make on mesh {self.mesh_shape}"
@@ -258,8 +258,9 @@ class IntraOpProblem:
         its parameter's layout implies (``waiting(exact=False)``, on the parameter's own booleans): only where they
         could hold more than ``EXACT_WAITS`` of the budget. The edge terms make budgeted solves of big models much
         slower (Mixtral-8x7B (8, 8) under 80 GB: 2-9 s -> 30 s, cut short), where the gradients that may wait are
-        11% of the budget at most, 1% in its plans, and the hold-back of ``compiler/solve_memory.py`` meets them; on a small model they can be
-        most of it (GPT on 8 ranks at 600 KiB: 426 KiB), and only the exact terms let the program see them."""
+        11% of the budget at most, 1% in its plans, and the hold-back of ``compiler/solve_memory.py`` meets them; on a
+        small model they can be most of it (GPT on 8 ranks at 600 KiB: 426 KiB), and only the exact terms let the
+        program see them."""
         most = sum(max(v) for v in self.unary_waits.values())
         most += sum(max(max(row) for row in W) for W in self.pair_waits if W is not None)
         return most > EXACT_WAITS * budget

@@ -40,8 +40,8 @@ are column-parallel; o/out/down/fc2/w2 ... row-parallel); a Linear the names do 
 falls back to Replicate on that axis, also noted.
 
 This module says which recipes apply to a mesh and where each puts every parameter and the batch
-(``recipe_placements``); the solve pass (``autoshard/compiler/solve.py``) turns that into pinned candidates of the integer
-program (``recipe_pins``) and solves each recipe alongside the plan.
+(``recipe_placements``); the solve pass (``autoshard/compiler/solve.py``) turns that into pinned candidates of the
+integer program (``recipe_pins``) and solves each recipe alongside the plan.
 """
 
 from __future__ import annotations
@@ -180,8 +180,8 @@ def recipe_placements(
 
 def state_kind(recipe: str) -> str:
     """How ``recipe`` holds a parameter's gradient and optimizer state: "zero1", "zero2" (sharded over every mesh
-    axis where the parameter is replicated; see ``autoshard/compiler/parameter_forms.py: state_variants``) or "" (like the
-    parameter)."""
+    axis where the parameter is replicated; see ``autoshard/compiler/parameter_forms.py: state_variants``) or "" (like
+    the parameter)."""
     return recipe if recipe in ("zero1", "zero2") else ""
 
 

@@ -310,11 +310,11 @@ def measure_peak(
     ``attempts``: the profiler's memory pass sometimes fails on a step (an AssertionError "duplicate outputs" in
     its data-flow graph, seen on foreach optimizer ops in Inductor-compiled training); then another step is
     measured, up to this many (a step with collectives must then be re-run on every rank alike: there use
-    ``attempts=1`` with ``baseline``, or one rank waits in a collective the others never enter). If all fail and ``baseline`` is given (bytes the step starts with: parameters,
-    optimizer state, inputs), the result is rebuilt from the allocator's own events: that baseline plus the
-    running sum of the step's allocations and frees (``method="allocator"``, categories "pre-existing" and
-    "allocated in step"); without ``baseline`` a RuntimeError says so.
-    Run warm-up steps first: the first step allocates the optimizer state and (compiled code) compiles.
+    ``attempts=1`` with ``baseline``, or one rank waits in a collective the others never enter). If all fail and
+    ``baseline`` is given (bytes the step starts with: parameters, optimizer state, inputs), the result is rebuilt from
+    the allocator's own events: that baseline plus the running sum of the step's allocations and frees
+    (``method="allocator"``, categories "pre-existing" and "allocated in step"); without ``baseline`` a RuntimeError
+    says so. Run warm-up steps first: the first step allocates the optimizer state and (compiled code) compiles.
     """
     for attempt in range(1, attempts + 1):
         prof, times, sizes, wall = _profile_once(step, keep_timeline)

@@ -266,14 +266,16 @@ def recipes_view(plan: Plan) -> str:
         )
     budget = plan.memory_budget_bytes
     notes = "".join(
-        f"<tr><td>{esc(r.name)}</td><td>{'yes' if r.fits else 'no'}</td><td>{esc('; '.join(x for x in (r.how, r.note) if x))}</td>"
+        f"<tr><td>{esc(r.name)}</td><td>{'yes' if r.fits else 'no'}</td>"
+        f"<td>{esc('; '.join(x for x in (r.how, r.note) if x))}</td>"
         f"<td>{'<br>'.join(esc(d) for d in r.differences)}</td></tr>"
         for r in rows
     )
     return (
         f'<h4>predicted step time (a black tick: measured)</h4><div class="chart" data-view="recipes-time">'
         f"{stacked_bars(time_bars, 'step time by recipe', names)}{legend(names)}</div>"
-        f'<h4>peak memory per device (dashed: the budget; a black tick: measured)</h4><div class="chart" data-view="recipes-memory">'
+        f"<h4>peak memory per device (dashed: the budget; a black tick: measured)</h4>"
+        f'<div class="chart" data-view="recipes-memory">'
         f"{stacked_bars(mem_bars, 'peak memory by recipe', names, limit=budget, limit_tip='budget')}</div>"
         f'<table class="kv"><tr><th>recipe</th><th>fits</th><th>note</th><th>what makes the difference (recipe − '
         f"plan, the largest terms; <code>autoshard explain</code> has all)</th></tr>{notes}</table>"

@@ -40,11 +40,13 @@ body { font-family: system-ui, sans-serif; margin: 0 auto; max-width: 1100px; pa
 h1 { font-size: 20px; margin: 4px 0; } h2 { font-size: 17px; border-bottom: 1px solid #ddd; padding-top: 8px; }
 h4 { margin: 10px 0 4px; font-size: 13px; } .words { font-size: 15px; background: #f4f7fb; padding: 10px 12px;
 border-left: 4px solid #0072B2; } nav a { margin-right: 14px; font-size: 13px; }
-table.kv { border-collapse: collapse; font-size: 12px; margin: 6px 0; } table.kv td, table.kv th { padding: 2px 10px 2px 0;
+table.kv { border-collapse: collapse; font-size: 12px; margin: 6px 0; } \
+table.kv td, table.kv th { padding: 2px 10px 2px 0;
 text-align: left; vertical-align: top; } table.kv th { color: #555; font-weight: 600; }
 .note { font-size: 12px; color: #555; } .chart { margin: 6px 0 10px; overflow-x: auto; }
 .cards { display: flex; flex-wrap: wrap; gap: 6px; align-items: flex-start; } .card { border: 1px solid #e4e4e4; }
-.cardhead, .fold { flex-basis: 100%; font-size: 12px; font-weight: 600; margin-top: 6px; } .fold { color: #777; font-weight: 400; }
+.cardhead, .fold { flex-basis: 100%; font-size: 12px; font-weight: 600; margin-top: 6px; } \
+.fold { color: #777; font-weight: 400; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; } .delta { display: inline-block; height: 10px; }
 .legend { font-size: 11px; } .key { display: inline-block; width: 10px; height: 10px; margin: 0 4px 0 10px; }
 """
@@ -161,15 +163,18 @@ def render_html(
             [
                 _header(plan),
                 f'<section data-view="recipes"><h2 id="recipes">Against the recipes</h2>{recipes_view(plan)}</section>',
-                f'<section data-view="memory"><h2 id="memory">Memory per device (predicted; a black tick: measured)</h2>'
+                f'<section data-view="memory"><h2 id="memory">'
+                f"Memory per device (predicted; a black tick: measured)</h2>"
                 f"{memory_view(plan)}</section>",
                 f'<section data-view="step"><h2 id="step">Step time (predicted)</h2>{step_view(plan)}<h3>Per layer</h3>'
-                f'{layers_view(plan)}<h3>One step\'s collectives per mesh axis</h3><p class="note">In issue order from the '
-                f"start of their phase, widths to scale; where a lane runs past the compute above it, that communication "
-                f"is not hidden.</p>{timelines}</section>",
-                f'<section data-view="pipeline"><h2 id="pipeline">Pipeline schedule</h2>{pipeline_view(plan)}</section>',
-                f'<section data-view="layouts"><h2 id="layouts">Layouts</h2><p class="note">Each tensor cut into the shards '
-                f"the mesh holds; a tile is labelled with the mesh coordinates that hold it. Hover for details.</p>"
+                f"{layers_view(plan)}<h3>One step's collectives per mesh axis</h3>"
+                f'<p class="note">In issue order from the start of their phase, widths to scale; where a lane runs '
+                f"past the compute above it, that communication is not hidden.</p>{timelines}</section>",
+                f'<section data-view="pipeline"><h2 id="pipeline">Pipeline schedule</h2>'
+                f"{pipeline_view(plan)}</section>",
+                f'<section data-view="layouts"><h2 id="layouts">Layouts</h2>'
+                f'<p class="note">Each tensor cut into the shards the mesh holds; a tile is labelled with the mesh '
+                f"coordinates that hold it. Hover for details.</p>"
                 f"{layouts}</section>",
             ],
         )

@@ -127,7 +127,8 @@ def pipeline_view(plan: Plan) -> str:
         fill = colour(t.mb) if t.kind == "F" else "#444" if t.kind == "W" else colour(t.mb)
         op = 0.55 if t.kind == "F" else 1.0
         tip = (
-            f"stage {t.rank}: {dict(F='forward', B='backward', I='input-gradient backward', W='weight-gradient backward')[t.kind]} "
+            f"stage {t.rank}: "
+            f"{dict(F='forward', B='backward', I='input-gradient backward', W='weight-gradient backward')[t.kind]} "
             f"of micro-batch {t.mb}"
             + (f", chunk {t.chunk}" if plan.chunks > 1 else "")
             + f", {format_seconds(t.start)}–{format_seconds(t.end)}"
