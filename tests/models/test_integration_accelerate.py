@@ -16,7 +16,7 @@ from harness import torchrun_example
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "accelerate_train.py"
 
 

@@ -106,7 +106,7 @@ def test_coarsen_followers_join_producers(ctx):
 
 
 def test_share_layers_identical_and_different(ctx):
-    gm = share_layers(coarsen(capture(Stack([16, 16, 16, 16]), _inputs(), ctx), ctx), ctx)
+    share_layers(coarsen(capture(Stack([16, 16, 16, 16]), _inputs(), ctx), ctx), ctx)
     # layer 0 differs (its input needs no gradient), the last one too (its output gradient comes from the
     # loss, not a residual sum): layers 1 and 2 share
     assert ctx.stats["shared_layers"] == 1

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import ast
 import io
+import re
 import tokenize
 from pathlib import Path
 
 import networkx as nx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"autoshard": ROOT / "autoshard"}
 
 
@@ -359,3 +360,35 @@ def test_bad_input_errors_share_the_base_class() -> None:
     assert issubclass(autoshard.InputError, ValueError) and issubclass(autoshard.InfeasibleBudget, ValueError)
     assert issubclass(autoshard.CallError, TypeError)
     assert issubclass(autoshard.SolverTimeout, RuntimeError) and issubclass(autoshard.LaunchError, RuntimeError)
+
+
+# a path the docs name is a file of this repository (another project's path is named with its project just before)
+DOC_PATH = re.compile(
+    r"(?<![\w/.-])((?:autoshard|tests|benchmarks|examples|docs)/[\w./*-]*\w\.(?:py|md|json|toml|png|svg|html|sh))"
+)
+DOC_LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+OTHER_PROJECT = re.compile(r"(torchtitan|pytorch/|Megatron|autoparallel|Alpa)[^.\n]{0,30}$")
+
+
+def missing_doc_paths(doc: Path, text: str) -> list[str]:
+    out = []
+    for m in DOC_PATH.finditer(text):
+        path = m.group(1)
+        if OTHER_PROJECT.search(text[max(0, m.start() - 40) : m.start()]):
+            continue
+        found = list(ROOT.glob(path)) if "*" in path else [ROOT / path] if (ROOT / path).exists() else []
+        if not found:
+            out.append(f"{doc.relative_to(ROOT)}: {path}")
+    for m in DOC_LINK.finditer(text):
+        link = m.group(1)
+        if not link.startswith(("http:", "https:", "mailto:")) and not (doc.parent / link).exists():
+            out.append(f"{doc.relative_to(ROOT)}: link {link}")
+    return out
+
+
+def test_paths_named_in_the_docs_exist() -> None:
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    assert len(docs) > 10
+    bad = [b for doc in docs for b in missing_doc_paths(doc, doc.read_text())]
+    assert not bad, "paths the docs name that are not in the repository:\n" + "\n".join(bad)
+    assert missing_doc_paths(ROOT / "README.md", "see `autoshard/no_such.py` and [x](no/such.md)")  # (it sees them)

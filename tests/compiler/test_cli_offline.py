@@ -159,8 +159,9 @@ def test_plan_json_round_trip_keeps_recipes(tmp_path):
 
 def test_cli_pipeline_auto_puts_a_stage_on_each_node(cli_runs):
     """GPT-2 XL (1.5 B) at sequence 1024 on 2 A100 nodes (25 GB/s per GPU between them): data parallelism over
-    the nodes would all-reduce every gradient over the network (GPT-2 small's 0.12 B are few enough for that); ``--pipeline auto`` puts a stage on each node instead,
-    says why on stderr, prints the stage table and writes a plan that reads back."""
+    the nodes would all-reduce every gradient over the network (GPT-2 small's 0.12 B are few enough for that);
+    ``--pipeline auto`` puts a stage on each node instead, says why on stderr, prints the stage table and writes
+    a plan that reads back."""
     code, out, err, text = case_result(cli_runs, "pipeline")  # main(CLI_RUNS["pipeline"] + ["--out", FILE])
     assert code == 0
     assert "pipeline   done  2 stages of (8,)" in err and "beats no stages" in err

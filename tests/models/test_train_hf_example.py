@@ -1,6 +1,6 @@
 """``examples/train_hf.py`` launched as clusters launch it: torchrun, 2 gloo ranks, a tiny stock Llama.
 
-    python -m pytest -q tests/test_train_hf_example.py
+    python -m pytest -q tests/models/test_train_hf_example.py
 
 The first launch trains 5 steps, checkpointing after step 3 and at the end. The step-5 checkpoint is then
 removed, as if the job had stopped after its step-3 save. The second launch resumes from the latest complete
@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 
 from harness import torchrun_example  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_hf.py"
 TINY = ["--backend", "eager", "--hidden", "64", "--seq", "32", "--batch", "4"]
 

@@ -1,7 +1,7 @@
 """``examples/finetune_hf.py`` under torchrun on CPU: a meta-built stock Llama fine-tuned from a pretrained directory,
 checkpointed, resumed on another world size, exported and reloaded with ``from_pretrained``.
 
-    python -m pytest -q tests/test_finetune_example.py
+    python -m pytest -q tests/models/test_finetune_example.py
 
 Two launches, shared by the tests (a module fixture): 2 gloo ranks train 4 steps from a base checkpoint the example
 writes itself (DCP checkpoints after steps 2 and 4, an HF export at the end); then 1 rank resumes from a copy of the
@@ -25,7 +25,7 @@ pytest.importorskip("transformers")
 
 from harness import torchrun_example  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "finetune_hf.py"
 SEQ, BATCH = 32, 4
 TINY = ["--backend", "eager", "--hidden", "64", "--layers", "2", "--seq", str(SEQ), "--batch", str(BATCH)]

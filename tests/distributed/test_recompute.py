@@ -1,8 +1,8 @@
-"""Activation recomputation of chosen modules (``compile(..., recompute=[...])``, autoshard/compiler/capture_recompute.py): the
-plan counts the recomputed layers' activations as not saved and their forward twice; the rank's program saves
-fewer tensors and replays the layers' forward in the backward (a selective layer all but its matmuls); numerics
-equal to one device on gloo. Under a budget the planner recomputes only as many layers, in the cheapest mode, as
-the budget asks."""
+"""Activation recomputation of chosen modules (``compile(..., recompute=[...])``,
+autoshard/compiler/capture_recompute.py): the plan counts the recomputed layers' activations as not saved and their
+forward twice; the rank's program saves fewer tensors and replays the layers' forward in the backward (a selective layer
+all but its matmuls); numerics equal to one device on gloo. Under a budget the planner recomputes only as many layers,
+in the cheapest mode, as the budget asks."""
 
 from __future__ import annotations
 
@@ -107,9 +107,10 @@ class _Stack(torch.nn.Module):
 
 
 def test_planner_recomputes_some_layers_selectively_only_when_the_budget_asks():
-    """4 residual MLP blocks on 2 fake ranks, batch on dp (activations dominate its memory): with 95% of what saving every
-    activation needs, 3 of the 4 layers recompute selectively (cheaper than full recomputation of fewer layers, and
-    than every layer); with 102% nothing recomputes. The plan's JSON keeps which layers, and old JSON still loads."""
+    """4 residual MLP blocks on 2 fake ranks, batch on dp (activations dominate its memory): with 95% of what saving
+    every activation needs, 3 of the 4 layers recompute selectively (cheaper than full recomputation of fewer layers,
+    and than every layer); with 102% nothing recomputes. The plan's JSON keeps which layers, and old JSON still
+    loads."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from autoshard.cluster.meshes import fake_world

@@ -15,7 +15,7 @@ import tempfile
 import pytest
 import torch
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu_single.py")
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "gpu_single.py")
 
 
 CPU_ARGS = ("--device", "cpu", "--size", "tiny", "--steps", "2", "--warmup", "1", "--dtype", "float32")

@@ -33,7 +33,7 @@ pytest.importorskip("transformers")
 
 from harness import torchrun_example  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "lightning_train.py"
 STEPS = 10
 RTOL = 1e-4

@@ -88,7 +88,7 @@ REGRESSIONS: dict[str, tuple[FuzzCase, str]] = {
     # issue 43: a gradient that is 0 in exact arithmetic (see NOISE_CASE) was held to the fixed tolerances
     "groupnorm-removes-a-bias": (draw_case(2026, 27), "seed 2026 case 27"),
     # issue 43: F.dropout after a conv over x.transpose(1, 2), transposed back: one device draws the mask in the
-    # activation's memory order, the sharded draw filled it in the dims' order (tests/test_random_layout.py)
+    # activation's memory order, the sharded draw filled it in the dims' order (tests/unit/test_random_layout.py)
     "dropout-of-a-transposed-activation": (
         FuzzCase(7001, 30, (4,), 3, 12, 32, 6, (Block("conv", 6, 1, 1), Block("dropout", 6, 1, 10)), "mean_square", 12),
         "seed 7001 case 30",

@@ -3,8 +3,8 @@ ship them (dropout on).
 
 - ``random="local"`` (the default): each rank draws only its piece; replicas hold the same numbers, pieces
   others, and the seed before the step decides them.
-- ``random="exact"``: a sharded step draws the numbers one device draws after the same ``torch.manual_seed``: stock GPT-2, BERT
-  (masked LM), T5 and Phi-MoE (whose training router samples with ``exponential_`` and ``rand_like``)
+- ``random="exact"``: a sharded step draws the numbers one device draws after the same ``torch.manual_seed``:
+  stock GPT-2, BERT (masked LM), T5 and Phi-MoE (whose training router samples with ``exponential_`` and ``rand_like``)
   equal the unsharded model's loss, every gradient and the parameters after AdamW steps, on dp=2 and
   dp=2 x tp=2, interpreted (LocalTensorMode), lowered and compiled by Inductor with recomputation (a replayed
   layer reuses its mask), and through the ``torch.compile`` backend (gloo ranks).

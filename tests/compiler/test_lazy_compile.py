@@ -32,7 +32,7 @@ def test_compile_on_first_call_with_an_optimizer_made_before() -> None:
         assert isinstance(sharded, LazyShardedModule)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)  # before the first call, on the plain parameters
         with pytest.raises(RuntimeError, match="not compiled yet"):
-            sharded.plan
+            _ = sharded.plan
         # rank r holds batch rows of its dp coordinate (r // 2): the ranks' shards stacked are the batch
         shard = {k: ltm.rank_map(lambda r, v=v: v.chunk(2)[r // 2].clone()) for k, v in batch.items()}
         losses = []

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: E402, F401 - imported before the fork
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 
 import meta_memory as mm  # noqa: E402
 
@@ -36,7 +36,9 @@ def _peaks(mode: str) -> dict[str, int]:
     its heap and reuses its free pages without growing its RSS, so its numbers would depend on what the process
     ran before (in the suite's worker, the whole build measured 199 MiB above its start; from a fresh one, 420)."""
     code = (
-        f"import json, sys, torch; torch.set_num_threads(1); sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+        "import json, sys, torch; torch.set_num_threads(1); "
+        f"sys.path.insert(0, {os.path.dirname(os.path.dirname(__file__))!r}); "
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r}); "
         f"import test_meta_memory as t; print(json.dumps(t.peaks_here({mode!r})))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "hf_compat.py")
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "hf_compat.py")
 
 
 def _load() -> ModuleType:

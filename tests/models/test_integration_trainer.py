@@ -17,7 +17,7 @@ from harness import torchrun_example
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "trainer_hf.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "trainer_hf.py"
 
 
 def _history(args: list[str], nproc: int = 2, timeout: float = 600) -> list[dict[str, Any]]:

@@ -3,8 +3,9 @@
 Two gloo ranks train the zoo GPT (``autoshard.compile``, data parallel); one of them is made to raise during a step,
 the other goes on into the step's collectives. Without ``runtime/rank_failures.py`` the other rank waits there until
 gloo's timeout (30 minutes by default) while the failing process lives on (it does here, for longer than the bound),
-and then fails with the transport's error, which does not say which rank failed or why. Each rank catches what its step raised and returns it with the seconds
-from the failing rank's raise, so that both outcomes are checked (``launch`` would stop at the first)."""
+and then fails with the transport's error, which does not say which rank failed or why. Each rank catches what
+its step raised and returns it with the seconds from the failing rank's raise, so that both outcomes are checked
+(``launch`` would stop at the first)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What training loops read off the module ``compile`` returns, checked in one process (the loops themselves run in
-``tests/test_integration_*.py``): the model's signature (a PEFT model's base's), its config and loss keywords, already
-prepared for Accelerate; the Trainer options autoshard cannot honour refused by name; ``bf16=True`` becoming the
-plan's precision; ``batch_axes``."""
+``tests/models/test_integration_*.py``): the model's signature (a PEFT model's base's), its config and loss
+keywords, already prepared for Accelerate; the Trainer options autoshard cannot honour refused by name;
+``bf16=True`` becoming the plan's precision; ``batch_axes``."""
 
 from __future__ import annotations
 

@@ -70,8 +70,8 @@ def test_mlp_budget_shards_optimizer_state_then_parameters():
     """Sharded state where the budget asks for it, and only there: none without a budget; under 80% of DDP's
     memory some weight's optimizer state is sharded (ZeRO's masters, gathered after the step, or the weight itself,
     FSDP's, whichever the program prices faster: a layer's gathers and a bucket's reduce-scatters pay their latency
-    once); under 70% every weight's state is sharded and some weight itself (FSDP-like). The budgets count the step's whole peak,
-    temporaries included."""
+    once); under 70% every weight's state is sharded and some weight itself (FSDP-like). The budgets count the
+    step's whole peak, temporaries included."""
     with fake_world(4):
         mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
         ddp = autoshard.plan(_mlp(), mesh, _mlp_inputs(), constraints=BATCH_ON_DP)
@@ -170,7 +170,7 @@ def test_fsdp_gathers_each_layers_parameters_with_one_collective_per_phase():
     with fake_world(4):
         mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
         planned = plan_graph(GPT(cfg), gpt_example_inputs(cfg, 8), mesh, get_cluster("cpu"), PlanConfig(recipe="fsdp"))
-        plan, gm, ctx = planned.plan, planned.graph, planned.ctx
+        gm, ctx = planned.graph, planned.ctx
         groups, uses = _gather_groups(list(gm.graph.nodes), (4,))
         grouped = collective_counts(trace_rank_program(gm, ctx))
         apart = collective_counts(trace_rank_program(gm, ctx, group_gathers=False))
@@ -194,7 +194,7 @@ def test_long_sequence_block_is_tensor_parallel_with_sequence_sharded_residuals(
     cost comparisons: Megatron's row-parallel ``wo`` and a sequence-sharded norm each cost more."""
     cfg = GPTConfig(n_layer=2, d_model=4096, n_head=32, vocab=512, seq_len=4096, bias=False)
     planned = _planned(GPT, cfg, gpt_example_inputs(cfg, 1), (4,), ("tp",), "h100-sxm", {"inputs": "[R]"})
-    plan, gm, ctx = planned.plan, planned.graph, planned.ctx
+    plan, ctx = planned.plan, planned.ctx
     pl = plan.parameter_placements()
     for i in range(cfg.n_layer):
         for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.fc1"):
@@ -265,7 +265,7 @@ def test_long_sequence_attention_is_context_parallel():
     planned = _planned(
         Llama, cfg, llama_example_inputs(cfg, 1), (2, 8), ("cp", "tp"), "h100-sxm:2x8", {"inputs": "[S(1), R]"}
     )
-    plan, gm, ctx = planned.plan, planned.graph, planned.ctx
+    plan, ctx = planned.plan, planned.ctx
     attn = [d for d in plan.stages[0].ops if d.op.startswith("aten._scaled_dot_product_flash_attention_for_cpu")]
     fwd = [d for d in attn if d.phase == "forward"]
     bwd = [d for d in attn if d.phase == "backward"]
@@ -301,7 +301,7 @@ def test_large_vocabulary_is_megatron_with_vocabulary_parallel_loss():
     masked partial the planner does not take.)"""
     cfg = GPTConfig(n_layer=1, d_model=2048, n_head=16, vocab=65536, seq_len=512, bias=False)
     planned = _planned(GPT, cfg, gpt_example_inputs(cfg, 8), (2, 2), ("dp", "tp"), "h100-sxm", {"inputs": "[S(0), R]"})
-    plan, gm, ctx = planned.plan, planned.graph, planned.ctx
+    plan, ctx = planned.plan, planned.ctx
     tp = {k: v[1] for k, v in plan.parameter_placements().items()}
     for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.fc1"):
         assert tp[f"layers.0.{name}.weight"] == "S(0)", name  # column-parallel

@@ -138,7 +138,7 @@ def test_runtime_table_ratios_against_best_hand_written_and_twin() -> None:
     import os
     import sys
 
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "runtime_vs_manual.py")
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "runtime_vs_manual.py")
     spec = importlib.util.spec_from_file_location("runtime_vs_manual", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
@@ -165,7 +165,7 @@ def test_runtime_table_predicted_column_and_rank_correlation() -> None:
     import os
     import sys
 
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "runtime_vs_manual.py")
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "runtime_vs_manual.py")
     spec = importlib.util.spec_from_file_location("runtime_vs_manual", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)

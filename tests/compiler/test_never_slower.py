@@ -82,7 +82,11 @@ def test_plan_never_slower_than_a_recipe_planned_alone(shape, names, shares):
             except InfeasibleBudget:
                 continue
             assert plan.peak_memory.total <= budget
-            bound += _check(plan, lambda r: autoshard.plan(model, mesh, inputs, memory_budget=budget, recipe=r), budget)
+            bound += _check(
+                plan,
+                lambda r, budget=budget: autoshard.plan(model, mesh, inputs, memory_budget=budget, recipe=r),
+                budget,
+            )
     assert bound, "no recipe needed recomputation or micro-batches: the cases were not memory-bound"
 
 
