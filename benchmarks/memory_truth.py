@@ -19,7 +19,7 @@ Measuring method: ``autoshard.testing.memory_probe.measure_peak``, the PyTorch p
 over categories at one time stamp, over every tensor allocated through c10's CPU allocator (eager ops, Inductor's
 compiled code, DTensor local shards, gloo collectives' output tensors) plus the pre-existing tensors the step
 touches (parameters, optimizer state, inputs). It was validated on plain eager and ``torch.compile``d code
-whose memory is known by arithmetic (``tests/test_memory_probe.py``: an MLP + AdamW, the forward's peak, the
+whose memory is known by arithmetic (``tests/unit/test_memory_probe.py``: an MLP + AdamW, the forward's peak, the
 optimizer's peak with its foreach temporaries, to the byte; ``MemTracker`` agrees on eager code). It does not
 see memory outside the torch allocator (gloo's own transport buffers) nor tensors the step never touches.
 The profiler's categories are exact on eager code; inside compiled graphs it files tensors by guesswork (saved

@@ -22,6 +22,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autoshard import _torch_compat as tc
 from autoshard.errors import CallError, InputError, UsageError
 from autoshard.inputs import Call, signature_of
+from autoshard.runtime.input_pieces import cut
 from autoshard.runtime.model_face import wear_model_face
 from autoshard.weights import deferred
 from autoshard.weights.pretrained import fqn_modifiers
@@ -342,7 +343,7 @@ class LazyShardedModule(nn.Module):
         out = compiled(*args, **kwargs)
         share = kwargs.get("num_items_in_batch") is not None
         if not self.training:
-            out = self._my_rows(compiled, out, args, kwargs)
+            out = self._my_rows(out, args, kwargs)
             return self._share_of(out) if share else out
         return compiled.loss_form(self._share_of(out) if share else out)
 
@@ -357,7 +358,7 @@ class LazyShardedModule(nn.Module):
             out = (out[0] / n, *out[1:])
         return out
 
-    def _my_rows(self, compiled: nn.Module, out: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    def _my_rows(self, out: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
         """The evaluation output's tensors whose dim 0 is the global batch, cut to this rank's rows (the rows its
         shard of the call produced); the others (a loss) as they are."""
         batch = [t.shape[0] for t in tc.tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.ndim]
@@ -366,11 +367,11 @@ class LazyShardedModule(nn.Module):
         whole = batch[0] * batch_shards(self.mesh, self.batch_axes)
         rows = [Shard(0) if a in self.batch_axes else Replicate() for a in range(self.mesh.ndim)]
         leaves, spec = tc.tree_flatten(out)
-        cut = [
-            compiled._cut(t, rows) if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == whole else t
+        mine = [
+            cut(t, self.mesh, rows) if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == whole else t
             for t in leaves
         ]
-        return tc.tree_unflatten(cut, spec)
+        return tc.tree_unflatten(mine, spec)
 
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self._ensure(args, kwargs, whole=True).step(*args, **kwargs)

@@ -17,16 +17,16 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor import DTensor, Replicate
 
 from autoshard import _torch_compat as tc
 from autoshard.errors import CallError, InputError
-from autoshard.inputs import Call, CallSignature, signature_of
-from autoshard.notation import local_shape, placements_str, tensor_str
+from autoshard.inputs import CallSignature
+from autoshard.notation import local_shape
 from autoshard.plans.plan import Plan
 from autoshard.runtime.accumulate import Accumulation
 from autoshard.runtime.evaluate import Evaluator, PlanEval
+from autoshard.runtime.input_pieces import Pieces, batch_pieces, check_local, global_pieces, label
 from autoshard.runtime.lazy import data_parallel_axes
 from autoshard.runtime.model_face import wear_model_face
 from autoshard.runtime.param_state import ParamStates, scatter_grads
@@ -73,32 +73,6 @@ class _RunProgram(torch.autograd.Function):
         grads = ctx.program.backward(ctx.saved, grad_loss)
         ctx.saved = None
         return (None, None, None, None, *scatter_grads(grads, ctx.grad_slots, ctx.like, ctx.states))
-
-
-def _my_piece(t: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> torch.Tensor | None:
-    """This rank's piece of the global ``t`` under Shard/Replicate ``placements``, cut directly (a view per
-    axis, outer axis first, as DTensor nests its shards): what ``redistribute`` from Replicate gives, without its
-    per-call dispatch. None where DTensor must do it: under ``LocalTensorMode`` (no one rank), or a dim that
-    does not split evenly (DTensor's padding rules)."""
-    coord = None if tc.in_local_tensor_mode() else mesh.get_coordinate()
-    if coord is None:
-        return None
-    piece = t
-    for axis, p in enumerate(placements):
-        if isinstance(p, Replicate):
-            continue
-        n = mesh.size(axis)
-        if not isinstance(p, Shard) or piece.shape[p.dim] % n:
-            return None
-        piece = piece.narrow(p.dim, coord[axis] * (piece.shape[p.dim] // n), piece.shape[p.dim] // n)
-    return piece.contiguous()
-
-
-def _shaped(args: tuple, kwargs: dict[str, Any]) -> Any:
-    """A call's pieces as ``shard_inputs`` returns them: a tuple, a dict, or ``(args, kwargs)`` for both."""
-    if not kwargs:
-        return args
-    return kwargs if not args else (args, kwargs)
 
 
 def _named_buffers(module: nn.Module, names: Sequence[str]) -> list[tuple[str, torch.Tensor]]:
@@ -221,74 +195,20 @@ class ShardedModule(nn.Module):
         a tuple for positional tensors (``sharded(*pieces)``), a dict for keyword arguments
         (``sharded(**pieces)``), or ``(args, kwargs)`` for both. In ``eval()`` mode: any call, each tensor split
         on dim 0 over the data-parallel axes (what ``evaluate`` takes)."""
+        return self.pieces(*args, **kwargs).shaped()
+
+    def pieces(self, *args: Any, **kwargs: Any) -> Pieces:
+        """``shard_inputs`` as one value (``runtime/input_pieces.py``)."""
         if not self.training:
             dp = data_parallel_axes(self.mesh) if self.batch_axes is None else self.batch_axes
-            batch = [Shard(0) if a in dp else Replicate() for a in range(self.mesh.ndim)]
-            signature, tensors = signature_of(Call(args, kwargs))
-            return _shaped(*signature.unflatten([self._cut(t, batch) for t in tensors]))
+            return batch_pieces(self.mesh, dp, args, kwargs)
         tensors = self.signature.flatten(args, kwargs)
-        out = []
-        for t, layout in zip(tensors, self._inputs):
-            if t.ndim != len(layout.shape) or (self._shapes is None and tuple(t.shape) != tuple(layout.shape)):
-                raise InputError(
-                    f"{self._label(layout.name)}: expected global shape {tensor_str(layout.dtype, layout.shape)}, "
-                    f"got {tuple(t.shape)}"
-                )
-            bad = tc.ranks_disagree(t)
-            if bad:
-                raise InputError(
-                    f"{self._label(layout.name)}: shard_inputs takes the global value, equal on every rank, but "
-                    f"simulated ranks {bad} hold different values than rank 0 (a tensor drawn from a random generator "
-                    "inside LocalTensorMode differs per rank). Make the global inputs before entering LocalTensorMode."
-                )
-            for axis, p in enumerate(self._layouts[layout.name]):
-                if isinstance(p, Shard) and t.shape[p.dim] % self.mesh.size(axis):
-                    raise InputError(
-                        f"{self._label(layout.name)}: dim {p.dim} of {tuple(t.shape)} does not split evenly over the "
-                        f"{self.mesh.size(axis)} ranks of mesh axis {axis} ({self.plan.mesh}), e.g. a last batch "
-                        "smaller than the others. Keep every batch divisible (DataLoader(drop_last=True), or pad "
-                        "the last batch)"
-                    )
-            out.append(self._cut(t, self._layouts[layout.name]))
-        return _shaped(*self.signature.unflatten(out))
-
-    def _cut(self, t: torch.Tensor, placements: Sequence[Placement]) -> torch.Tensor:
-        """This rank's piece of the global ``t`` under ``placements``."""
-        t = t.to(self.mesh.device_type)
-        piece = _my_piece(t, self.mesh, placements)
-        if piece is None:  # simulated ranks, or an uneven split: DTensor cuts it
-            whole = DTensor.from_local(t, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
-            piece = whole.redistribute(self.mesh, placements).to_local()
-        return piece
+        return global_pieces(
+            tensors, self._inputs, self._layouts, self.mesh, self.signature, self.plan.mesh, self._shapes is not None
+        )
 
     def _label(self, name: str) -> str:
-        """``attention_mask (input[1])``: the argument's place in the call and its name in the plan."""
-        i = int(name[len("input[") : -1])
-        arg = self.signature.names[i] if i < len(self.signature.names) else ""
-        return f"{arg} ({name})" if arg and arg != f"args[{i}]" else name
-
-    def _check_inputs(self, args: Sequence[Any]) -> None:
-        if len(args) != len(self._inputs):
-            raise CallError(
-                f"the sharded module takes {len(self._inputs)} local input tensors (as the plan was traced), got "
-                f"{len(args)}"
-            )
-        for a, layout, shape in zip(args, self._inputs, self.expected_local_shapes()):
-            if not isinstance(a, torch.Tensor):
-                raise CallError(f"{self._label(layout.name)}: expected a tensor, got {type(a).__name__}")
-            if isinstance(a, DTensor):
-                raise CallError(
-                    f"{self._label(layout.name)}: pass this rank's local tensor (use sharded.shard_inputs), "
-                    f"not a DTensor"
-                )
-            if tuple(a.shape) != tuple(shape) or str(a.dtype).replace("torch.", "") != layout.dtype:
-                raise InputError(
-                    f"{self._label(layout.name)}: expected this rank's local piece {tensor_str(layout.dtype, shape)} "
-                    f"(global "
-                    f"{tensor_str(layout.dtype, layout.shape)} placed {placements_str(layout.placements)} on mesh "
-                    f"{self.plan.mesh}), got {tensor_str(a.dtype, tuple(a.shape))}. sharded.shard_inputs(*global) "
-                    "returns the right pieces."
-                )
+        return label(self.signature, name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """This rank's pieces of the call (``shard_inputs``), called as the model is; returns the loss. In
@@ -302,7 +222,7 @@ class ShardedModule(nn.Module):
             return self.evaluate(*args, **kwargs)
         tensors = self.signature.flatten(args, kwargs)
         self._switch_shapes(tensors)
-        self._check_inputs(tensors)
+        check_local(tensors, self._inputs, self.expected_local_shapes(), self.signature, self.plan.mesh)
         if self._unfilled.missing():  # built on meta: derived buffers (no checkpoint holds them) are computed now
             self._recompute_unsaved()
             self._unfilled.check()
@@ -341,7 +261,7 @@ class ShardedModule(nn.Module):
         with one_fails_all("a training step", self.mesh):
             acc = self._accumulation
             if acc is None:
-                loss = self._call_pieces(self.shard_inputs(*args, **kwargs), bool(args) and bool(kwargs))
+                loss = self.pieces(*args, **kwargs).call(self)
                 loss.backward()
                 return loss.detach()
             micro = acc.split(self.signature.names, self.signature.flatten(args, kwargs))
@@ -350,20 +270,12 @@ class ShardedModule(nn.Module):
                 if weight == 0.0:
                     continue  # counts no target (all padding): adds nothing to the loss or the gradients
                 m_args, m_kwargs = self.signature.unflatten(tensors)
-                loss = self._call_pieces(self.shard_inputs(*m_args, **m_kwargs), bool(m_args) and bool(m_kwargs))
+                loss = self.pieces(*m_args, **m_kwargs).call(self)
                 (loss * weight).backward()
                 part = loss.detach() * weight
                 total = part if total is None else total + part
             assert total is not None  # weights sum to 1 (or k for a sum): at least one is not 0
             return total
-
-    def _call_pieces(self, pieces: Any, both: bool) -> torch.Tensor:
-        """Call the module with ``shard_inputs``' result: a dict, ``(args, kwargs)`` (``both``) or a tuple."""
-        if isinstance(pieces, dict):
-            return self(**pieces)
-        if both:
-            return self(*pieces[0], **pieces[1])
-        return self(*pieces)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The model's state dict; parameters as DTensors with the plan's placements (for DCP), also when they

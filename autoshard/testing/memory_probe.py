@@ -6,7 +6,7 @@ device="cpu")``: a JSON ``[times, sizes]`` where ``sizes[k]`` are the bytes per 
 ``times[k]``) and returns a :class:`MemoryPeak`: the largest row sum (the step's peak), that row by category,
 the baseline (the row of tensors that already existed when the profiler started) and the last row.
 
-What the timeline counts (checked on torch 2.13 CPU; ``tests/test_memory_probe.py`` asserts each point):
+What the timeline counts (checked on torch 2.13 CPU; ``tests/unit/test_memory_probe.py`` asserts each point):
 
 - every allocation through c10's CPU allocator made during the window: eager ops, the optimizer's foreach
   temporaries, Inductor-compiled code (its C++ wrapper allocates with ``empty_strided_cpu``), DTensor local

@@ -72,6 +72,7 @@ def cli_runs(request, tmp_path_factory) -> dict:
     return {case: r for (case, _), r in runs.items()}
 
 
+@pytest.mark.slow
 def test_cli_plan_writes_a_plan_that_reads_back(cli_runs):
     code, out, err, text = case_result(cli_runs, "plan")  # main(["plan", *SMALL, "--out", FILE])
     assert code == 0
@@ -157,6 +158,7 @@ def test_plan_json_round_trip_keeps_recipes(tmp_path):
     assert again == plan and json.loads(plan.to_json())["recipes"]
 
 
+@pytest.mark.slow
 def test_cli_pipeline_auto_puts_a_stage_on_each_node(cli_runs):
     """GPT-2 XL (1.5 B) at sequence 1024 on 2 A100 nodes (25 GB/s per GPU between them): data parallelism over
     the nodes would all-reduce every gradient over the network (GPT-2 small's 0.12 B are few enough for that);
@@ -174,6 +176,7 @@ def test_cli_pipeline_auto_puts_a_stage_on_each_node(cli_runs):
     assert plan.step_time_s < flat.step_time_s
 
 
+@pytest.mark.slow
 def test_cli_mixed_precision_plans_fp32_masters_and_bf16_matmuls(cli_runs):
     """``--mixed-precision bf16``: the zoo model's parameters are fp32 masters (16 bytes per parameter with their
     gradient and AdamW state, against 8 in pure bf16), MFU against the bf16 peak, and the report says so."""

@@ -143,6 +143,7 @@ def _why(r: FuzzResult, case: FuzzCase, reduced: bool = False) -> str:
     return f"{r.kind}: {r.message}\n  case: {describe(case)}\n{where}\n{r.detail}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", SUITE_CASES, ids=lambda c: f"seed{c.seed}-case{c.index}")
 def test_fuzz_case_trains_like_one_device(case: FuzzCase, results: dict) -> None:
     r = case_result(results, case)
@@ -150,6 +151,7 @@ def test_fuzz_case_trains_like_one_device(case: FuzzCase, results: dict) -> None
     assert r.kind == "ok", _why(r, case)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", RANDOM_CASES, ids=lambda c: f"seed{c.seed}-case{c.index}")
 def test_fuzz_case_with_random_blocks_trains_like_one_device(case: FuzzCase, results: dict) -> None:
     r = case_result(results, case)
@@ -157,6 +159,7 @@ def test_fuzz_case_with_random_blocks_trains_like_one_device(case: FuzzCase, res
     assert {b.kind for b in case.blocks} & set(RANDOM_BLOCKS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", AUTOTUNED, ids=lambda c: f"seed{c.seed}-case{c.index}-autotune{c.autotune}")
 def test_fuzz_case_autotuned_trains_like_one_device(case: FuzzCase, results: dict) -> None:
     r = case_result(results, case)
@@ -164,6 +167,7 @@ def test_fuzz_case_autotuned_trains_like_one_device(case: FuzzCase, results: dic
     assert "--autotune 3" in reproducer(case) and "autotune=3" in describe(case)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", WITH_EXPERTS, ids=lambda c: f"seed{c.seed}-case{c.index}-experts{c.experts}")
 def test_fuzz_case_with_experts_trains_like_one_device(case: FuzzCase, results: dict) -> None:
     r = case_result(results, case)

@@ -174,6 +174,7 @@ def test_step_floor_is_below_every_plans_peak_and_rules_out_what_cannot_fit():
     assert "at least" in str(e.value) or "none" in str(e.value), str(e.value)
 
 
+@pytest.mark.slow
 def test_micro_batches_instead_of_recomputation_where_faster():
     """A batch that fits whole only by recomputing every layer (GPT-2 124M, 64 x 1024 tokens on 8 H100s under
     4 GB): two micro-batches that recompute nothing step faster, and the plan takes them; planned whole

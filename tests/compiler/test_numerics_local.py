@@ -14,6 +14,8 @@ from torch.distributed.tensor import Shard
 import autoshard
 from autoshard.models.gpt import GPT, GPTConfig, gpt_example_inputs
 
+pytestmark = pytest.mark.slow  # trainings on simulated ranks: the full suite's, not the fast tier's
+
 # long enough (1024 tokens, d 512) that an H100 plan splits attention heads over tp and moves the attention output
 # onto the sequence by an all-to-all (DeepSpeed-Ulysses' move): the rest of the layer runs sequence-sharded
 SEQ_CFG = GPTConfig(n_layer=1, d_model=512, n_head=32, vocab=512, seq_len=1024, bias=False)

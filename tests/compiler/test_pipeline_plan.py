@@ -185,6 +185,7 @@ def test_pipeline_planning_needs_the_offline_path() -> None:
             autoshard.plan(model, mesh, inputs, pipeline="auto")
 
 
+@pytest.mark.slow
 def test_a_tight_memory_budget_is_met_by_every_stage() -> None:
     """At 300 MiB per device the deep, narrow model's plan without stages needs sharded parameters on the slow
     network; the pipelined plan fits every stage (recomputing activations if it must) and is faster."""

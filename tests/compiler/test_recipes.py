@@ -192,6 +192,7 @@ def trained(request: pytest.FixtureRequest) -> dict:
     return run_two_at_a_time(_train_recipe, cases)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", TRAINED, ids=[f"{r}-{'x'.join(map(str, s))}" for r, s, _ in TRAINED])
 def test_recipe_plan_trains_like_one_device(case, trained):
     """A recipe is a Plan that runs: the recipe on LocalTensorMode (2, 2) equals single-device training."""

@@ -168,6 +168,7 @@ def test_piece_costs_add_up_to_the_plan(sample):
     assert layers[2].input_bytes < layers[2].act_bytes
 
 
+@pytest.mark.slow
 def test_deep_narrow_model_on_a_slow_network_gets_balanced_stages():
     """A 16-layer narrow GPT on 4 A100 nodes (200 Gb/s per GPU between nodes): splitting the layers into
     stages across nodes beats spreading every layer's collectives over the network; stage times are balanced
@@ -320,6 +321,7 @@ def test_a_fixed_tp_pp_dp_config_prices_megatrons_layout():
         evaluate_config(model, inputs, cluster, config, tp=8, pp=3, dp=2, microbatches=8)
 
 
+@pytest.mark.slow
 def test_megatron_recipe_takes_the_smallest_pp_that_fits_and_the_search_is_not_slower():
     """On 4 nodes with a budget that one stage (TP 8 x DP 4) exceeds, Megatron's recipe takes PP 2 (TP 8 x DP 2
     per stage); the free search, which lists it among its options, finds something at least as fast."""
