@@ -5,11 +5,17 @@ does), under the model's own names, tied weights kept tied, a meta-device parame
 ``shard_parameters_in_place`` keeps the parameter objects and makes each hold its shard as a plain tensor (the
 ``torch.compile`` backend's, whose graph guards those objects); ``as_dtensor`` shows such a shard as the DTensor it
 is a piece of, and ``clip_grad_norm_`` clips either kind by the whole model's norm.
+
+``take_over`` is the one walk a sharded module (``ShardedModule``, a pipeline stage's ``StageModule``) makes over
+its model: buffers built on the meta device made real, every parameter turned into its shard (either way above),
+optimizers built before pointed at the new parameters, and what was built on meta watched until values come
+(``init_weights``, a checkpoint: ``autoshard/weights/``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,13 +26,53 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autoshard import _torch_compat as tc
 from autoshard.errors import InputError
-from autoshard.runtime.rebind import retire
-from autoshard.weights.shards import drop_stand_in, empty_shard, is_unfilled
+from autoshard.runtime.rebind import rebind_optimizers, retire
+from autoshard.weights.shards import Unfilled, drop_stand_in, empty_shard, is_unfilled, materialize_buffers
 
 
 def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     path, _, leaf = name.rpartition(".")
     return (module.get_submodule(path) if path else module), leaf
+
+
+@dataclass(frozen=True)
+class Takeover:
+    """What ``take_over`` leaves the sharded module: what awaits values, how to point an optimizer at the new
+    parameters now (before loading its state), and how many parameters were built on meta."""
+
+    unfilled: Unfilled
+    adopt_optimizer: Callable[[torch.optim.Optimizer], None]
+    meta: int
+
+
+def take_over(
+    owner: nn.Module,
+    module: nn.Module,
+    mesh: DeviceMesh,
+    placements: Mapping[str, Sequence[Placement]],
+    *,
+    host: Collection[str] = (),
+    local: bool = False,
+) -> Takeover:
+    """``module``'s buffers and parameters made this rank's (see the module docstring), for ``owner`` (the sharded
+    module, which the optimizers' rebinding hook lives as long as); ``local``: plain tensors holding the shards
+    (``shard_parameters_in_place``), else DTensor parameters (``distribute_parameters``, offloaded masters, ``host``,
+    in host memory)."""
+    meta = {n for n, q in module.named_parameters() if is_unfilled(q)}
+    unfilled = Unfilled()
+    made = set(materialize_buffers(module, mesh.device_type))
+    unfilled.watch((n, b) for n, b in module.named_buffers(remove_duplicate=False) if n in made)
+    if local:
+        shard_parameters_in_place(module, mesh, placements)
+        adopt: Callable[[torch.optim.Optimizer], None] = _nothing
+    else:
+        adopt = rebind_optimizers(owner, distribute_parameters(module, mesh, placements, host=host))
+    unfilled.watch((n, q) for n, q in module.named_parameters() if n in meta)
+    return Takeover(unfilled, adopt, len(meta))
+
+
+def _nothing(optimizer: torch.optim.Optimizer) -> None:
+    """(plain tensors: an optimizer built before holds the parameter objects already)"""
 
 
 def distribute_parameters(

@@ -30,20 +30,13 @@ from autoshard.runtime.input_pieces import Pieces, batch_pieces, check_local, gl
 from autoshard.runtime.lazy import data_parallel_axes
 from autoshard.runtime.model_face import wear_model_face
 from autoshard.runtime.param_state import ParamStates, scatter_grads
-from autoshard.runtime.param_takeover import (
-    as_dtensor,
-    contiguous_strides,
-    distribute_parameters,
-    shard_parameters_in_place,
-)
+from autoshard.runtime.param_takeover import as_dtensor, contiguous_strides, take_over
 from autoshard.runtime.program import Program
 from autoshard.runtime.rank_failures import one_fails_all
-from autoshard.runtime.rebind import rebind_optimizers
 from autoshard.runtime.shapes import PlanShapes, ShapePrograms
 from autoshard.weights.deferred import take_deferred
 from autoshard.weights.init import init_weights
 from autoshard.weights.pretrained import fqn_modifiers, load_pretrained, save_pretrained
-from autoshard.weights.shards import Unfilled, is_unfilled, materialize_buffers
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +66,6 @@ class _RunProgram(torch.autograd.Function):
         grads = ctx.program.backward(ctx.saved, grad_loss)
         ctx.saved = None
         return (None, None, None, None, *scatter_grads(grads, ctx.grad_slots, ctx.like, ctx.states))
-
-
-def _named_buffers(module: nn.Module, names: Sequence[str]) -> list[tuple[str, torch.Tensor]]:
-    bufs = dict(module.named_buffers(remove_duplicate=False))
-    return [(n, bufs[n]) for n in names]
 
 
 def _as_is(loss: torch.Tensor) -> torch.Tensor:
@@ -141,25 +129,17 @@ class ShardedModule(nn.Module):
             local = whole and not self._states.sharded_masters() and not tc.in_local_tensor_mode()
             parameters = "local" if local else "dtensor"
         self._local_params = parameters == "local"
+        if self._local_params and self._states.sharded_masters():
+            raise InputError(
+                f"parameters='local' holds each parameter in its compute layout; the plan shards the optimizer "
+                f"state of {self._states.sharded_masters()[:3]} further (ZeRO-1/2). Plan with "
+                "shard_state=False, or use parameters='dtensor'."
+            )
+        taken = take_over(self, model, mesh, placements, host=self._states.offloaded(), local=self._local_params)
+        self._unfilled = taken.unfilled  # what was built on meta and awaits values (init_weights, a checkpoint)
         # an optimizer built on the parameters before they were sharded steps the sharded ones from its next step
         # (runtime/rebind.py); this makes it hold them now (before loading its state from a checkpoint)
-        self.adopt_optimizer: Any = lambda optimizer: None
-        meta = [n for n, q in model.named_parameters() if is_unfilled(q)]
-        self._unfilled = Unfilled()  # what was built on meta and awaits values (init_weights, a checkpoint)
-        self._unfilled.watch((n, b) for n, b in _named_buffers(model, materialize_buffers(model, mesh.device_type)))
-        if self._local_params:
-            if self._states.sharded_masters():
-                raise InputError(
-                    f"parameters='local' holds each parameter in its compute layout; the plan shards the optimizer "
-                    f"state of {self._states.sharded_masters()[:3]} further (ZeRO-1/2). Plan with "
-                    "shard_state=False, or use parameters='dtensor'."
-                )
-            shard_parameters_in_place(model, mesh, placements)
-        else:
-            self.adopt_optimizer = rebind_optimizers(
-                self, distribute_parameters(model, mesh, placements, host=self._states.offloaded())
-            )
-        self._unfilled.watch((n, q) for n, q in model.named_parameters() if n in set(meta))
+        self.adopt_optimizer = taken.adopt_optimizer
         self._evaluator = (
             None
             if plan_eval is None
@@ -176,11 +156,11 @@ class ShardedModule(nn.Module):
         wear_model_face(self, model)
         for call, arg in take_deferred(model):  # init_weights / load_pretrained called on the meta model
             getattr(self, call)(arg)
-        if meta:
+        if taken.meta:
             log.info(
                 "compile: %d parameters built on the meta device hold this rank's shards only; give them values "
                 "with init_weights(seed) or a checkpoint before the first step",
-                len(meta),
+                taken.meta,
             )
 
     def _flat_params(self) -> list[torch.Tensor]:

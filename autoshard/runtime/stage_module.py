@@ -25,12 +25,10 @@ from autoshard.plans.plan import Plan
 from autoshard.rules import random_draws
 from autoshard.runtime.deferred_weights import DeferredWeights
 from autoshard.runtime.param_state import ParamStates, scatter_grads
-from autoshard.runtime.param_takeover import distribute_parameters
+from autoshard.runtime.param_takeover import take_over
 from autoshard.runtime.program import StageProgram
-from autoshard.runtime.rebind import rebind_optimizers
 from autoshard.runtime.stage_random import ReplayStreams, StageStreams
 from autoshard.runtime.stage_values import StageWiring, stage_args, stage_sends
-from autoshard.weights.shards import Unfilled, materialize_buffers
 
 
 class _RunStage(torch.autograd.Function):
@@ -98,14 +96,8 @@ class StageModule(nn.Module):
         self._param_names = [t.name for t in stage.tensors if t.role == "parameter"]
         layouts = program.layouts  # Placement objects by name, from the planned graph
         self._states = ParamStates(mesh, self._param_names, program)
-        meta = {n for n, q in module.named_parameters() if q.device.type == "meta"}
-        self._unfilled = Unfilled()  # built on meta: filled by PipelinedModule.init_weights / load_pretrained
-        made = set(materialize_buffers(module, mesh.device_type))
-        self._unfilled.watch((n, b) for n, b in module.named_buffers() if n in made)
-        rebind_optimizers(
-            self, distribute_parameters(module, mesh, self._states.master_placements(), host=self._states.offloaded())
-        )
-        self._unfilled.watch((n, q) for n, q in module.named_parameters() if n in meta)
+        taken = take_over(self, module, mesh, self._states.master_placements(), host=self._states.offloaded())
+        self._unfilled = taken.unfilled  # built on meta: filled by PipelinedModule.init_weights / load_pretrained
         self._buffer_names = [t.name for t in stage.tensors if t.role == "buffer"]
         inputs = sorted((t for t in stage.tensors if t.role == "input"), key=lambda t: int(t.name[6:-1]))
         self._input_placements = [layouts[t.name] for t in inputs]
