@@ -42,9 +42,9 @@ def test_balanced_causal_chunks_equal_the_whole_kernel(n: int) -> None:
         mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("cp",))
         seq = lambda t: distribute_tensor(t, mesh, [Shard(2)]).to_local()  # noqa: E731
         rep = lambda t: distribute_tensor(t, mesh, [Replicate()]).to_local()  # noqa: E731
-        o, lse = causal_chunks.forward(CPU, seq(q), rep(k), rep(v), mesh, 0, {})
+        o, lse_piece = causal_chunks.forward(CPU, seq(q), rep(k), rep(v), mesh, 0, {})
         _check(o, w_out, mesh, Shard(2))
-        _check(lse, w_lse, mesh, Shard(2))
+        _check(lse_piece, w_lse, mesh, Shard(2))
         dq, dk, dv = causal_chunks.backward(CPU, seq(grad), seq(q), rep(k), rep(v), seq(out), seq(lse), mesh, 0, {})
         _check(dq, w_dq, mesh, Shard(2))
         for grad_part, want in ((dk, w_dk), (dv, w_dv)):  # Partial: the ranks' shares sum to the gradient
@@ -58,9 +58,9 @@ def test_ring_attention_equals_the_whole_kernel(n: int, causal: bool) -> None:
     with local_ranks(n):
         mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("cp",))
         seq = lambda t: distribute_tensor(t, mesh, [Shard(2)]).to_local()  # noqa: E731
-        o, lse = ring_attention.forward(CPU, seq(q), seq(k), seq(v), mesh, 0, causal, {})
+        o, lse_piece = ring_attention.forward(CPU, seq(q), seq(k), seq(v), mesh, 0, causal, {})
         _check(o, w_out, mesh, Shard(2))
-        _check(lse, w_lse, mesh, Shard(2))
+        _check(lse_piece, w_lse, mesh, Shard(2))
         grads = ring_attention.backward(CPU, seq(grad), seq(q), seq(k), seq(v), seq(out), seq(lse), mesh, 0, causal, {})
         for got, want in zip(grads, (w_dq, w_dk, w_dv)):
             _check(got, want, mesh, Shard(2))
