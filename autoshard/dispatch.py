@@ -7,8 +7,9 @@ again. The order, one for every caller:
 
 1. **the request** (``request_of``): the call's arguments checked once and made one frozen :class:`PlanRequest`
    (model, global example call, mesh, cluster, :class:`~autoshard.config.PlanConfig`, backend, options);
-2. **where it is planned** (``plan_only``, for ``plan``): on a cluster this process is not part of (``offline.py``: a
-   fake world, meta tensors), or on the given DeviceMesh;
+2. **where it is planned** (``plan_only``, for ``plan``): on a cluster this process is not part of (``offline.py``
+   resolves the request: a fake world, meta tensors; the stage search, ``pipeline/plan_offline.py``, runs where a
+   ``pp`` axis or ``pipeline="auto"`` asks), or on the given DeviceMesh;
 3. **pipeline stages** (``compile_request``): a ``pp`` mesh axis, or ``pipeline="auto"`` weighing stages against
    the flat plan (``pipeline/compile_stages.py``);
 4. **autotune** (``autotune=k``): the solver's k best plans and the recipes timed (``search/autotune.py``), each
@@ -47,7 +48,8 @@ from autoshard.errors import InputError
 from autoshard.inputs import Call, example_call
 from autoshard.integrations import install_loaded, loop_defaults
 from autoshard.ir import repeated_layers
-from autoshard.offline import DEFAULT_SAMPLE_LAYERS, plan_offline
+from autoshard.offline import DEFAULT_SAMPLE_LAYERS, offline_request, plan_flat_offline, with_model_figures
+from autoshard.pipeline.plan_offline import plan_with_pipeline
 from autoshard.plans.html.page import write_html
 from autoshard.plans.plan import Plan
 from autoshard.runtime.lazy import LazyShardedModule
@@ -455,7 +457,7 @@ def plan_only(
             "autoshard.plan without a DeviceMesh needs cluster= (a preset such as 'h100-sxm:16x8', see "
             "autoshard.cluster.presets.known_clusters(), or a .json profile)"
         )
-    return plan_offline(
+    req = offline_request(
         model,
         cluster=cluster,
         mesh=mesh,
@@ -468,6 +470,14 @@ def plan_only(
         pipeline=pipeline,
         microbatches=microbatches,
     )
+    if not req.pipelined:
+        return with_model_figures(req, plan_flat_offline(req))
+    fixed = {"sub_shape": req.shape, "axis_names": req.names} if req.stages else {}  # (a pp axis: its sub-mesh)
+    flat = functools.partial(plan_flat_offline, req)
+    plan = plan_with_pipeline(
+        req.job.module, req.job.inputs, req.prof, req.cfg, flat, stages=req.stages, progress=req.progress, **fixed
+    )
+    return with_model_figures(req, plan)
 
 
 __all__ = [

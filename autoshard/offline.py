@@ -170,7 +170,31 @@ def _round_down_pow2(n: int) -> int:
 PIPELINE_MODES = ("none", "auto")
 
 
-def plan_offline(
+@dataclasses.dataclass(frozen=True, eq=False)
+class OfflineRequest:
+    """A request to plan for a cluster this process is not part of, resolved (``offline_request``): the model built
+    on meta with its example call (``job``), the cluster's profile, the mesh (a DeviceMesh of a fake world, or None:
+    made from ``shape`` and ``names``), the stage count a ``pp`` axis fixes (None: none fixed), the options with
+    their budget, the micro-batch count asked for and whether ``pipeline="auto"`` weighs stages."""
+
+    job: ModelJob
+    prof: ClusterProfile
+    mesh: DeviceMesh | None
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    stages: int | None
+    cfg: PlanConfig
+    microbatches: int | None
+    progress: Progress | None
+    weigh_stages: bool
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the stage search runs: a ``pp`` axis of more than one stage, or ``pipeline="auto"``."""
+        return self.stages is not None or self.weigh_stages
+
+
+def offline_request(
     model: str | ZooModel | nn.Module,
     *,
     cluster: str | ClusterProfile,
@@ -184,16 +208,17 @@ def plan_offline(
     progress: Progress | None = None,
     pipeline: str = "none",
     microbatches: int | None = None,
-) -> Plan:
-    """Plan ``model`` for ``cluster`` without its devices. ``mesh`` is a shape (default: nodes x devices per
-    node), ``{axis name: size}`` outer axis first, or a DeviceMesh; the memory budget defaults to the device's
-    memory. A zoo model is built in ``dtype``, or in float32 under ``config.mixed_precision`` (fp32 masters,
-    gradients and optimizer state; the step in bf16 by ``config.precision_policy``).
+) -> OfflineRequest:
+    """Plan ``model`` for ``cluster`` without its devices: the request checked and resolved. ``mesh`` is a shape
+    (default: nodes x devices per node), ``{axis name: size}`` outer axis first, or a DeviceMesh; the memory budget
+    defaults to the device's memory. A zoo model is built in ``dtype``, or in float32 under
+    ``config.mixed_precision`` (fp32 masters, gradients and optimizer state; the step in bf16 by
+    ``config.precision_policy``).
 
     Pipeline stages: ``pipeline="auto"`` searches stage counts, micro-batches and schedules
-    (``autoshard.pipeline.search``) and returns the pipelined plan when more than one stage is fastest, else
+    (``autoshard.pipeline.search``) and the pipelined plan is returned when more than one stage is fastest, else
     the usual plan (the log says why). A mesh whose outermost axis is named ``"pp"`` fixes the stage count to
-    that axis's size; the other axes are each stage's sub-mesh.
+    that axis's size; the other axes are each stage's sub-mesh (``autoshard/dispatch.py: plan_only`` decides).
 
     Gradient accumulation (no pipeline stages): ``microbatches=k`` plans one of k micro-batches of the global
     batch, each step running k of them; without it, when no plan of the whole batch fits the budget, the
@@ -237,10 +262,6 @@ def plan_offline(
     if progress:
         where = f"{stages} stages of {tuple(shape)}" if stages else f"mesh {tuple(shape)}"
         progress("model", 1.0, f"{job.name}: {job.params / 1e9:.2f} B parameters, {where} on {prof.name}")
-
-    def flat(solves: Any = None, report: bool = True) -> Plan:
-        return _plan_flat(job, prof, mesh, shape, names, cfg, progress if report else None, solves, microbatches)
-
     if microbatches is not None and (stages is not None or pipeline == "auto"):
         raise InputError(
             f"microbatches={microbatches} is gradient accumulation without pipeline stages; with "
@@ -248,29 +269,37 @@ def plan_offline(
         )
     if microbatches is not None and (microbatches < 1 or int(microbatches) != microbatches):
         raise InputError(f"microbatches={microbatches} must be a whole number >= 1")
-    if stages is not None or pipeline == "auto":
-        from autoshard.pipeline.plan_offline import plan_with_pipeline
+    dm = mesh if isinstance(mesh, DeviceMesh) else None
+    return OfflineRequest(
+        job, prof, dm, tuple(shape), tuple(names), stages, cfg, microbatches, progress, pipeline == "auto"
+    )
 
-        plan = plan_with_pipeline(
-            job.module,
-            job.inputs,
-            prof,
-            cfg,
-            flat,
-            stages=stages,
-            sub_shape=shape if stages else None,
-            axis_names=names if stages else None,
-            progress=progress,
-        )
-    else:
-        plan = flat(None)
-    compute = cfg.mixed_precision or job.dtype
-    peak = prof.device.peak_flops.get(compute, prof.device.peak_flops["float32"])
+
+def plan_flat_offline(req: OfflineRequest, solves: Any = None, report: bool = True) -> Plan:
+    """The request's plan without pipeline stages (with the stage search's ``solves``: its capture of the whole
+    batch planned instead of capturing again; ``report``: show progress)."""
+    return _plan_flat(
+        req.job,
+        req.prof,
+        req.mesh,
+        req.shape,
+        req.names,
+        req.cfg,
+        req.progress if report else None,
+        solves,
+        req.microbatches,
+    )
+
+
+def with_model_figures(req: OfflineRequest, plan: Plan) -> Plan:
+    """``plan`` with the model's name, tokens and FLOPs per step and the device's peak FLOPs (for MFU)."""
+    compute = req.cfg.mixed_precision or req.job.dtype
+    peak = req.prof.device.peak_flops.get(compute, req.prof.device.peak_flops["float32"])
     return dataclasses.replace(
         plan,
-        model=job.name,
-        tokens_per_step=job.tokens_per_step,
-        model_flops_per_step=job.flops_per_step,
+        model=req.job.name,
+        tokens_per_step=req.job.tokens_per_step,
+        model_flops_per_step=req.job.flops_per_step,
         peak_flops_per_device=peak,
     )
 
@@ -320,4 +349,11 @@ def _say_offload(gm: fx.GraphModule, ctx: PassContext, progress: Progress | None
         progress("offload", 1.0, text.removeprefix("offload: "))
 
 
-__all__ = ["PIPELINE_MODES", "plan_offline", "resolve_model"]
+__all__ = [
+    "PIPELINE_MODES",
+    "OfflineRequest",
+    "offline_request",
+    "plan_flat_offline",
+    "resolve_model",
+    "with_model_figures",
+]
