@@ -114,8 +114,8 @@ def test_compile_captures_every_layer(monkeypatch: pytest.MonkeyPatch) -> None:
         raise Stop
 
     model, batch = _tiny_llama(device="cpu")
-    monkeypatch.setattr(autoshard.api, "plan_graph", spy)  # plan's call
-    monkeypatch.setattr(autoshard.search.accumulate, "plan_graph", spy)  # compile's, through the micro-batch search
+    # plan's and compile's call, both through the dispatcher's flat plan and its micro-batch search
+    monkeypatch.setattr(autoshard.search.accumulate, "plan_graph", spy)
     with fake_world(4):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         with pytest.raises(Stop):
