@@ -21,8 +21,9 @@ import argparse
 import logging
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from autoshard.cluster.presets import get_cluster, known_clusters
 from autoshard.errors import InputError, SolverTimeout
@@ -72,6 +73,24 @@ class ProgressPrinter:
             self.open = False
 
 
+def _number(kind: type, least: float, strict: bool = False) -> Callable[[str], Any]:
+    """An argparse type: a number of ``kind`` at least ``least`` (above it if ``strict``), refused in one line
+    naming the flag (argparse adds it) and the valid range."""
+    what = ("a whole number" if kind is int else "a number") + (f" > {least}" if strict else f" >= {least}")
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if value < least or (strict and value == least) or value != value:  # (NaN)
+            raise argparse.ArgumentTypeError(f"{text} is out of range: give {what}")
+        return value
+
+    parse.__name__ = what  # (argparse names the type in its message)
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="autoshard", description="Plan sharded training of a model for a cluster.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -93,11 +112,13 @@ def _parser() -> argparse.ArgumentParser:
         help="auto: also weigh pipeline stages over sub-meshes (stage counts x micro-batches x "
         "schedules; costs a few extra solves) and keep them when faster (default: none)",
     )
-    pl.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
-    pl.add_argument("--global-batch", type=int, required=True, help="sequences (samples) per optimizer step")
+    pl.add_argument("--seq", type=_number(int, 1), default=None, help="sequence length (default: the model's)")
+    pl.add_argument(
+        "--global-batch", type=_number(int, 1), required=True, help="sequences (samples) per optimizer step"
+    )
     pl.add_argument(
         "--microbatches",
-        type=int,
+        type=_number(int, 1),
         default=None,
         help="gradient accumulation: the step as this many micro-batches of the global batch (default: "
         "the whole batch, or when it does not fit, the fewest micro-batches that fit or the next "
@@ -141,8 +162,12 @@ def _parser() -> argparse.ArgumentParser:
         help="with --mixed-precision bf16: 'params' casts the parameters to bf16 and runs the whole step "
         "in bf16 (FSDP2's MixedPrecisionPolicy, torchtitan's); 'autocast' runs torch.autocast",
     )
-    pl.add_argument("--time-limit", type=float, default=30.0, help="solver time limit per solve, seconds")
-    pl.add_argument("--sample-layers", type=int, default=3, help="repeated layers captured (they stand for all)")
+    pl.add_argument(
+        "--time-limit", type=_number(float, 0.0, strict=True), default=30.0, help="solver time limit per solve, seconds"
+    )
+    pl.add_argument(
+        "--sample-layers", type=_number(int, 1), default=3, help="repeated layers captured (they stand for all)"
+    )
     pl.add_argument("--out", default=None, help="write the plan as JSON here")
     pl.add_argument(
         "--html",
@@ -156,7 +181,9 @@ def _parser() -> argparse.ArgumentParser:
     ca = sub.add_parser("calibrate", help="measure this machine (matmul, memory, gloo collectives) into a profile")
     ca.add_argument("--out", required=True, help="write the cluster profile JSON here (use it as --cluster PATH)")
     ca.add_argument("--ranks", type=int, choices=(2, 4), default=4, help="gloo ranks: mesh (2,) or (2, 2)")
-    ca.add_argument("--threads", type=int, default=1, help="torch threads per rank for compute (default: 1)")
+    ca.add_argument(
+        "--threads", type=_number(int, 1), default=1, help="torch threads per rank for compute (default: 1)"
+    )
     ca.add_argument("--name", default="calibrated-cpu", help="profile name")
     ca.add_argument("--quick", action="store_true", help="small sizes, few repetitions (seconds, noisier)")
     ca.add_argument("-v", "--verbose", action="store_true", help="log every measurement")

@@ -149,7 +149,9 @@ def test_offline_plan_accumulates_micro_batches():
     assert "gradient accumulation over 4 micro-batches" in report(four)
     with pytest.raises(ValueError, match=r"microbatches=2 is gradient accumulation without pipeline stages"):
         autoshard.plan("gpt2-124m", **kw, microbatches=2, pipeline="auto")
-    assert main(["plan", *SMALL, "--microbatches", "0"]) == 2  # named, not a traceback
+    with pytest.raises(SystemExit) as stop:  # named by the flag, exit status 2, not a traceback
+        main(["plan", *SMALL, "--microbatches", "0"])
+    assert stop.value.code == 2
 
 
 def test_plan_json_round_trip_keeps_recipes(tmp_path):
