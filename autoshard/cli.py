@@ -166,7 +166,10 @@ def _parser() -> argparse.ArgumentParser:
         "--time-limit", type=_number(float, 0.0, strict=True), default=30.0, help="solver time limit per solve, seconds"
     )
     pl.add_argument(
-        "--sample-layers", type=_number(int, 1), default=3, help="repeated layers captured (they stand for all)"
+        "--sample-layers",
+        type=_number(int, 0),
+        default=3,
+        help="repeated layers captured (they stand for all; 0: every layer)",
     )
     pl.add_argument("--out", default=None, help="write the plan as JSON here")
     pl.add_argument(

@@ -17,7 +17,7 @@ BAD = [
     (["--microbatches", "-2"], "argument --microbatches: -2 is out of range: give a whole number >= 1"),
     (["--time-limit", "0"], "argument --time-limit: 0 is out of range: give a number > 0.0"),
     (["--time-limit", "nan"], "argument --time-limit: nan is out of range: give a number > 0.0"),
-    (["--sample-layers", "0"], "argument --sample-layers: 0 is out of range: give a whole number >= 1"),
+    (["--sample-layers", "-1"], "argument --sample-layers: -1 is out of range: give a whole number >= 0"),
 ]
 
 
