@@ -252,53 +252,16 @@ def test_every_file_reads_in_one_sitting() -> None:
 # lower layers never call up: the runtime runs a program and imports no pass; the solver, the cost model, the op
 # rules, the shared IR and where weights come from (weights/) know nothing of the passes, the searches, pipelines
 # or the runtime
+_ABOVE_RUNTIME = ("autoshard.compiler", "autoshard.search", "autoshard.api", "autoshard.dispatch", "autoshard.pipeline")
+_ABOVE_SOLVER = (*_ABOVE_RUNTIME, "autoshard.runtime")
+_ABOVE_COST = (*_ABOVE_SOLVER, "autoshard.solver")
 LAYERS = {
-    "autoshard.runtime": (
-        "autoshard.compiler",
-        "autoshard.search",
-        "autoshard.api",
-        "autoshard.solver",
-        "autoshard.pipeline",
-    ),
-    "autoshard.solver": (
-        "autoshard.compiler",
-        "autoshard.search",
-        "autoshard.api",
-        "autoshard.pipeline",
-        "autoshard.runtime",
-    ),
-    "autoshard.cost": (
-        "autoshard.compiler",
-        "autoshard.search",
-        "autoshard.api",
-        "autoshard.pipeline",
-        "autoshard.runtime",
-        "autoshard.solver",
-    ),
-    "autoshard.rules": (
-        "autoshard.compiler",
-        "autoshard.search",
-        "autoshard.api",
-        "autoshard.pipeline",
-        "autoshard.runtime",
-        "autoshard.solver",
-    ),
-    "autoshard.weights": (
-        "autoshard.compiler",
-        "autoshard.search",
-        "autoshard.api",
-        "autoshard.pipeline",
-        "autoshard.runtime",
-        "autoshard.solver",
-    ),
-    "autoshard.ir": (
-        "autoshard.compiler",
-        "autoshard.search",
-        "autoshard.api",
-        "autoshard.pipeline",
-        "autoshard.runtime",
-        "autoshard.solver",
-    ),
+    "autoshard.runtime": (*_ABOVE_RUNTIME, "autoshard.solver"),
+    "autoshard.solver": _ABOVE_SOLVER,
+    "autoshard.cost": _ABOVE_COST,
+    "autoshard.rules": _ABOVE_COST,
+    "autoshard.weights": _ABOVE_COST,
+    "autoshard.ir": _ABOVE_COST,
 }
 
 
