@@ -57,6 +57,7 @@ from autoshard.runtime.pipelined import PipelinedModule
 from autoshard.runtime.program import Program, StageProgram
 from autoshard.runtime.sharded_module import ShardedModule
 from autoshard.search.autotune import autotune
+from autoshard.search.floor import refuse_below_floor
 from autoshard.search.recipes_alone import plan_flat
 from autoshard.search.recompute import plan_graph
 from autoshard.weights.shards import restore_meta
@@ -132,20 +133,10 @@ def request_of(
     tc.clear_dtensor_caches()
     real_group = dist.is_initialized() and dist.get_world_size() > 1 and not tc.in_local_tensor_mode()
     _check_compilable(mesh, real_group)
-    return PlanRequest(
-        model,
-        inputs,
-        mesh,
-        get_cluster(cluster),
-        plan_config(memory_budget, constraints, **options),
-        real_group,
-        backend,
-        pipeline,
-        microbatches,
-        schedule,
-        parameters,
-        autotune,
-    )
+    prof, config = get_cluster(cluster), plan_config(memory_budget, constraints, **options)
+    refuse_below_floor(model, config, prof, mesh.size())  # (in a moment, before any capture)
+    args = (real_group, backend, pipeline, microbatches, schedule, parameters, autotune)
+    return PlanRequest(model, inputs, mesh, prof, config, *args)
 
 
 def check_options(backend: str, parameters: str, microbatches: int | None, options: dict[str, Any]) -> int | None:
@@ -440,17 +431,10 @@ def plan_only(
             found = repeated_layers(model)
             long = found is not None and found[1] >= 2 * DEFAULT_SAMPLE_LAYERS
             options["sample_layers"] = DEFAULT_SAMPLE_LAYERS if long else None
-        planned, _ = plan_flat(
-            model,
-            example_call(example_inputs),
-            mesh,
-            get_cluster(cluster),
-            plan_config(memory_budget, constraints, **options),
-            False,
-            microbatches,
-            weigh_next=True,
-            progress=progress,
-        )
+        prof, config = get_cluster(cluster), plan_config(memory_budget, constraints, **options)
+        refuse_below_floor(model, config, prof, mesh.size())
+        call = example_call(example_inputs)
+        planned, _ = plan_flat(model, call, mesh, prof, config, False, microbatches, weigh_next=True, progress=progress)
         return dataclasses.replace(planned.plan, model=type(model).__name__)
     if cluster is None:
         raise InputError(

@@ -22,11 +22,13 @@ from autoshard.cluster.meshes import default_mesh, fake_world, mesh_names
 from autoshard.cluster.presets import get_cluster
 from autoshard.cluster.profile import ClusterProfile, check_mesh
 from autoshard.config import PlanConfig
+from autoshard.cost.offload import host_is_device
 from autoshard.errors import InfeasibleBudget, InputError
 from autoshard.inputs import Call, as_call, example_call
 from autoshard.models.zoo import ZooModel, get_model
 from autoshard.notation import format_bytes
 from autoshard.plans.plan import Plan
+from autoshard.search.floor import refuse_below_floor
 from autoshard.search.recipes_alone import plan_flat
 
 if TYPE_CHECKING:
@@ -119,7 +121,7 @@ def _check_batch(job: ModelJob, shape: Sequence[int], names: Sequence[str], reci
 
 
 def _explain_oom(
-    job: ModelJob, err: InfeasibleBudget, cluster: ClusterProfile, shape: Sequence[int], budget: int
+    job: ModelJob, err: InfeasibleBudget, cluster: ClusterProfile, shape: Sequence[int], budget: int, offload: str
 ) -> str:
     n = math.prod(shape)
     itemsize = torch.empty((), dtype=getattr(torch, job.dtype)).element_size() if job.dtype else 2
@@ -140,12 +142,14 @@ def _explain_oom(
         nodes = math.ceil(cluster.nodes * factor)
         first = job.first_input()
         batch = int(first.shape[0]) if isinstance(first, torch.Tensor) and first.ndim else 0
-        smaller = _round_down_pow2(int(batch / factor)) if batch else 0
+        # (a smaller batch only helps where accumulation has not already tried smaller micro-batches)
+        smaller = _round_down_pow2(int(batch / factor)) if batch and not err.accumulation else 0
         advice = (
             f"Estimated from the {factor:.2f}x overshoot: about {nodes * cluster.devices_per_node} devices (e.g. "
             f"'{cluster.name.split(':')[0]}:{nodes}x{cluster.devices_per_node}')"
             + (f", or a global batch of at most about {smaller}" if smaller >= 1 else "")
             + ", or a shorter sequence"
+            + (", or offload='params' (--offload params)" if offload == "none" and not host_is_device(cluster) else "")
         )
     tried = (
         ""
@@ -269,6 +273,7 @@ def offline_request(
         )
     if microbatches is not None and (microbatches < 1 or int(microbatches) != microbatches):
         raise InputError(f"microbatches={microbatches} must be a whole number >= 1")
+    refuse_below_floor(job.module, cfg, prof, math.prod(shape) * (stages or 1), job.name)  # before any capture
     dm = mesh if isinstance(mesh, DeviceMesh) else None
     return OfflineRequest(
         job, prof, dm, tuple(shape), tuple(names), stages, cfg, microbatches, progress, pipeline == "auto"
@@ -331,7 +336,7 @@ def _plan_flat(
             return planned.plan
         except InfeasibleBudget as e:  # (a SolverTimeout is not an out-of-memory verdict: it passes through)
             raise InfeasibleBudget(
-                _explain_oom(job, e, prof, shape, cfg.memory_budget), e.least_bytes, e.accumulation
+                _explain_oom(job, e, prof, shape, cfg.memory_budget, cfg.offload), e.least_bytes, e.accumulation
             ) from None
 
 

@@ -10,8 +10,11 @@ first such call (a pass called once per node is one stop). Counted:
 
 - **stops**: the functions, in the order of their first call;
 - **modules**: the distinct modules among them;
-- **climbs**: calls into a module the walk had already left, other than the one it just came from (a return up
-  the stack into a module passed on the way down, or a callback into it);
+- **climbs**: calls into a module that is still on the call stack, from a module it called (a callback, or a
+  helper that calls back up: ``X -> Y -> X``). Returning from a helper and going on is not a climb;
+- **later calls**: calls into a module the walk had already left, other than the one it just came from, counted
+  in call order whether or not the module is still on the stack (the coarser count the first walks used: a
+  module that calls a helper and then calls its own next function counts here);
 - **api entries**: calls into ``autoshard/api.py`` (the front door: once).
 
 The counts describe the code's structure, not its speed; they are the same on any machine.
@@ -36,14 +39,26 @@ def _holds(value: Any, mesh: Any) -> bool:
     return value is mesh or getattr(value, "mesh", None) is mesh
 
 
-def _walk(rank: int, world: int, arg: Any) -> list[tuple[str, str]]:
+def _climbs_back(frame: Any, module: str) -> bool:
+    """Whether ``module`` is being called from another module while one of its own functions is still running."""
+    chain = []
+    f = frame.f_back
+    while f is not None:
+        name = f.f_globals.get("__name__", "")
+        if name.startswith("autoshard"):
+            chain.append(name)
+        f = f.f_back
+    return bool(chain) and chain[0] != module and module in chain[1:]
+
+
+def _walk(rank: int, world: int, arg: Any) -> list[tuple[str, str, bool]]:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     torch.manual_seed(0)
     model = GPT(CFG)
     inputs = gpt_example_inputs(CFG, 4)
-    stops: list[tuple[str, str]] = []
+    stops: list[tuple[str, str, bool]] = []
     seen: set[tuple[str, str]] = set()
 
     def profile(frame: Any, event: str, _: Any) -> None:
@@ -58,7 +73,7 @@ def _walk(rank: int, world: int, arg: Any) -> list[tuple[str, str]]:
             stop = (module, code.co_qualname if hasattr(code, "co_qualname") else code.co_name)
             if stop not in seen:
                 seen.add(stop)
-                stops.append(stop)
+                stops.append((*stop, _climbs_back(frame, module)))
 
     if rank == 0:
         sys.setprofile(profile)
@@ -70,19 +85,20 @@ def _walk(rank: int, world: int, arg: Any) -> list[tuple[str, str]]:
     return stops
 
 
-def measure(stops: list[tuple[str, str]]) -> dict[str, int]:
+def measure(stops: list[tuple[str, str, bool]]) -> dict[str, int]:
     """The walk's counts (see the module docstring)."""
-    modules = [m for m, _ in stops]
+    modules = [m for m, _, _ in stops]
     seen: set[str] = set()
-    climbs = 0
+    later = 0
     for i, m in enumerate(modules):
         if m in seen and i and modules[i - 1] != m:
-            climbs += 1
+            later += 1
         seen.add(m)
     return {
         "stops": len(stops),
         "modules": len(set(modules)),
-        "climbs": climbs,
+        "climbs": sum(1 for _, _, back in stops if back),
+        "later calls": later,
         "api entries": sum(1 for i, m in enumerate(modules) if m == "autoshard.api" and (not i or modules[i - 1] != m)),
     }
 
@@ -93,8 +109,8 @@ def main() -> None:
     args = parser.parse_args()
     stops = launch(2, _walk, timeout=600)[0]
     if args.list:
-        for module, fn in stops:
-            print(f"{module}: {fn}")
+        for module, fn, back in stops:
+            print(f"{module}: {fn}" + ("   <- climbs back" if back else ""))
     for k, v in measure(stops).items():
         print(f"{k:12s} {v}")
 

@@ -53,6 +53,16 @@ def weight_of(nodes: dict[str, fx.Node], name: str, ctx: PassContext) -> float:
     return ctx.group_weight.get(sh.group, 1.0) if sh is not None else 1.0
 
 
+def _owner(nodes: dict[str, fx.Node], src: fx.Node, consumer: str) -> str:
+    """The module a collective is counted in: its consumer op's, else (a gradient's reduction, a master gathered
+    after the step) the module of the parameter it is for."""
+    if consumer in nodes and nodes[consumer].op == "call_function":
+        return nodes[consumer].meta.get("autoshard_module", "")
+    role = src.meta.get("autoshard_role") if src.op == "placeholder" else None
+    name = role.name if role is not None else consumer
+    return name.rpartition(".")[0]
+
+
 def _gather_group(
     src: fx.Node, a: tuple, b: tuple, consumer: fx.Node, phase: str, mesh_shape: tuple[int, ...]
 ) -> tuple | None:
@@ -121,6 +131,7 @@ def plan_collectives(gm: fx.GraphModule, ctx: PassContext, per_edge: bool = Fals
                 ("gather", phase, gather_axes(a, b, shape, mesh_shape), v.dtype),
                 1.0 / n_params,
             )  # ParamStates'
+        owner = _owner(nodes, src, consumer)
         steps = redistribute_steps(*move, bundled if bundle else ctx.cluster)
         back_to_back = (
             phase == "optimizer" and bool(after_step) and not per_edge
@@ -131,7 +142,15 @@ def plan_collectives(gm: fx.GraphModule, ctx: PassContext, per_edge: bool = Fals
             wait = sync_time((st,), mesh_shape, ctx.cluster) if pays else 0.0
             out.append(
                 CollectiveStat(
-                    st.kind, names[st.axis], int(st.nbytes), float(st.time) + wait, src.name, consumer, phase, repeat
+                    st.kind,
+                    names[st.axis],
+                    int(st.nbytes),
+                    float(st.time) + wait,
+                    src.name,
+                    consumer,
+                    phase,
+                    repeat,
+                    owner,
                 )
             )
         if bundle:  # the bundle's collectives: latency and sync, once per bucket or group (the solver: shares)
@@ -146,6 +165,7 @@ def plan_collectives(gm: fx.GraphModule, ctx: PassContext, per_edge: bool = Fals
                     consumer,
                     phase,
                     per,
+                    owner,
                 )
                 for f, st in zip(redistribute_steps(*move, ctx.cluster), steps)
             ]

@@ -38,12 +38,14 @@ from autoshard.cluster.meshes import mesh_names
 from autoshard.cluster.profile import ClusterProfile
 from autoshard.config import PlanConfig
 from autoshard.errors import InputError
+from autoshard.ir import layer_key
 from autoshard.notation import format_bytes, format_seconds
 from autoshard.pipeline.blocks import outside_part
 from autoshard.pipeline.costs import container_of, optimizer_step_s, piece_costs
 from autoshard.pipeline.pricing import PipelineOption
 from autoshard.pipeline.solves import FREE, FakeStageMeshes, StageSolves
-from autoshard.plans.plan import CollectiveStat, MemoryBreakdown, MeshSpec, Plan, StagePlan
+from autoshard.plans.plan import CollectiveStat, LayerTime, MemoryBreakdown, MeshSpec, Plan, StagePlan
+from autoshard.search.planned import block_of
 from autoshard.solver.inter_op import PieceCost
 
 if TYPE_CHECKING:
@@ -84,7 +86,6 @@ def _container(ctx: PassContext) -> str:
 def _cut(gm: fx.GraphModule, ctx: PassContext, sub: Plan, solution: Solution, container: str) -> _Cut:
     """Assign the sub-mesh plan's tensors, decisions and collectives to head / captured layer / tail pieces
     (layers of ``container``, the main sequence the search split; when empty, the captured one)."""
-    from autoshard.ir import layer_key
 
     container = container or _container(ctx)
     nodes = {n.name: n for n in gm.graph.nodes}
@@ -219,6 +220,7 @@ def _stage(
     pieces += [(TAIL, str)] if last else []
     tensors: dict[str, Any] = {}
     ops, collectives = [], []
+    per_mb: dict[tuple[str, str], float] = defaultdict(float)  # (block, phase) -> activation collectives a micro-batch
     param = grad = opt = 0.0
     for p, rename in pieces:
         for t in cut.tensors.get(p, ()):
@@ -228,9 +230,15 @@ def _stage(
             once = c.consumer in cut.params  # a gradient reduction runs once per step, after the micro-batches
             collectives.append(
                 dataclasses.replace(
-                    c, axis=axis_of.get(c.axis, c.axis), consumer=rename(c.consumer), repeat=1.0 if once else float(b)
+                    c,
+                    axis=axis_of.get(c.axis, c.axis),
+                    consumer=rename(c.consumer),
+                    owner=rename(c.owner),
+                    repeat=1.0 if once else float(b),
                 )
             )
+            if not once:
+                per_mb[(block_of(rename(c.owner)), c.phase)] += c.time_s
         a, g, o = cut.state.get(p, (0.0, 0.0, 0.0))
         param, grad, opt = param + a, grad + g, opt + o
     own = ([head] if rank == 0 else []) + [layer_costs[i] for i in layers] + ([tail] if last else [])
@@ -258,9 +266,10 @@ def _stage(
                 )
             )
     state = sum(c.state_bytes for c in own)
-    once = sum(c.step_s for c in own) + optimizer_step_s(state, cluster.device, optimizer_factor)
-    per_mb = sum(c.time_s * c.repeat / b for c in collectives if c.consumer not in cut.params)
-    comm = b * per_mb + once
+    update_s = optimizer_step_s(state, cluster.device, optimizer_factor)
+    once = sum(c.step_s for c in own) + update_s
+    # (a copied layer's gradient reductions, renamed, are once a step: in ``once``, not per micro-batch)
+    comm = b * (sum(per_mb.values()) + send * sends) + once
     busy = b * t + once
     total = split.stage_memory_bytes[rank]
     parts = param + grad + opt
@@ -292,7 +301,36 @@ def _stage(
         compute_s=max(0.0, busy - comm),
         comm_s=min(comm, busy),
         microbatch_time_s=t,
+        layer_times=_rows(names, own, per_mb, b, split.recompute, (send * sends, update_s), rank == 0, last),
     )
+
+
+def _rows(
+    names: list[str],
+    own: list[PieceCost],
+    comm: dict[tuple[str, str], float],
+    b: int,
+    recompute: bool,
+    extra: tuple[float, float],
+    first: bool,
+    last: bool,
+) -> tuple[LayerTime, ...]:
+    """The stage's step per block, from the costs its time is made of: each piece's forward and backward per
+    micro-batch (its forward again under recomputation) and its once-a-step work, the boundary sends of each
+    micro-batch and the optimizer update; of each piece's time, the activation collectives it waits for."""
+    labels = (["before the layers"] if first else []) + [n for n in names if layer_key(n)]
+    labels += ["after the layers"] if last else []
+    rows = []
+    for label, c in zip(labels, own):
+        block = block_of(label) if layer_key(label) else "outside the layers"
+        back = c.time_s - c.fwd_s
+        fc, bc = min(c.fwd_s, comm.get((block, "forward"), 0.0)), min(back, comm.get((block, "backward"), 0.0))
+        rows.append(LayerTime(label, c.fwd_s, back, b, c.step_s, fc, bc, c.fwd_s if recompute else 0.0))
+    sends, update = extra
+    if sends:
+        rows.append(LayerTime("stage boundary sends", sends / 2, sends / 2, b, 0.0, sends / 2, sends / 2))
+    rows.append(LayerTime("optimizer step", 0.0, 0.0, b, update))
+    return tuple(rows)
 
 
 def pipelined_plan(

@@ -147,6 +147,7 @@ class CollectiveStat:
     consumer: str
     phase: str
     repeat: float = 1.0  # how many times per step (> 1 when a captured layer stands for uncaptured ones)
+    owner: str = ""  # the module of the op (or parameter) that waits for it: the layer it is counted in
 
     def __post_init__(self) -> None:
         _check(self.kind, COLLECTIVE_KINDS, "kind", f"collective on {self.tensor!r}")
@@ -209,6 +210,34 @@ class SolverStats:
 
 
 @dataclass(frozen=True)
+class LayerTime:
+    """One block of a stage's step on each of its devices: a layer (``"layers.3"``), a module outside the layers,
+    or a part of the step no layer owns (``"stage boundary sends"``, ``"optimizer step"``). ``forward_s`` and
+    ``backward_s`` are one run's (a micro-batch's), the activation communication they wait for included
+    (``forward_comm_s`` and ``backward_comm_s`` of them); ``recompute_s`` the forward run again in the backward; a
+    step runs them ``runs`` times; ``step_s`` is once a step (gradient reductions not hidden, ZeRO's gathers
+    after the step, the optimizer update). The rows of a stage add up to its ``compute_s + comm_s``."""
+
+    name: str
+    forward_s: float
+    backward_s: float
+    runs: float = 1.0
+    step_s: float = 0.0
+    forward_comm_s: float = 0.0
+    backward_comm_s: float = 0.0
+    recompute_s: float = 0.0
+
+    @property
+    def run_s(self) -> float:
+        """One run (micro-batch): forward, backward and the replayed forward."""
+        return self.forward_s + self.backward_s + self.recompute_s
+
+    @property
+    def per_step_s(self) -> float:
+        return self.runs * self.run_s + self.step_s
+
+
+@dataclass(frozen=True)
 class StagePlan:
     """One pipeline stage: a sub-mesh, its global ranks, its layers and its intra-op plan."""
 
@@ -224,10 +253,11 @@ class StagePlan:
     comm_s: float
     microbatch_time_s: float = 0.0  # pipelined: forward + backward of one micro-batch, boundary sends included
     offload_s: float = 0.0  # offload's host copies and host optimizer step per step (in compute_s)
+    layer_times: tuple[LayerTime, ...] = ()  # the step per block, adding up to compute_s + comm_s
 
     def __post_init__(self) -> None:
         _set(self, ranks=tuple(int(r) for r in self.ranks), layers=tuple(self.layers), tensors=tuple(self.tensors))
-        _set(self, ops=tuple(self.ops), collectives=tuple(self.collectives))
+        _set(self, ops=tuple(self.ops), collectives=tuple(self.collectives), layer_times=tuple(self.layer_times))
         _set(
             self,
             compute_s=float(self.compute_s),
@@ -417,7 +447,7 @@ class Plan:
 
 
 # fields newer than FORMAT_VERSION 1, written only where not at their default
-_LEFT_OUT = {"frozen": False, "recompute": "", "state_bytes": 0, "precision_policy": ""}
+_LEFT_OUT = {"frozen": False, "recompute": "", "state_bytes": 0, "precision_policy": "", "owner": ""}
 
 
 def _defaults_left_out(d: Any) -> Any:
@@ -437,6 +467,7 @@ def _nested(key: str) -> tuple[type, bool] | None:
         "ops": OpDecision,
         "collectives": CollectiveStat,
         "recipes": RecipeSummary,
+        "layer_times": LayerTime,
     }
     return (one[key], False) if key in one else (many[key], True) if key in many else None
 

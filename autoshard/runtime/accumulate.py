@@ -242,6 +242,7 @@ def accumulated_plan(plan: Plan, k: int) -> Plan:
         compute_s=stage.compute_s * k,
         comm_s=(stage.comm_s - once) * k + once,
         microbatch_time_s=plan.step_time_s,
+        layer_times=tuple(dataclasses.replace(r, runs=r.runs * k) for r in stage.layer_times),
     )
     recipes = tuple(dataclasses.replace(r, step_time_s=r.step_time_s * k, microbatches=k) for r in plan.recipes)
     return dataclasses.replace(

@@ -37,10 +37,12 @@ from autoshard.compiler.solve import annotate, problem_of
 from autoshard.compiler.solve_reuse import program_fingerprint
 from autoshard.config import PlanConfig
 from autoshard.cost.memory import GraphWalk, graph_walk, temporaries, transients
-from autoshard.ir import is_frozen
+from autoshard.ir import is_frozen, layer_key
 from autoshard.notation import describe, placements_tuple
 from autoshard.plans.explain import headline
 from autoshard.plans.plan import (
+    CollectiveStat,
+    LayerTime,
     MemoryBreakdown,
     MeshSpec,
     OpDecision,
@@ -73,6 +75,42 @@ class Planned:
 
 def _dtype(v: torch.Tensor) -> str:
     return str(v.dtype).replace("torch.", "")
+
+
+def block_of(module: str) -> str:
+    """The row of the per-layer breakdown a module's work is counted in: its repeated layer, or outside them."""
+    key = layer_key(module)
+    return f"{key[0]}.{key[1]}" if key else "outside the layers"
+
+
+def layer_times(ctx: PassContext, sol: Solution, collectives: Sequence[CollectiveStat]) -> tuple[LayerTime, ...]:
+    """The step of a solved graph per block, adding up to its compute plus its communication less the solver's
+    overlap credit: each group's compute and each collective (by the module that waits for it) at their weights
+    (a sampled layer runs for the copies it stands for: ``runs``); gradient reductions less the credit in the
+    backward; the optimizer phase's work and gathers once a step."""
+    acc: dict[str, list[float]] = {}  # block -> forward, backward, forward comm, backward comm, once, runs
+
+    def row(block: str) -> list[float]:
+        return acc.setdefault(block, [0.0, 0.0, 0.0, 0.0, 0.0, 1.0])
+
+    for g in ctx.groups:
+        w = ctx.group_weight.get(g.id, 1.0)
+        r = row(block_of(g.module))
+        r[5] = max(r[5], w)
+        r[{"forward": 0, "backward": 1}.get(g.phase, 4)] += w * ctx.strategies[g.id][sol.choice[g.id]].compute_s
+    for c in collectives:
+        r = row(block_of(c.owner))
+        t = c.time_s * c.repeat * ((1.0 - GRAD_SINK_CREDIT) if c.consumer in ctx.param_modules else 1.0)
+        if c.phase == "optimizer":
+            r[4] += t
+        else:
+            at = 0 if c.phase == "forward" else 1
+            r[at] += t
+            r[at + 2] += t
+    order = sorted(acc, key=lambda b: (b != "outside the layers", layer_key(b) or (b, 0)))
+    return tuple(
+        LayerTime(b, f / n, bw / n, n, once, fc / n, bc / n) for b in order for f, bw, fc, bc, once, n in [acc[b]]
+    )
 
 
 def build_plan(
@@ -143,6 +181,7 @@ def build_plan(
                 )
             )
     collectives = plan_collectives(gm, ctx)
+    rows = layer_times(ctx, sol, collectives)
     comm = sum(c.time_s * c.repeat for c in collectives)
     # the solver's overlap credit (GRAD_SINK_CREDIT): part of each gradient reduction hides behind backward
     hidden = GRAD_SINK_CREDIT * sum(c.time_s * c.repeat for c in collectives if c.consumer in ctx.param_modules)
@@ -162,6 +201,7 @@ def build_plan(
         compute_s=compute,
         comm_s=comm - hidden,
         offload_s=offload_s,
+        layer_times=rows,
     )
     stats = SolverStats(
         status=sol.status,

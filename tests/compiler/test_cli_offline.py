@@ -122,19 +122,25 @@ def test_cli_bad_input_is_named(argv, needle, capsys):
 
 
 def test_model_that_cannot_fit_says_how_much_it_needs():
+    """Llama-3-8B on 8 devices: at 1 GiB its parameters alone (1.87 GiB each, sharded 8 ways) do not fit, refused
+    before anything is captured; at 8 GiB without offload its whole state (7.48 GiB each) does, but no plan with
+    its activations and temporaries does: the solver's leanest plan, the devices it would take, and offload."""
+    kw = dict(cluster="h100-sxm:1x8", seq=256, global_batch=8, solve_recipes=False)
+    with pytest.raises(InfeasibleBudget, match=r"llama3-8b cannot train on 8 x 1.00 GiB: even with its gradients"):
+        autoshard.plan("llama3-8b", memory_budget="1GiB", **kw)
     with pytest.raises(
-        InfeasibleBudget, match=r"llama3-8b does not fit on 8 x 1.00 GiB: its training state alone"
+        InfeasibleBudget, match=r"llama3-8b does not fit on 8 x 8.00 GiB: its training state alone"
     ) as e:
-        autoshard.plan(
-            "llama3-8b", cluster="h100-sxm:1x8", seq=256, global_batch=8, memory_budget="1GiB", solve_recipes=False
-        )
-    assert "leanest plan" in str(e.value) and e.value.least_bytes > 2**30
+        autoshard.plan("llama3-8b", memory_budget="8GiB", offload="none", **kw)
+    assert "leanest plan" in str(e.value) and e.value.least_bytes > 8 * 2**30
+    assert "offload='params'" in str(e.value)
+    assert "a global batch of at most" not in str(e.value)  # (8 rows on 8 devices: accumulation tried what it could)
     import re
 
     m = re.search(r"about (\d+) devices \(e\.g\. 'h100-sxm:(\d+)x8'\)", str(e.value))
     assert m, str(e.value)
     # the estimate scales the mesh by the overshoot: enough devices for the leanest plan's bytes, in whole nodes
-    assert int(m.group(1)) == 8 * int(m.group(2)) >= 8 * e.value.least_bytes / 2**30
+    assert int(m.group(1)) == 8 * int(m.group(2)) >= 8 * e.value.least_bytes / (8 * 2**30)
 
 
 def test_offline_plan_accumulates_micro_batches():
@@ -242,8 +248,11 @@ def test_offline_refusal_of_accumulation_names_the_op():
     that accepts micro-batch statistics knowingly."""
     x = torch.randn(64, 256, 64)
     kw = dict(example_inputs=(x,), cluster="h100-sxm:1x2", solve_recipes=False)
-    with pytest.raises(InfeasibleBudget) as e:
+    with pytest.raises(InfeasibleBudget, match="cannot train on 2 x 1 B") as floor:  # (below its state: at once)
         autoshard.plan(_BatchNormalized(), **kw, memory_budget=1, microbatches=1)
+    with pytest.raises(InfeasibleBudget) as e:  # (its state fits: the whole batch's activations do not)
+        autoshard.plan(_BatchNormalized(), **kw, memory_budget=floor.value.least_bytes, microbatches=1)
+    assert e.value.least_bytes * 17 // 20 > floor.value.least_bytes
     with pytest.raises(
         InfeasibleBudget,
         match=r"Gradient accumulation: \d+ micro-batches would fit, but the model "

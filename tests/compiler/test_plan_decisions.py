@@ -106,8 +106,10 @@ def test_mlp_budget_shards_optimizer_state_then_parameters():
 def test_infeasible_budget_states_minimum():
     with fake_world(4):
         mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
-        with pytest.raises(InfeasibleBudget, match=r"smallest is [0-9.]+ MiB"):
+        with pytest.raises(InfeasibleBudget, match=r"needs 32.0 MiB per device before any activation"):
             autoshard.plan(_mlp(), mesh, _mlp_inputs(), constraints=BATCH_ON_DP, memory_budget="1MiB")
+        with pytest.raises(InfeasibleBudget, match=r"smallest is [0-9.]+ MiB"):  # (above its state: the solver's)
+            autoshard.plan(_mlp(), mesh, _mlp_inputs(), constraints=BATCH_ON_DP, memory_budget="33MiB")
 
 
 def test_transformer_block_is_megatron_on_tp():

@@ -10,11 +10,10 @@ import math
 from collections import defaultdict
 from collections.abc import Callable
 
-from autoshard.ir import layer_key
 from autoshard.notation import fold_layers, format_bytes, format_seconds
 from autoshard.plans.explain import CostChange, explain, signed
 from autoshard.plans.html.svg import Bar, Segment, Svg, colour, esc, legend, stacked_bars
-from autoshard.plans.plan import Plan, StagePlan
+from autoshard.plans.plan import LayerTime, Plan, StagePlan
 from autoshard.plans.words import plan_in_words
 
 MEMORY = ("parameters", "gradients", "optimizer state", "activations", "temporaries", "host (offloaded)")
@@ -26,7 +25,7 @@ STEP = (
     "idle (pipeline bubble)",
     "communication (overlapped)",
 )
-LAYER = ("forward compute", "backward compute", "forward comm", "backward comm", "optimizer comm")
+LAYER = ("forward compute", "backward compute", "recompute", "forward comm", "backward comm", "once a step")
 MAX_LAYERS = 64
 
 
@@ -65,7 +64,7 @@ def memory_view(plan: Plan) -> str:
     svg = stacked_bars(
         bars, "memory per device", MEMORY, limit=budget, limit_tip=f"budget {format_bytes(budget)}" if budget else ""
     )
-    return f'<div class="chart" data-view="memory">{svg}{legend(MEMORY)}</div>'
+    return f'<div class="chart" data-view="memory">{svg}{legend(MEMORY, drawn=bars)}</div>'
 
 
 def _idle(plan: Plan, s: StagePlan) -> float:
@@ -96,56 +95,63 @@ def step_view(plan: Plan) -> str:
                 marker_tip=f"measured {format_seconds(plan.measured_s)}",
             )
         )
-    return f'<div class="chart" data-view="step">{stacked_bars(bars, "step time", STEP)}{legend(STEP)}</div>'
+    return (
+        f'<div class="chart" data-view="step">{stacked_bars(bars, "step time", STEP)}{legend(STEP, drawn=bars)}</div>'
+    )
 
 
-def _block(module: str) -> str:
-    key = layer_key(module)
-    return f"{key[0]}.{key[1]}" if key else "outside the layers"
+def _layer_parts(r: LayerTime) -> tuple[float, ...]:
+    """A row's step in LAYER's six kinds (seconds per step)."""
+    n = r.runs
+    return (
+        n * (r.forward_s - r.forward_comm_s),
+        n * (r.backward_s - r.backward_comm_s),
+        n * r.recompute_s,
+        n * r.forward_comm_s,
+        n * r.backward_comm_s,
+        r.step_s,
+    )
 
 
-def _layer_times(s: StagePlan) -> dict[str, list[float]]:
-    """Per block (a repeated layer, or everything outside them): seconds of LAYER's five kinds, as captured."""
-    out: dict[str, list[float]] = defaultdict(lambda: [0.0] * len(LAYER))
-    module_of = {o.node: o.module for o in s.ops}
-    for o in s.ops:
-        out[_block(o.module)][0 if o.phase == "forward" else 1] += o.compute_s
-    for c in s.collectives:
-        block = _block(module_of.get(c.consumer, c.consumer if "." in c.consumer else ""))
-        out[block][{"forward": 2, "backward": 3}.get(c.phase, 4)] += c.time_s
-    return out
+def _rounded(parts: tuple[float, ...]) -> tuple[float, ...]:
+    return tuple(round(v, 4 - int(math.floor(math.log10(v)))) if v > 0 else 0.0 for v in parts)
 
 
 def layers_view(plan: Plan) -> str:
-    """Per stage, each layer's forward and backward compute and the communication its ops wait for, one bar per
-    captured layer (as planned: a sampled layer stands for its copies)."""
+    """Per stage, its step per block (``StagePlan.layer_times``): each layer's forward and backward compute, the
+    communication its ops wait for and its once-a-step work, per step (every micro-batch), then what no layer
+    owns (boundary sends, the optimizer update); the rows add up to the stage's compute and communication."""
     out = []
     for s in plan.stages:
-        times = _layer_times(s)
-        order = sorted(times, key=lambda b: (b != "outside the layers", layer_key(b + ".x") or (b, 0)))
-        # layers with the same times (to 0.1%) folded, as the terminal report folds equal layouts
-        entries = fold_layers(
-            [
-                (b + ".x", tuple(round(v, 4 - int(math.floor(math.log10(v)))) if v > 0 else 0.0 for v in times[b]))
-                for b in order
-            ]
-        )
-        shown = [order[e] for e in entries if isinstance(e, int)][:MAX_LAYERS]
+        rows = s.layer_times
+        if not rows:
+            continue
+        parts = {r.name: _layer_parts(r) for r in rows}
+        # consecutive layers with the same times (to 0.1%) folded, as the terminal report folds equal layouts
+        entries = fold_layers([(r.name + ".x", _rounded(parts[r.name])) for r in rows])
+        shown = [rows[e] for e in entries if isinstance(e, int)][:MAX_LAYERS]
         bars = [
             Bar(
-                b,
-                tuple(Segment(v, n, f"{n}: {format_seconds(v)}") for n, v in zip(LAYER, times[b]) if v > 0),
-                format_seconds(sum(times[b])),
+                r.name,
+                tuple(Segment(v, k, f"{k}: {format_seconds(v)}") for k, v in zip(LAYER, parts[r.name]) if v > 0),
+                format_seconds(r.per_step_s)
+                + (f" ({r.runs:g} x {format_seconds(r.run_s)})" if r.runs != 1 and r.run_s > 0 else ""),
             )
-            for b in shown
+            for r in shown
         ]
         folds = "".join(f'<div class="fold">{esc(e.replace(".x", ""))}</div>' for e in entries if isinstance(e, str))
-        if bars:
-            title = f"<h4>{esc(_stage_label(plan, s))}</h4>" if len(plan.stages) > 1 else ""
-            out.append(
-                f'{title}<div class="chart" data-view="layers">{stacked_bars(bars, "time per layer", LAYER)}'
-                f"{folds}{legend(LAYER)}</div>"
-            )
+        total = sum(r.per_step_s for r in rows)
+        runs = max(r.runs for r in rows)
+        what = f"{runs:g} micro-batches" if len(plan.stages) > 1 or plan.microbatches > 1 else "one step"
+        head = f"{_stage_label(plan, s)}: " if len(plan.stages) > 1 else ""
+        title = (
+            f"<h4>{esc(head)}{format_seconds(total)} of work per step ({esc(what)}; a row: per step, and per "
+            "micro-batch in brackets)</h4>"
+        )
+        out.append(
+            f'{title}<div class="chart" data-view="layers">{stacked_bars(bars, "time per step", LAYER)}'
+            f"{folds}{legend(LAYER, drawn=bars)}</div>"
+        )
     note = f'<p class="note">{esc(plan.sampled_layers)}.</p>' if plan.sampled_layers else ""
     return "\n".join(out) + note
 

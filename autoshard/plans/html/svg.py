@@ -145,9 +145,13 @@ def stacked_bars(
     return svg
 
 
-def legend(names: Sequence[str], offset: int = 0) -> str:
-    """An HTML legend (it wraps) of ``names`` coloured from ``offset`` in the palette."""
+def legend(names: Sequence[str], offset: int = 0, drawn: Sequence[Bar] = ()) -> str:
+    """An HTML legend (it wraps) of ``names`` coloured from ``offset`` in the palette; given the ``drawn`` bars,
+    only the names some segment of them has (each keeps its colour)."""
+    used = {seg.name for b in drawn for seg in b.segments} if drawn else set(names)
     keys = "".join(
-        f'<span class="key" style="background:{colour(offset + i)}"></span>{esc(n)}' for i, n in enumerate(names)
+        f'<span class="key" style="background:{colour(offset + i)}"></span>{esc(n)}'
+        for i, n in enumerate(names)
+        if n in used
     )
     return f'<div class="legend">{keys}</div>'
