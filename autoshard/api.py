@@ -120,6 +120,7 @@ def compile(  # noqa: A001 - the one-line API the project promises
     parameters: str = "auto",
     autotune: int | None = None,
     report: str | Path | None = None,
+    trace: str | Path | None = None,
     **options: Any,
 ) -> ShardedModule | PipelinedModule | LazyShardedModule:
     """Plan, lower and compile ``model`` for this rank. Returns a trainable module: a ``ShardedModule``; a
@@ -165,7 +166,9 @@ def compile(  # noqa: A001 - the one-line API the project promises
     Trainer it is ``"all"`` (their loaders shard over all processes: ``autoshard/integrations/``).
 
     ``report="plan.html"`` writes the plan's page (``autoshard/plans/html/page.py``) from rank 0 once it is planned
-    (without ``example_inputs``: at the first call).
+    (without ``example_inputs``: at the first call); ``trace="plan.json.gz"`` its predicted step in the Chrome trace
+    event format Perfetto opens (``autoshard/plans/trace.py``), beside which ``sharded.profile(...)`` writes the
+    measured one.
     """
     install_loaded()  # the loops this process imported (the Hugging Face Trainer) checkpoint it by rank
     if parameters != "local":  # (the local path keeps the objects dynamo traced: it shards the stand-ins in place)
@@ -184,6 +187,7 @@ def compile(  # noqa: A001 - the one-line API the project promises
                 schedule=schedule,
                 parameters=parameters,
                 report=report,
+                trace=trace,
                 **options,
             ),
         )
@@ -201,5 +205,6 @@ def compile(  # noqa: A001 - the one-line API the project promises
         schedule=schedule,
         parameters=parameters,
         autotune=autotune,
+        trace=trace,
         **options,
     )

@@ -31,6 +31,7 @@ from autoshard.models.zoo import get_model, known_models
 from autoshard.notation import parse_bytes
 from autoshard.plans.html.page import write_html
 from autoshard.plans.report import report
+from autoshard.plans.trace import predicted_trace, write_trace
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +179,11 @@ def _parser() -> argparse.ArgumentParser:
         help="write the plan as a self-contained HTML page here (layouts, memory, "
         "step time, pipeline schedule, recipes)",
     )
+    pl.add_argument(
+        "--trace",
+        default=None,
+        help="write the predicted step as a Chrome trace here (plan.json.gz; Perfetto and chrome://tracing open it)",
+    )
     pl.add_argument("--full", action="store_true", help="print every layer and decision (no folding)")
     pl.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     pl.add_argument("-v", "--verbose", action="store_true", help="log every pass")
@@ -232,6 +238,9 @@ def _plan(a: argparse.Namespace) -> int:
     if a.html:
         write_html(plan, a.html)
         sys.stderr.write(f"plan page written to {a.html}\n")
+    if a.trace:
+        write_trace(predicted_trace(plan), a.trace)
+        sys.stderr.write(f"predicted trace written to {a.trace} (open it in https://ui.perfetto.dev)\n")
     return 0
 
 

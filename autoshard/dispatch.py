@@ -52,6 +52,7 @@ from autoshard.offline import DEFAULT_SAMPLE_LAYERS, offline_request, plan_flat_
 from autoshard.pipeline.plan_offline import plan_with_pipeline
 from autoshard.plans.html.page import write_html
 from autoshard.plans.plan import Plan
+from autoshard.plans.trace import predicted_trace, write_trace
 from autoshard.runtime.lazy import LazyShardedModule
 from autoshard.runtime.pipelined import PipelinedModule
 from autoshard.runtime.program import Program, StageProgram
@@ -332,10 +333,15 @@ def _compile_pipelined(req: PlanRequest) -> PipelinedModule | None:
 def compile_and_report(
     model: nn.Module, mesh: DeviceMesh, example_inputs: Any, report: str | Path | None, **kwargs: Any
 ) -> ShardedModule | PipelinedModule:
-    """``compile``'s global-shaped path: the request's module, its page written from rank 0 with ``report``."""
+    """``compile``'s global-shaped path: the request's module, its page (``report``) and its predicted trace
+    (``trace``) written from rank 0."""
+    trace = kwargs.pop("trace", None)
     out = compile_request(request_of(model, mesh, example_inputs, **kwargs))
-    if report is not None and (not dist.is_initialized() or dist.get_rank() == 0 or tc.in_local_tensor_mode()):
-        write_html(out.plan, report)
+    if not dist.is_initialized() or dist.get_rank() == 0 or tc.in_local_tensor_mode():
+        if report is not None:
+            write_html(out.plan, report)
+        if trace is not None:
+            write_trace(predicted_trace(out.plan), trace)
     return out
 
 

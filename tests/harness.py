@@ -57,6 +57,23 @@ def local_ranks(world_size: int) -> Iterator[LocalTensorMode]:
             yield ltm
 
 
+def refused_at_floor(plan_at: Callable[[int], Any]) -> Any:
+    """The solver's refusal at the lowest budget it weighs: ``plan_at(budget)`` plans under ``budget`` bytes per
+    device; 1 byte is refused by the training state's floor before any solve (``autoshard/search/floor.py``), so it
+    is called again at the floor, which only the solver (the whole batch's activations) refuses."""
+    from autoshard.errors import InfeasibleBudget
+
+    try:
+        plan_at(1)
+    except InfeasibleBudget as floor:
+        try:
+            plan_at(floor.least_bytes)
+        except InfeasibleBudget as e:
+            return e
+        raise AssertionError(f"a plan fits the state floor {floor.least_bytes} B: nothing left to refuse") from None
+    raise AssertionError("a 1-byte budget was not refused")
+
+
 # --------------------------------------------------------------------------- references
 
 

@@ -44,8 +44,7 @@ from autoshard.pipeline.blocks import outside_part
 from autoshard.pipeline.costs import container_of, optimizer_step_s, piece_costs
 from autoshard.pipeline.pricing import PipelineOption
 from autoshard.pipeline.solves import FREE, FakeStageMeshes, StageSolves
-from autoshard.plans.plan import CollectiveStat, LayerTime, MemoryBreakdown, MeshSpec, Plan, StagePlan
-from autoshard.search.planned import block_of
+from autoshard.plans.plan import CollectiveStat, LayerTime, MemoryBreakdown, MeshSpec, Plan, StagePlan, block_of
 from autoshard.solver.inter_op import PieceCost
 
 if TYPE_CHECKING:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from autoshard.errors import InputError
+from autoshard.ir import layer_key
 from autoshard.notation import dtype_bytes, dtype_name, local_shape, mesh_str, placements_str, placements_tuple
 
 logger = logging.getLogger(__name__)
@@ -207,6 +208,15 @@ class SolverStats:
     @property
     def gap(self) -> float:
         return (self.objective_s - self.bound_s) / self.objective_s if self.objective_s else 0.0
+
+
+OUTSIDE = "outside the layers"
+
+
+def block_of(module: str) -> str:
+    """The row of the per-layer breakdown a module's work is counted in: its repeated layer, or outside them."""
+    key = layer_key(module)
+    return f"{key[0]}.{key[1]}" if key else OUTSIDE
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from autoshard.errors import CallError, InputError, InternalError
 from autoshard.inputs import CallSignature
 from autoshard.plans.plan import Plan
 from autoshard.rules import random_draws
+from autoshard.runtime.profile import profile_steps
 from autoshard.runtime.rank_failures import one_fails_all
 from autoshard.runtime.stage_module import StageModule, draw_list, input_key
 from autoshard.runtime.stage_random import ReplayStreams, StageStreams
@@ -274,6 +276,20 @@ class PipelinedModule(nn.Module):
                 dist.all_reduce(total, group=group)
             for g in locals_:
                 g.copy_(total)
+
+    def profile(
+        self,
+        *args: Any,
+        steps: int = 3,
+        warmup: int = 1,
+        optimizer: torch.optim.Optimizer | None = None,
+        path: str | Path = "autoshard_trace.json.gz",
+        **kwargs: Any,
+    ) -> Path:
+        """Train ``warmup`` + ``steps`` steps on the global-shaped call (``step``'s, then ``optimizer``'s step when
+        given), the last ``steps`` under torch.profiler, and write its trace with the plan's predicted step beside
+        it, for Perfetto or ``chrome://tracing`` (``runtime/profile.py``); returns this rank's file."""
+        return profile_steps(self, args, kwargs, steps=steps, warmup=warmup, optimizer=optimizer, path=path)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """This rank's stages' state under the model's own names (DTensor values, for distributed checkpoint); a

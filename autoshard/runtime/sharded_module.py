@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from autoshard.runtime.lazy import data_parallel_axes
 from autoshard.runtime.model_face import wear_model_face
 from autoshard.runtime.param_state import ParamStates, scatter_grads
 from autoshard.runtime.param_takeover import as_dtensor, contiguous_strides, take_over
+from autoshard.runtime.profile import profile_steps
 from autoshard.runtime.program import Program
 from autoshard.runtime.rank_failures import one_fails_all
 from autoshard.runtime.shapes import PlanShapes, ShapePrograms
@@ -256,6 +258,20 @@ class ShardedModule(nn.Module):
                 total = part if total is None else total + part
             assert total is not None  # weights sum to 1 (or k for a sum): at least one is not 0
             return total
+
+    def profile(
+        self,
+        *args: Any,
+        steps: int = 3,
+        warmup: int = 1,
+        optimizer: torch.optim.Optimizer | None = None,
+        path: str | Path = "autoshard_trace.json.gz",
+        **kwargs: Any,
+    ) -> Path:
+        """Train ``warmup`` + ``steps`` steps on the global-shaped call (``step``'s, then ``optimizer``'s step when
+        given), the last ``steps`` under torch.profiler, and write its trace with the plan's predicted step beside
+        it, for Perfetto or ``chrome://tracing`` (``runtime/profile.py``); returns this rank's file."""
+        return profile_steps(self, args, kwargs, steps=steps, warmup=warmup, optimizer=optimizer, path=path)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The model's state dict; parameters as DTensors with the plan's placements (for DCP), also when they

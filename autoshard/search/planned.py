@@ -51,6 +51,7 @@ from autoshard.plans.plan import (
     SolverStats,
     StagePlan,
     TensorLayout,
+    block_of,
 )
 from autoshard.solver.pricing import GRAD_SINK_CREDIT
 
@@ -75,12 +76,6 @@ class Planned:
 
 def _dtype(v: torch.Tensor) -> str:
     return str(v.dtype).replace("torch.", "")
-
-
-def block_of(module: str) -> str:
-    """The row of the per-layer breakdown a module's work is counted in: its repeated layer, or outside them."""
-    key = layer_key(module)
-    return f"{key[0]}.{key[1]}" if key else "outside the layers"
 
 
 def layer_times(ctx: PassContext, sol: Solution, collectives: Sequence[CollectiveStat]) -> tuple[LayerTime, ...]:
