@@ -196,6 +196,11 @@ def _parser() -> argparse.ArgumentParser:
     ca.add_argument("--name", default="calibrated-cpu", help="profile name")
     ca.add_argument("--quick", action="store_true", help="small sizes, few repetitions (seconds, noisier)")
     ca.add_argument("-v", "--verbose", action="store_true", help="log every measurement")
+    pr = sub.add_parser(
+        "profile", help="measure this machine into the profile cluster=None prices on (cached; --show prints it)"
+    )
+    pr.add_argument("--show", action="store_true", help="print the cached profile of this machine, measure nothing")
+    pr.add_argument("--quick", action="store_true", help="small sizes, few repetitions (seconds, noisier)")
     ex = sub.add_parser("explain", help="why two saved plans differ: layouts, and the cost of each difference")
     ex.add_argument("a", help="a plan JSON (autoshard plan --out)")
     ex.add_argument("b", help="another plan JSON of the same model (e.g. autoshard plan --recipe fsdp --out)")
@@ -278,6 +283,43 @@ def _calibrate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _profile(a: argparse.Namespace) -> int:
+    """``autoshard profile``: this machine measured (``autoshard calibrate`` on its cores) into the cache
+    ``cluster=None`` reads (``autoshard/cluster/machine.py``), or the cached profile shown."""
+    import json
+
+    from autoshard.cluster.calibrate import calibrate, summary, write_profile
+    from autoshard.cluster.calibration_config import CalibrationConfig
+    from autoshard.cluster.machine import machine_identity, profile_path, usable_cores
+    from autoshard.cluster.profile import ClusterProfile
+
+    path = profile_path()
+    ident = machine_identity()
+    sys.stdout.write(f"this machine: {ident['cpu']}, {ident['cores']} cores, {int(ident['memory']) / 2**30:.1f} GiB\n")
+    if a.show:
+        if not path.is_file():
+            sys.stdout.write("not profiled yet (cluster=None prices on the 'cpu' preset); run: autoshard profile\n")
+            return 1
+        prof = ClusterProfile.from_dict(json.loads(path.read_text()))
+        dev, link = prof.device, prof.intra_node
+        fp32 = dev.peak_flops.get("float32", 0) / 1e9
+        sys.stdout.write(
+            f"profile {path}: {prof.devices_per_node} ranks, {dev.name}, fp32 {fp32:.0f} "
+            f"GFLOP/s peak, memory {dev.memory_bandwidth / 1e9:.1f} GB/s, {link.name} {link.bandwidth / 1e9:.2f} GB/s, "
+            f"{link.latency * 1e6:.0f} us\n"
+        )
+        return 0
+    ranks = 4 if usable_cores() >= 4 else 2
+    cfg = CalibrationConfig.quick(ranks) if a.quick else CalibrationConfig(ranks=ranks)
+    sys.stderr.write(f"profiling this machine: {ranks} gloo ranks, mesh {cfg.mesh_shape()}...\n")
+    result = calibrate(cfg, name="this-machine")
+    sys.stdout.write("".join(f"{line}\n" for line in summary(result)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_profile(result, path)
+    sys.stderr.write(f"profile written to {path}: cluster=None now prices on it\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     logging.basicConfig(
@@ -299,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if a.command == "calibrate":
             return _calibrate(a)
+        if a.command == "profile":
+            return _profile(a)
         if a.command == "explain":
             return _explain(a)
         return _plan(a)

@@ -10,6 +10,9 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser
 # fork gloo ranks from this process, where an OpenMP thread pool made by earlier work would not survive the fork
 # (autoshard/testing/launch.py).
 torch.set_num_threads(1)
+# cluster=None prices on the cpu preset in the tests, whatever `autoshard profile` cached for this machine
+# (autoshard/cluster/machine.py): an empty cache of the suite's own
+os.environ["AUTOSHARD_CACHE"] = os.path.join(os.path.expanduser("~"), ".cache", "autoshard-tests-empty")
 
 
 def pytest_collection_finish(session) -> None:

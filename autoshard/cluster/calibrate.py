@@ -200,7 +200,7 @@ def measure_compute(cfg: CalibrationConfig) -> dict[str, Any]:
     }
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -210,7 +210,7 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine() or "unknown cpu"
 
 
-def _memory_total() -> int:
+def memory_total() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -226,7 +226,7 @@ def calibrate(cfg: CalibrationConfig | None = None, name: str = "calibrated-cpu"
     node of ``cfg.ranks`` devices (one per gloo rank)."""
     cfg = cfg or CalibrationConfig()
     fits, syncs = measure_collectives(cfg)  # fork first, before any multi-threaded work here
-    cpu = _cpu_name()
+    cpu = cpu_name()
     stamp = (
         f"measured by autoshard calibrate on {datetime.datetime.now(datetime.timezone.utc).date()}, "
         f"{socket.gethostname()}/{cpu}, torch {torch.__version__}, {cfg.threads} thread(s) per rank, "
@@ -245,7 +245,7 @@ def calibrate(cfg: CalibrationConfig | None = None, name: str = "calibrated-cpu"
     device = DeviceSpec(
         name=f"{cpu} ({cfg.threads} thread(s) per rank)",
         peak_flops=peak,
-        memory_bytes=_memory_total() // cfg.ranks,
+        memory_bytes=memory_total() // cfg.ranks,
         memory_bandwidth=copy_best,
         flops_efficiency=min(1.0, efficiency),
         memory_efficiency=min(1.0, copy_median / copy_best),

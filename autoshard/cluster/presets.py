@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 
+from autoshard.cluster.machine import this_machine
 from autoshard.cluster.profile import ClusterProfile, DeviceSpec, Link, pcie_link
 from autoshard.errors import InputError
 
@@ -29,7 +30,7 @@ __all__ = ["get_cluster", "known_clusters"]
 # Presets. Datasheet numbers are dense (no 2:4 sparsity). Efficiencies are assumptions, stated as such.
 # ---------------------------------------------------------------------------------------------------------------
 
-_CPU_MEASURED = "measured on this 2-core CI machine, torch 2.13, 2026-11-22"
+_CPU_MEASURED = "measured on autoshard's 2-core CI machine (not the machine it runs on), torch 2.13, 2026-11-22"
 _GPU_EFF = (
     "assumption: large bf16 GEMMs reach ~0.7 of datasheet dense peak (MLPerf / Megatron-LM MFU on the GEMMs); "
     "HBM streaming kernels reach ~0.8 of peak bandwidth; ~5 us per kernel (CUDA launch + PyTorch dispatch)"
@@ -214,10 +215,10 @@ _SIZE = re.compile(r"^(\d+)x(\d+)$")
 
 
 def get_cluster(spec: str | Path | ClusterProfile | None) -> ClusterProfile:
-    """Resolve a cluster spec: ``None`` (the local ``"cpu"``), a preset name with an optional
+    """Resolve a cluster spec: ``None`` (this machine: ``cluster/machine.py``), a preset name with an optional
     ``":<nodes>x<per_node>"`` size, a path to a ``.json`` profile, or a ready ClusterProfile."""
-    if spec is None:
-        return _presets()["cpu"]
+    if spec is None:  # this machine: its measured profile, else the cpu preset, said (cluster/machine.py)
+        return this_machine(_presets()["cpu"])
     if isinstance(spec, ClusterProfile):
         return spec
     text = str(spec).strip()
