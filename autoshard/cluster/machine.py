@@ -5,8 +5,8 @@
 bandwidth, kernel overhead, gloo collectives between forked ranks; cores and memory) and caches the profile under
 ``$AUTOSHARD_CACHE`` (default ``~/.cache/autoshard``), keyed by what identifies the machine (host, CPU model,
 usable cores, memory): another machine, or this one with other cores, is not priced with it. Without a cached
-profile, ``cluster=None`` warns once per process that it prices on the ``"cpu"`` preset, which was measured on
-another machine (its CPU named), and how to measure this one.
+profile, ``cluster=None`` warns once per process (on rank 0: ``messages.py``) that it prices on the ``"cpu"``
+preset, which was measured on autoshard's CI machine (its CPU named), and how to measure this one.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import json
 import logging
 import os
 import socket
-import warnings
 from pathlib import Path
 
 from autoshard.cluster.profile import ClusterProfile
+from autoshard.messages import warn
 
 log = logging.getLogger(__name__)
 
@@ -69,13 +69,16 @@ def _said(text: str) -> None:
 @functools.cache
 def _warn_reference(device: str, path: str) -> None:
     ident = machine_identity()
-    warnings.warn(
-        f"cluster=None: this machine ({ident['cpu']}, {ident['cores']} cores, {int(ident['memory']) / 2**30:.0f} GiB) "
-        f"has no measured profile, so plans are priced on the 'cpu' preset, measured on autoshard's CI machine "
-        f"({device}), not on this one; run `autoshard profile` once to measure it (cached at {path}), or pass "
-        "cluster=",
-        UserWarning,
-        stacklevel=3,
+    warn(
+        log,
+        "cluster=None: this machine (%s, %s cores, %.0f GiB) has no measured profile, so plans are priced on the "
+        "'cpu' preset, measured on autoshard's CI machine (%s), not on this one; run `autoshard profile` once to "
+        "measure it (cached at %s), or pass cluster=",
+        ident["cpu"],
+        ident["cores"],
+        int(ident["memory"]) / 2**30,
+        device,
+        path,
     )
 
 

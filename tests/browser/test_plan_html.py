@@ -332,3 +332,57 @@ def test_measured_numbers_are_drawn_next_to_the_predictions(plans: dict[str, Pla
     assert len(ticks) == 2 * (1 + applying) + 2, ticks
     assert format_seconds(timed.measured_s) in ticks and "measured step" in _parse(page).sections["header"]["text"]
     assert "measured" not in " ".join(re.findall(r"<title>(measured[^<]*)</title>", render_html(plan)))
+
+
+def _collective_bars(page: str) -> list[tuple[str, float]]:
+    """The collectives view's bars: (label, seconds per step) from each bar's segment tooltips."""
+    out = []
+    for chart in re.findall(r'data-view="collectives">(.*?)</div>', page, flags=re.S):
+        for label, body in re.findall(
+            r'text-anchor="end"[^>]*>([^<]+ · [^<]+ · [^<]+)</text>(.*?)(?=text-anchor="end"|$)', chart, flags=re.S
+        ):
+            secs = [m for m in re.findall(r"(?:exposed|overlapped): ([0-9.]+ (?:s|ms|µs))", body)]
+            out.append((label, sum(_seconds(s) for s in secs)))
+    return out
+
+
+def _seconds(text: str) -> float:
+    value, unit = text.split()
+    return float(value) * {"s": 1.0, "ms": 1e-3, "µs": 1e-6}[unit]
+
+
+def test_the_collectives_are_added_up_by_kind_axis_and_phase_with_a_time_axis(plans: dict[str, Plan]) -> None:
+    """One bar per kind x axis x phase, adding up to the stage's collectives per step (to the shown precision);
+    exposed and overlapped apart (the overlapped part is the plan's credit); only drawn series in its legend."""
+    for name, plan in plans.items():
+        page = render_html(plan)
+        bars = _collective_bars(page)
+        stage = plan.stages[0]
+        want = {(c.kind, c.axis, c.phase) for c in stage.collectives}
+        assert {tuple(label.split(" · ")) for label, _ in bars[: len(want)]} == want, name
+        total = sum(c.time_s * c.repeat for c in stage.collectives)
+        assert sum(t for _, t in bars[: len(want)]) == pytest.approx(total, rel=0.01), name
+        hidden = sum(_seconds(s) for s in re.findall(r"overlapped: ([0-9.]+ (?:s|ms|µs))", page))
+        assert hidden == pytest.approx(plan.hidden_comm_s, rel=0.01, abs=1e-7), name
+        assert "0</text>" in page and "Most expensive collectives" in page and "Largest tensors" in page
+        for legend_html in re.findall(r'data-view="collectives">.*?<div class="legend">(.*?)</div>', page, re.S):
+            assert ("overlapped" in legend_html) == (plan.hidden_comm_s > 0), name
+
+
+@pytest.mark.slow
+def test_the_70b_pipelined_page_stays_readable_and_under_a_megabyte() -> None:
+    """Llama-3-70B in 4 stages of (dp=4, tp=8), 128 micro-batches x 2 chunks: the page is under 1 MB (it was
+    3.6 MB of sub-pixel collectives); the schedule draws the warm-up and the cool-down, not every task; the top
+    tables add up the copies of a layer."""
+    plan = autoshard.plan(
+        "llama3-70b", cluster="h100-sxm:16x8", seq=8192, global_batch=512, mesh={"pp": 4, "dp": 4, "tp": 8}
+    )
+    page = render_html(plan)
+    assert len(page.encode()) < 2**20, len(page)
+    parsed = _parse(page)
+    tasks = sum(1 for a in parsed.attrs if a.get("class") == "task")
+    every = len(plan.stages) * plan.microbatches * plan.chunks * 3
+    assert plan.microbatches >= 64 and 0 < tasks < every / 4, (tasks, every)
+    assert "of steady state not drawn" in parsed.sections["pipeline"]["text"]
+    assert "weight-gradient backward" in parsed.sections["pipeline"]["text"]
+    assert "layers.*.feed_forward.w1.weight (× " in page

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
-from autoshard.notation import fold_layers, format_bytes, format_seconds
+from autoshard.ir import layer_key
+from autoshard.notation import dtype_bytes, fold_layers, format_bytes, format_seconds, local_shape, placements_str
 from autoshard.plans.explain import CostChange, explain, signed
-from autoshard.plans.html.svg import Bar, Segment, Svg, colour, esc, legend, stacked_bars
+from autoshard.plans.html.svg import Bar, Segment, esc, legend, stacked_bars
 from autoshard.plans.plan import LayerTime, Plan, StagePlan
 from autoshard.plans.words import plan_in_words
 
@@ -156,69 +157,128 @@ def layers_view(plan: Plan) -> str:
     return "\n".join(out) + note
 
 
-def _phase_totals(s: StagePlan) -> dict[str, float]:
-    captured = defaultdict(float)
-    for o in s.ops:
-        captured[o.phase] += o.compute_s
-    total = sum(captured.values()) or 1.0
-    return {p: s.compute_s * captured[p] / total for p in ("forward", "backward", "optimizer")}
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "send_recv")
+COMM = ("exposed", "overlapped")
+TOP = 10
 
 
-def timeline_view(s: StagePlan, label: str) -> str:
-    """One step of ``s`` as lanes: compute by phase on top, then each mesh axis's collectives in issue order from
-    the start of their phase, widths to scale. Where a lane runs past the compute above it, that communication
-    cannot hide behind compute."""
-    axes = sorted({c.axis for c in s.collectives}, key=lambda a: (a not in s.mesh.names, a))
-    compute = _phase_totals(s)
-    per = {(a, p): [c for c in s.collectives if c.axis == a and c.phase == p] for a in axes for p in compute}
-    span = {p: max([compute[p]] + [sum(c.time_s * c.repeat for c in per[(a, p)]) for a in axes]) for p in compute}
-    total = sum(span.values()) or 1.0
-    lane, left, width = 26, 110, 640
-    svg = Svg(left + width + 20, 20 + lane * (len(axes) + 1) + 10, f"{label} collectives timeline")
-    x0 = 0.0
-    for p in ("forward", "backward", "optimizer"):
-        if span[p] <= 0:
-            continue
-        x = left + width * x0 / total
-        svg.rect(
-            x,
-            16,
-            width * compute[p] / total,
-            lane - 8,
-            colour(("forward", "backward").index(p) if p != "optimizer" else 2),
-            f"{p} compute {format_seconds(compute[p])}",
+def _hidden_share(plan: Plan, s: StagePlan) -> dict[int, float]:
+    """Per collective (by index), the share of it the cost model overlaps: the plan's overlap credit
+    (``hidden_comm_s``) spread over the gradient reductions it is taken from, in proportion to their times."""
+    params = {t.name for t in s.tensors if t.role == "parameter"}
+    grads = {i: c.time_s * c.repeat for i, c in enumerate(s.collectives) if c.consumer in params}
+    total = sum(grads.values())
+    if len(plan.stages) > 1 or total <= 0 or plan.hidden_comm_s <= 0:
+        return {}
+    share = min(1.0, plan.hidden_comm_s / total)
+    return {i: share for i in grads}
+
+
+def collectives_view(plan: Plan, s: StagePlan) -> str:
+    """One step's collectives of ``s`` added up by kind, mesh axis and phase: one bar each on one time scale,
+    exposed and overlapped apart, with how many run a step and how many bytes; the largest first."""
+    acc: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
+    hidden = _hidden_share(plan, s)
+    for i, c in enumerate(s.collectives):
+        t = c.time_s * c.repeat
+        row = acc[(c.kind, c.axis, c.phase)]
+        row[0] += t * (1 - hidden.get(i, 0.0))
+        row[1] += t * hidden.get(i, 0.0)
+        row[2] += c.repeat
+        row[3] += c.nbytes * c.repeat
+    if not acc:
+        return '<p class="note">No collectives: every device computes on its own.</p>'
+    order = sorted(acc, key=lambda k: -(acc[k][0] + acc[k][1]))
+    bars = [
+        Bar(
+            f"{kind} · {axis} · {phase}",
+            tuple(
+                Segment(v, n, f"{kind} on {axis} ({phase}), {n}: {format_seconds(v)}")
+                for n, v in zip(COMM, acc[(kind, axis, phase)][:2])
+                if v > 0
+            ),
+            f"{format_seconds(sum(acc[(kind, axis, phase)][:2]))}, {acc[(kind, axis, phase)][2]:.0f} × "
+            f"{format_bytes(acc[(kind, axis, phase)][3] / max(1.0, acc[(kind, axis, phase)][2]))}",
         )
-        svg.text(x + 2, 12, p, size=10, fill="#555")
-        for j, a in enumerate(axes):
-            cx = x
-            for c in per[(a, p)]:
-                w = width * c.time_s * c.repeat / total
-                tip = (
-                    f"{c.kind} on {a}: {c.tensor or '(latency)'} for {c.consumer}, {format_bytes(c.nbytes)}, "
-                    f"{format_seconds(c.time_s)} × {c.repeat:g}"
-                )
-                svg.rect(
-                    cx,
-                    16 + lane * (j + 1),
-                    w,
-                    lane - 8,
-                    colour(
-                        4
-                        + ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "send_recv").index(
-                            c.kind
-                        )
-                    ),
-                    tip,
-                    stroke="none",
-                )
-                cx += w
-        x0 += span[p]
-        svg.line(left + width * x0 / total, 10, left + width * x0 / total, 20 + lane * (len(axes) + 1), "#bbb", "2 2")
-    svg.text(left - 6, 16 + lane / 2, "compute", anchor="end")
-    for j, a in enumerate(axes):
-        svg.text(left - 6, 16 + lane * (j + 1) + lane / 2, f"{a} comm", anchor="end")
-    kinds = legend(("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "send_recv"), 4)
-    return f'<div class="chart" data-view="timeline">{svg}{kinds}</div>'
+        for kind, axis, phase in order
+    ]
+    chart = stacked_bars(bars, "collectives per step", COMM, axis=True, label_w=230, after_w=190)
+    return f'<div class="chart" data-view="collectives">{chart}{legend(COMM, drawn=bars)}</div>'
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    cells = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in rows)
+    return '<table class="kv"><tr>' + "".join(f"<th>{esc(h)}</th>" for h in head) + f"</tr>{cells}</table>"
+
+
+def _any_layer(name: str) -> str:
+    """``layers.7.mlp.w1`` as ``layers.*.mlp.w1``: the same thing in every copy of a layer, for the top tables."""
+    key = layer_key(name)
+    return name.replace(f"{key[0]}.{key[1]}", f"{key[0]}.*", 1) if key else name
+
+
+def _folded(items: Iterable[tuple[tuple, float]]) -> list[tuple[tuple, float, int]]:
+    """Equal keys added up: (key, summed value, how many), the largest sum first, the first ``TOP``."""
+    acc: dict[tuple, list[float]] = {}
+    for key, v in items:
+        a = acc.setdefault(key, [0.0, 0])
+        a[0] += v
+        a[1] += 1
+    rows = sorted(acc.items(), key=lambda kv: -kv[1][0])[:TOP]
+    return [(k, v, int(n)) for k, (v, n) in rows]
+
+
+def _times(n: int) -> str:
+    return f" (× {n})" if n > 1 else ""
+
+
+def top_tables(s: StagePlan) -> str:
+    """The compiler report's top-N tables of ``s``, the copies of a layer added up (``layers.*``, × how many): its
+    most expensive collectives (per step), largest tensors per device and most expensive ops (per call each)."""
+    mesh_shape = s.mesh.shape
+    colls = [
+        (k[0], k[1], k[2], k[3] + _times(n), format_bytes(k[4]), format_seconds(t))
+        for k, t, n in _folded(
+            ((c.kind, c.axis, c.phase, _any_layer(c.owner or c.consumer), c.nbytes), c.time_s * c.repeat)
+            for c in s.collectives
+        )
+    ]
+    tensors = [
+        (k[0] + _times(n), k[1], k[2], k[3], format_bytes(b / n), format_bytes(b))
+        for k, b, n in _folded(
+            (
+                (_any_layer(t.name), t.role, f"{t.dtype}{list(t.shape)}", placements_str(t.placements)),
+                math.prod(local_shape(t.shape, t.placements, mesh_shape)) * dtype_bytes(t.dtype),
+            )
+            for t in s.tensors
+        )
+    ]
+    ops = [
+        (k[0], k[1] + _times(n), k[2], k[3], k[4], format_seconds(t / n), format_seconds(t))
+        for k, t, n in _folded(
+            (
+                (
+                    o.op.removeprefix("aten.").split(".")[0],
+                    _any_layer(o.module) or "(root)",
+                    o.phase,
+                    f"{list(o.shape)}",
+                    placements_str(o.output),
+                ),
+                o.compute_s,
+            )
+            for o in s.ops
+        )
+    ]
+    return (
+        "<h4>Most expensive collectives (per step)</h4>"
+        + _table(("kind", "axis", "phase", "for", "bytes each", "per step"), colls)
+        + "<h4>Largest tensors per device (parameters, buffers, inputs)</h4>"
+        + _table(("tensor", "role", "global", "placements", "per device, each", "in all"), tensors)
+        + "<h4>Most expensive ops (as captured: a sampled layer's ops run once for each copy)</h4>"
+        + _table(
+            ("op", "module", "phase", "output shape", "output placements", "one call", "all copies, one call each"), ops
+        )
+    )
 
 
 def recipes_view(plan: Plan) -> str:

@@ -24,7 +24,15 @@ from pathlib import Path
 
 from autoshard.errors import InputError
 from autoshard.notation import format_bytes, format_seconds
-from autoshard.plans.html.charts import explain_view, layers_view, memory_view, recipes_view, step_view, timeline_view
+from autoshard.plans.html.charts import (
+    collectives_view,
+    explain_view,
+    layers_view,
+    memory_view,
+    recipes_view,
+    step_view,
+    top_tables,
+)
 from autoshard.plans.html.layouts import layouts_view
 from autoshard.plans.html.schedule import pipeline_view
 from autoshard.plans.html.svg import esc
@@ -149,8 +157,9 @@ def render_html(
         raise InputError(f"views {unknown} are not known; use some of {', '.join(VIEWS)}")
     timelines = "".join(
         (f"<h4>stage {s.index} ({esc(s.mesh)})</h4>" if len(plan.stages) > 1 else "")
-        + timeline_view(s, f"stage {s.index}")
-        for s in plan.stages[:8]
+        + collectives_view(plan, s)
+        + top_tables(s)
+        for s in plan.stages
     )
     layouts = "".join(
         (f"<h3>stage {s.index} ({esc(s.mesh)}, ranks {s.ranks[0]}–{s.ranks[-1]})</h3>" if len(plan.stages) > 1 else "")
@@ -167,9 +176,11 @@ def render_html(
                 f"Memory per device (predicted; a black tick: measured)</h2>"
                 f"{memory_view(plan)}</section>",
                 f'<section data-view="step"><h2 id="step">Step time (predicted)</h2>{step_view(plan)}<h3>Per layer</h3>'
-                f"{layers_view(plan)}<h3>One step's collectives per mesh axis</h3>"
-                f'<p class="note">In issue order from the start of their phase, widths to scale; where a lane runs '
-                f"past the compute above it, that communication is not hidden.</p>{timelines}</section>",
+                f"{layers_view(plan)}<h3>Collectives per step, and the largest of everything</h3>"
+                f'<p class="note">Each kind of collective on each mesh axis in each phase, added up over the step: '
+                f"exposed (the step waits for it) and overlapped (hidden behind the backward by the cost model's "
+                f"credit). Then the most expensive collectives, the largest tensors and the most expensive ops."
+                f"</p>{timelines}</section>",
                 f'<section data-view="pipeline"><h2 id="pipeline">Pipeline schedule</h2>'
                 f"{pipeline_view(plan)}</section>",
                 f'<section data-view="layouts"><h2 id="layouts">Layouts</h2>'

@@ -112,17 +112,54 @@ def idle_share(tasks: list[Task], stages: int) -> float:
     return 1.0 - busy / span if span > 0 else 0.0
 
 
+MAX_TASKS = 48  # per stage: more, and the drawing shows the warm-up, one steady period and the cool-down
+GAP = 46  # pixels between the two windows
+
+
+def windows(tasks: list[Task], stages: int, microbatches: int) -> list[tuple[float, float]]:
+    """The time ranges drawn: all of it for a short loop; else from the start until the first stage has finished
+    the backward of micro-batch ``stages`` (the warm-up and one steady-state period), and as long at the end
+    (one period and the cool-down)."""
+    if not tasks:
+        return []
+    span = max(t.end for t in tasks)
+    if max(sum(1 for t in tasks if t.rank == r) for r in range(stages)) <= MAX_TASKS or microbatches <= stages + 2:
+        return [(0.0, span)]
+    m = min(microbatches - 1, stages)
+    first = max(t.end for t in tasks if t.rank == 0 and t.mb == m and t.kind in ("B", "I"))  # (W: deferred)
+    if 2 * first >= span:
+        return [(0.0, span)]
+    return [(0.0, first), (span - first, span)]
+
+
 def pipeline_view(plan: Plan) -> str:
-    """The schedule chart of a pipelined plan (an explanation for a plan without stages)."""
+    """The schedule chart of a pipelined plan (an explanation for a plan without stages): every task of a short
+    loop, else its warm-up, one steady period and its cool-down (``windows``), with a legend."""
     if len(plan.stages) < 2 or not plan.schedule:
         return '<p class="note">No pipeline stages: the whole mesh runs every layer.</p>'
     times = [s.microbatch_time_s for s in plan.stages]
     tasks = simulate(plan.schedule, times, plan.microbatches, plan.chunks)
     span = max(t.end for t in tasks)
+    wins = windows(tasks, len(times), plan.microbatches)
     row, left, width = 26, 70, 680
+    plot = width - GAP * (len(wins) - 1)
+    shown = sum(b - a for a, b in wins)
     svg = Svg(left + width + 20, 24 + row * len(times) + 20, "pipeline schedule")
+
+    offsets, x = [], float(left)
+    for a, b in wins:  # each window's left edge
+        offsets.append(x)
+        x += plot * (b - a) / shown + GAP
+
+    pieces = []  # (task, x, width): a task drawn in each window it runs in, cut at the window's edges
     for t in tasks:
-        x, w = left + width * t.start / span, width * (t.end - t.start) / span
+        for (a, b), x0 in zip(wins, offsets):
+            if t.end > a and t.start < b:
+                x = x0 + plot * (max(t.start, a) - a) / shown
+                pieces.append((t, x, plot * (min(t.end, b) - max(t.start, a)) / shown))
+    for t, x, w in pieces:
+        if w <= 0:
+            continue
         y = 18 + row * t.rank
         fill = colour(t.mb) if t.kind == "F" else "#444" if t.kind == "W" else colour(t.mb)
         op = 0.55 if t.kind == "F" else 1.0
@@ -142,8 +179,37 @@ def pipeline_view(plan: Plan) -> str:
             svg.text(x + w / 2, y + row / 2 + 1, f"{t.kind}{t.mb}", size=9, anchor="middle", fill="#111")
     for r in range(len(times)):
         svg.text(left - 6, 18 + row * r + row / 2, f"stage {r}", anchor="end")
-    svg.text(
-        left, 24 + row * len(times) + 8, f"0 … {format_seconds(span)} (the micro-batch loop)", size=10, fill="#555"
+    bottom = 24 + row * len(times) + 8
+    if len(wins) > 1:
+        gx = left + plot * (wins[0][1] - wins[0][0]) / shown
+        hidden = wins[1][0] - wins[0][1]
+        svg.text(gx + GAP / 2, 18 + row * len(times) / 2, "⋯", size=16, anchor="middle", fill="#555")
+        svg.text(
+            left,
+            bottom,
+            f"0 … {format_seconds(wins[0][1])}: warm-up and a steady period · {format_seconds(hidden)} of steady "
+            f"state not drawn · {format_seconds(wins[1][0])} … {format_seconds(span)}: a period and cool-down",
+            size=10,
+            fill="#555",
+        )
+    else:
+        svg.text(left, bottom, f"0 … {format_seconds(span)} (the micro-batch loop)", size=10, fill="#555")
+    split = plan.schedule in SPLIT_BACKWARD
+    keys = (
+        [
+            ("forward (a micro-batch's colour, light)", colour(0), 0.55),
+            ("input-gradient backward (solid)" if split else "backward (solid)", colour(0), 1.0),
+        ]
+        + ([("weight-gradient backward", "#444", 1.0)] if split else [])
+        + [("idle", "#fff", 1.0)]
+    )
+    legend_html = (
+        '<div class="legend">'
+        + "".join(
+            f'<span class="key" style="background:{c};opacity:{o};border:1px solid #ccc"></span>{esc(n)}'
+            for n, c, o in keys
+        )
+        + "</div>"
     )
     drawn = idle_share(tasks, len(times))
     priced, _ = pipeline_time(plan.schedule, times, plan.microbatches, plan.chunks)
@@ -162,6 +228,6 @@ def pipeline_view(plan: Plan) -> str:
             "approximation of the interleaved schedule, not the runtime's."
         )
     return (
-        f'<div class="chart" data-view="pipeline" data-drawn-bubble="{drawn:.4f}">{svg}</div>'
+        f'<div class="chart" data-view="pipeline" data-drawn-bubble="{drawn:.4f}">{svg}{legend_html}</div>'
         f'<p class="note">{esc(note)}</p>'
     )

@@ -8,6 +8,8 @@ import html
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from autoshard.notation import format_seconds
+
 # colour-blind-safe hues (Okabe-Ito, then lighter companions) for categories and devices
 PALETTE = (
     "#0072B2",
@@ -119,11 +121,13 @@ def stacked_bars(
     width: float = 760,
     label_w: float = 150,
     after_w: float = 170,
+    axis: bool = False,
 ) -> Svg:
     """Horizontal stacked bars on one scale (the largest bar or ``limit``, a dashed vertical line such as the
-    memory budget), each category coloured by its index in ``names`` (``legend(names)`` says which)."""
+    memory budget), each category coloured by its index in ``names`` (``legend(names)`` says which); ``axis``: a
+    time axis under them (seconds, four ticks)."""
     row, top = 24, 8
-    svg = Svg(width, top + row * len(bars) + 8, label)
+    svg = Svg(width, top + row * len(bars) + (30 if axis else 8), label)
     scale_max = max([limit] + [sum(s.value for s in b.segments) for b in bars] + [b.marker for b in bars]) or 1.0
     plot = width - label_w - after_w
     for j, b in enumerate(bars):
@@ -142,6 +146,13 @@ def stacked_bars(
     if limit:
         lx = label_w + plot * limit / scale_max
         svg.line(lx, top - 4, lx, top + row * len(bars), stroke="#C00", dash="4 3", tip=limit_tip)
+    if axis:
+        y = top + row * len(bars) + 4
+        svg.line(label_w, y, label_w + plot, y, stroke="#888")
+        for k in range(5):
+            x = label_w + plot * k / 4
+            svg.line(x, y, x, y + 4, stroke="#888")
+            svg.text(x, y + 16, format_seconds(scale_max * k / 4) if k else "0", anchor="middle", size=10, fill="#555")
     return svg
 
 
