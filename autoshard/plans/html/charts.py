@@ -157,7 +157,7 @@ def layers_view(plan: Plan) -> str:
     return "\n".join(out) + note
 
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "send_recv")
+OVER = {"recipe (over budget)": "#D55E00"}
 COMM = ("exposed", "overlapped")
 TOP = 10
 
@@ -287,7 +287,7 @@ def recipes_view(plan: Plan) -> str:
     rows = [r for r in plan.recipes if r.applies]
     if not rows:
         return '<p class="note">No recipe was solved alongside this plan (a recipe plan, or --no-recipes).</p>'
-    names = ("the plan", "recipe (fits)", "recipe (over budget)")
+    names = ("the plan", "recipe (fits)", "recipe (over budget)")  # (over budget: vermillion, not green)
     me = Bar(
         "autoshard plan",
         (Segment(plan.step_time_s, names[0], format_seconds(plan.step_time_s)),),
@@ -339,10 +339,11 @@ def recipes_view(plan: Plan) -> str:
     )
     return (
         f'<h4>predicted step time (a black tick: measured)</h4><div class="chart" data-view="recipes-time">'
-        f"{stacked_bars(time_bars, 'step time by recipe', names)}{legend(names)}</div>"
+        f"{stacked_bars(time_bars, 'step time by recipe', names, fills=OVER)}"
+        f"{legend(names, drawn=time_bars, fills=OVER)}</div>"
         f"<h4>peak memory per device (dashed: the budget; a black tick: measured)</h4>"
         f'<div class="chart" data-view="recipes-memory">'
-        f"{stacked_bars(mem_bars, 'peak memory by recipe', names, limit=budget, limit_tip='budget')}</div>"
+        f"{stacked_bars(mem_bars, 'peak memory by recipe', names, limit=budget, limit_tip='budget', fills=OVER)}</div>"
         f'<table class="kv"><tr><th>recipe</th><th>fits</th><th>note</th><th>what makes the difference (recipe − '
         f"plan, the largest terms; <code>autoshard explain</code> has all)</th></tr>{notes}</table>"
     )

@@ -57,7 +57,8 @@ def tensor_tiles(name: str, shape: Sequence[int], placements: Sequence[str], mes
     partial = [mesh.names[i] for i, p in enumerate(placements) if p.startswith("P") and mesh.shape[i] > 1]
     w = 170.0
     aspect = (shape[row_dim] / max(shape[col_dim], 1)) if row_dim is not None and col_dim is not None else 0.1
-    h = min(max(w * aspect, 26.0), 120.0)
+    dr, dc = min(rows, MAX_SIDE), min(cols, MAX_SIDE)
+    h = min(max(w * aspect, 26.0, 14.0 * dr), 160.0)  # (at least 14 px a row of tiles: no unlabelled hairlines)
     lines = [f"{_shape(shape)}  {'[' + ', '.join(placements) + ']'}"]
     try:
         lines.append(f"each device: {_shape(local_shape(shape, tuple(placements), mesh.shape))}")
@@ -70,9 +71,10 @@ def tensor_tiles(name: str, shape: Sequence[int], placements: Sequence[str], mes
     lines += [f"dim {_dim(p)} also split over {mesh.names[i]}" for i, p in other]
     if note:
         lines.append(note)
-    svg = Svg(w + 12, h + 30 + 13 * len(lines), f"{name} tiles")
+    # as wide as its title and its lines need (6.5 px a character at these sizes): nothing cut off
+    wide = max(w + 12, 6.8 * len(name) + 12, 5.9 * max(len(x) for x in lines) + 12)
+    svg = Svg(wide, h + 30 + 13 * len(lines), f"{name} tiles")
     svg.text(6, 13, name, size=11, bold=True)
-    dr, dc = min(rows, MAX_SIDE), min(cols, MAX_SIDE)
     tw, th = w / dc, h / dr
     for r in range(dr):
         for c in range(dc):

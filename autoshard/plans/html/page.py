@@ -128,9 +128,20 @@ def _header(plan: Plan) -> str:
             f"gap {sv.gap:.1%}, {format_seconds(sv.wall_s)}; {sv.groups} groups, {sv.variables} variables",
         )
     ]
-    rows += [(f"made for: {k}", v) for k, v in plan.fingerprint]
+    rows += [(f"made for: {k}", v) for k, v in plan.fingerprint] or [
+        ("made for", "not recorded: a plan with pipeline stages is not replayed with plan= (it is planned again)")
+        if len(plan.stages) > 1
+        else ("made for", "not recorded (a plan of a recipe or one saved before fingerprints)")
+    ]
     rows += [("rendered by", f"autoshard {_version('autoshard')}, torch {_version('torch')}")]
-    roles = (
+    pp = (
+        f"<tr><td>pp={len(plan.stages)}</td><td>pp</td><td>{len(plan.stages)} pipeline stages ({esc(plan.schedule)}, "
+        f"{plan.microbatches} micro-batches{f', {plan.chunks} chunks per rank' if plan.chunks > 1 else ''}), each on "
+        f"its own sub-mesh</td><td>each stage holds its own layers' parameters</td></tr>"
+        if len(plan.stages) > 1
+        else ""
+    )
+    roles = pp + (
         "".join(
             f"<tr><td>{esc(r.axis)}={r.size}</td><td>{esc(r.kind)}</td><td>{esc(r.words)}</td>"
             f"<td>{r.share:.0%} of parameter bytes sharded</td></tr>"

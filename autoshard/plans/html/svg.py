@@ -5,7 +5,7 @@ is made of. No script, no external file: the page opens offline in any browser."
 from __future__ import annotations
 
 import html
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from autoshard.notation import format_seconds
@@ -122,6 +122,7 @@ def stacked_bars(
     label_w: float = 150,
     after_w: float = 170,
     axis: bool = False,
+    fills: Mapping[str, str] | None = None,
 ) -> Svg:
     """Horizontal stacked bars on one scale (the largest bar or ``limit``, a dashed vertical line such as the
     memory budget), each category coloured by its index in ``names`` (``legend(names)`` says which); ``axis``: a
@@ -136,7 +137,7 @@ def stacked_bars(
         x = label_w
         for s in b.segments:
             w = plot * s.value / scale_max
-            fill = colour(names.index(s.name)) if s.name in names else "#bbb"
+            fill = (fills or {}).get(s.name) or (colour(names.index(s.name)) if s.name in names else "#bbb")
             svg.rect(x, y + 3, w, row - 8, fill, s.tip or s.name, cls="seg")
             x += w
         svg.text(label_w + plot + 6, y + 15, b.after, fill="#888" if b.faded else "#222")
@@ -156,12 +157,14 @@ def stacked_bars(
     return svg
 
 
-def legend(names: Sequence[str], offset: int = 0, drawn: Sequence[Bar] = ()) -> str:
+def legend(
+    names: Sequence[str], offset: int = 0, drawn: Sequence[Bar] = (), fills: Mapping[str, str] | None = None
+) -> str:
     """An HTML legend (it wraps) of ``names`` coloured from ``offset`` in the palette; given the ``drawn`` bars,
     only the names some segment of them has (each keeps its colour)."""
     used = {seg.name for b in drawn for seg in b.segments} if drawn else set(names)
     keys = "".join(
-        f'<span class="key" style="background:{colour(offset + i)}"></span>{esc(n)}'
+        f'<span class="key" style="background:{(fills or {}).get(n) or colour(offset + i)}"></span>{esc(n)}'
         for i, n in enumerate(names)
         if n in used
     )
