@@ -92,7 +92,7 @@ def _number(kind: type, least: float, strict: bool = False) -> Callable[[str], A
     return parse
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="autoshard", description="Plan sharded training of a model for a cluster.")
     sub = p.add_subparsers(dest="command", required=True)
     pl = sub.add_parser("plan", help="plan a model for a cluster (no GPU needed)")
@@ -321,7 +321,7 @@ def _profile(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = _parser().parse_args(argv)
+    a = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if getattr(a, "verbose", False) else logging.WARNING, format="%(name)s: %(message)s"
     )

@@ -355,3 +355,54 @@ def test_paths_named_in_the_docs_exist() -> None:
     bad = [b for doc in docs for b in missing_doc_paths(doc, doc.read_text())]
     assert not bad, "paths the docs name that are not in the repository:\n" + "\n".join(bad)
     assert missing_doc_paths(ROOT / "README.md", "see `autoshard/no_such.py` and [x](no/such.md)")  # (it sees them)
+
+
+def docs_commands(text: str) -> list[str]:
+    """The ``autoshard ...`` command lines of a doc's code (indented blocks and fenced shell), continuation lines
+    joined, comments and ``[optional]`` parts dropped."""
+    out, lines = [], text.splitlines()
+    for i, line in enumerate(lines):
+        s = line.strip()
+        if not s.startswith("autoshard ") or not (line.startswith("    ") or line.startswith("$")):
+            continue
+        while s.endswith("\\") and i + 1 < len(lines):
+            i += 1
+            s = s[:-1] + " " + lines[i].strip()
+        s = re.sub(r"\s+#.*$", "", s)
+        out.append(re.sub(r"\[[^\]]*\]", "", s).strip())
+    return out
+
+
+def test_every_docs_command_parses() -> None:
+    """Each ``autoshard`` command the README and docs show is one the CLI takes (its flags and values parse), so a
+    renamed or dropped flag cannot linger in the docs; the checker catches a bad one."""
+    import shlex
+
+    from autoshard.cli import build_parser
+
+    def refused(command: str) -> bool:
+        try:
+            build_parser().parse_args(shlex.split(command)[1:])
+        except SystemExit:
+            return True
+        return False
+
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    commands = [(d.relative_to(ROOT), c) for d in docs for c in docs_commands(d.read_text())]
+    assert len(commands) >= 10
+    bad = [f"{d}: {c}" for d, c in commands if refused(c)]
+    assert not bad, "commands in the docs the CLI refuses:\n" + "\n".join(bad)
+    assert refused("autoshard plan --model llama3-8b --no-such-flag")
+
+
+def test_every_image_in_the_docs_is_made_by_docs_regen() -> None:
+    """Each picture under docs/img has its entry in ``docs/regen.py: IMAGES`` (the command it shows), and each
+    entry's picture exists: a screenshot nobody can remake does not stay."""
+    tree = ast.parse((ROOT / "docs" / "regen.py").read_text())
+    made = {
+        n.args[0].value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "Image" and isinstance(n.args[0], ast.Constant)
+    }
+    have = {p.name for p in (ROOT / "docs" / "img").iterdir()}
+    assert have == made, f"in docs/img but not made by docs/regen.py: {have - made}; made but missing: {made - have}"

@@ -62,9 +62,8 @@ def memory_view(plan: Plan) -> str:
                 )
             )
     budget = plan.memory_budget_bytes
-    svg = stacked_bars(
-        bars, "memory per device", MEMORY, limit=budget, limit_tip=f"budget {format_bytes(budget)}" if budget else ""
-    )
+    tip = f"budget {format_bytes(budget)}" if budget else ""
+    svg = stacked_bars(bars, "memory per device", MEMORY, limit=budget, limit_tip=tip, label_w=200, after_w=150)
     return f'<div class="chart" data-view="memory">{svg}{legend(MEMORY, drawn=bars)}</div>'
 
 
@@ -97,7 +96,8 @@ def step_view(plan: Plan) -> str:
             )
         )
     return (
-        f'<div class="chart" data-view="step">{stacked_bars(bars, "step time", STEP)}{legend(STEP, drawn=bars)}</div>'
+        f'<div class="chart" data-view="step">{stacked_bars(bars, "step time", STEP, label_w=200, after_w=150)}'
+        f"{legend(STEP, drawn=bars)}</div>"
     )
 
 
