@@ -38,6 +38,7 @@ REPORT = (
     "--mesh pp=4,dp=4,tp=8 --html plan.html"
 )
 README = "autoshard plan --model llama3-70b --cluster h100-sxm:16x8 --seq 2048 --global-batch 128 --out plan.json"
+SMALL = "autoshard plan --model llama3-8b --cluster h100-sxm:1x8 --seq 8192 --global-batch 8 --html plan8b.html"
 EXPLAIN_A = "autoshard plan --model gpt2-1.5b --cluster a100-80gb:4x8 --global-batch 64 --out plan.json"
 EXPLAIN_B = "autoshard plan --model gpt2-1.5b --cluster a100-80gb:4x8 --global-batch 64 --recipe fsdp --out fsdp.json"
 
@@ -60,6 +61,7 @@ IMAGES = (
     Image("plan-layouts.png", REPORT, ("layouts",), height=1400),
     Image("plan-explain.png", EXPLAIN_B, ("header",), explain=True),
     Image("readme-plan.png", README, ("header", "recipes", "memory")),
+    Image("plan-8b.png", SMALL, ("header", "step"), height=2200),
 )
 DOCS = ("README.md", "docs/guide/plan-report.md")
 
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     pages: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        for k, command in enumerate(dict.fromkeys([REPORT, README, EXPLAIN_A, EXPLAIN_B])):
+        for k, command in enumerate(dict.fromkeys([REPORT, README, SMALL, EXPLAIN_A, EXPLAIN_B])):
             plans[command], walls[command] = _plan(command, tmp / f"plan{k}.json")
             pages[command] = len(render_html(plans[command]).encode())
             print(f"planned in {walls[command]:.1f} s: {command}", file=sys.stderr)

@@ -13,6 +13,10 @@ torch.set_num_threads(1)
 # cluster=None prices on the cpu preset in the tests, whatever `autoshard profile` cached for this machine
 # (autoshard/cluster/machine.py): an empty cache of the suite's own
 os.environ["AUTOSHARD_CACHE"] = os.path.join(os.path.expanduser("~"), ".cache", "autoshard-tests-empty")
+# ... and says so once per process: here, at start-up, not inside whichever test first prices on it
+from autoshard.cluster.presets import get_cluster  # noqa: E402
+
+get_cluster(None)
 
 
 def pytest_collection_finish(session) -> None:

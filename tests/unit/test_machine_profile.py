@@ -18,39 +18,41 @@ from autoshard.cluster.presets import get_cluster
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOSHARD_CACHE", str(tmp_path))
     machine._warn_reference.cache_clear()
-    return tmp_path
+    yield tmp_path
+    machine._warn_reference.cache_clear()
 
 
-def _warned(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.name == machine.__name__]
+@pytest.fixture
+def said(monkeypatch) -> list[str]:
+    """What ``cluster/machine.py`` warns (through ``messages.warn``, whatever the logging set-up and rank)."""
+    out: list[str] = []
+    monkeypatch.setattr(machine, "warn", lambda log, fmt, *args: out.append(fmt % args))
+    return out
 
 
-def test_without_a_profile_the_cpu_preset_is_used_and_said(cache, capsys, caplog) -> None:
-    with caplog.at_level("WARNING"):
-        assert get_cluster(None) == get_cluster("cpu")
-        get_cluster(None)  # (once per process)
-        get_cluster("cpu")  # (named: no warning)
-    (said,) = _warned(caplog)
-    assert "has no measured profile, so plans are priced on the 'cpu' preset" in said
-    assert "run `autoshard profile` once" in said
+def test_without_a_profile_the_cpu_preset_is_used_and_said(cache, said, capsys) -> None:
+    assert get_cluster(None) == get_cluster("cpu")
+    get_cluster(None)  # (once per process)
+    get_cluster("cpu")  # (named: no warning)
+    (message,) = said
+    assert "has no measured profile, so plans are priced on the 'cpu' preset" in message
+    assert "run `autoshard profile` once" in message
     assert main(["profile", "--show"]) == 1
     assert "not profiled yet" in capsys.readouterr().out
 
 
-def test_a_cached_profile_of_this_machine_is_what_cluster_none_prices(cache, capsys, monkeypatch, caplog) -> None:
+def test_a_cached_profile_of_this_machine_is_what_cluster_none_prices(cache, said, capsys, monkeypatch) -> None:
     mine = dataclasses.replace(get_cluster("cpu"), name="this-machine")
     path = machine.profile_path()
     assert path.parent == cache
     path.write_text(json.dumps(mine.to_dict()))
-    with caplog.at_level("WARNING"):
-        assert get_cluster(None).name == "this-machine"
-    assert not _warned(caplog)
+    assert get_cluster(None).name == "this-machine"
+    assert not said
     assert main(["profile", "--show"]) == 0
     assert f"profile {path}: 8 ranks" in capsys.readouterr().out
     # another machine (here: this one with other cores) has another key: it does not read this profile
     other = {**machine.machine_identity(), "cores": 999}
     monkeypatch.setattr(machine, "machine_identity", lambda: other)
     assert machine.profile_path() != path
-    with caplog.at_level("WARNING"):
-        assert get_cluster(None).name == "cpu"
-    assert "has no measured profile" in _warned(caplog)[0]
+    assert get_cluster(None).name == "cpu"
+    assert "has no measured profile" in said[0]

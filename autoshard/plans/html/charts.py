@@ -136,7 +136,7 @@ def layers_view(plan: Plan) -> str:
                 r.name,
                 tuple(Segment(v, k, f"{k}: {format_seconds(v)}") for k, v in zip(LAYER, parts[r.name]) if v > 0),
                 format_seconds(r.per_step_s)
-                + (f" ({r.runs:g} x {format_seconds(r.run_s)})" if r.runs != 1 and r.run_s > 0 else ""),
+                + (f" ({r.runs:.3g} x {format_seconds(r.run_s)})" if r.runs != 1 and r.run_s > 0 else ""),
             )
             for r in shown
         ]
