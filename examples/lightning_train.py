@@ -36,6 +36,7 @@ length), and at the end one JSON line: ``{"mode": ..., "losses": {"0": ..., ...}
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -345,6 +346,12 @@ def main() -> None:
             ),
             flush=True,
         )
+    # Lightning's DDP reducer holds the gloo group: freed at interpreter exit, after the group's worker threads,
+    # it can abort the process ("terminate called without an active exception", torch 2.13). Freed here, with the
+    # trainer gone and its cycles collected, the group is the last thing to go
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
