@@ -298,7 +298,10 @@ def _profile(a: argparse.Namespace) -> int:
     sys.stdout.write(f"this machine: {ident['cpu']}, {ident['cores']} cores, {int(ident['memory']) / 2**30:.1f} GiB\n")
     if a.show:
         if not path.is_file():
-            sys.stdout.write("not profiled yet (cluster=None prices on the 'cpu' preset); run: autoshard profile\n")
+            sys.stdout.write(
+                "not profiled yet (cluster=None prices on this machine's memory at the 'cpu' preset's rates); "
+                "run: autoshard profile\n"
+            )
             return 1
         prof = ClusterProfile.from_dict(json.loads(path.read_text()))
         dev, link = prof.device, prof.intra_node

@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 
 import torch
 
@@ -10,9 +11,10 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser
 # fork gloo ranks from this process, where an OpenMP thread pool made by earlier work would not survive the fork
 # (autoshard/testing/launch.py).
 torch.set_num_threads(1)
-# cluster=None prices on the cpu preset in the tests, whatever `autoshard profile` cached for this machine
-# (autoshard/cluster/machine.py): an empty cache of the suite's own
-os.environ["AUTOSHARD_CACHE"] = os.path.join(os.path.expanduser("~"), ".cache", "autoshard-tests-empty")
+# cluster=None prices on the cpu preset in the tests, whatever `autoshard profile` cached for this machine, and
+# autotune times its candidates rather than reading an earlier run's choice (autoshard/cluster/machine.py): an
+# empty cache of each test process's own, which the ranks and examples it launches inherit
+os.environ["AUTOSHARD_CACHE"] = tempfile.mkdtemp(prefix="autoshard-tests-cache-")
 # ... and says so once per process: here, at start-up, not inside whichever test first prices on it
 from autoshard.cluster.presets import get_cluster  # noqa: E402
 

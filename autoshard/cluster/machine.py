@@ -5,8 +5,9 @@
 bandwidth, kernel overhead, gloo collectives between forked ranks; cores and memory) and caches the profile under
 ``$AUTOSHARD_CACHE`` (default ``~/.cache/autoshard``), keyed by what identifies the machine (host, CPU model,
 usable cores, memory): another machine, or this one with other cores, is not priced with it. Without a cached
-profile, ``cluster=None`` warns once per process (on rank 0: ``messages.py``) that it prices on the ``"cpu"``
-preset, which was measured on autoshard's CI machine (its CPU named), and how to measure this one.
+profile, ``cluster=None`` prices on this machine's own memory (read, not measured: ``os.sysconf``) at the ``"cpu"``
+preset's rates (throughput, bandwidth, links), which were measured on autoshard's CI machine, and warns once per
+process (on rank 0: ``messages.py``) that it does, naming both machines and how to measure this one.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import logging
 import os
 import socket
+from dataclasses import replace
 from pathlib import Path
 
 from autoshard.cluster.profile import ClusterProfile
@@ -25,8 +27,13 @@ from autoshard.messages import warn
 log = logging.getLogger(__name__)
 
 
+CACHE_ENV = "AUTOSHARD_CACHE"
+
+
 def cache_dir() -> Path:
-    return Path(os.environ.get("AUTOSHARD_CACHE") or "~/.cache/autoshard").expanduser()
+    """autoshard's one cache folder (this machine's profile, autotune's choices): ``$AUTOSHARD_CACHE``, default
+    ``~/.cache/autoshard``."""
+    return Path(os.environ.get(CACHE_ENV) or "~/.cache/autoshard").expanduser()
 
 
 def usable_cores() -> int:
@@ -51,14 +58,33 @@ def profile_path() -> Path:
 
 
 def this_machine(reference: ClusterProfile) -> ClusterProfile:
-    """This machine's cached profile, else ``reference`` (the ``"cpu"`` preset) with a warning saying so."""
+    """This machine's cached profile, else its memory at ``reference``'s rates (the ``"cpu"`` preset), with a
+    warning saying so."""
     path = profile_path()
     if path.is_file():
         profile = ClusterProfile.from_dict(json.loads(path.read_text()))
         _said(f"cluster=None: priced on this machine's profile, measured by autoshard profile ({path})")
         return profile
     _warn_reference(reference.device.name, str(path))
-    return reference
+    return _own_memory(reference)
+
+
+def _own_memory(reference: ClusterProfile) -> ClusterProfile:
+    """``reference`` with this machine's memory shared by its ranks per node, as the preset shares its own."""
+    ident = machine_identity()
+    ranks = reference.devices_per_node
+    memory = int(ident["memory"]) // ranks
+    device = replace(
+        reference.device,
+        name=f"this machine ({ident['cpu']}) at the rates of {reference.device.name}",
+        memory_bytes=memory,
+        sources={
+            **reference.device.sources,
+            "memory_bytes": f"this machine: {int(ident['memory']) / 2**30:.1f} GiB of memory (os.sysconf) divided "
+            f"by the {ranks} ranks per node",
+        },
+    )
+    return replace(reference, device=device)
 
 
 @functools.cache
@@ -71,9 +97,9 @@ def _warn_reference(device: str, path: str) -> None:
     ident = machine_identity()
     warn(
         log,
-        "cluster=None: this machine (%s, %s cores, %.0f GiB) has no measured profile, so plans are priced on the "
-        "'cpu' preset, measured on autoshard's CI machine (%s), not on this one; run `autoshard profile` once to "
-        "measure it (cached at %s), or pass cluster=",
+        "cluster=None: this machine (%s, %s cores, %.0f GiB) has no measured profile, so plans are priced on its "
+        "memory at the 'cpu' preset's rates, measured on autoshard's CI machine (%s), not on this one; run "
+        "`autoshard profile` once to measure it (cached at %s), or pass cluster=",
         ident["cpu"],
         ident["cores"],
         int(ident["memory"]) / 2**30,
@@ -82,4 +108,4 @@ def _warn_reference(device: str, path: str) -> None:
     )
 
 
-__all__ = ["cache_dir", "machine_identity", "profile_path", "this_machine", "usable_cores"]
+__all__ = ["CACHE_ENV", "cache_dir", "machine_identity", "profile_path", "this_machine", "usable_cores"]

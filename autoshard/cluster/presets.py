@@ -217,7 +217,7 @@ _SIZE = re.compile(r"^(\d+)x(\d+)$")
 def get_cluster(spec: str | Path | ClusterProfile | None) -> ClusterProfile:
     """Resolve a cluster spec: ``None`` (this machine: ``cluster/machine.py``), a preset name with an optional
     ``":<nodes>x<per_node>"`` size, a path to a ``.json`` profile, or a ready ClusterProfile."""
-    if spec is None:  # this machine: its measured profile, else the cpu preset, said (cluster/machine.py)
+    if spec is None:  # this machine: its measured profile, else its memory at the cpu preset's rates, said (machine.py)
         return this_machine(_presets()["cpu"])
     if isinstance(spec, ClusterProfile):
         return spec

@@ -12,8 +12,8 @@ the user's model and returned: with autotuning on, the plan is never slower than
 The returned plan records every candidate: its own ``measured_s``, and the others in ``plan.recipes`` with their
 predicted and measured times (the report's "vs manual recipes" table gains a measured column). The winner is
 cached under a key of the plan's fingerprint (program, input shapes, mesh, cluster, precision, torch and autoshard
-versions), ``k``, the backend and the budget, in ``$AUTOSHARD_CACHE_DIR/autotune`` (default
-``~/.cache/autoshard``); the next run with the same key compiles the cached plan without timing. On a process
+versions), ``k``, the backend and the budget, in ``$AUTOSHARD_CACHE/autotune`` (default ``~/.cache/autoshard``:
+``cluster/machine.py``); the next run with the same key compiles the cached plan without timing. On a process
 group rank 0 reads and writes the cache and sends its choice to the others.
 """
 
@@ -24,7 +24,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import statistics
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from autoshard.cluster.machine import cache_dir
 from autoshard.compiler.context import PassContext
 from autoshard.compiler.solve import annotate
 from autoshard.compiler.solve_memory import solve_within
@@ -46,12 +46,11 @@ from autoshard.solver.intra_op import Solution
 log = logging.getLogger(__name__)
 
 WARMUP, STEPS = 2, 5
-CACHE_ENV = "AUTOSHARD_CACHE_DIR"
 
 
 def cache_file(plan: Plan, k: int, backend: str) -> Path:
     """Where the choice for ``plan``'s program (its fingerprint), ``k``, ``backend`` and budget is kept."""
-    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "autoshard") / "autotune"
+    root = cache_dir() / "autotune"
     key = json.dumps([list(map(list, plan.fingerprint)), k, backend, plan.memory_budget_bytes])
     return root / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 

@@ -9,6 +9,7 @@ import os
 from numerics_utils import MODELS
 
 import autoshard.search.autotune as at
+from autoshard.cluster.machine import CACHE_ENV
 from autoshard.plans.plan import Plan
 from autoshard.plans.report import report
 from autoshard.testing.launch import launch
@@ -19,7 +20,7 @@ def _worker(rank: int, world: int, cache: str) -> dict:
 
     import autoshard
 
-    os.environ[at.CACHE_ENV] = cache
+    os.environ[CACHE_ENV] = cache
     make, inputs_fn = MODELS["mlp"]
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     first = autoshard.compile(make(), mesh, inputs_fn(), backend="eager", autotune=2)

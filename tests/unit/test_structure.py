@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import io
 import re
+import sys
 import tokenize
 from pathlib import Path
 
@@ -406,3 +407,29 @@ def test_every_image_in_the_docs_is_made_by_docs_regen() -> None:
     }
     have = {p.name for p in (ROOT / "docs" / "img").iterdir()}
     assert have == made, f"in docs/img but not made by docs/regen.py: {have - made}; made but missing: {made - have}"
+
+
+def test_every_command_output_in_the_docs_is_made_by_docs_regen() -> None:
+    """Each command output the docs print between ``<!--out:key-->`` markers is filled, and made by an entry of
+    ``docs/regen.py: OUTPUTS`` (its command shown in the same doc); each entry has its place in a doc."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_regen", ROOT / "docs" / "regen.py")
+    regen = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = regen  # (its dataclasses look their module up)
+    spec.loader.exec_module(regen)
+    entries = {o.key: o for o in regen.OUTPUTS}
+    placed = {}
+    for rel in regen.DOCS:
+        text = (ROOT / rel).read_text()
+        for key, body in regen.BLOCK.findall(text):
+            placed[key] = rel
+            assert key in entries, f"{rel}: output block {key!r} has no entry in docs/regen.py: OUTPUTS"
+            assert "```" in body and "by docs/regen.py" in body, f"{rel}: output block {key!r} is empty"
+            assert entries[key].command.split(" --offload")[0] in text, f"{rel}: {key!r}: its command is not shown"
+    assert set(entries) == set(placed), f"OUTPUTS with no place in the docs: {set(entries) - set(placed)}"
+    assert not [
+        p
+        for p in (ROOT / "docs").rglob("*.md")
+        if "<!--out:" in p.read_text() and str(p.relative_to(ROOT)) not in regen.DOCS
+    ], "a doc with output blocks is not in docs/regen.py: DOCS"
