@@ -65,7 +65,7 @@ def this_machine(reference: ClusterProfile) -> ClusterProfile:
         profile = ClusterProfile.from_dict(json.loads(path.read_text()))
         _said(f"cluster=None: priced on this machine's profile, measured by autoshard profile ({path})")
         return profile
-    _warn_reference(reference.device.name, str(path))
+    _warn_reference(reference.device.name)
     return _own_memory(reference)
 
 
@@ -93,7 +93,7 @@ def _said(text: str) -> None:
 
 
 @functools.cache
-def _warn_reference(device: str, path: str) -> None:
+def _warn_reference(device: str) -> None:  # (once per process, wherever the cache is pointed)
     ident = machine_identity()
     warn(
         log,
@@ -104,7 +104,7 @@ def _warn_reference(device: str, path: str) -> None:
         ident["cores"],
         int(ident["memory"]) / 2**30,
         device,
-        path,
+        profile_path(),
     )
 
 

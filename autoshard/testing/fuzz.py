@@ -238,7 +238,7 @@ def _sharded_run(case: FuzzCase, inputs: tuple[Tensor, ...], stage: list[str]) -
     from torch.distributed.device_mesh import init_device_mesh
 
     import autoshard
-    from autoshard.search.autotune import CACHE_ENV
+    from autoshard.cluster.machine import CACHE_ENV
 
     model = build_model(case)
     with (
